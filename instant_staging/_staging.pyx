@@ -1,0 +1,672 @@
+# cython: language_level=3
+"""StagingBuffer: the allocation state machine.
+
+A large pinned host buffer that survives drivers refusing big
+registrations.  The steps are those of DESIGN.md, one method each, entered
+only after the previous one failed:
+
+    1. allocate          page-aligned ordinary memory (mmap), exactly `size`
+    2. prefault          fault the pages in with threads (an optimisation)
+    3. register          one host_register of the whole range -> REGISTERED
+    4. register_segment  adjacent `segment_size` ranges       -> SEGMENTED
+    5. rollback          undo the segments if one failed
+    6. runtime_alloc     cudaHostAlloc / hipHostMalloc         -> RUNTIME_PINNED
+    7. pageable          ordinary memory, opt-in               -> PAGEABLE
+
+The runtime is reached only through its table (``_runtime.pxd``), so the
+same code runs against CUDA, HIP, the simulated runtime, or any of them
+wrapped in faults.  Every runtime call is made with the GIL released, and
+after every failed call the pending runtime error is cleared so that it
+cannot surface later in an unrelated call of the caller's.
+"""
+
+cimport cython
+
+import logging
+import os
+import sys
+import time
+import weakref
+
+from cpython.buffer cimport PyBuffer_FillInfo
+from libc.errno cimport errno
+from libc.stdint cimport intptr_t, uintptr_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
+from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, MAP_PRIVATE,
+                         MAP_ANONYMOUS, PROT_READ, PROT_WRITE, MADV_HUGEPAGE)
+from posix.unistd cimport getpid, sysconf, _SC_PAGESIZE
+
+from instant_staging._runtime cimport Runtime, RuntimeTable
+
+from instant_staging._types import (Attempt, Kind, RollbackError, StagingError,
+                                    format_size)
+
+logger = logging.getLogger("instant_staging")
+
+cdef size_t PAGE = <size_t>sysconf(_SC_PAGESIZE)
+cdef size_t HUGE_PAGE = 2 << 20
+DEFAULT_SEGMENT_SIZE = 256 << 20
+
+# cudaErrorCudartUnloading / hipErrorDeinitialized: the runtime is being
+# torn down at exit; a release that meets it stays quiet.
+cdef int ERROR_RUNTIME_UNLOADING = 4
+
+_KINDS = {KIND_REGISTERED: Kind.REGISTERED, KIND_SEGMENTED: Kind.SEGMENTED,
+          KIND_RUNTIME_PINNED: Kind.RUNTIME_PINNED, KIND_PAGEABLE: Kind.PAGEABLE}
+
+
+def _api_names():
+    """The runtime's own call names, for messages."""
+    try:
+        from instant_staging._build_config import BACKEND
+    except ImportError:
+        BACKEND = "cuda"
+    if BACKEND == "rocm":
+        return {"register": "hipHostRegister", "alloc": "hipHostMalloc"}
+    return {"register": "cudaHostRegister", "alloc": "cudaHostAlloc"}
+
+
+_API = _api_names()
+
+
+# -- argument checking: everything is rejected before anything is allocated --
+
+cdef size_t _int_arg(name, value, object minimum) except? 0:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_flags(name, value):
+    _int_arg(name, value, 0)
+    if value >= 1 << 32:
+        raise ValueError(f"{name} must fit in 32 bits, got {value:#x}")
+
+
+def _gcd(a, b):
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def auto_prefault_threads(size_t size):
+    """How many threads prefault `size` bytes when prefault_threads=None.
+
+    INSTANT_STAGING_PREFAULT_THREADS overrides.  Otherwise one thread per
+    32 MiB, at most 16 (where the H200 host stopped gaining) and at most
+    the CPUs this process may run on; none below 4 MiB, where registration
+    faulting the pages itself costs less than starting threads.
+    """
+    env = os.environ.get("INSTANT_STAGING_PREFAULT_THREADS", "").strip()
+    if env:
+        try:
+            threads = int(env)
+        except ValueError:
+            raise ValueError(f"INSTANT_STAGING_PREFAULT_THREADS must be an int >= 0, got {env!r}") from None
+        if threads < 0:
+            raise ValueError(f"INSTANT_STAGING_PREFAULT_THREADS must be an int >= 0, got {env!r}")
+        return threads
+    if size < (4 << 20):
+        return 0
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(16, cpus, size // (32 << 20)))
+
+
+def _hugepages_default():
+    return os.environ.get("INSTANT_STAGING_HUGEPAGES", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# -- step 2: the prefault workers (plain C threads, no GIL) ------------------
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long pthread_t
+    int pthread_create(pthread_t* thread, void* attr, void* (*start)(void*) noexcept nogil, void* arg)
+    int pthread_join(pthread_t thread, void** retval)
+
+cdef struct TouchRange:
+    char* start
+    size_t length
+    size_t stride
+
+
+cdef void* _touch_pages(void* arg) noexcept nogil:
+    # One write per page makes the kernel allocate it now, in this thread,
+    # instead of one page at a time inside the driver's registration.
+    cdef TouchRange* r = <TouchRange*>arg
+    cdef volatile char* p = r.start
+    cdef size_t i = 0
+    while i < r.length:
+        p[i] = 0
+        i += r.stride
+    return NULL
+
+
+cdef int _prefault(char* ptr, size_t size, int threads) noexcept nogil:
+    """Touches every page with `threads` threads; returns 0 or an errno."""
+    cdef TouchRange* ranges = <TouchRange*>malloc(threads * sizeof(TouchRange))
+    cdef pthread_t* ids = <pthread_t*>malloc(threads * sizeof(pthread_t))
+    cdef size_t pages = (size + PAGE - 1) // PAGE
+    cdef size_t per = (pages + threads - 1) // threads
+    cdef int i, started = 0, rc = 0
+    cdef size_t first
+    if ranges == NULL or ids == NULL:
+        free(ranges)
+        free(ids)
+        return 12  # ENOMEM
+    for i in range(threads):
+        first = i * per
+        if first >= pages:
+            break
+        ranges[i].start = ptr + first * PAGE
+        ranges[i].length = min(per, pages - first) * PAGE  # within the mapping
+        ranges[i].stride = PAGE
+        rc = pthread_create(&ids[i], NULL, _touch_pages, &ranges[i])
+        if rc != 0:
+            break  # the pages left are faulted by registration, as without prefault
+        started += 1
+    for i in range(started):
+        pthread_join(ids[i], NULL)
+    free(ranges)
+    free(ids)
+    return rc
+
+
+# -- ordinary memory ---------------------------------------------------------
+
+cdef char* _map(size_t size, size_t alignment, size_t* mapped) noexcept nogil:
+    """Anonymous private mapping of `size` bytes at `alignment`; NULL on failure.
+
+    Over-maps by alignment - PAGE and trims both ends, so the buffer's pages
+    are exactly round_up(size, PAGE): nothing extra stays resident.
+    """
+    cdef size_t length = (size + PAGE - 1) // PAGE * PAGE
+    cdef size_t extra = alignment - PAGE if alignment > PAGE else 0
+    cdef void* base = mmap(NULL, length + extra, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    if base == MAP_FAILED:
+        return NULL
+    cdef uintptr_t start = <uintptr_t>base
+    cdef uintptr_t aligned = (start + alignment - 1) // alignment * alignment
+    if aligned > start:
+        munmap(base, aligned - start)
+    if start + length + extra > aligned + length:
+        munmap(<void*>(aligned + length), start + length + extra - aligned - length)
+    mapped[0] = length
+    return <char*>aligned
+
+
+_live = weakref.WeakSet()
+
+
+def _close_all_at_exit():
+    # Release while the runtime is still loaded: Python's atexit handlers
+    # run before the C runtime's own teardown.
+    for buf in list(_live):
+        try:
+            (<StagingBuffer>buf)._release(False)
+        except BaseException:
+            pass
+
+
+import atexit
+atexit.register(_close_all_at_exit)
+
+
+@cython.no_gc_clear  # release needs the runtime and segments, even in a cycle
+cdef class StagingBuffer:
+    """A pinned host staging buffer that falls back instead of failing.
+
+    StagingBuffer(size, *, alignment=None, segment_size=256 MiB,
+                  copy_unit=None, register_flags=0, alloc_flags=0,
+                  prefault_threads=None, hugepages=None,
+                  allow_pageable=False, runtime=None)
+
+    ``kind`` says which path worked, ``attempts`` what every step did.
+    ``spans()`` splits a byte range at registration boundaries: on a real
+    driver one copy may not cross two registrations.  Release happens once,
+    from ``close()``, the context manager, or garbage collection.
+    """
+
+    def __cinit__(self, *args, **kwargs):
+        self._ptr = NULL
+        self._kind = KIND_NONE
+        self._owner_pid = getpid()
+
+    def __init__(self, size, *, alignment=None, segment_size=DEFAULT_SEGMENT_SIZE,
+                 copy_unit=None, register_flags=0, alloc_flags=0,
+                 prefault_threads=None, hugepages=None, allow_pageable=False,
+                 runtime=None):
+        if self._attempts is not None:
+            raise RuntimeError("StagingBuffer.__init__ may run only once")
+        # Every check comes before the first allocation.
+        self._size = _int_arg("size", size, 1)
+        if alignment is None:
+            alignment = PAGE
+        _int_arg("alignment", alignment, PAGE)
+        if alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two >= the page size ({PAGE}), got {alignment}")
+        _int_arg("segment_size", segment_size, 1)
+        if segment_size % PAGE:
+            raise ValueError(f"segment_size must be a positive multiple of the page size ({PAGE}), got {segment_size}")
+        self._segment_size = segment_size
+        if copy_unit is not None:
+            self._segment_size = _segment_for_copy_unit(segment_size, copy_unit)
+        _check_flags("register_flags", register_flags)
+        _check_flags("alloc_flags", alloc_flags)
+        if prefault_threads is not None:
+            _int_arg("prefault_threads", prefault_threads, 0)
+            if prefault_threads > 1024:
+                raise ValueError(f"prefault_threads must be <= 1024, got {prefault_threads}")
+        if hugepages is None:
+            hugepages = _hugepages_default()
+        if runtime is None:
+            from instant_staging.runtime import default_runtime
+            runtime = default_runtime()
+        elif not isinstance(runtime, Runtime):
+            raise TypeError(f"runtime must be an instant_staging Runtime, not {type(runtime).__name__}")
+        threads = auto_prefault_threads(self._size) if prefault_threads is None else prefault_threads
+        if hugepages:
+            alignment = max(alignment, HUGE_PAGE)
+        self._runtime = runtime
+        self._attempts = []
+        self._segments = []
+        self._run(alignment, threads, bool(hugepages), register_flags,
+                  alloc_flags, bool(allow_pageable))
+        _live.add(self)
+
+    # -- the state machine ---------------------------------------------------
+
+    def _run(self, size_t alignment, int threads, bint hugepages,
+             unsigned int register_flags, unsigned int alloc_flags,
+             bint allow_pageable):
+        self._step_allocate(alignment)
+        self._step_prefault(threads, hugepages)
+        cdef int code = self._step_register(register_flags)
+        if code == 0:
+            self._kind = KIND_REGISTERED
+            return
+        if self._size > self._segment_size:
+            logger.warning(
+                "%s of %s failed with %s; retrying as %d segments of %s "
+                "(segment_size= changes the segment size)",
+                _API["register"], format_size(self._size), self._describe(code),
+                -(-self._size // self._segment_size), format_size(self._segment_size))
+            if self._step_register_segments(register_flags):
+                self._kind = KIND_SEGMENTED
+                return
+        self._unmap()
+        if self._step_runtime_alloc(alloc_flags):
+            self._kind = KIND_RUNTIME_PINNED
+            return
+        if allow_pageable and self._step_pageable(alignment):
+            self._kind = KIND_PAGEABLE
+            return
+        raise StagingError(self._failure_message(allow_pageable), self._attempts)
+
+    def _step_allocate(self, size_t alignment):
+        """Step 1: page-aligned ordinary memory of exactly `size` bytes."""
+        cdef double t0 = time.perf_counter()
+        cdef size_t mapped = 0
+        cdef int err = 0
+        with nogil:
+            self._ptr = _map(self._size, alignment, &mapped)
+            if self._ptr == NULL:
+                err = errno
+        self._map_size = mapped
+        self._record("allocate", self._ptr != NULL, 0, os.strerror(err) if err else "",
+                     0, self._size, t0)
+        if self._ptr == NULL:
+            raise StagingError(f"could not allocate {format_size(self._size)} of host memory: "
+                               f"{os.strerror(err)}", self._attempts)
+
+    def _step_prefault(self, int threads, bint hugepages):
+        """Step 2: fault the pages in with threads; failure is not fatal."""
+        cdef double t0 = time.perf_counter()
+        cdef int rc = 0
+        if hugepages:
+            with nogil:
+                rc = madvise(self._ptr, self._map_size, MADV_HUGEPAGE)
+            if rc != 0:
+                # THP disabled or unsupported: ordinary pages still work.
+                logger.info("MADV_HUGEPAGE refused (%s); continuing with 4 KiB pages",
+                            os.strerror(errno))
+        if threads <= 0:
+            return
+        with nogil:
+            rc = _prefault(self._ptr, self._size, threads)
+        self._record("prefault", rc == 0, 0, os.strerror(rc) if rc else "", 0,
+                     self._size, t0)
+
+    def _step_register(self, unsigned int flags):
+        """Step 3: one registration of the whole range (the fast path)."""
+        code = self._register(0, self._size, flags, "register")
+        if code == 0:
+            self._segments.append((0, self._size))
+        return code
+
+    def _step_register_segments(self, unsigned int flags):
+        """Step 4: adjacent segments; step 5 (rollback) if one fails."""
+        cdef size_t offset = 0
+        cdef size_t length
+        while offset < self._size:
+            length = min(self._segment_size, self._size - offset)
+            code = self._register(offset, length, flags, "register_segment")
+            if code != 0:
+                self._step_rollback(offset, code)
+                return False
+            self._segments.append((offset, length))
+            offset += length
+        return True
+
+    def _step_rollback(self, size_t failed_offset, int failed_code):
+        """Step 5: unregister every registered segment, newest first."""
+        cdef list retained = []
+        for offset, length in reversed(self._segments):
+            if self._unregister(offset, length, "rollback") != 0:
+                retained.append((<intptr_t>self._ptr + offset, length))
+        count = len(self._segments)
+        self._segments = []
+        if retained:
+            # Never free memory that may still be registered: retain it.
+            self._ptr = NULL
+            self._map_size = 0
+            raise RollbackError(
+                f"segment at offset {failed_offset} failed with {self._describe(failed_code)} "
+                f"and rolling back {count} segment(s) failed for {len(retained)}; "
+                f"the buffer's memory is retained, still registered: "
+                + ", ".join(f"{p:#x}+{format_size(n)}" for p, n in retained),
+                self._attempts, retained_ranges=retained[::-1])
+
+    def _step_runtime_alloc(self, unsigned int flags):
+        """Step 6: the runtime's own pinned allocation of the same size."""
+        cdef RuntimeTable* rt = &self._runtime.table
+        cdef void* ptr = NULL
+        cdef int code
+        cdef size_t size = self._size
+        logger.warning(
+            "%s could not pin %s (%s); falling back to %s of the same size",
+            _API["register"], format_size(self._size), self._last_failure(),
+            _API["alloc"])
+        cdef double t0 = time.perf_counter()
+        with nogil:
+            code = rt.host_alloc(rt.ctx, &ptr, size, flags)
+        self._record("runtime_alloc", code == 0, code, self._name(code), 0, size, t0)
+        if code != 0:
+            self._clear_error()
+            return False
+        self._ptr = <char*>ptr
+        self._segments = [(0, self._size)]
+        return True
+
+    def _step_pageable(self, size_t alignment):
+        """Step 7 (allow_pageable=True): ordinary memory, not pinned."""
+        logger.warning(
+            "no pinned memory for %s (%s); using pageable memory: host-to-device "
+            "copies will be several times slower (allow_pageable=False makes this an error)",
+            format_size(self._size), self._last_failure())
+        cdef double t0 = time.perf_counter()
+        cdef size_t mapped = 0
+        with nogil:
+            self._ptr = _map(self._size, alignment, &mapped)
+        self._map_size = mapped
+        self._record("pageable", self._ptr != NULL, 0, "" if self._ptr != NULL else "ENOMEM",
+                     0, self._size, t0)
+        if self._ptr == NULL:
+            return False
+        self._segments = [(0, self._size)]
+        return True
+
+    # -- one runtime call each, recorded as an Attempt -----------------------
+
+    cdef int _register(self, size_t offset, size_t length, unsigned int flags, str step) except? -1:
+        cdef RuntimeTable* rt = &self._runtime.table
+        cdef void* ptr = self._ptr + offset
+        cdef int code
+        cdef double t0 = time.perf_counter()
+        with nogil:
+            code = rt.host_register(rt.ctx, ptr, length, flags)
+        self._record(step, code == 0, code, self._name(code), offset, length, t0)
+        if code != 0:
+            self._clear_error()
+        return code
+
+    cdef int _unregister(self, size_t offset, size_t length, str step) except? -1:
+        cdef RuntimeTable* rt = &self._runtime.table
+        cdef void* ptr = self._ptr + offset
+        cdef int code
+        cdef double t0 = time.perf_counter()
+        with nogil:
+            code = rt.host_unregister(rt.ctx, ptr)
+        if step is not None:
+            self._record(step, code == 0, code, self._name(code), offset, length, t0)
+        if code != 0:
+            self._clear_error()
+        return code
+
+    cdef void _clear_error(self) noexcept:
+        # Same runtime instance, same thread as the failed call.
+        cdef RuntimeTable* rt = &self._runtime.table
+        with nogil:
+            rt.get_last_error(rt.ctx)
+
+    cdef void _unmap(self) noexcept:
+        if self._ptr != NULL and self._map_size:
+            with nogil:
+                munmap(self._ptr, self._map_size)
+        self._ptr = NULL
+        self._map_size = 0
+
+    def _record(self, step, ok, code, name, offset, size, t0):
+        self._attempts.append(Attempt(step, bool(ok), code, name, offset, size,
+                                      time.perf_counter() - t0))
+
+    def _name(self, int code):
+        return self._runtime.error_name(code) if code else ""
+
+    def _describe(self, int code):
+        return f"{self._runtime.error_name(code)} ({self._runtime.error_string(code)})"
+
+    def _last_failure(self):
+        failed = [a for a in self._attempts if not a.ok and a.code]
+        return ", ".join(sorted({a.name for a in failed})) or "no runtime error"
+
+    def _failure_message(self, allow_pageable):
+        steps = "; ".join(f"{a.step} at {a.offset} failed with {a.name}"
+                          for a in self._attempts if not a.ok)
+        hint = ("pageable memory could not be allocated either" if allow_pageable else
+                "allow_pageable=True accepts unpinned memory, several times slower to copy")
+        return f"no staging buffer of {format_size(self._size)}: {steps}; {hint}"
+
+    # -- release: exactly once, by the recorded kind -------------------------
+
+    cdef object _release(self, bint raise_errors, bint dealloc=False):
+        if self._released or self._kind == KIND_NONE:
+            self._released = True
+            return None
+        self._released = True   # set before any GIL release: one releaser wins
+        if not dealloc:
+            # (In __dealloc__ the weak reference is already gone; a new one
+            # to a dying object must not be made.)
+            _live.discard(self)
+        if getpid() != self._owner_pid:
+            return self._release_in_fork_child()
+        cdef RuntimeTable* rt = &self._runtime.table
+        cdef int code = 0
+        cdef list retained = []
+        cdef list codes = []
+        if self._kind in (KIND_REGISTERED, KIND_SEGMENTED):
+            for offset, length in reversed(self._segments):
+                code = self._unregister(offset, length, None)
+                if code != 0:
+                    codes.append(code)
+                    retained.append((<intptr_t>self._ptr + offset, length))
+            if retained:
+                return self._leak(retained, codes, raise_errors)
+            self._unmap()
+        elif self._kind == KIND_RUNTIME_PINNED:
+            with nogil:
+                code = rt.free_host(rt.ctx, self._ptr)
+            if code != 0:
+                self._clear_error()
+                return self._leak([(<intptr_t>self._ptr, self._size)], [code], raise_errors)
+            self._ptr = NULL
+        else:
+            self._unmap()
+        return None
+
+    cdef object _release_in_fork_child(self):
+        # The registration belongs to the parent's process; the child only
+        # drops its own copy of the mapping and makes no runtime call.
+        if self._kind == KIND_RUNTIME_PINNED:
+            self._ptr = NULL
+        else:
+            self._unmap()
+        return None
+
+    cdef object _leak(self, list retained, list codes, bint raise_errors):
+        # Never free memory that may still be registered.
+        self._ptr = NULL
+        self._map_size = 0
+        if all(c == ERROR_RUNTIME_UNLOADING for c in codes) or sys.is_finalizing():
+            return None  # interpreter shutdown: the runtime is gone
+        names = ", ".join(sorted({self._runtime.error_name(c) for c in codes}))
+        message = (f"releasing a {format_size(self._size)} {_KINDS[self._kind].name} staging buffer "
+                   f"failed with {names}; its memory is leaked on purpose: "
+                   + ", ".join(f"{p:#x}+{format_size(n)}" for p, n in retained))
+        error = StagingError(message, code=codes[-1])
+        error.retained_ranges = tuple(retained)
+        if raise_errors:
+            raise error
+        logger.error("%s", message)
+
+    def close(self):
+        """Releases the memory with the call matching its kind.  Idempotent.
+
+        Raises BufferError while a memoryview of the buffer is alive, and
+        StagingError if the runtime refused to unregister (the memory is
+        then leaked on purpose, never freed while registered).
+        """
+        if self._exports > 0:
+            raise BufferError(f"cannot close a StagingBuffer with {self._exports} "
+                              "exported buffer(s) (memoryviews) still alive")
+        self._release(True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __dealloc__(self):
+        if self._released or self._kind == KIND_NONE:
+            return
+        try:
+            self._release(False, True)
+        except BaseException:
+            pass
+
+    # -- the buffer protocol -------------------------------------------------
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        if self._released or self._ptr == NULL:
+            raise ValueError("operation on a closed StagingBuffer")
+        PyBuffer_FillInfo(view, self, self._ptr, self._size, 0, flags)
+        self._exports += 1
+
+    def __releasebuffer__(self, Py_buffer* view):
+        self._exports -= 1
+
+    # -- what callers read ---------------------------------------------------
+
+    @property
+    def kind(self):
+        """The Kind reached (kept after close), or None."""
+        return _KINDS.get(self._kind)
+
+    @property
+    def pinned(self):
+        return self._kind in (KIND_REGISTERED, KIND_SEGMENTED, KIND_RUNTIME_PINNED)
+
+    @property
+    def ptr(self):
+        """The buffer's address as an int; 0 once closed."""
+        return 0 if self._released else <intptr_t>self._ptr
+
+    @property
+    def size(self):
+        return self._size
+
+    @property
+    def closed(self):
+        return self._released
+
+    @property
+    def segment_size(self):
+        """The segment size in effect (segment_size rounded for copy_unit)."""
+        return self._segment_size
+
+    @property
+    def segments(self):
+        """((offset, size), ...): one entry unless SEGMENTED."""
+        return tuple(self._segments)
+
+    @property
+    def attempts(self):
+        return tuple(self._attempts or ())
+
+    @property
+    def runtime(self):
+        return self._runtime
+
+    def spans(self, offset=0, nbytes=None):
+        """[(ptr, size), ...] covering [offset, offset + nbytes), split so that
+        no span crosses a registration boundary."""
+        if self._released or self._ptr == NULL:
+            raise ValueError("operation on a closed StagingBuffer")
+        _int_arg("offset", offset, 0)
+        if offset > self._size:
+            raise ValueError(f"offset {offset} is outside the buffer of {self._size} bytes")
+        if nbytes is None:
+            nbytes = self._size - offset
+        _int_arg("nbytes", nbytes, 0)
+        if offset + nbytes > self._size:
+            raise ValueError(f"span [{offset}, {offset + nbytes}) is outside the buffer "
+                             f"of {self._size} bytes")
+        cdef list out = []
+        end = offset + nbytes
+        base = <intptr_t>self._ptr
+        for seg_offset, seg_size in self._segments:
+            lo = max(offset, seg_offset)
+            hi = min(end, seg_offset + seg_size)
+            if lo < hi:
+                out.append((base + lo, hi - lo))
+        return out
+
+    def __len__(self):
+        return self._size
+
+    def __repr__(self):
+        state = "closed" if self._released else f"ptr={self.ptr:#x}"
+        kind = self.kind.name if self.kind else "none"
+        return f"<StagingBuffer {format_size(self._size)} {kind} {state}>"
+
+
+def _segment_for_copy_unit(segment_size, copy_unit):
+    """segment_size rounded down to a multiple of copy_unit (and of the page),
+    so that copy_unit-aligned chunks never straddle two registrations."""
+    _int_arg("copy_unit", copy_unit, 1)
+    if copy_unit > segment_size:
+        raise ValueError(f"copy_unit ({copy_unit}) must not be larger than segment_size ({segment_size})")
+    unit = copy_unit * PAGE // _gcd(copy_unit, PAGE)
+    rounded = segment_size // unit * unit
+    if rounded == 0:
+        raise ValueError(f"no segment size <= {segment_size} is a multiple of both copy_unit "
+                         f"({copy_unit}) and the page size ({PAGE})")
+    return rounded
