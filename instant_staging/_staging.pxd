@@ -34,6 +34,14 @@ cdef class StagingBuffer:
     cdef list _segments              # [(offset, size), ...] as registered
     cdef object __weakref__
 
+    cdef int _register(self, size_t offset, size_t length, unsigned int flags, str step) except? -1
+    cdef int _unregister(self, size_t offset, size_t length, str step) except? -1
+    cdef void _clear_error(self) noexcept
+    cdef void _unmap(self) noexcept
+    cdef object _release(self, bint raise_errors, bint dealloc=*)
+    cdef object _release_in_fork_child(self)
+    cdef object _leak(self, list retained, list codes, bint raise_errors)
+
     cdef inline char* data(self) noexcept nogil:
         return self._ptr
 
