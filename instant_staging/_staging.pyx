@@ -29,7 +29,7 @@ import time
 import weakref
 
 from cpython.buffer cimport PyBuffer_FillInfo
-from libc.errno cimport errno
+from libc.errno cimport errno, ENOMEM
 from libc.stdint cimport intptr_t, uintptr_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
@@ -185,8 +185,14 @@ cdef char* _map(size_t size, size_t alignment, size_t* mapped) noexcept nogil:
     Over-maps by alignment - PAGE and trims both ends, so the buffer's pages
     are exactly round_up(size, PAGE): nothing extra stays resident.
     """
-    cdef size_t length = (size + PAGE - 1) // PAGE * PAGE
+    global errno
     cdef size_t extra = alignment - PAGE if alignment > PAGE else 0
+    if size > <size_t>-1 - (PAGE - 1) - extra:
+        # length + extra would wrap around: a tiny mapping, then trimming
+        # would unmap whatever lies above it (the interpreter's own memory).
+        errno = ENOMEM
+        return NULL
+    cdef size_t length = (size + PAGE - 1) // PAGE * PAGE
     cdef void* base = mmap(NULL, length + extra, PROT_READ | PROT_WRITE,
                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
     if base == MAP_FAILED:
