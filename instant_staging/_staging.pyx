@@ -72,11 +72,16 @@ _API = _api_names()
 
 # -- argument checking: everything is rejected before anything is allocated --
 
+_SIZE_MAX = 2 * sys.maxsize + 1        # size_t's range (ssize_t's width)
+
 cdef size_t _int_arg(name, value, object minimum) except? 0:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > _SIZE_MAX:
+        # Checked here: the conversion to size_t would raise OverflowError.
+        raise ValueError(f"{name} must be <= {_SIZE_MAX}, got {value}")
     return value
 
 
