@@ -110,9 +110,11 @@ def auto_prefault_threads(size_t size):
         try:
             threads = int(env)
         except ValueError:
-            raise ValueError(f"INSTANT_STAGING_PREFAULT_THREADS must be an int >= 0, got {env!r}") from None
-        if threads < 0:
-            raise ValueError(f"INSTANT_STAGING_PREFAULT_THREADS must be an int >= 0, got {env!r}")
+            threads = -1
+        if not 0 <= threads <= 1024:
+            # The same bound as prefault_threads=; beyond a C int it would
+            # otherwise surface as an OverflowError from the state machine.
+            raise ValueError(f"INSTANT_STAGING_PREFAULT_THREADS must be an int in [0, 1024], got {env!r}")
         return threads
     if size < (4 << 20):
         return 0
