@@ -290,49 +290,7 @@ def test_size_is_never_rounded():
     buf.close()
 
 
-BAD = [
-    (dict(size="1GiB"), TypeError, "size must be an int"),
-    (dict(size=1.5), TypeError, "size must be an int"),
-    (dict(size=True), TypeError, "size must be an int"),
-    (dict(size=0), ValueError, "size must be >= 1"),
-    (dict(size=-5), ValueError, "size must be >= 1"),
-    (dict(alignment=PAGE * 3), ValueError, "power of two"),
-    (dict(alignment=PAGE // 2), ValueError, "alignment must be >="),
-    (dict(alignment="4096"), TypeError, "alignment must be an int"),
-    (dict(segment_size=0), ValueError, "segment_size must be >= 1"),
-    (dict(segment_size=PAGE + 1), ValueError, "multiple of the page size"),
-    (dict(copy_unit=SEG + 1), ValueError, "copy_unit"),
-    (dict(copy_unit=0), ValueError, "copy_unit must be >= 1"),
-    (dict(prefault_threads=-1), ValueError, "prefault_threads must be >= 0"),
-    (dict(prefault_threads=2.0), TypeError, "prefault_threads must be an int"),
-    (dict(register_flags=-1), ValueError, "register_flags"),
-    (dict(alloc_flags=1 << 40), ValueError, "alloc_flags"),
-    (dict(runtime="cuda"), TypeError, "runtime must be"),
-]
-
-
-@pytest.mark.parametrize("kwargs,exc,message", BAD)
-def test_bad_input_rejected_before_allocation(kwargs, exc, message):
-    rt = SimulatedRuntime()
-    kw = dict(size=SIZE, segment_size=SEG, runtime=rt)
-    kw.update(kwargs)
-    size = kw.pop("size")
-    with pytest.raises(exc, match=message):
-        ist.StagingBuffer(size, **kw)
-    assert list(rt.calls) == []
-
-
-@pytest.mark.parametrize("offset,nbytes", [(-1, None), (SIZE + 1, None), (0, SIZE + 1),
-                                           (SIZE - 1, 2), (0, -1)])
-def test_spans_outside_the_buffer(offset, nbytes):
-    rt, buf = make()
-    with pytest.raises(ValueError):
-        buf.spans(offset, nbytes)
-    with pytest.raises(TypeError):
-        buf.spans("0")
-    buf.close()
-    with pytest.raises(ValueError, match="closed"):
-        buf.spans()
+# Bad input (arguments, spans, fault specs) is table-driven in test_bad_input.py.
 
 
 def test_repr_and_attempt_describe():
