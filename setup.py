@@ -51,6 +51,9 @@ extensions = [
 ]
 
 setup(
+    # One build tree per backend: a shared build/lib would carry the other
+    # backend's module, built earlier, into this wheel.
+    options={"build": {"build_base": os.path.join("build", backend.name)}},
     ext_modules=cythonize(extensions, language_level=3,
                           compiler_directives={"embedsignature": True}),
     package_data={"instant_staging": ["*.pxd", "*.pyx"], "instant_staging.testing": ["*.pxd", "*.pyx"]},
