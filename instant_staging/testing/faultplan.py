@@ -112,7 +112,7 @@ def _parse_error(rule: str, text: str) -> int:
 
 
 def _parse_rule(rule: str) -> FaultRule:
-    text = rule.strip()
+    rule = text = rule.strip()  # errors name the rule as written, less padding
     op = _OP_RE.match(text).group(0)
     rest = text[len(op):].lstrip()
     if not op:
