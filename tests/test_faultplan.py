@@ -1,5 +1,6 @@
 """FaultPlan parsing and decisions, and FaultyRuntime over a SimulatedRuntime."""
 
+import ctypes
 import gc
 import threading
 
@@ -7,8 +8,6 @@ import pytest
 
 from instant_staging.testing import (FaultPlan, FaultRule, FaultyRuntime, SimulatedRuntime,
                                      inject_faults)
-
-import ctypes
 
 GiB = 1 << 30
 
