@@ -62,6 +62,12 @@ cdef extern from "cuda_runtime_api.h" nogil:
     cudaError_t cudaStreamDestroy(cudaStream_t stream)
     cudaError_t cudaStreamSynchronize(cudaStream_t stream)
     cudaError_t cudaDeviceSynchronize()
+    ctypedef void* cudaEvent_t
+    unsigned int cudaEventDisableTiming
+    cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags)
+    cudaError_t cudaEventDestroy(cudaEvent_t event)
+    cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
+    cudaError_t cudaEventSynchronize(cudaEvent_t event)
 
 
 # The CUDA version of the headers this module was compiled against (13000 = 13.0).
@@ -153,6 +159,19 @@ cdef int _stream_synchronize(void* ctx, void* stream) noexcept nogil:
 cdef int _device_synchronize(void* ctx) noexcept nogil:
     return cudaDeviceSynchronize()
 
+cdef int _event_create(void* ctx, void** event) noexcept nogil:
+    # No timing: recording a timed event costs more, and slots only need ordering.
+    return cudaEventCreateWithFlags(<cudaEvent_t*>event, cudaEventDisableTiming)
+
+cdef int _event_destroy(void* ctx, void* event) noexcept nogil:
+    return cudaEventDestroy(<cudaEvent_t>event)
+
+cdef int _event_record(void* ctx, void* event, void* stream) noexcept nogil:
+    return cudaEventRecord(<cudaEvent_t>event, <cudaStream_t>stream)
+
+cdef int _event_synchronize(void* ctx, void* event) noexcept nogil:
+    return cudaEventSynchronize(<cudaEvent_t>event)
+
 
 cdef class CudaRuntime(Runtime):
     """The CUDA runtime this module was linked against, as a runtime table."""
@@ -182,6 +201,10 @@ cdef class CudaRuntime(Runtime):
         t.stream_destroy = _stream_destroy
         t.stream_synchronize = _stream_synchronize
         t.device_synchronize = _device_synchronize
+        t.event_create = _event_create
+        t.event_destroy = _event_destroy
+        t.event_record = _event_record
+        t.event_synchronize = _event_synchronize
         self.name = "cuda"
 
 

@@ -48,6 +48,12 @@ cdef extern from "hip/hip_runtime_api.h" nogil:
     hipError_t hipStreamDestroy(hipStream_t stream)
     hipError_t hipStreamSynchronize(hipStream_t stream)
     hipError_t hipDeviceSynchronize()
+    ctypedef void* hipEvent_t
+    unsigned int hipEventDisableTiming
+    hipError_t hipEventCreateWithFlags(hipEvent_t* event, unsigned int flags)
+    hipError_t hipEventDestroy(hipEvent_t event)
+    hipError_t hipEventRecord(hipEvent_t event, hipStream_t stream)
+    hipError_t hipEventSynchronize(hipEvent_t event)
 
 
 # hipPointerGetAttributes differs across HIP versions, so it is translated in
@@ -186,6 +192,19 @@ cdef int _stream_synchronize(void* ctx, void* stream) noexcept nogil:
 cdef int _device_synchronize(void* ctx) noexcept nogil:
     return hipDeviceSynchronize()
 
+cdef int _event_create(void* ctx, void** event) noexcept nogil:
+    # No timing: recording a timed event costs more, and slots only need ordering.
+    return hipEventCreateWithFlags(<hipEvent_t*>event, hipEventDisableTiming)
+
+cdef int _event_destroy(void* ctx, void* event) noexcept nogil:
+    return hipEventDestroy(<hipEvent_t>event)
+
+cdef int _event_record(void* ctx, void* event, void* stream) noexcept nogil:
+    return hipEventRecord(<hipEvent_t>event, <hipStream_t>stream)
+
+cdef int _event_synchronize(void* ctx, void* event) noexcept nogil:
+    return hipEventSynchronize(<hipEvent_t>event)
+
 
 cdef class HipRuntime(Runtime):
     """The HIP runtime this module was linked against, as a runtime table."""
@@ -215,6 +234,10 @@ cdef class HipRuntime(Runtime):
         t.stream_destroy = _stream_destroy
         t.stream_synchronize = _stream_synchronize
         t.device_synchronize = _device_synchronize
+        t.event_create = _event_create
+        t.event_destroy = _event_destroy
+        t.event_record = _event_record
+        t.event_synchronize = _event_synchronize
         self.name = "rocm"
 
 

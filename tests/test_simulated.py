@@ -515,3 +515,16 @@ def test_threads_racing_for_one_range():
         t.join()
     assert sorted(codes) == [0] + [712] * 7
     assert sim.live_registrations == 1
+
+
+def test_events_exist_only_between_create_and_destroy():
+    rt = SimulatedRuntime()
+    code, stream = rt.stream_create()
+    code, event = rt.event_create()
+    assert code == 0 and event != 0
+    assert rt.event_record(event, stream) == 0
+    assert rt.event_synchronize(event) == 0
+    assert rt.event_destroy(event) == 0
+    assert rt.event_synchronize(event) != 0          # destroyed: invalid handle
+    assert rt.get_last_error() != 0 and rt.get_last_error() == 0
+    assert rt.stream_destroy(stream) == 0

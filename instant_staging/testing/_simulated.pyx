@@ -174,6 +174,7 @@ cdef class SimulatedRuntime(Runtime):
     cdef dict _dallocs            # device_malloc pointer -> size
     cdef list _dalloc_starts
     cdef set _streams
+    cdef set _events
     cdef intptr_t _next_stream
     cdef int _pending             # the last error, 0 once read
     cdef int _device_count
@@ -192,6 +193,7 @@ cdef class SimulatedRuntime(Runtime):
         self._dallocs = {}
         self._dalloc_starts = []
         self._streams = set()
+        self._events = set()
         self._next_stream = _STREAM_BASE
         self._pending = 0
         self._device = 0
@@ -240,6 +242,10 @@ cdef class SimulatedRuntime(Runtime):
         self.table.stream_destroy = _stream_destroy
         self.table.stream_synchronize = _stream_synchronize
         self.table.device_synchronize = _device_synchronize
+        self.table.event_create = _event_create
+        self.table.event_destroy = _event_destroy
+        self.table.event_record = _event_record
+        self.table.event_synchronize = _event_synchronize
 
         self._faulty = None
         cdef FaultyRuntime wrapper
@@ -550,6 +556,30 @@ cdef class SimulatedRuntime(Runtime):
         self._record((op, stream, code))
         return self._fail(code)
 
+    cdef int _event_create(self, void** out) except -1:
+        # Copies here are synchronous, so an event only has to exist.
+        cdef int code = 0
+        out[0] = NULL
+        if self._device_count == 0:
+            code = ERROR_NO_DEVICE
+        else:
+            self._next_stream += 0x10
+            self._events.add(self._next_stream)
+            out[0] = <void*>self._next_stream
+        self._record(("event_create", <intptr_t>out[0], code))
+        return self._fail(code)
+
+    cdef int _event_op(self, str op, intptr_t event, intptr_t stream) except -1:
+        cdef int code = 0
+        if event not in self._events:
+            code = ERROR_INVALID_HANDLE
+        elif op == "event_destroy":
+            self._events.discard(event)
+        elif op == "event_record" and stream != 0 and stream not in self._streams:
+            code = ERROR_INVALID_HANDLE
+        self._record((op, event, code))
+        return self._fail(code)
+
     cdef int _device_synchronize(self) except -1:
         cdef int code = ERROR_NO_DEVICE if self._device_count == 0 else 0
         self._record(("device_synchronize", code))
@@ -750,3 +780,36 @@ cdef int _device_synchronize(void* ctx) noexcept nogil:
             return (<SimulatedRuntime>ctx)._device_synchronize()
         except BaseException:
             return _internal_error("device_synchronize")
+
+
+cdef int _event_create(void* ctx, void** event) noexcept nogil:
+    with gil:
+        try:
+            return (<SimulatedRuntime>ctx)._event_create(event)
+        except BaseException:
+            return _internal_error("event_create")
+
+
+cdef int _event_destroy(void* ctx, void* event) noexcept nogil:
+    with gil:
+        try:
+            return (<SimulatedRuntime>ctx)._event_op("event_destroy", <intptr_t>event, 0)
+        except BaseException:
+            return _internal_error("event_destroy")
+
+
+cdef int _event_record(void* ctx, void* event, void* stream) noexcept nogil:
+    with gil:
+        try:
+            return (<SimulatedRuntime>ctx)._event_op("event_record", <intptr_t>event,
+                                                     <intptr_t>stream)
+        except BaseException:
+            return _internal_error("event_record")
+
+
+cdef int _event_synchronize(void* ctx, void* event) noexcept nogil:
+    with gil:
+        try:
+            return (<SimulatedRuntime>ctx)._event_op("event_synchronize", <intptr_t>event, 0)
+        except BaseException:
+            return _internal_error("event_synchronize")
