@@ -18,7 +18,11 @@ import sys
 import threading
 import time
 
-import instant_staging as ist
+try:
+    import instant_staging as ist
+except ImportError:  # run from a checkout built with build_ext --inplace
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import instant_staging as ist
 
 PAGE = mmap.PAGESIZE
 GiB = 1 << 30
@@ -98,11 +102,14 @@ def torch_empty_host_cache(torch):
     """Hands torch's cached pinned blocks back to the driver (cudaFreeHost);
     True if this torch has a way to.  Without it a second pin_memory of the
     same size is a cache hit, not an allocation."""
-    fn = getattr(torch._C, "_host_emptyCache", None)
-    if fn is None:
-        return False
-    fn()
-    return True
+    # Public since torch.accelerator grew it; private names before that.
+    for fn in (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None),
+               getattr(torch._C, "_accelerator_emptyHostCache", None),
+               getattr(torch._C, "_host_emptyCache", None)):
+        if fn is not None:
+            fn()
+            return True
+    return False
 
 
 def segment_size_for(size):

@@ -35,11 +35,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402  (also finds an in-place build of the package)
 
 import instant_staging as ist  # noqa: E402
 from instant_staging.testing import inject_faults  # noqa: E402
-
-import _common as C  # noqa: E402
 
 DEFAULT_KINDS = ("registered", "hugepages", "no_prefault", "segmented", "runtime_pinned",
                  "host_alloc", "torch_pinned", "register_untouched")
@@ -266,11 +265,11 @@ def print_table(results):
             reached = "ERROR"
         speed = (f"{ref / e['create_median_s']:.1f}x" if ref and e["create_median_s"] else "-")
         rows.append([C.fmt_size(e["size"]), e["kind"], reached,
-                     C.fmt(e["create_median_s"]),
-                     C.fmt(min(e["create_s"]) if e["create_s"] else None),
-                     C.fmt(ph.get("prefault")) if ph else "-",
-                     C.fmt(reg) if ph else "-", speed,
-                     C.fmt(e["release_median_s"]), memtxt, e["n_runs"]])
+                     C.fmt(e["create_median_s"], ".4f"),
+                     C.fmt(min(e["create_s"]) if e["create_s"] else None, ".4f"),
+                     C.fmt(ph.get("prefault"), ".4f") if ph else "-",
+                     C.fmt(reg, ".4f") if ph else "-", speed,
+                     C.fmt(e["release_median_s"], ".4f"), memtxt, e["n_runs"]])
     print(C.table(["size", "kind", "reached", "create", "min", "prefault", "register",
                    "vs hostAlloc", "release", "resident/size", "n"], rows))
     for e in results:
