@@ -186,6 +186,7 @@ def run(args, setup):
     C.warm_up(setup)
 
     results = []
+    started = time.perf_counter()
     for size in args.sizes:
         per_kind = {k: dict(kind=k, size=size, description=DESCRIPTIONS[k], runs=[],
                             error=None) for k in kinds}
@@ -204,7 +205,8 @@ def run(args, setup):
                 if "memory" in rec:
                     entry["memory"] = rec.pop("memory")
                 entry["runs"].append(rec)
-            C.progress(f"{C.fmt_size(size)} run {r + 1}/{args.runs} done")
+            C.progress(f"{C.fmt_size(size)} run {r + 1}/{args.runs} done "
+                       f"({time.perf_counter() - started:.0f} s)")
         for k in kinds:
             results.append(summarise(per_kind[k], size))
     return results, skipped

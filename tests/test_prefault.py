@@ -227,25 +227,42 @@ def test_allocation_failure_is_still_a_staging_error():
 # -- huge pages: opt-in ------------------------------------------------------
 
 
-def test_hugepages_off_by_default():
-    with ist.StagingBuffer(HUGE * 2, runtime=SimulatedRuntime(), prefault_threads=0,
-                           alignment=PAGE) as buf:
-        # Not asserting misalignment (it may happen to be aligned); only that
-        # the default took no huge-page path that changes the outcome.
-        assert buf.kind is ist.Kind.REGISTERED
+def vma_flags(ptr):
+    """The VmFlags of the mapping holding `ptr` ('hg': MADV_HUGEPAGE)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    return set()
 
 
-@pytest.mark.parametrize("value", ["1", "true", "YES", " on "])
-def test_hugepages_env_on(monkeypatch, value):
+def thp_available():
+    return os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not thp_available(), reason="kernel without transparent huge pages")
+@pytest.mark.parametrize("threads", [0, 2])
+def test_hugepages_opt_in(threads):
+    rt = SimulatedRuntime()
+    with ist.StagingBuffer(SIZE, runtime=rt, prefault_threads=threads) as buf:
+        assert "hg" not in vma_flags(buf.ptr)          # off unless asked for
+    with ist.StagingBuffer(SIZE, runtime=rt, prefault_threads=threads, hugepages=True) as buf:
+        assert "hg" in vma_flags(buf.ptr) and buf.ptr % HUGE == 0
+
+
+@pytest.mark.skipif(not thp_available(), reason="kernel without transparent huge pages")
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("YES", True), (" on ", True),
+                                      ("0", False), ("false", False), ("no", False),
+                                      ("off", False), ("", False)])
+def test_hugepages_env(monkeypatch, value, on):
     monkeypatch.setenv("INSTANT_STAGING_HUGEPAGES", value)
     with ist.StagingBuffer(SIZE, runtime=SimulatedRuntime(), prefault_threads=2) as buf:
-        assert buf.ptr % HUGE == 0
-
-
-@pytest.mark.parametrize("value", ["0", "false", "no", "off", ""])
-def test_hugepages_env_off(monkeypatch, value):
-    monkeypatch.setenv("INSTANT_STAGING_HUGEPAGES", value)
-    with ist.StagingBuffer(SIZE, runtime=SimulatedRuntime(), prefault_threads=2) as buf:
+        assert ("hg" in vma_flags(buf.ptr)) is on
         assert buf.kind is ist.Kind.REGISTERED
 
 
