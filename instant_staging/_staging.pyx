@@ -231,6 +231,12 @@ def _close_all_at_exit():
     # Release while the runtime is still loaded: Python's atexit handlers
     # run before the C runtime's own teardown.
     for buf in list(_live):
+        if (<StagingBuffer>buf)._exports > 0:
+            # A memoryview still uses the memory, and may after this handler:
+            # later atexit handlers and daemon threads run on.  Leave it
+            # mapped; exit returns it, and the driver drops the pinning with
+            # the process (or __dealloc__ releases it once the view goes).
+            continue
         try:
             (<StagingBuffer>buf)._release(False)
         except BaseException:
