@@ -11,15 +11,13 @@ INSTANT_STAGING_PREFAULT_THREADS), and spans().
 
 import gc
 import mmap
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
 import instant_staging as ist
 from instant_staging.testing import FaultPlan, SimulatedRuntime, inject_faults
+
+from _child import run_child
 
 PAGE = mmap.PAGESIZE
 SEG = 4 * PAGE
@@ -144,7 +142,7 @@ def test_impossible_sizes_fail_in_allocate_without_a_crash(size, alignment):
     Run in a child process: the wrapped-length bug this guards against
     unmapped the interpreter's own memory (SIGSEGV).
     """
-    code = textwrap.dedent(f"""
+    out = run_child(f"""
         import instant_staging as ist
         from instant_staging.testing import SimulatedRuntime
         rt = SimulatedRuntime()
@@ -157,8 +155,6 @@ def test_impossible_sizes_fail_in_allocate_without_a_crash(size, alignment):
             assert rt.calls == [], rt.calls
             print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
@@ -269,6 +265,18 @@ def test_explicit_prefault_threads_ignore_the_env(monkeypatch):
     rt = SimulatedRuntime()
     with ist.StagingBuffer(SIZE, runtime=rt, prefault_threads=0) as buf:
         assert [a.step for a in buf.attempts] == ["allocate", "register"]
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enable", "y"])
+def test_bad_hugepages_env(value, monkeypatch):
+    """INSTANT_STAGING_HUGEPAGES, read when hugepages=None, is checked as strictly."""
+    monkeypatch.setenv("INSTANT_STAGING_HUGEPAGES", value)
+    rt = SimulatedRuntime()
+    before = live_buffers()
+    with pytest.raises(ValueError, match="INSTANT_STAGING_HUGEPAGES") as info:
+        ist.StagingBuffer(SIZE, runtime=rt, prefault_threads=0)
+    assert repr(value) in str(info.value)
+    assert_nothing_allocated(rt, before)
 
 
 # -- spans -----------------------------------------------------------------------------

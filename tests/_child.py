@@ -1,0 +1,29 @@
+"""Run a Python snippet in a fresh interpreter that imports the same
+instant_staging as the tests (the built tree or the installed wheel).
+
+The child runs in an empty directory, with the package's parent first on
+PYTHONPATH: from the repository root a bare ``import instant_staging``
+would otherwise find the unbuilt sources when the tests run against an
+installed wheel (tox).
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import instant_staging
+
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(instant_staging.__file__)))
+
+
+def run_child(code, *, timeout=120, env=None):
+    """subprocess.CompletedProcess of ``python -c code`` (text, captured)."""
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (PACKAGE_PARENT, child_env.get("PYTHONPATH", "")) if p)
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd,
+                              env=child_env, capture_output=True, text=True, timeout=timeout)
