@@ -14,6 +14,7 @@ import ctypes
 import gc
 import logging
 import mmap
+import os
 
 import instant_staging as ist
 from instant_staging import _staging
@@ -39,6 +40,11 @@ PATHS = [
     ("staging_error", "register=invalid_value;host_alloc=2", None),
     ("rollback_error", "register#1=1;register#4=1;unregister#1=1;unregister#2=1", "retained"),
 ]
+
+
+# Under AddressSanitizer (tools/asan_check.sh) freed memory sits in ASan's
+# quarantine and shadow memory grows: RSS says nothing there.
+UNDER_ASAN = "asan" in os.environ.get("LD_PRELOAD", "")
 
 
 def rss():
@@ -112,4 +118,5 @@ def test_soak_10000_cycles_nothing_leaks(monkeypatch):
     assert live1 == live0 == 0
     assert objects1 - objects0 < OBJECT_BOUND, (objects0, objects1)
     print(f"soak: {outcomes}, RSS {rss0 >> 10} -> {rss1 >> 10} KiB, objects {objects0} -> {objects1}")
-    assert rss1 - rss0 < RSS_BOUND, f"RSS grew {(rss1 - rss0) >> 10} KiB over {CYCLES} cycles"
+    if not UNDER_ASAN:
+        assert rss1 - rss0 < RSS_BOUND, f"RSS grew {(rss1 - rss0) >> 10} KiB over {CYCLES} cycles"
