@@ -28,9 +28,18 @@ cleanup() { if [ "$KEEP" = 1 ]; then echo "asan_check: kept $WORK"; else rm -rf 
 trap cleanup EXIT
 
 # The tree as git sees it (tracked and untracked, not ignored): no stale
-# build outputs, no .so from a normal build.
-(cd "$ROOT" && git ls-files -z --cached --others --exclude-standard) \
-    | (cd "$ROOT" && xargs -0 cp --parents -t "$WORK")
+# build outputs, no .so from a normal build.  Outside a git checkout (an
+# sdist), everything but build outputs.
+if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard) \
+        | (cd "$ROOT" && xargs -0 cp --parents -t "$WORK")
+else
+    cp -a "$ROOT/." "$WORK"
+    rm -rf "$WORK/build" "$WORK/.tox"
+    find "$WORK/instant_staging" -name '*.so' -delete
+    # Cython's generated C, not hand-written C (instant_staging/_shims/).
+    find "$WORK/instant_staging" -name '*.pyx' | while read -r pyx; do rm -f "${pyx%.pyx}.c"; done
+fi
 
 cd "$WORK"
 echo "asan_check: building with AddressSanitizer in $WORK"
