@@ -292,9 +292,10 @@ def iter_load(paths, device="cuda:0", *, chunk_size=DEFAULT_CHUNK_SIZE,
         _check_staging(staging, chunk_size)
     if sys.byteorder != "little":
         raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
+    torch = _import_torch()
     checkpoint = _Checkpoint(_paths(paths))
     try:
-        target = _TorchTarget(_import_torch(), device)
+        target = _TorchTarget(torch, device)
         dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
     except BaseException:
         checkpoint.close()
