@@ -316,6 +316,14 @@ cdef void* _work(void* arg) noexcept nogil:
     return NULL
 
 
+cdef bint _has_copy_entries(RuntimeTable* t) noexcept:
+    return (t.set_device != NULL and t.get_last_error != NULL and t.memcpy_async != NULL
+            and t.stream_create != NULL and t.stream_destroy != NULL
+            and t.stream_synchronize != NULL and t.event_create != NULL
+            and t.event_destroy != NULL and t.event_record != NULL
+            and t.event_synchronize != NULL)
+
+
 # -- the Python face ---------------------------------------------------------
 
 cdef class Pipeline:
@@ -355,6 +363,9 @@ cdef class Pipeline:
             raise ValueError("device mode needs a runtime")
         if chunk_size == 0 or not slots or threads < 1:
             raise ValueError("need chunk_size > 0, at least one slot and one thread")
+        if mode == MODE_DEVICE and not _has_copy_entries(&runtime.table):
+            raise RuntimeError(f"runtime {runtime.name!r} lacks the stream, event or copy "
+                               "entries of the runtime table that device copies need")
         self.runtime = runtime
         self.sh.rt = &runtime.table if runtime is not None else NULL
         self.sh.mode = mode

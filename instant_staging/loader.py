@@ -24,6 +24,7 @@ works without it.
 import mmap
 import os
 import sys
+import traceback
 
 from ._header import SafetensorsError, read_header
 from ._types import format_size
@@ -349,11 +350,8 @@ def _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads, ve
     try:
         slots = _slots(buf.spans(), chunk_size)
         runtime = getattr(buf, "runtime", None)
-        dsts = []
-        for (_, entry), dtype in zip(checkpoint.entries, dtypes):
-            handle, ptr = target.allocate(entry, dtype)
-            handles.append(handle)
-            dsts.append(ptr)
+        dsts = [_allocate(handles, target, entry, dtype)
+                for (_, entry), dtype in zip(checkpoint.entries, dtypes)]
         target.before_copies()
         entries = checkpoint.entries
         pipe = Pipeline(runtime, target.mode, target.index, slots,
@@ -362,6 +360,11 @@ def _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads, ve
                         [t.end for _, t in entries], dsts, chunk_size, fail_chunk)
         pipe.start()
         yield from _drive(pipe, checkpoint, target, handles, verify, progress, runtime)
+    except BaseException as e:
+        # The traceback's finished frames would keep tensors alive for as
+        # long as the caller keeps the exception.
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         if pipe is not None:
             pipe.abort()
@@ -370,6 +373,13 @@ def _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads, ve
         if owned:
             buf.close()
         checkpoint.close()
+
+
+def _allocate(handles, target, entry, dtype):
+    """Allocates one tensor into ``handles``; returns its address."""
+    handle, ptr = target.allocate(entry, dtype)
+    handles.append(handle)
+    return ptr
 
 
 def _drive(pipe, checkpoint, target, handles, verify, progress, runtime):
