@@ -248,11 +248,23 @@ class LoadIterator:
     ``with`` block, or dropping it) stops the load, waits for in-flight
     copies and frees every tensor not yet yielded."""
 
-    def __init__(self, generator, checkpoint):
+    def __init__(self, generator, checkpoint, info):
         self._generator = generator
         self._checkpoint = checkpoint
+        self._info = info
         self.names = [t.name for _, t in checkpoint.entries]
         self.total_bytes = checkpoint.total_bytes
+
+    @property
+    def staging_kind(self):
+        """The Kind of the staging buffer in use once loading started (None
+        before, and for ordinary memory when loading to the CPU)."""
+        return self._info.get("kind")
+
+    @property
+    def threads(self):
+        """Reader threads of this load, once it started."""
+        return self._info.get("threads")
 
     def __iter__(self):
         return self
@@ -301,9 +313,10 @@ def iter_load(paths, device="cuda:0", *, chunk_size=DEFAULT_CHUNK_SIZE,
     except BaseException:
         checkpoint.close()
         raise
+    info = {}
     generator = _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads,
-                      verify, progress)
-    return LoadIterator(generator, checkpoint)
+                      verify, progress, info=info)
+    return LoadIterator(generator, checkpoint, info)
 
 
 def load_file(paths, device="cuda:0", *, chunk_size=DEFAULT_CHUNK_SIZE,
@@ -339,9 +352,10 @@ def load_file(paths, device="cuda:0", *, chunk_size=DEFAULT_CHUNK_SIZE,
 # -- the load itself ---------------------------------------------------------
 
 def _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads, verify,
-          progress, fail_chunk=-1):
+          progress, fail_chunk=-1, info=None):
     """The generator behind LoadIterator (``fail_chunk``: tests make that
-    chunk's read fail)."""
+    chunk's read fail; ``info`` receives the staging kind and thread count)."""
+    info = {} if info is None else info
     from ._pipeline import Pipeline
     owned = staging is None
     buf = _own_staging(target.mode, chunk_size, io_depth) if owned else staging
@@ -350,6 +364,7 @@ def _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads, ve
     try:
         slots = _slots(buf.spans(), chunk_size)
         runtime = getattr(buf, "runtime", None)
+        info["kind"] = getattr(buf, "kind", None)
         dsts = [_allocate(handles, target, entry, dtype)
                 for (_, entry), dtype in zip(checkpoint.entries, dtypes)]
         target.before_copies()
@@ -358,6 +373,7 @@ def _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads, ve
                         threads or _default_threads(),
                         [checkpoint.fds[i] for i, _ in entries], [t.begin for _, t in entries],
                         [t.end for _, t in entries], dsts, chunk_size, fail_chunk)
+        info["threads"] = pipe.n_threads
         pipe.start()
         yield from _drive(pipe, checkpoint, target, handles, verify, progress, runtime)
     except BaseException as e:

@@ -254,7 +254,9 @@ def test_iterator_closed_early_then_load_again(tmp_path):
     path = save(tmp_path, tensors)
     rt, buf = sim_staging()
     it = iter_load(path, "cpu", chunk_size=CHUNK, staging=buf)
+    assert it.staging_kind is None
     first = next(it)
+    assert it.staging_kind is ist.Kind.REGISTERED and it.threads >= 1
     it.close()
     assert first[0] in tensors
     assert torch.equal(raw_bytes(first[1]), raw_bytes(tensors[first[0]]))
