@@ -79,7 +79,7 @@ def generate(path, size, seed=1234):
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for i in range(count):
-            f.write((base ^ np.int64((i + 1) * 0x2545F4914F6CDD1D)).data)
+            f.write((base ^ np.int64(((i + 1) * 0x2545F4914F6CDD1D) % (1 << 63))).data)
     os.replace(tmp, path)
 
 
@@ -217,7 +217,8 @@ def peer_methods(torch, files, device):
     try:
         from safetensors.torch import load_file as st_load
         methods.append(Method("safetensors", lambda: _merge(st_load(f, device=dev) for f in files),
-                              note="load_file(device=...)"))
+                              note=("load_file(device='cpu') maps the file: no copy"
+                                    if device.type == "cpu" else "load_file(device=...)")))
     except ImportError as e:
         notes.append(f"safetensors skipped: {e}")
     if device.type == "cpu":
