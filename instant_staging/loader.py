@@ -24,7 +24,9 @@ works without it.
 import mmap
 import os
 import sys
+import threading
 import traceback
+import weakref
 
 from ._header import SafetensorsError, read_header
 from ._types import format_size
@@ -42,6 +44,11 @@ _POLL_SECONDS = 0.05
 # verify=True compares in pieces of this many bytes.
 _VERIFY_STEP = 64 << 20
 _SEGMENT_SIZE = 256 << 20
+
+# Staging buffers a load is using: two loads through one buffer would
+# overwrite each other's slots.
+_busy = weakref.WeakSet()
+_busy_lock = threading.Lock()
 
 # safetensors dtype -> torch attribute; absent attributes mean "this torch
 # cannot hold it" and are reported before anything is allocated.
@@ -330,7 +337,8 @@ def load_file(paths, device="cuda:0", *, chunk_size=DEFAULT_CHUNK_SIZE,
     io_depth    chunks in flight: the staging buffer holds io_depth * chunk_size
     threads     reader threads (None: one per CPU, at most 16; never more than slots)
     staging     a StagingBuffer to reuse instead of making one per load; every
-                whole chunk inside one of its registrations is a slot
+                whole chunk inside one of its registrations is a slot (one load
+                at a time per buffer)
     verify      after each tensor is copied, re-read its bytes from the file with
                 plain reads (not through the staging buffer) and compare them with
                 the tensor's memory on the device; a difference raises VerifyError.
@@ -358,6 +366,8 @@ def _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads, ve
     info = {} if info is None else info
     from ._pipeline import Pipeline
     owned = staging is None
+    if not owned:
+        _claim_staging(staging)
     buf = _own_staging(target.mode, chunk_size, io_depth) if owned else staging
     handles = []
     pipe = None
@@ -388,7 +398,18 @@ def _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads, ve
         handles.clear()
         if owned:
             buf.close()
+        else:
+            with _busy_lock:
+                _busy.discard(buf)
         checkpoint.close()
+
+
+def _claim_staging(buf):
+    with _busy_lock:
+        if buf in _busy:
+            raise RuntimeError("this staging buffer is in use by another load; "
+                               "loads through one buffer must not overlap")
+        _busy.add(buf)
 
 
 def _allocate(handles, target, entry, dtype):

@@ -436,6 +436,19 @@ def test_every_kind_device_path(tmp_path, kind):
     assert rt.live_registrations == 0 and rt.live_host_allocs == 0
 
 
+def test_one_load_at_a_time_per_buffer(tmp_path):
+    tensors = mixed_tensors()
+    path = save(tmp_path, tensors)
+    rt, buf = sim_staging()
+    first = iter_load(path, "cpu", chunk_size=CHUNK, staging=buf)
+    next(first)
+    with pytest.raises(RuntimeError, match="in use"):
+        load_file(path, "cpu", chunk_size=CHUNK, staging=buf)
+    first.close()
+    assert_same(load_file(path, "cpu", chunk_size=CHUNK, staging=buf), tensors)
+    buf.close()
+
+
 def test_segments_not_multiple_of_chunk(tmp_path):
     # A caller's buffer whose 3-page segments hold one 2-page chunk each:
     # only whole chunks inside one registration become slots.
