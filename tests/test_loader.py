@@ -538,6 +538,18 @@ def test_copy_failing_mid_load(tmp_path):
     buf.close()
 
 
+def test_fault_wrapper_forwards_events():
+    # The device path needs events through any runtime, faults included.
+    from instant_staging.testing import SimulatedRuntime, inject_faults
+    rt = inject_faults(SimulatedRuntime(), "register=invalid_value")
+    code, stream = rt.stream_create()
+    code2, event = rt.event_create()
+    assert (code, code2) == (0, 0) and event
+    assert rt.event_record(event, stream) == 0
+    assert rt.event_synchronize(event) == 0
+    assert rt.event_destroy(event) == 0 and rt.stream_destroy(stream) == 0
+
+
 def test_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import instant_staging, instant_staging.loader as l\n"
