@@ -1,5 +1,6 @@
 """Build instant_staging against CUDA or ROCm (chosen by instant_staging/backends.py)."""
 
+import hashlib
 import importlib.util
 import os
 
@@ -27,6 +28,8 @@ with open(os.path.join(HERE, "instant_staging", "_build_config.py"), "w") as f:
 # ASan builds (tox -e asan): INSTANT_STAGING_SANITIZE=address.
 sanitize = os.environ.get("INSTANT_STAGING_SANITIZE")
 san_args = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"] if sanitize else []
+# Names this build's tree (below): the toolchain and the flags that change objects.
+_toolchain_key = hashlib.sha1(repr((backend, san_args)).encode()).hexdigest()[:8]
 
 common = dict(extra_compile_args=["-O2"] + san_args, extra_link_args=list(san_args))
 
@@ -51,6 +54,11 @@ extensions = [
 ]
 
 setup(
+    # One build tree per backend and toolchain: a shared build/lib would carry
+    # the other backend's module into this wheel, and objects compiled with
+    # another toolkit's headers or other flags would be reused (setuptools
+    # compares only source times).
+    options={"build": {"build_base": os.path.join("build", f"{backend.name}-{_toolchain_key}")}},
     ext_modules=cythonize(extensions, language_level=3,
                           compiler_directives={"embedsignature": True}),
     package_data={"instant_staging": ["*.pxd", "*.pyx"], "instant_staging.testing": ["*.pxd", "*.pyx"]},

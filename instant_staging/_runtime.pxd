@@ -47,6 +47,7 @@ ctypedef int (*device_malloc_t)(void* ctx, void** ptr, size_t size) noexcept nog
 ctypedef int (*memcpy_t)(void* ctx, void* dst, const void* src, size_t size,
                          int kind, void* stream) noexcept nogil
 ctypedef int (*stream_create_t)(void* ctx, void** stream) noexcept nogil
+ctypedef int (*event_record_t)(void* ctx, void* event, void* stream) noexcept nogil
 
 
 cdef struct RuntimeTable:
@@ -75,6 +76,10 @@ cdef struct RuntimeTable:
     host_ptr_t stream_destroy
     host_ptr_t stream_synchronize
     status_t device_synchronize
+    stream_create_t event_create      # cudaEventCreateWithFlags(disable timing)
+    host_ptr_t event_destroy
+    event_record_t event_record       # cudaEventRecord(event, stream)
+    host_ptr_t event_synchronize
 
 
 cdef class Runtime:

@@ -160,6 +160,32 @@ cdef class Runtime:
             code = self.table.device_synchronize(self.table.ctx)
         return code
 
+    def event_create(self):
+        """Returns ``(code, event)``; the event records no timing."""
+        cdef int code
+        cdef void* event = NULL
+        with nogil:
+            code = self.table.event_create(self.table.ctx, &event)
+        return code, (<intptr_t>event if code == 0 else 0)
+
+    def event_destroy(self, intptr_t event):
+        cdef int code
+        with nogil:
+            code = self.table.event_destroy(self.table.ctx, <void*>event)
+        return code
+
+    def event_record(self, intptr_t event, intptr_t stream=0):
+        cdef int code
+        with nogil:
+            code = self.table.event_record(self.table.ctx, <void*>event, <void*>stream)
+        return code
+
+    def event_synchronize(self, intptr_t event):
+        cdef int code
+        with nogil:
+            code = self.table.event_synchronize(self.table.ctx, <void*>event)
+        return code
+
 
 cdef object _text(const char* text, int code):
     if text == NULL:

@@ -1,0 +1,23 @@
+"""Test doubles: run instant_staging without a GPU, or make any host fail.
+
+``SimulatedRuntime`` is a host-only runtime with the semantics measured on
+the real driver (overlapping registration 712, interior unregister 1,
+unknown unregister 713, a copy spanning two registrations 1, a pending last
+error until read); it counts live registrations and allocations and logs
+calls, so tests can assert that nothing leaked::
+
+    from instant_staging.testing import SimulatedRuntime
+    rt = SimulatedRuntime(faults="register>2GiB=invalid_value")
+    buf = StagingBuffer(4 << 30, runtime=rt)
+    assert rt.live_registrations == len(buf.segments)
+
+``FaultPlan`` parses the fault spec of ``INSTANT_STAGING_FAULTS``;
+``inject_faults(runtime, spec)`` wraps any runtime (the real one too) in a
+``FaultyRuntime`` that fails the calls the plan names.
+"""
+
+from instant_staging._faults import FaultyRuntime, inject_faults
+from instant_staging.testing._simulated import SimulatedRuntime
+from instant_staging.testing.faultplan import FaultPlan, FaultRule
+
+__all__ = ["FaultPlan", "FaultRule", "FaultyRuntime", "SimulatedRuntime", "inject_faults"]
