@@ -263,6 +263,35 @@ def test_copy_check_catches_a_copy_across_two_registrations():
     assert rt.live_device_allocs == 0
 
 
+class DeafDevice:
+    """A runtime whose device-to-host copies report success and copy nothing."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def memcpy_async(self, dst, src, size, kind, stream=0):
+        return 0 if kind == 2 else self.inner.memcpy_async(dst, src, size, kind, stream)
+
+
+class DeafBuffer(ist.StagingBuffer):
+    @property
+    def runtime(self):
+        return DeafDevice(super().runtime)
+
+
+def test_copy_check_catches_data_that_never_came_back():
+    rt = SimulatedRuntime()
+    with DeafBuffer(8 * MiB, prefault_threads=0, runtime=rt) as buf:
+        result = probe.copy_check(buf, chunk_size=2 * MiB)
+    assert result["ok"] is False and result["verified"] is False
+    assert result["error"] == ("data read back differs from what was copied, "
+                               "first in the chunk at offset 0")
+    assert rt.live_device_allocs == 0
+
+
 # -- usage errors: exit code 2 --------------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
