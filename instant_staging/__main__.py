@@ -150,6 +150,8 @@ def run_load(args, parser):
     for path in args.files:
         if not os.path.isfile(path):
             parser.error(f"no such file: {path}")
+    if args.staging_size is not None and args.staging_size < args.chunk_size:
+        parser.error(f"--staging-size must hold at least one chunk of --chunk-size")
     tty = sys.stderr.isatty()
     progress = load_cmd.Progress(sys.stderr, bar=tty, quiet=args.json)
     try:
@@ -157,8 +159,10 @@ def run_load(args, parser):
                                io_depth=args.io_depth, threads=args.threads,
                                verify=args.verify, staging_bytes=args.staging_size,
                                allow_pageable=args.allow_pageable, progress=progress)
-    except (load_cmd.LoaderMissing, StagingError, OSError, ValueError, RuntimeError) as e:
-        # RuntimeError: torch's (no CUDA device, out of memory); ValueError: a bad file.
+    except (ImportError, StagingError, OSError, ValueError, RuntimeError) as e:
+        # ImportError: no loader or no torch; ValueError: a bad file
+        # (SafetensorsError); RuntimeError: a failed read or copy (LoadError),
+        # or torch's own (no CUDA device, out of memory).
         progress.close()
         lines = [f"load failed: {type(e).__name__}: {e}"]
         if isinstance(e, StagingError):
@@ -169,7 +173,6 @@ def run_load(args, parser):
             print("\n".join(lines), file=sys.stderr)
         return 1
     progress.close()
-    result["ok"] = True
     _emit(args, result, load_cmd.format_text(result))
     return 0
 

@@ -8,6 +8,7 @@ tensor count, bytes, seconds, GB/s and the staging kind reached.
 tenth otherwise.  Nothing here prints to stdout.
 """
 
+import mmap
 import threading
 import time
 
@@ -112,21 +113,47 @@ def staging_dict(buf, seconds):
             "attempts": [attempt_dict(a) for a in buf.attempts]}
 
 
+def _host_staging(size):
+    # A load to CPU memory gains nothing from pinning: the loader stages
+    # through ordinary memory of its own.
+    return {"kind": "HOST", "pinned": False, "size": size, "segment_size": None,
+            "seconds": 0.0, "attempts": []}
+
+
+def _make_staging(size, chunk_size, allow_pageable, runtime):
+    from ._staging import DEFAULT_SEGMENT_SIZE, StagingBuffer
+    page = mmap.PAGESIZE
+    # As the loader does: segments hold at least one chunk, so chunks
+    # larger than the default segment still fit in one registration.
+    segment = max(DEFAULT_SEGMENT_SIZE, -(-chunk_size // page) * page)
+    t0 = time.perf_counter()
+    buf = StagingBuffer(size, segment_size=segment, copy_unit=chunk_size,
+                        allow_pageable=allow_pageable, runtime=runtime)
+    return buf, staging_dict(buf, time.perf_counter() - t0)
+
+
+def _is_cpu(device):
+    return str(device).split(":")[0] == "cpu"
+
+
 def load(paths, *, device="cuda:0", chunk_size=8 << 20, io_depth=16, threads=None,
          verify=False, staging_bytes=None, allow_pageable=False, runtime=None,
          progress=None):
     """Loads ``paths``; returns the result dict (the tensors are dropped).
 
     Raises LoaderMissing, StagingError, and whatever the loader raises
-    (OSError for a missing file).
+    (SafetensorsError, a ValueError, for a bad file; LoadError, a
+    RuntimeError, for a failed read or copy).
     """
-    from ._staging import StagingBuffer
     loader = _loader()
     size = staging_bytes or staging_size(chunk_size, io_depth)
-    t0 = time.perf_counter()
-    buf = StagingBuffer(size, copy_unit=min(chunk_size, size), allow_pageable=allow_pageable,
-                        runtime=runtime)
-    staging = staging_dict(buf, time.perf_counter() - t0)
+    if size < chunk_size:
+        raise ValueError(f"the staging buffer ({format_size(size)}) must hold at least one "
+                         f"chunk ({format_size(chunk_size)})")
+    if _is_cpu(device):
+        buf, staging = None, _host_staging(size)
+    else:
+        buf, staging = _make_staging(size, chunk_size, allow_pageable, runtime)
     try:
         t0 = time.perf_counter()
         tensors = loader.load_file(list(paths), device, chunk_size=chunk_size,
@@ -135,20 +162,25 @@ def load(paths, *, device="cuda:0", chunk_size=8 << 20, io_depth=16, threads=Non
         _synchronize(device)
         seconds = time.perf_counter() - t0
     finally:
-        buf.close()
+        if buf is not None:
+            buf.close()
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return {"command": "load", "files": [str(p) for p in paths], "device": str(device),
-            "tensors": len(tensors), "bytes": nbytes, "seconds": seconds,
-            "gbps": nbytes / max(seconds, 1e-9) / 1e9, "chunk_size": chunk_size,
-            "io_depth": io_depth, "threads": threads, "verified": bool(verify),
-            "staging": staging}
+    return {"command": "load", "ok": True, "files": [str(p) for p in paths],
+            "device": str(device), "tensors": len(tensors), "bytes": nbytes,
+            "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / 1e9,
+            "chunk_size": chunk_size, "io_depth": io_depth, "threads": threads,
+            "verified": bool(verify), "staging": staging}
 
 
 def format_text(result):
     s = result["staging"]
-    pinned = "" if s["pinned"] else " (NOT pinned: several times slower)"
+    if s["kind"] == "HOST":
+        pinned = " (ordinary memory: a load to the CPU needs no pinning)"
+    else:
+        pinned = "" if s["pinned"] else " (NOT pinned: several times slower)"
+    segments = f" (segments of {format_size(s['segment_size'])})" if s["segment_size"] else ""
     return [f"{result['tensors']} tensors, {format_size(result['bytes'])} to "
             f"{result['device']} in {result['seconds']:.3f} s: {result['gbps']:.2f} GB/s"
             + (", verified" if result["verified"] else ""),
-            f"staging: {s['kind']}{pinned}, {format_size(s['size'])} "
-            f"(segments of {format_size(s['segment_size'])}), made in {s['seconds']:.3f} s"]
+            f"staging: {s['kind']}{pinned}, {format_size(s['size'])}{segments}, "
+            f"made in {s['seconds']:.3f} s"]
