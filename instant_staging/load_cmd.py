@@ -20,6 +20,10 @@ class LoaderMissing(ImportError):
     """instant_staging.loader is not part of this install."""
 
 
+class NoDevice(RuntimeError):
+    """torch sees no GPU for a load to one."""
+
+
 def _loader():
     try:
         from . import loader
@@ -99,6 +103,15 @@ class Progress:
                 self._drawn = False
 
 
+def _check_device(device):
+    # Before any allocation, and in plain words (torch's own is an
+    # AssertionError deep inside the first allocation).
+    import torch
+    if not torch.cuda.is_available():
+        raise NoDevice(f"cannot load to {device}: torch {torch.__version__} sees no GPU "
+                       "(torch.cuda.is_available() is False); --device cpu loads to memory")
+
+
 def _synchronize(device):
     # The loader returns when its copies are issued and done; synchronizing
     # again costs nothing and keeps the timing honest whatever it does.
@@ -141,7 +154,7 @@ def load(paths, *, device="cuda:0", chunk_size=8 << 20, io_depth=16, threads=Non
          progress=None):
     """Loads ``paths``; returns the result dict (the tensors are dropped).
 
-    Raises LoaderMissing, StagingError, and whatever the loader raises
+    Raises LoaderMissing, NoDevice, StagingError, and whatever the loader raises
     (SafetensorsError, a ValueError, for a bad file; LoadError, a
     RuntimeError, for a failed read or copy).
     """
@@ -153,6 +166,7 @@ def load(paths, *, device="cuda:0", chunk_size=8 << 20, io_depth=16, threads=Non
     if _is_cpu(device):
         buf, staging = None, _host_staging(size)
     else:
+        _check_device(device)
         buf, staging = _make_staging(size, chunk_size, allow_pageable, runtime)
     try:
         t0 = time.perf_counter()

@@ -553,7 +553,44 @@ def weights(tmp_path):
     return path, len(tensors), nbytes
 
 
-@pytest.mark.skipif(not _has_loader(), reason="instant_staging.loader is not on this branch")
+needs_loader = pytest.mark.skipif(not _has_loader(),
+                                 reason="instant_staging.loader is not on this branch")
+
+
+@needs_loader
+def test_load_to_cpu_reports_tensors_bytes_and_seconds(weights):
+    path, count, nbytes = weights
+    r = cli_json("load", str(path), "--device", "cpu", "--chunk-size", "64KiB",
+                 "--io-depth", "4", "--threads", "2", "--verify")
+    assert r["command"] == "load" and r["ok"] is True and r["files"] == [str(path)]
+    assert r["tensors"] == count and r["bytes"] == nbytes and r["verified"] is True
+    assert r["device"] == "cpu" and r["seconds"] > 0 and r["gbps"] > 0
+    assert (r["chunk_size"], r["io_depth"], r["threads"]) == (64 << 10, 4, 2)
+    assert r["staging"] == {"kind": "HOST", "pinned": False, "size": 256 << 10,
+                            "segment_size": None, "seconds": 0.0, "attempts": []}
+    proc = cli("load", str(path), "--device", "cpu", "--chunk-size", "64KiB")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{count} tensors, ") and "GB/s" in proc.stdout
+    assert "staging: HOST" in proc.stdout
+    assert "loaded 100%" in proc.stderr  # not a terminal: plain progress lines
+
+
+@needs_loader
+def test_load_of_a_bad_file_exits_1(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 64)
+    r = cli_json("load", str(bad), "--device", "cpu", code=1)
+    assert r["ok"] is False and r["error"]["type"] == "SafetensorsError"
+    assert str(bad) in r["error"]["message"]
+
+
+def test_load_staging_smaller_than_a_chunk_is_a_usage_error(tmp_path):
+    (tmp_path / "x").write_bytes(b"")
+    proc = cli("load", str(tmp_path / "x"), "--chunk-size", "8MiB", "--staging-size", "4MiB")
+    assert proc.returncode == 2 and "--staging-size" in proc.stderr
+
+
+@needs_loader
 @pytest.mark.gpu
 def test_load_reports_tensors_bytes_and_kind(weights):
     path, count, nbytes = weights
@@ -569,7 +606,7 @@ def test_load_reports_tensors_bytes_and_kind(weights):
     assert "loaded 100%" in proc.stderr  # not a terminal: plain progress lines
 
 
-@pytest.mark.skipif(not _has_loader(), reason="instant_staging.loader is not on this branch")
+@needs_loader
 @pytest.mark.gpu
 def test_load_with_faults_reports_the_fallback_kind(weights):
     path, count, _ = weights
@@ -579,14 +616,27 @@ def test_load_with_faults_reports_the_fallback_kind(weights):
 
 
 @needs_no_gpu
-@pytest.mark.skipif(not _has_loader(), reason="instant_staging.loader is not on this branch")
-def test_load_without_gpu_fails_with_the_staging_attempts(weights):
+@needs_loader
+def test_load_without_gpu_says_so_and_exits_1(weights):
     path, _, _ = weights
-    r = cli_json("load", str(path), "--chunk-size", "1MiB", "--io-depth", "4", code=1)
-    assert r["ok"] is False and r["error"]["type"] == "StagingError"
-    assert [a["step"] for a in r["error"]["attempts"]][-1] == "runtime_alloc"
+    r = cli_json("load", str(path), code=1)
+    assert r["ok"] is False and r["error"]["type"] == "NoDevice"
+    assert "--device cpu" in r["error"]["message"]
     proc = cli("load", str(path))
-    assert proc.returncode == 1 and "load failed: StagingError" in proc.stderr
+    assert proc.returncode == 1 and "load failed: NoDevice: cannot load to cuda:0" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_load_staging_error_reports_the_attempts(monkeypatch, weights):
+    # What a GPU host that pins nothing shows (loads to cuda need a GPU, so
+    # the device check is skipped here: the staging error comes first).
+    monkeypatch.setattr(load_cmd, "_loader", lambda: None)
+    monkeypatch.setattr(load_cmd, "_check_device", lambda device: None)
+    rt = SimulatedRuntime(faults="register=invalid_value;host_alloc=memory_allocation")
+    with pytest.raises(ist.StagingError) as info:
+        load_cmd.load([weights[0]], chunk_size=1 * MiB, io_depth=4, runtime=rt)
+    assert [a.step for a in info.value.attempts][-1] == "runtime_alloc"
+    assert rt.live_registrations == 0 and rt.live_host_allocs == 0
 
 
 # -- on a real GPU -----------------------------------------------------------------------
