@@ -296,8 +296,7 @@ cdef class StagingBuffer:
                 "%s of %s failed with %s; retrying as %d segments of %s "
                 "(segment_size= changes the segment size)",
                 _API["register"], format_size(self._size), self._describe(code),
-                # Rounded up in Python ints: negating a size_t would wrap.
-                (<object>self._size + self._segment_size - 1) // self._segment_size,
+                (self._size + self._segment_size - 1) // self._segment_size,
                 format_size(self._segment_size))
             if self._step_register_segments(register_flags):
                 self._kind = KIND_SEGMENTED

@@ -226,7 +226,7 @@ def test_inject_faults_arguments():
 
 
 def test_injected_code_pending_then_cleared():
-    sim = SimulatedRuntime()
+    sim = SimulatedRuntime(backend="cuda")
     rt = inject_faults(sim, "register=invalid_value")
     keep, ptr = host_buffer(8192)
     assert rt.host_register(ptr, 8192) == 1
@@ -346,7 +346,7 @@ def test_host_alloc_rule():
 
 
 def test_integer_code_named_by_inner_runtime():
-    rt = inject_faults(SimulatedRuntime(), "register=35")
+    rt = inject_faults(SimulatedRuntime(backend="cuda"), "register=35")
     keep, ptr = host_buffer(64)
     assert rt.host_register(ptr, 64) == 35
     assert rt.error_name(rt.peek_last_error()) == "cudaErrorInsufficientDriver"

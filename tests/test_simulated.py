@@ -31,7 +31,8 @@ class Host:
 
 @pytest.fixture
 def sim():
-    return SimulatedRuntime()
+    # CUDA's names and versions, whichever backend this build has.
+    return SimulatedRuntime(backend="cuda")
 
 
 @pytest.fixture

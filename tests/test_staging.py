@@ -148,7 +148,7 @@ def test_each_fallback_logged_once_with_names_sizes_and_knob(caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "instant_staging"]
     assert len(messages) == 2, messages
     assert rt.error_name(1) in messages[0] and "segment_size" in messages[0]
-    assert "KiB" in messages[0]
+    assert "KiB" in messages[0] and "as 3 segments" in messages[0]
     assert "HostAlloc" in messages[1] or "hipHostMalloc" in messages[1]
     buf.close()
 
