@@ -20,7 +20,9 @@ from instant_staging.testing import SimulatedRuntime
 
 from conftest import gpu_count
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The subprocesses import the instant_staging these tests imported (the
+# source tree when built in place, site-packages under tox).
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ist.__file__)))
 MiB = 1 << 20
 GiB = 1 << 30
 # Small and quick: three segments of 16 MiB, 16 MiB, 8 MiB.
@@ -35,9 +37,9 @@ def error_name(code):
 def cli(*args, env=None):
     """Runs ``python -m instant_staging ARGS``; the CompletedProcess."""
     environ = {k: v for k, v in os.environ.items() if k != "INSTANT_STAGING_FAULTS"}
-    environ["PYTHONPATH"] = ROOT + os.pathsep + environ.get("PYTHONPATH", "")
+    environ["PYTHONPATH"] = PACKAGE_PARENT + os.pathsep + environ.get("PYTHONPATH", "")
     environ.update(env or {})
-    return subprocess.run([sys.executable, "-m", "instant_staging", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "instant_staging", *args], cwd=PACKAGE_PARENT,
                           env=environ, capture_output=True, text=True, timeout=300)
 
 
