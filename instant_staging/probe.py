@@ -84,13 +84,14 @@ def select_runtime(*, simulate=False, faults=None, require_gpu=False,
     runtime when ``require_gpu`` and there is no usable GPU.
     """
     plan = _plan(faults)
-    info = {"simulated": bool(simulate), "gpu": None,
+    info = {"simulated": bool(simulate), "gpu": None, "versions": {},
             "faults": str(plan) if plan is not None else None,
             "faults_from": "--faults" if plan is not None else None}
     if not simulate:
         try:
             real = real_runtime()
             info["gpu"] = gpu_status(real)
+            info["versions"] = _versions(real)  # of the real runtime, even when simulating
         except (ImportError, OSError) as e:
             real = None
             info["gpu"] = {"available": False, "code": None, "error": type(e).__name__,
@@ -299,7 +300,7 @@ def probe(size=DEFAULT_SIZE, *, segment_size=DEFAULT_SEGMENT_SIZE, copy_unit=Non
                                    require_gpu=require_gpu, real_runtime=real_runtime)
     result = {"command": "probe", "backend": BACKEND, "simulated": info["simulated"],
               "runtime": runtime.name if runtime is not None else None,
-              "gpu": info["gpu"], "faults": info["faults"], "faults_from": info["faults_from"],
+              "runtime_version": None, "driver_version": None, "gpu": info["gpu"], "faults": info["faults"], "faults_from": info["faults_from"],
               "size": size, "segment_size": segment_size, "copy_unit": copy_unit,
               "chunk_size": chunk_size, "ok": False, "kind": None, "pinned": False,
               "segments": [], "attempts": [], "create_seconds": None, "error": None,
@@ -309,7 +310,7 @@ def probe(size=DEFAULT_SIZE, *, segment_size=DEFAULT_SEGMENT_SIZE, copy_unit=Non
                            + info["gpu"]["reason"], "code": info["gpu"]["code"],
                            "retained_ranges": []}
         return result
-    result.update(_versions(runtime))
+    result.update(info["versions"])
     options = {"segment_size": segment_size, "copy_unit": copy_unit, "hugepages": hugepages,
                "prefault_threads": prefault_threads, "allow_pageable": allow_pageable}
     buf, fields = _make_buffer(size, runtime, options)

@@ -76,6 +76,7 @@ def test_probe_reaches_each_pinned_kind_and_verifies_the_copy(faults, kind, expe
     args = ["probe", "--simulate", *SMALL] + (["--faults", faults] if faults else [])
     r = cli_json(*args)
     assert r["command"] == "probe" and r["simulated"] is True and r["gpu"] is None
+    assert r["runtime_version"] is None and r["driver_version"] is None  # none was asked
     assert r["ok"] is True and r["error"] is None
     assert r["kind"] == kind and r["pinned"] is True
     assert steps(r) == expected_steps
@@ -203,6 +204,7 @@ def test_probe_without_gpu_says_why_and_simulates():
     gpu = r["gpu"]
     assert r["simulated"] is True and gpu["available"] is False and gpu["device_count"] == 0
     assert gpu["code"] != 0 and gpu["error"] and gpu["error"] in first
+    assert r["runtime_version"] > 0  # the real runtime's, which loads without a driver
     assert r["kind"] == "REGISTERED" and r["copy"]["verified"] is True
 
 
@@ -237,6 +239,8 @@ def test_probe_uses_the_real_runtime_when_it_has_a_device():
                     faults="register=invalid_value", real_runtime=lambda: real)
     assert r["simulated"] is False and r["gpu"]["available"] is True
     assert r["gpu"]["device_count"] == 2 and r["gpu"]["device_name"] == "SimulatedRuntime device"
+    assert (r["runtime_version"], r["driver_version"]) == (real.runtime_version()[1],
+                                                           real.driver_version()[1])
     assert r["kind"] == "RUNTIME_PINNED" and r["copy"]["verified"] is True
     assert real.live_host_allocs == 0 and real.live_device_allocs == 0  # all released
 
