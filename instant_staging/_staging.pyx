@@ -92,34 +92,46 @@ def _gcd(a, b):
     return a
 
 
+MAX_PREFAULT_THREADS = 1024
+
+
 def auto_prefault_threads(size_t size):
     """How many threads prefault `size` bytes when prefault_threads=None.
 
-    INSTANT_STAGING_PREFAULT_THREADS overrides.  Otherwise one thread per
-    32 MiB, at most 16 (where the H200 host stopped gaining) and at most
-    the CPUs this process may run on; none below 4 MiB, where registration
-    faulting the pages itself costs less than starting threads.
+    INSTANT_STAGING_PREFAULT_THREADS overrides (an int in [0, 1024]; 0
+    disables).  Otherwise one thread per 32 MiB, at most 16 (where the H200
+    host stopped gaining) and at most the CPUs this process may run on; and
+    none where that comes to fewer than two: on the H200 host one thread
+    writing each page took 1.12 s for 2 GiB where the registration faulting
+    the pages itself took 0.70 s, two threads 0.62 s (FIELD_NOTES.md).
     """
     env = os.environ.get("INSTANT_STAGING_PREFAULT_THREADS", "").strip()
     if env:
         try:
             threads = int(env)
         except ValueError:
-            raise ValueError(f"INSTANT_STAGING_PREFAULT_THREADS must be an int >= 0, got {env!r}") from None
-        if threads < 0:
-            raise ValueError(f"INSTANT_STAGING_PREFAULT_THREADS must be an int >= 0, got {env!r}")
+            threads = -1
+        if not 0 <= threads <= MAX_PREFAULT_THREADS:
+            raise ValueError(f"INSTANT_STAGING_PREFAULT_THREADS must be an int in "
+                             f"[0, {MAX_PREFAULT_THREADS}], got {env!r}")
         return threads
-    if size < (4 << 20):
-        return 0
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    return max(1, min(16, cpus, size // (32 << 20)))
+    threads = min(16, cpus, size // (32 << 20))
+    return threads if threads >= 2 else 0
 
 
 def _hugepages_default():
-    return os.environ.get("INSTANT_STAGING_HUGEPAGES", "").strip().lower() in ("1", "true", "yes", "on")
+    """INSTANT_STAGING_HUGEPAGES as a bool; a value that is neither is an error."""
+    env = os.environ.get("INSTANT_STAGING_HUGEPAGES", "").strip().lower()
+    if env in ("1", "true", "yes", "on"):
+        return True
+    if env in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"INSTANT_STAGING_HUGEPAGES must be 1/true/yes/on or 0/false/no/off, "
+                     f"got {env!r}")
 
 
 # -- step 2: the prefault workers (plain C threads, no GIL) ------------------
@@ -261,8 +273,9 @@ cdef class StagingBuffer:
         _check_flags("alloc_flags", alloc_flags)
         if prefault_threads is not None:
             _int_arg("prefault_threads", prefault_threads, 0)
-            if prefault_threads > 1024:
-                raise ValueError(f"prefault_threads must be <= 1024, got {prefault_threads}")
+            if prefault_threads > MAX_PREFAULT_THREADS:
+                raise ValueError(f"prefault_threads must be <= {MAX_PREFAULT_THREADS}, "
+                                 f"got {prefault_threads}")
         if hugepages is None:
             hugepages = _hugepages_default()
         if runtime is None:
