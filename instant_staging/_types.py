@@ -77,7 +77,7 @@ def format_size(n: int) -> str:
     for unit, scale in _UNITS:
         if n >= scale:
             value = n / scale
-            text = f"{value:.0f}" if value == int(value) else f"{value:.2f}".rstrip("0")
+            text = f"{value:.0f}" if value == int(value) else f"{value:.2f}".rstrip("0").rstrip(".")
             return f"{text} {unit}"
     return f"{n} B"
 
