@@ -44,6 +44,7 @@ def ext(name, sources, **kw):
 extensions = [
     ext("instant_staging._runtime", ["instant_staging/_runtime.pyx"]),
     ext("instant_staging._staging", ["instant_staging/_staging.pyx"], libraries=["pthread"]),
+    ext("instant_staging._pipeline", ["instant_staging/_pipeline.pyx"], libraries=["pthread"]),
     ext("instant_staging._faults", ["instant_staging/_faults.pyx"]),
     ext("instant_staging.testing._simulated", ["instant_staging/testing/_simulated.pyx"]),
     ext(f"instant_staging._{'cuda' if backend.name == 'cuda' else 'hip'}", [backend.source],

@@ -96,6 +96,10 @@ cdef class FaultyRuntime(Runtime):
         self.table.stream_destroy = _stream_destroy
         self.table.stream_synchronize = _stream_synchronize
         self.table.device_synchronize = _device_synchronize
+        self.table.event_create = _event_create
+        self.table.event_destroy = _event_destroy
+        self.table.event_record = _event_record
+        self.table.event_synchronize = _event_synchronize
         return 0
 
     @property
@@ -333,3 +337,23 @@ cdef int _stream_synchronize(void* ctx, void* stream) noexcept nogil:
 cdef int _device_synchronize(void* ctx) noexcept nogil:
     cdef FaultCtx* c = <FaultCtx*>ctx
     return _forwarded(ctx, c.inner.device_synchronize(c.inner.ctx))
+
+
+cdef int _event_create(void* ctx, void** event) noexcept nogil:
+    cdef FaultCtx* c = <FaultCtx*>ctx
+    return _forwarded(ctx, c.inner.event_create(c.inner.ctx, event))
+
+
+cdef int _event_destroy(void* ctx, void* event) noexcept nogil:
+    cdef FaultCtx* c = <FaultCtx*>ctx
+    return _forwarded(ctx, c.inner.event_destroy(c.inner.ctx, event))
+
+
+cdef int _event_record(void* ctx, void* event, void* stream) noexcept nogil:
+    cdef FaultCtx* c = <FaultCtx*>ctx
+    return _forwarded(ctx, c.inner.event_record(c.inner.ctx, event, stream))
+
+
+cdef int _event_synchronize(void* ctx, void* event) noexcept nogil:
+    cdef FaultCtx* c = <FaultCtx*>ctx
+    return _forwarded(ctx, c.inner.event_synchronize(c.inner.ctx, event))

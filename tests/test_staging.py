@@ -299,3 +299,9 @@ def test_repr_and_attempt_describe():
     assert "failed" in buf.attempts[1].describe()
     buf.close()
     assert "closed" in repr(buf)
+
+
+def test_format_size_never_leaves_a_bare_point():
+    assert ist.format_size((256 << 20) + 5) == "256 MiB"
+    assert ist.format_size(1536) == "1.5 KiB"
+    assert ist.format_size(100) == "100 B"
