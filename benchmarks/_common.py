@@ -434,3 +434,12 @@ def parse_sizes(text):
 
 def now():
     return time.perf_counter()
+
+
+def parse_kinds(parser, text, known):
+    """'a,b' -> ['a', 'b'], a usage error naming the unknown ones."""
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = set(kinds) - set(known)
+    if unknown or not kinds:
+        parser.error(f"unknown kinds {sorted(unknown)}; known: {', '.join(known)}")
+    return kinds

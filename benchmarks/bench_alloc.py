@@ -347,10 +347,7 @@ def main(argv=None):
     p.add_argument("-v", "--verbose", action="store_true", help="show the fallback warnings")
     args = p.parse_args(argv)
     args.sizes = C.parse_sizes(args.sizes)
-    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    unknown = set(args.kinds) - set(DEFAULT_KINDS + EXTRA_KINDS)
-    if unknown or not args.kinds:
-        p.error(f"unknown kinds {sorted(unknown)}; known: {', '.join(DEFAULT_KINDS + EXTRA_KINDS)}")
+    args.kinds = C.parse_kinds(p, args.kinds, DEFAULT_KINDS + EXTRA_KINDS)
     if args.runs < 1:
         p.error("--runs must be >= 1")
     C.quiet_logging(args.verbose)

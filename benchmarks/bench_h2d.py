@@ -314,10 +314,7 @@ def main(argv=None):
     args.chunk = ist.parse_size(args.chunk)
     if args.chunk <= 0:
         p.error("--chunk must be positive")
-    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    unknown = set(args.kinds) - set(DEFAULT_KINDS)
-    if unknown or not args.kinds:
-        p.error(f"unknown kinds {sorted(unknown)}; known: {', '.join(DEFAULT_KINDS)}")
+    args.kinds = C.parse_kinds(p, args.kinds, DEFAULT_KINDS)
     if args.runs < 1:
         p.error("--runs must be >= 1")
     C.quiet_logging(args.verbose)
