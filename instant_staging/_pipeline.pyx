@@ -36,22 +36,10 @@ from instant_staging._runtime cimport Runtime, RuntimeTable, MEMCPY_HOST_TO_DEVI
 cdef extern from "<stdlib.h>" nogil:
     int posix_memalign(void** memptr, size_t alignment, size_t size)
 
-cdef extern from "<pthread.h>" nogil:
-    ctypedef unsigned long pthread_t
-    ctypedef struct pthread_mutex_t:
-        pass
-    ctypedef struct pthread_cond_t:
-        pass
-    int pthread_create(pthread_t* thread, void* attr, void* (*start)(void*) noexcept nogil, void* arg)
-    int pthread_join(pthread_t thread, void** retval)
-    int pthread_mutex_init(pthread_mutex_t* m, void* attr)
-    int pthread_mutex_destroy(pthread_mutex_t* m)
-    int pthread_mutex_lock(pthread_mutex_t* m)
-    int pthread_mutex_unlock(pthread_mutex_t* m)
-    int pthread_cond_init(pthread_cond_t* c, void* attr)
-    int pthread_cond_destroy(pthread_cond_t* c)
-    int pthread_cond_broadcast(pthread_cond_t* c)
-    int pthread_cond_timedwait(pthread_cond_t* c, pthread_mutex_t* m, const timespec* t)
+from instant_staging._pthread cimport (
+    pthread_t, pthread_mutex_t, pthread_cond_t, pthread_create, pthread_join,
+    pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_lock, pthread_mutex_unlock,
+    pthread_cond_init, pthread_cond_destroy, pthread_cond_broadcast, pthread_cond_timedwait)
 
 # Where the pieces go.
 cdef enum:

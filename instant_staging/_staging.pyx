@@ -141,10 +141,7 @@ def _hugepages_default():
 
 # -- step 2: the prefault workers (plain C threads, no GIL) ------------------
 
-cdef extern from "<pthread.h>" nogil:
-    ctypedef unsigned long pthread_t
-    int pthread_create(pthread_t* thread, void* attr, void* (*start)(void*) noexcept nogil, void* arg)
-    int pthread_join(pthread_t thread, void** retval)
+from instant_staging._pthread cimport pthread_t, pthread_create, pthread_join
 
 cdef struct TouchRange:
     char* start
