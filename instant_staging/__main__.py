@@ -151,7 +151,7 @@ def run_load(args, parser):
         if not os.path.isfile(path):
             parser.error(f"no such file: {path}")
     if args.staging_size is not None and args.staging_size < args.chunk_size:
-        parser.error(f"--staging-size must hold at least one chunk of --chunk-size")
+        parser.error("--staging-size must hold at least one chunk of --chunk-size")
     tty = sys.stderr.isatty()
     progress = load_cmd.Progress(sys.stderr, bar=tty, quiet=args.json)
     try:

@@ -507,12 +507,6 @@ def test_version_text():
 
 # -- load ----------------------------------------------------------------------------------
 
-def _has_loader():
-    try:
-        import instant_staging.loader  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def test_load_missing_file_is_a_usage_error(tmp_path):
@@ -559,11 +553,6 @@ def weights(tmp_path):
     return path, len(tensors), nbytes
 
 
-needs_loader = pytest.mark.skipif(not _has_loader(),
-                                 reason="instant_staging.loader is not on this branch")
-
-
-@needs_loader
 def test_load_to_cpu_reports_tensors_bytes_and_seconds(weights):
     path, count, nbytes = weights
     r = cli_json("load", str(path), "--device", "cpu", "--chunk-size", "64KiB",
@@ -581,7 +570,6 @@ def test_load_to_cpu_reports_tensors_bytes_and_seconds(weights):
     assert "loaded 100%" in proc.stderr  # not a terminal: plain progress lines
 
 
-@needs_loader
 def test_load_of_a_bad_file_exits_1(tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\xff" * 64)
@@ -596,7 +584,6 @@ def test_load_staging_smaller_than_a_chunk_is_a_usage_error(tmp_path):
     assert proc.returncode == 2 and "--staging-size" in proc.stderr
 
 
-@needs_loader
 @pytest.mark.gpu
 def test_load_reports_tensors_bytes_and_kind(weights):
     path, count, nbytes = weights
@@ -612,7 +599,6 @@ def test_load_reports_tensors_bytes_and_kind(weights):
     assert "loaded 100%" in proc.stderr  # not a terminal: plain progress lines
 
 
-@needs_loader
 @pytest.mark.gpu
 def test_load_with_faults_reports_the_fallback_kind(weights):
     path, count, _ = weights
@@ -622,7 +608,6 @@ def test_load_with_faults_reports_the_fallback_kind(weights):
 
 
 @needs_no_gpu
-@needs_loader
 def test_load_without_gpu_says_so_and_exits_1(weights):
     path, _, _ = weights
     r = cli_json("load", str(path), code=1)

@@ -12,8 +12,6 @@ import json
 import mmap
 import os
 import struct
-import subprocess
-import sys
 
 import pytest
 
@@ -23,6 +21,8 @@ st = pytest.importorskip("safetensors.torch")
 import instant_staging as ist
 from instant_staging import loader
 from instant_staging.loader import LoadError, SafetensorsError, VerifyError, iter_load, load_file
+
+from _child import run_child
 
 PAGE = mmap.PAGESIZE
 CHUNK = 2 * PAGE              # small: many chunks, tensors spanning chunks
@@ -555,9 +555,7 @@ def test_import_without_torch():
             "import instant_staging, instant_staging.loader as l\n"
             "try:\n    l.load_file(__file__, 'cpu')\nexcept ImportError as e:\n"
             "    assert 'instant_staging[torch]' in str(e), e\nelse:\n    raise SystemExit(1)\n")
-    script = os.path.join(os.path.dirname(__file__), "..", "instant_staging", "__init__.py")
-    result = subprocess.run([sys.executable, "-c", code.replace("__file__", repr(script))],
-                            capture_output=True, text=True)
+    result = run_child(code.replace("__file__", repr(ist.__file__)))
     assert result.returncode == 0, result.stderr
 
 

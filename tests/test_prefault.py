@@ -26,6 +26,7 @@ SIZE = 10 * PAGE + 100          # three segments, the last one short
 HUGE = 2 << 20
 TOO_BIG = 1 << 60               # mmap would fail: a ValueError proves nothing was tried
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ist.__file__)))
 
 FAULTS = [
     (None, ist.Kind.REGISTERED),
@@ -312,16 +313,18 @@ FAILING_PREFAULT = textwrap.dedent("""
 
 def _subprocess_env():
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    # The package the tests import (the built tree or tox's installed wheel),
+    # never the unbuilt sources a child would find from the repository root.
+    env["PYTHONPATH"] = PACKAGE_PARENT + os.pathsep + env.get("PYTHONPATH", "")
     for name in ("INSTANT_STAGING_PREFAULT_THREADS", "INSTANT_STAGING_HUGEPAGES",
                  "INSTANT_STAGING_FAULTS"):
         env.pop(name, None)
     return env
 
 
-def test_prefault_that_cannot_start_threads_is_recorded_and_not_fatal():
+def test_prefault_that_cannot_start_threads_is_recorded_and_not_fatal(tmp_path):
     proc = subprocess.run([sys.executable, "-c", FAILING_PREFAULT], capture_output=True,
-                          text=True, timeout=60, env=_subprocess_env(), cwd=ROOT)
+                          text=True, timeout=60, env=_subprocess_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     steps = [(a[0], a[1]) for a in out["attempts"]]
@@ -343,7 +346,7 @@ def run_bench(script, tmp_path, *extra):
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", f"{script}.py"),
          "--sizes", "8MiB", "--runs", "1", "--simulate", "--json", str(path), *extra],
-        capture_output=True, text=True, timeout=120, env=_subprocess_env(), cwd=ROOT)
+        capture_output=True, text=True, timeout=120, env=_subprocess_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SIMULATED" in proc.stdout and "NO GPU" in proc.stdout
     return json.loads(path.read_text()), proc.stdout
