@@ -443,3 +443,26 @@ def parse_kinds(parser, text, known):
     if unknown or not kinds:
         parser.error(f"unknown kinds {sorted(unknown)}; known: {', '.join(known)}")
     return kinds
+
+
+def add_common_options(parser):
+    """The options every benchmark script shares."""
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--simulate", action="store_true",
+                        help="use the simulated runtime even if a GPU is present")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if a target FAILs")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show the fallback warnings")
+
+
+def run_timed(parser, args, title, run):
+    """Checks --runs, picks the runtime, prints the banner and times
+    ``run(args, setup)``; returns (setup, results, skipped, seconds)."""
+    if args.runs < 1:
+        parser.error("--runs must be >= 1")
+    quiet_logging(args.verbose)
+    setup = pick_runtime(args.simulate)
+    banner(setup, title)
+    start = time.perf_counter()
+    results, skipped = run(args, setup)
+    return setup, results, skipped, time.perf_counter() - start

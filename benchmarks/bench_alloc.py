@@ -339,23 +339,11 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=5, help="runs per kind and size (default 5)")
     p.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
                    help="comma-separated kinds; also: " + ", ".join(EXTRA_KINDS))
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--simulate", action="store_true",
-                   help="use the simulated runtime even if a GPU is present")
-    p.add_argument("--strict", action="store_true", help="exit 1 if a target FAILs")
-    p.add_argument("-v", "--verbose", action="store_true", help="show the fallback warnings")
+    C.add_common_options(p)
     args = p.parse_args(argv)
     args.sizes = C.parse_sizes(args.sizes)
     args.kinds = C.parse_kinds(p, args.kinds, DEFAULT_KINDS + EXTRA_KINDS)
-    if args.runs < 1:
-        p.error("--runs must be >= 1")
-    C.quiet_logging(args.verbose)
-
-    setup = C.pick_runtime(args.simulate)
-    C.banner(setup, "bench_alloc: time to pinned")
-    start = time.perf_counter()
-    results, skipped = run(args, setup)
-    elapsed = time.perf_counter() - start
+    setup, results, skipped, elapsed = C.run_timed(p, args, "bench_alloc: time to pinned", run)
 
     print(f"\nseconds, median of {args.runs} run(s); 'vs hostAlloc' = cudaHostAlloc time / "
           "this time (higher is faster);\nprefault/register: medians of the state machine's "

@@ -304,26 +304,14 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=5, help="timed copies per mode (default 5)")
     p.add_argument("--chunk", default="8MiB", help="chunk of the chunked mode (default 8MiB)")
     p.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help="comma-separated kinds")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--simulate", action="store_true",
-                   help="use the simulated runtime even if a GPU is present")
-    p.add_argument("--strict", action="store_true", help="exit 1 if a target FAILs")
-    p.add_argument("-v", "--verbose", action="store_true", help="show the fallback warnings")
+    C.add_common_options(p)
     args = p.parse_args(argv)
     args.sizes = C.parse_sizes(args.sizes)
     args.chunk = ist.parse_size(args.chunk)
     if args.chunk <= 0:
         p.error("--chunk must be positive")
     args.kinds = C.parse_kinds(p, args.kinds, DEFAULT_KINDS)
-    if args.runs < 1:
-        p.error("--runs must be >= 1")
-    C.quiet_logging(args.verbose)
-
-    setup = C.pick_runtime(args.simulate)
-    C.banner(setup, "bench_h2d: host-to-device copy rate")
-    start = time.perf_counter()
-    results, skipped = run(args, setup)
-    elapsed = time.perf_counter() - start
+    setup, results, skipped, elapsed = C.run_timed(p, args, "bench_h2d: host-to-device copy rate", run)
 
     print(f"\nGB/s = 1e9 bytes/s, median of {args.runs} copies after a warm-up; copies via "
           f"the runtime table's\nmemcpy_async on one stream ({C.fmt_size(args.chunk)} chunks "
