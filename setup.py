@@ -60,7 +60,7 @@ setup(
     # another toolkit's headers or other flags would be reused (setuptools
     # compares only source times).
     options={"build": {"build_base": os.path.join("build", f"{backend.name}-{_toolchain_key}")}},
-    ext_modules=cythonize(extensions, language_level=3,
+    ext_modules=cythonize(extensions, language_level=3, include_path=["instant_staging"],
                           compiler_directives={"embedsignature": True}),
-    package_data={"instant_staging": ["*.pxd", "*.pyx"], "instant_staging.testing": ["*.pxd", "*.pyx"]},
+    package_data={"instant_staging": ["*.pxd", "*.pyx", "*.pxi"], "instant_staging.testing": ["*.pxd", "*.pyx"]},
 )

@@ -43,6 +43,7 @@ def _coerce_plan(plan):
     return plan
 
 
+
 cdef class FaultyRuntime(Runtime):
     """``FaultyRuntime(inner, plan)``: ``inner`` with the faults of ``plan``.
 
@@ -73,33 +74,7 @@ cdef class FaultyRuntime(Runtime):
             self._inner_borrowed = <void*>inner
         self.name = inner.name + "+faults"
 
-        self.table.ctx = &self._ctx
-        self.table.host_register = _host_register
-        self.table.host_unregister = _host_unregister
-        self.table.host_alloc = _host_alloc
-        self.table.free_host = _free_host
-        self.table.get_last_error = _get_last_error
-        self.table.peek_last_error = _peek_last_error
-        self.table.error_name = _error_name
-        self.table.error_string = _error_string
-        self.table.runtime_version = _runtime_version
-        self.table.driver_version = _driver_version
-        self.table.device_count = _device_count
-        self.table.get_device = _get_device
-        self.table.set_device = _set_device
-        self.table.device_name = _device_name
-        self.table.pointer_type = _pointer_type
-        self.table.device_malloc = _device_malloc
-        self.table.device_free = _device_free
-        self.table.memcpy_async = _memcpy_async
-        self.table.stream_create = _stream_create
-        self.table.stream_destroy = _stream_destroy
-        self.table.stream_synchronize = _stream_synchronize
-        self.table.device_synchronize = _device_synchronize
-        self.table.event_create = _event_create
-        self.table.event_destroy = _event_destroy
-        self.table.event_record = _event_record
-        self.table.event_synchronize = _event_synchronize
+        _fill_table(&self.table, &self._ctx)
         return 0
 
     @property
@@ -357,3 +332,6 @@ cdef int _event_record(void* ctx, void* event, void* stream) noexcept nogil:
 cdef int _event_synchronize(void* ctx, void* event) noexcept nogil:
     cdef FaultCtx* c = <FaultCtx*>ctx
     return _forwarded(ctx, c.inner.event_synchronize(c.inner.ctx, event))
+
+
+include "_table.pxi"   # _fill_table: every entry from the adapters above

@@ -152,6 +152,7 @@ cdef void _remove_range(list starts, dict sizes, intptr_t ptr):
 
 
 @cython.no_gc_clear  # __dealloc__ needs the allocation dicts to free them
+
 cdef class SimulatedRuntime(Runtime):
     """``SimulatedRuntime(faults=None, *, device_count=1, log_limit=10000, backend=None)``
 
@@ -219,33 +220,7 @@ cdef class SimulatedRuntime(Runtime):
         self.name = "simulated"
         self._owner = None
 
-        self.table.ctx = <void*>self  # borrowed: the table lives inside self
-        self.table.host_register = _host_register
-        self.table.host_unregister = _host_unregister
-        self.table.host_alloc = _host_alloc
-        self.table.free_host = _free_host
-        self.table.get_last_error = _get_last_error
-        self.table.peek_last_error = _peek_last_error
-        self.table.error_name = _error_name
-        self.table.error_string = _error_string
-        self.table.runtime_version = _runtime_version
-        self.table.driver_version = _driver_version
-        self.table.device_count = _get_device_count
-        self.table.get_device = _get_device
-        self.table.set_device = _set_device
-        self.table.device_name = _device_name
-        self.table.pointer_type = _pointer_type
-        self.table.device_malloc = _device_malloc
-        self.table.device_free = _device_free
-        self.table.memcpy_async = _memcpy_async
-        self.table.stream_create = _stream_create
-        self.table.stream_destroy = _stream_destroy
-        self.table.stream_synchronize = _stream_synchronize
-        self.table.device_synchronize = _device_synchronize
-        self.table.event_create = _event_create
-        self.table.event_destroy = _event_destroy
-        self.table.event_record = _event_record
-        self.table.event_synchronize = _event_synchronize
+        _fill_table(&self.table, <void*>self)  # borrowed: the table lives inside self
 
         self._faulty = None
         cdef FaultyRuntime wrapper
@@ -679,7 +654,7 @@ cdef int _driver_version(void* ctx, int* value) noexcept nogil:
             return _internal_error("driver_version")
 
 
-cdef int _get_device_count(void* ctx, int* value) noexcept nogil:
+cdef int _device_count(void* ctx, int* value) noexcept nogil:
     with gil:
         try:
             return (<SimulatedRuntime>ctx)._get_int("device_count", value)
@@ -813,3 +788,6 @@ cdef int _event_synchronize(void* ctx, void* event) noexcept nogil:
             return (<SimulatedRuntime>ctx)._event_op("event_synchronize", <intptr_t>event, 0)
         except BaseException:
             return _internal_error("event_synchronize")
+
+
+include "_table.pxi"   # _fill_table: every entry from the adapters above
