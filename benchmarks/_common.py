@@ -466,3 +466,17 @@ def run_timed(parser, args, title, run):
     start = time.perf_counter()
     results, skipped = run(args, setup)
     return setup, results, skipped, time.perf_counter() - start
+
+
+def torch_for(setup, kinds):
+    """(torch or None, the kinds left, {kind: why skipped}): torch_pinned
+    needs torch on a real GPU, so it is dropped, with the reason, without."""
+    torch, why = (None, "skipped on the simulated runtime")
+    if setup.gpu:
+        torch, why = torch_cuda()
+    kinds = list(kinds)
+    skipped = {}
+    if "torch_pinned" in kinds and torch is None:
+        kinds.remove("torch_pinned")
+        skipped["torch_pinned"] = why
+    return torch, kinds, skipped

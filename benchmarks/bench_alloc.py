@@ -168,14 +168,7 @@ def measure_once(kind, size, setup, torch, check_memory):
 
 
 def run(args, setup):
-    torch, torch_why = (None, "skipped on the simulated runtime")
-    if setup.gpu:
-        torch, torch_why = C.torch_cuda()
-    kinds = list(args.kinds)
-    skipped = {}
-    if "torch_pinned" in kinds and torch is None:
-        kinds.remove("torch_pinned")
-        skipped["torch_pinned"] = torch_why
+    torch, kinds, skipped = C.torch_for(setup, args.kinds)
     if torch is not None and not C.torch_empty_host_cache(torch):
         skipped["torch_pinned_note"] = ("this torch cannot empty its pinned cache: "
                                         "runs after the first are cache hits")

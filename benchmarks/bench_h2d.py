@@ -190,14 +190,7 @@ def measure_kind(kind, size, setup, torch, dev, stream, args, seed):
 
 def run(args, setup):
     rt = setup.runtime
-    torch, torch_why = (None, "skipped on the simulated runtime")
-    if setup.gpu:
-        torch, torch_why = C.torch_cuda()
-    kinds = list(args.kinds)
-    skipped = {}
-    if "torch_pinned" in kinds and torch is None:
-        kinds.remove("torch_pinned")
-        skipped["torch_pinned"] = torch_why
+    torch, kinds, skipped = C.torch_for(setup, args.kinds)
     C.warm_up(setup)
     code, stream = rt.stream_create()
     _check(rt, code, "stream_create")
