@@ -44,9 +44,9 @@ def ext(name, sources, **kw):
 extensions = [
     ext("instant_staging._runtime", ["instant_staging/_runtime.pyx"]),
     ext("instant_staging._staging", ["instant_staging/_staging.pyx"], libraries=["pthread"]),
-    ext("instant_staging._pipeline", ["instant_staging/_pipeline.pyx"], libraries=["pthread"]),
+    ext("instant_staging.loader._pipeline", ["instant_staging/loader/_pipeline.pyx"], libraries=["pthread"]),
     ext("instant_staging._faults", ["instant_staging/_faults.pyx"]),
-    ext("instant_staging.testing._simulated", ["instant_staging/testing/_simulated.pyx"]),
+    ext("instant_staging._simulated", ["instant_staging/_simulated.pyx"]),
     ext(f"instant_staging._{'cuda' if backend.name == 'cuda' else 'hip'}", [backend.source],
         include_dirs=backend.include_dirs, library_dirs=backend.library_dirs,
         libraries=backend.libraries, define_macros=backend.define_macros,
@@ -62,5 +62,5 @@ setup(
     options={"build": {"build_base": os.path.join("build", f"{backend.name}-{_toolchain_key}")}},
     ext_modules=cythonize(extensions, language_level=3, include_path=["instant_staging"],
                           compiler_directives={"embedsignature": True}),
-    package_data={"instant_staging": ["*.pxd", "*.pyx", "*.pxi"], "instant_staging.testing": ["*.pxd", "*.pyx"]},
+    package_data={"instant_staging": ["*.pxd", "*.pyx", "*.pxi"], "instant_staging.loader": ["*.pyx"]},
 )

@@ -4,7 +4,7 @@
 ``FaultyRuntime`` wraps any ``Runtime`` (CUDA, HIP, the simulated one, or
 another wrapper).  Its table forwards every entry to a copy of the inner
 table, except that ``host_register``, ``host_unregister``, ``host_alloc``
-and ``free_host`` first ask a fault plan (``testing.faultplan.FaultPlan``)
+and ``free_host`` first ask a fault plan (``instant_staging.faults.FaultPlan``)
 whether the call fails.  A failed call returns the plan's code without
 reaching the inner runtime and leaves that code pending, as the real
 runtime leaves its own, until ``get_last_error`` reads it.  This is how any
@@ -27,20 +27,9 @@ cdef enum:
     OP_HOST_ALLOC = 2
     OP_FREE_HOST = 3
 
+from instant_staging.faults import as_plan
+
 _OP_NAMES = ("register", "unregister", "host_alloc", "free_host")
-
-
-def _coerce_plan(plan):
-    """A FaultPlan from a spec string, or the plan itself (anything with decide())."""
-    if isinstance(plan, str):
-        # Imported here, not at module level: instant_staging.testing
-        # imports this module (through _simulated) while it initialises.
-        from instant_staging.testing.faultplan import FaultPlan
-        return FaultPlan.parse(plan)
-    if not callable(getattr(plan, "decide", None)):
-        raise TypeError("faults must be a spec str or a FaultPlan, "
-                        f"not {type(plan).__name__}")
-    return plan
 
 
 
@@ -55,7 +44,7 @@ cdef class FaultyRuntime(Runtime):
     """
 
     def __init__(self, Runtime inner not None, plan):
-        self._setup(inner, _coerce_plan(plan), True)
+        self._setup(inner, as_plan(plan), True)
 
     cdef int _setup(self, Runtime inner, object plan, bint own) except -1:
         # own=False is for a runtime wrapping its own table (SimulatedRuntime

@@ -46,7 +46,8 @@ logger = logging.getLogger("instant_staging")
 
 cdef size_t PAGE = <size_t>sysconf(_SC_PAGESIZE)
 cdef size_t HUGE_PAGE = 2 << 20
-DEFAULT_SEGMENT_SIZE = 256 << 20
+from instant_staging.defaults import (MAX_PREFAULT_THREADS, SEGMENT_SIZE as DEFAULT_SEGMENT_SIZE,
+                                       usable_cpus)
 
 # cudaErrorCudartUnloading / hipErrorDeinitialized: the runtime is being
 # torn down at exit; a release that meets it stays quiet.
@@ -97,8 +98,6 @@ def _gcd(a, b):
     return a
 
 
-MAX_PREFAULT_THREADS = 1024
-
 
 def auto_prefault_threads(size_t size):
     """How many threads prefault `size` bytes when prefault_threads=None.
@@ -120,11 +119,7 @@ def auto_prefault_threads(size_t size):
             raise ValueError(f"INSTANT_STAGING_PREFAULT_THREADS must be an int in "
                              f"[0, {MAX_PREFAULT_THREADS}], got {env!r}")
         return threads
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    threads = min(16, cpus, size // (32 << 20))
+    threads = min(16, usable_cpus(), size // (32 << 20))
     return threads if threads >= 2 else 0
 
 

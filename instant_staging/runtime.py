@@ -38,7 +38,7 @@ def default_runtime():
         return real_runtime()
     with _lock:
         if spec not in _wrapped:
-            from .testing.faultplan import FaultPlan
+            from .faults import FaultPlan
             from ._faults import inject_faults
             _wrapped[spec] = inject_faults(real_runtime(), FaultPlan.parse(spec))
         return _wrapped[spec]

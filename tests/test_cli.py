@@ -15,7 +15,8 @@ import sys
 import pytest
 
 import instant_staging as ist
-from instant_staging import doctor, load_cmd, probe
+from instant_staging.cli import doctor, probe, report
+from instant_staging.cli import load as load_cmd
 from instant_staging.testing import SimulatedRuntime
 
 from conftest import gpu_count
@@ -497,10 +498,10 @@ def test_doctor_runtime_without_devices(host):
 
 
 def test_version_text():
-    assert doctor.version_text("cuda", 13000) == "13.0"
-    assert doctor.version_text("cuda", 12040) == "12.4"
-    assert doctor.version_text("rocm", 50200003) == "5.2.3"
-    assert doctor.version_text("cuda", 0) == "none"
+    assert report.version_text("cuda", 13000) == "13.0"
+    assert report.version_text("cuda", 12040) == "12.4"
+    assert report.version_text("rocm", 50200003) == "5.2.3"
+    assert report.version_text("cuda", 0) == "none"
     assert doctor.parse_kernel("6.13.2-arch1") == (6, 13)
     assert doctor.parse_thp("always madvise [never]") == "never"
 
@@ -621,7 +622,6 @@ def test_load_without_gpu_says_so_and_exits_1(weights):
 def test_load_staging_error_reports_the_attempts(monkeypatch, weights):
     # What a GPU host that pins nothing shows (loads to cuda need a GPU, so
     # the device check is skipped here: the staging error comes first).
-    monkeypatch.setattr(load_cmd, "_loader", lambda: None)
     monkeypatch.setattr(load_cmd, "_check_device", lambda device: None)
     rt = SimulatedRuntime(faults="register=invalid_value;host_alloc=memory_allocation")
     with pytest.raises(ist.StagingError) as info:

@@ -121,7 +121,7 @@ class SimTarget:
     """The loader's device path with the simulated runtime as the device."""
 
     def __init__(self, rt):
-        from instant_staging._pipeline import DEVICE
+        from instant_staging.loader._pipeline import DEVICE
         self.rt, self.mode, self.index = rt, DEVICE, 0
         self.torch_target = loader._TorchTarget(torch, "cpu")
 

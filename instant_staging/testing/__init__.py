@@ -11,13 +11,15 @@ calls, so tests can assert that nothing leaked::
     buf = StagingBuffer(4 << 30, runtime=rt)
     assert rt.live_registrations == len(buf.segments)
 
-``FaultPlan`` parses the fault spec of ``INSTANT_STAGING_FAULTS``;
-``inject_faults(runtime, spec)`` wraps any runtime (the real one too) in a
-``FaultyRuntime`` that fails the calls the plan names.
+``FaultPlan`` (from ``instant_staging.faults``) parses the fault spec of
+``INSTANT_STAGING_FAULTS``; ``inject_faults(runtime, spec)`` wraps any
+runtime (the real one too) in a ``FaultyRuntime`` that fails the calls the
+plan names.  Nothing outside this package imports it.
 """
 
 from instant_staging._faults import FaultyRuntime, inject_faults
-from instant_staging.testing._simulated import SimulatedRuntime
-from instant_staging.testing.faultplan import FaultPlan, FaultRule
+from instant_staging._simulated import SimulatedRuntime
+from instant_staging.faults import FaultPlan, FaultRule, as_plan
 
-__all__ = ["FaultPlan", "FaultRule", "FaultyRuntime", "SimulatedRuntime", "inject_faults"]
+__all__ = ["FaultPlan", "FaultRule", "FaultyRuntime", "SimulatedRuntime", "as_plan",
+           "inject_faults"]

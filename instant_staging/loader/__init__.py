@@ -29,21 +29,17 @@ import traceback
 import weakref
 
 from ._header import SafetensorsError, read_header
-from ._types import format_size
+from .._types import format_size
 
 __all__ = ["LoadError", "LoadIterator", "SafetensorsError", "VerifyError",
            "iter_load", "load_file", "DEFAULT_CHUNK_SIZE", "DEFAULT_IO_DEPTH"]
 
-DEFAULT_CHUNK_SIZE = 8 << 20
-DEFAULT_IO_DEPTH = 16
-# More readers stopped paying off on the H200 host (FIELD_NOTES.md: 16
-# threads 41 GB/s, 32 threads 39 GB/s).
-MAX_DEFAULT_THREADS = 16
+from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE, IO_DEPTH as DEFAULT_IO_DEPTH
+from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS, SEGMENT_SIZE, usable_cpus
 # How often the consumer wakes to report progress while no tensor finishes.
 _POLL_SECONDS = 0.05
 # verify=True compares in pieces of this many bytes.
 _VERIFY_STEP = 64 << 20
-_SEGMENT_SIZE = 256 << 20
 
 # Staging buffers a load is using: two loads through one buffer would
 # overwrite each other's slots.
@@ -208,14 +204,14 @@ def _own_staging(mode, chunk_size, io_depth):
     if mode == HOST:
         # A copy to CPU memory gains nothing from pinning.
         return HostArea(size)
-    from ._staging import StagingBuffer
+    from .._staging import StagingBuffer
     page = mmap.PAGESIZE
-    segment = max(_SEGMENT_SIZE, -(-chunk_size // page) * page)
+    segment = max(SEGMENT_SIZE, -(-chunk_size // page) * page)
     return StagingBuffer(size, copy_unit=chunk_size, segment_size=segment)
 
 
 def _check_staging(staging, chunk_size):
-    from ._staging import StagingBuffer
+    from .._staging import StagingBuffer
     if not isinstance(staging, StagingBuffer):
         raise TypeError(f"staging must be an instant_staging.StagingBuffer, not {type(staging).__name__}")
     if staging.closed:
@@ -241,11 +237,7 @@ def _check_args(chunk_size, io_depth, threads):
 
 
 def _default_threads():
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(MAX_DEFAULT_THREADS, cpus))
+    return max(1, min(MAX_DEFAULT_THREADS, usable_cpus()))
 
 
 # -- the public functions ------------------------------------------------------

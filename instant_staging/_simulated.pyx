@@ -42,7 +42,7 @@ from instant_staging._runtime cimport (
     ERROR_ALREADY_REGISTERED, ERROR_NOT_REGISTERED, MEMCPY_HOST_TO_DEVICE,
     MEMCPY_DEVICE_TO_HOST, MEMORY_UNREGISTERED, MEMORY_HOST, MEMORY_DEVICE)
 from instant_staging._faults cimport FaultyRuntime
-from instant_staging._faults import _coerce_plan
+from instant_staging.faults import as_plan
 
 # Codes beyond the shared ones of _runtime.pxd (same in CUDA and HIP).
 cdef enum:
@@ -229,7 +229,7 @@ cdef class SimulatedRuntime(Runtime):
             # this runtime sees the faults; the wrapper borrows self (we own
             # it through _owner), so there is no reference cycle.
             wrapper = FaultyRuntime.__new__(FaultyRuntime)
-            wrapper._setup(self, _coerce_plan(faults), False)
+            wrapper._setup(self, as_plan(faults), False)
             self._faulty = wrapper
             self._owner = wrapper
             self.table = wrapper.table

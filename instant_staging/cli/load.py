@@ -12,27 +12,13 @@ import mmap
 import threading
 import time
 
-from ._types import format_size
-from .probe import attempt_dict
-
-
-class LoaderMissing(ImportError):
-    """instant_staging.loader is not part of this install."""
+from .. import defaults
+from .._types import format_size
+from .report import attempt_dict
 
 
 class NoDevice(RuntimeError):
     """torch sees no GPU for a load to one."""
-
-
-def _loader():
-    try:
-        from . import loader
-    except ImportError as e:
-        if getattr(e, "name", None) == f"{__package__}.loader":
-            raise LoaderMissing("instant_staging.loader is not available in this "
-                                "install") from None
-        raise
-    return loader
 
 
 def staging_size(chunk_size, io_depth):
@@ -134,11 +120,11 @@ def _host_staging(size):
 
 
 def _make_staging(size, chunk_size, allow_pageable, runtime):
-    from ._staging import DEFAULT_SEGMENT_SIZE, StagingBuffer
+    from .._staging import StagingBuffer
     page = mmap.PAGESIZE
     # As the loader does: segments hold at least one chunk, so chunks
     # larger than the default segment still fit in one registration.
-    segment = max(DEFAULT_SEGMENT_SIZE, -(-chunk_size // page) * page)
+    segment = max(defaults.SEGMENT_SIZE, -(-chunk_size // page) * page)
     t0 = time.perf_counter()
     buf = StagingBuffer(size, segment_size=segment, copy_unit=chunk_size,
                         allow_pageable=allow_pageable, runtime=runtime)
@@ -149,16 +135,16 @@ def _is_cpu(device):
     return str(device).split(":")[0] == "cpu"
 
 
-def load(paths, *, device="cuda:0", chunk_size=8 << 20, io_depth=16, threads=None,
+def load(paths, *, device="cuda:0", chunk_size=defaults.CHUNK_SIZE, io_depth=defaults.IO_DEPTH, threads=None,
          verify=False, staging_bytes=None, allow_pageable=False, runtime=None,
          progress=None):
     """Loads ``paths``; returns the result dict (the tensors are dropped).
 
-    Raises LoaderMissing, NoDevice, StagingError, and whatever the loader raises
+    Raises ImportError (no torch), NoDevice, StagingError, and whatever the loader raises
     (SafetensorsError, a ValueError, for a bad file; LoadError, a
     RuntimeError, for a failed read or copy).
     """
-    loader = _loader()
+    from .. import loader
     size = staging_bytes or staging_size(chunk_size, io_depth)
     if size < chunk_size:
         raise ValueError(f"the staging buffer ({format_size(size)}) must hold at least one "

@@ -13,12 +13,13 @@ import os
 import re
 import resource
 
-from ._types import format_size
+from .. import defaults
+from .._types import format_size
+from .report import version_text
 
 # Twice the default 2 GiB probe buffer: below this a staging buffer plus
 # the process's own memory is at risk.
 LOW_MEMORY = 4 << 30
-DEFAULT_STAGING = 2 << 30
 UNLIMITED_CGROUP = 1 << 62  # cgroup v1 writes "no limit" as ~2^63 rounded to a page
 
 PATHS = {
@@ -49,24 +50,13 @@ def _check(status, value, summary, verdict=None):
 # -- build and runtime ---------------------------------------------------------
 
 def check_build():
-    from . import BACKEND
+    from .. import BACKEND
     try:
-        from ._build_config import TOOLCHAIN
+        from .._build_config import TOOLCHAIN
     except ImportError:
         TOOLCHAIN = "unknown"
     return _check("ok", {"backend": BACKEND, "toolchain": TOOLCHAIN},
                   f"{BACKEND} ({TOOLCHAIN})")
-
-
-def version_text(backend, value):
-    """13000 -> '13.0' (CUDA); 50200003 -> '5.2.3' (HIP); 0 -> 'none'."""
-    if value is None:
-        return "unknown"
-    if value == 0:
-        return "none"
-    if backend == "rocm":  # HIP_VERSION: major * 10^7 + minor * 10^5 + patch
-        return f"{value // 10**7}.{value // 10**5 % 100}.{value % 10**5}"
-    return f"{value // 1000}.{value % 1000 // 10}"
 
 
 def _runtime_int(runtime, method):
@@ -198,7 +188,7 @@ def check_memlock(memlock=None):
     hard = None if hard == resource.RLIM_INFINITY else hard
     value = {"soft": soft, "hard": hard}
     summary = f"{_limit_text(soft)} (hard {_limit_text(hard)})"
-    if soft is not None and soft < DEFAULT_STAGING:
+    if soft is not None and soft < defaults.STAGING_SIZE:
         return _check("warn", value, summary,
                       f"RLIMIT_MEMLOCK is {_limit_text(soft)}: where pinning is charged to it "
                       "(RDMA, some container runtimes) large pins fail; raise it "
@@ -335,7 +325,7 @@ def _runtime_or_reason(runtime):
     if runtime is not None:
         return runtime, None
     try:
-        from .runtime import real_runtime
+        from ..runtime import real_runtime
         return real_runtime(), None
     except (ImportError, OSError) as e:
         return None, f"the runtime could not be loaded: {e}"
@@ -347,7 +337,7 @@ def diagnose(*, runtime=None, memlock=None, nvidia_version=PATHS["nvidia_version
              self_cgroup=PATHS["self_cgroup"], cgroup_root=PATHS["cgroup_root"]):
     """Every check as ``{name: {status, value, summary, verdict}}`` plus the
     list of warnings.  ``runtime`` defaults to the real one (no faults)."""
-    from . import BACKEND
+    from .. import BACKEND
     checks = {"build": check_build()}
     rt, reason = _runtime_or_reason(runtime)
     if rt is None:

@@ -24,7 +24,7 @@ from typing import Iterable, NamedTuple, Optional, Tuple
 
 from instant_staging._types import parse_size
 
-__all__ = ["ENV_VAR", "ERROR_CODES", "OPERATIONS", "FaultPlan", "FaultRule"]
+__all__ = ["ENV_VAR", "ERROR_CODES", "OPERATIONS", "FaultPlan", "FaultRule", "as_plan"]
 
 ENV_VAR = "INSTANT_STAGING_FAULTS"
 
@@ -237,3 +237,15 @@ class FaultPlan:
         return self._rules == other._rules
 
     __hash__ = None  # mutable counters: equal plans are not interchangeable keys
+
+
+def as_plan(plan_or_spec):
+    """The one way to turn what a caller passes into a plan: a spec string
+    is parsed (ValueError naming the bad rule), a FaultPlan is returned as
+    it is; anything else is a TypeError."""
+    if isinstance(plan_or_spec, str):
+        return FaultPlan.parse(plan_or_spec)
+    if isinstance(plan_or_spec, FaultPlan):
+        return plan_or_spec
+    raise TypeError("faults must be a spec str or a FaultPlan, "
+                    f"not {type(plan_or_spec).__name__}")

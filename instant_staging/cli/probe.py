@@ -12,12 +12,10 @@ the CLI's status.  Nothing here prints.
 import random
 import time
 
-from ._staging import DEFAULT_SEGMENT_SIZE, StagingBuffer
-from ._types import StagingError, format_size
-from .doctor import version_text
-
-DEFAULT_SIZE = 2 << 30
-DEFAULT_CHUNK_SIZE = 8 << 20
+from .. import defaults
+from .._staging import StagingBuffer
+from .._types import StagingError, format_size
+from .report import attempt_dict, describe_attempt, version_text
 
 H2D = 1  # memcpy kinds of the runtime table
 D2H = 2
@@ -52,13 +50,13 @@ def gpu_status(runtime):
 
 
 def _load_real_runtime():
-    from .runtime import real_runtime
+    from ..runtime import real_runtime
     return real_runtime()
 
 
 def _plan(faults):
     """A fresh FaultPlan from a spec string or plan; None for no faults."""
-    from .testing import FaultPlan
+    from ..faults import FaultPlan
     if faults is None:
         return None
     if isinstance(faults, FaultPlan):
@@ -67,7 +65,7 @@ def _plan(faults):
 
 
 def _env_plan():
-    from .testing import FaultPlan
+    from ..faults import FaultPlan
     try:
         return FaultPlan.from_env()
     except ValueError as e:
@@ -106,16 +104,16 @@ def select_runtime(*, simulate=False, faults=None, require_gpu=False,
         plan = _env_plan()
         if plan is not None:
             info["faults"], info["faults_from"] = str(plan), "INSTANT_STAGING_FAULTS"
-    from .testing import SimulatedRuntime
+    from .._simulated import SimulatedRuntime
     return SimulatedRuntime(faults=plan), info
 
 
 def _real_with_faults(real, plan, info):
     if plan is not None:
-        from .testing import inject_faults
+        from .._faults import inject_faults
         return inject_faults(real, plan)
-    from .runtime import default_runtime
-    from .testing import FaultPlan
+    from ..runtime import default_runtime
+    from ..faults import FaultPlan
     try:
         env = FaultPlan.from_env()
         runtime = default_runtime()
@@ -127,12 +125,6 @@ def _real_with_faults(real, plan, info):
 
 
 # -- the buffer ---------------------------------------------------------------
-
-def attempt_dict(attempt):
-    return {"step": attempt.step, "ok": attempt.ok, "code": attempt.code,
-            "name": attempt.name, "offset": attempt.offset, "size": attempt.size,
-            "seconds": attempt.seconds}
-
 
 def _make_buffer(size, runtime, options):
     """(buffer or None, result fields); bad arguments raise UsageError."""
@@ -219,7 +211,7 @@ def _copy_all(buf, device_ptr, stream, chunk_size, kind):
     return copies, split
 
 
-def copy_check(buf, chunk_size=DEFAULT_CHUNK_SIZE):
+def copy_check(buf, chunk_size=defaults.CHUNK_SIZE):
     """Fills ``buf`` with a pattern, copies it to the device and back through
     its own runtime, and compares.  Returns the ``copy`` dict of the result."""
     runtime, size = buf.runtime, buf.size
@@ -284,16 +276,16 @@ def _versions(runtime):
     return out
 
 
-def probe(size=DEFAULT_SIZE, *, segment_size=DEFAULT_SEGMENT_SIZE, copy_unit=None,
+def probe(size=defaults.STAGING_SIZE, *, segment_size=defaults.SEGMENT_SIZE, copy_unit=None,
           hugepages=None, prefault_threads=None, allow_pageable=False, faults=None,
-          simulate=False, require_gpu=False, chunk_size=DEFAULT_CHUNK_SIZE, copy=True,
+          simulate=False, require_gpu=False, chunk_size=defaults.CHUNK_SIZE, copy=True,
           real_runtime=_load_real_runtime):
     """Runs the state machine once (and the copy check); returns the result dict.
 
     Raises UsageError for arguments refused before anything is allocated
     and ValueError for a malformed fault spec.
     """
-    from . import BACKEND
+    from .. import BACKEND
     if chunk_size <= 0:
         raise UsageError(f"chunk_size must be > 0, got {chunk_size}")
     runtime, info = select_runtime(simulate=simulate, faults=faults,
@@ -332,17 +324,6 @@ def exit_code(result):
 
 
 # -- text ------------------------------------------------------------------------
-
-def describe_attempt(a):
-    """One line: step, byte range, result with the runtime's error name, seconds."""
-    end = a["offset"] + a["size"]
-    where = f"[{format_size(a['offset']) if a['offset'] else '0'}, {format_size(end)})"
-    if a["ok"]:
-        outcome = "ok"
-    else:
-        outcome = f"FAILED {a['name'] or 'error'}" + (f" ({a['code']})" if a["code"] else "")
-    return f"{a['step']:<17} {where:<24} {outcome:<44} {a['seconds']:.4f} s"
-
 
 def format_text(result):
     """The probe result as lines for a terminal."""

@@ -1,0 +1,180 @@
+"""The command line: ``python -m instant_staging {probe,doctor,load}``.
+
+Only parsing and printing live here; the work is in ``probe.py``,
+``doctor.py`` and ``load.py``, which return dicts.  ``--json`` prints
+that dict as one JSON object on stdout.  Exit codes: 0 success, 1 the
+staging buffer, the copy check or the load failed (or ``--require-gpu``
+without a GPU), 2 bad arguments.
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from .. import defaults
+from .._types import StagingError, format_size, parse_size
+from .report import attempt_dict, describe_attempt, emit, error_result
+
+
+# -- argument types: a bad value is an argparse error (exit code 2) --------------
+
+def size_arg(text):
+    """'2GiB', '256MiB', '4096' -> bytes > 0."""
+    try:
+        value = parse_size(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes: {text!r}")
+    return value
+
+
+def count_arg(text):
+    """An int >= 0."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
+
+
+def positive_arg(text):
+    value = count_arg(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def faults_arg(text):
+    """A fault spec (DESIGN.md, "Faults"), parsed now so a bad rule is a usage error."""
+    from ..faults import FaultPlan
+    try:
+        return FaultPlan.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="instant-staging",
+        description="Pinned host staging buffers: see which path works on this host, and why.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = commands.add_parser("probe", help="run the allocation state machine once and "
+                            "copy the buffer to the GPU and back")
+    p.add_argument("--size", type=size_arg, default=defaults.STAGING_SIZE,
+                   help=f"buffer size (default {format_size(defaults.STAGING_SIZE)})")
+    p.add_argument("--segment-size", type=size_arg, default=defaults.SEGMENT_SIZE,
+                   help="segment size for the segmented retry "
+                   f"(default {format_size(defaults.SEGMENT_SIZE)})")
+    p.add_argument("--copy-unit", type=size_arg, default=None,
+                   help="round the segment size down to a multiple of this")
+    p.add_argument("--chunk-size", type=size_arg, default=defaults.CHUNK_SIZE,
+                   help=f"bytes per copy in the copy check (default {format_size(defaults.CHUNK_SIZE)})")
+    p.add_argument("--hugepages", action="store_true", default=None,
+                   help="MADV_HUGEPAGE before prefaulting")
+    p.add_argument("--prefault-threads", type=count_arg, default=None, metavar="N",
+                   help="threads touching the pages (default: automatic; 0: none)")
+    p.add_argument("--allow-pageable", action="store_true",
+                   help="accept unpinned memory when nothing can be pinned")
+    p.add_argument("--faults", type=faults_arg, default=None, metavar="SPEC",
+                   help="make runtime calls fail, e.g. 'register=invalid_value' "
+                   "(default: $INSTANT_STAGING_FAULTS)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--simulate", action="store_true",
+                       help="use the SimulatedRuntime even when a GPU is present")
+    which.add_argument("--require-gpu", action="store_true",
+                       help="exit 1 instead of simulating when there is no usable GPU")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    d = commands.add_parser("doctor", help="what on this host decides whether pinning works")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+
+    ld = commands.add_parser("load", help="load safetensors files through a staging buffer")
+    ld.add_argument("files", nargs="+", metavar="FILE")
+    ld.add_argument("--device", default="cuda:0")
+    ld.add_argument("--chunk-size", type=size_arg, default=defaults.CHUNK_SIZE,
+                    help=f"default {format_size(defaults.CHUNK_SIZE)}")
+    ld.add_argument("--io-depth", type=positive_arg, default=defaults.IO_DEPTH,
+                    help=f"default {defaults.IO_DEPTH}")
+    ld.add_argument("--threads", type=positive_arg, default=None, help="default: the loader's")
+    ld.add_argument("--staging-size", type=size_arg, default=None,
+                    help="staging buffer size (default: io-depth x chunk-size)")
+    ld.add_argument("--allow-pageable", action="store_true",
+                    help="accept unpinned staging memory when nothing can be pinned")
+    ld.add_argument("--verify", action="store_true", help="check every tensor after loading")
+    ld.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+# -- the commands ---------------------------------------------------------------
+
+def run_probe(args, parser):
+    from . import probe
+    try:
+        result = probe.probe(
+            args.size, segment_size=args.segment_size, copy_unit=args.copy_unit,
+            hugepages=args.hugepages, prefault_threads=args.prefault_threads,
+            allow_pageable=args.allow_pageable, faults=args.faults, simulate=args.simulate,
+            require_gpu=args.require_gpu, chunk_size=args.chunk_size)
+    except probe.UsageError as e:
+        parser.error(str(e))
+    emit(args.json, result, probe.format_text(result))
+    return probe.exit_code(result)
+
+
+def run_doctor(args, parser):
+    from . import doctor
+    report = doctor.diagnose()
+    emit(args.json, report, doctor.format_text(report))
+    return 0
+
+
+def run_load(args, parser):
+    from . import load as load_cmd
+    for path in args.files:
+        if not os.path.isfile(path):
+            parser.error(f"no such file: {path}")
+    if args.staging_size is not None and args.staging_size < args.chunk_size:
+        parser.error("--staging-size must hold at least one chunk of --chunk-size")
+    tty = sys.stderr.isatty()
+    progress = load_cmd.Progress(sys.stderr, bar=tty, quiet=args.json)
+    try:
+        result = load_cmd.load(args.files, device=args.device, chunk_size=args.chunk_size,
+                               io_depth=args.io_depth, threads=args.threads,
+                               verify=args.verify, staging_bytes=args.staging_size,
+                               allow_pageable=args.allow_pageable, progress=progress)
+    except (ImportError, StagingError, OSError, ValueError, RuntimeError) as e:
+        # ImportError: no loader or no torch; ValueError: a bad file
+        # (SafetensorsError); RuntimeError: a failed read or copy (LoadError),
+        # or torch's own (no CUDA device, out of memory).
+        progress.close()
+        lines = [f"load failed: {type(e).__name__}: {e}"]
+        if isinstance(e, StagingError):
+            lines += ["  " + describe_attempt(attempt_dict(a)) for a in e.attempts]
+        if args.json:
+            print(json.dumps(error_result("load", e), indent=2))
+        else:
+            print("\n".join(lines), file=sys.stderr)
+        return 1
+    progress.close()
+    emit(args.json, result, load_cmd.format_text(result))
+    return 0
+
+
+COMMANDS = {"probe": run_probe, "doctor": run_doctor, "load": run_load}
+
+
+def main(argv=None):
+    """Entry point of ``instant-staging`` and ``python -m instant_staging``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # The state machine logs each fallback once; show it, on stderr.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="instant_staging: %(levelname)s: %(message)s")
+    return COMMANDS[args.command](args, parser)
+

@@ -1,0 +1,53 @@
+"""What the commands share: how versions, attempts and errors are shown.
+
+probe, doctor and load are siblings; each imports what it needs from here,
+never from one another.
+"""
+
+import json
+
+from .._types import StagingError, format_size
+
+
+def version_text(backend, value):
+    """13000 -> '13.0' (CUDA); 50200003 -> '5.2.3' (HIP); 0 -> 'none'."""
+    if value is None:
+        return "unknown"
+    if value == 0:
+        return "none"
+    if backend == "rocm":  # HIP_VERSION: major * 10^7 + minor * 10^5 + patch
+        return f"{value // 10**7}.{value // 10**5 % 100}.{value % 10**5}"
+    return f"{value // 1000}.{value % 1000 // 10}"
+
+
+def attempt_dict(attempt):
+    """An Attempt as the JSON object of ``attempts[]``."""
+    return attempt._asdict()
+
+
+def describe_attempt(a):
+    """One line: step, byte range, result with the runtime's error name, seconds."""
+    end = a["offset"] + a["size"]
+    where = f"[{format_size(a['offset']) if a['offset'] else '0'}, {format_size(end)})"
+    if a["ok"]:
+        outcome = "ok"
+    else:
+        outcome = f"FAILED {a['name'] or 'error'}" + (f" ({a['code']})" if a["code"] else "")
+    return f"{a['step']:<17} {where:<24} {outcome:<44} {a['seconds']:.4f} s"
+
+
+def error_result(command, error):
+    """The JSON of a failed run: ``{command, ok: false, error{type, message[, attempts]}}``."""
+    out = {"command": command, "ok": False,
+           "error": {"type": type(error).__name__, "message": str(error)}}
+    if isinstance(error, StagingError):
+        out["error"]["attempts"] = [attempt_dict(a) for a in error.attempts]
+    return out
+
+
+def emit(as_json, result, lines):
+    """Prints ``result`` as one JSON object, or ``lines`` for a terminal."""
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print("\n".join(lines))
