@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
 import instant_staging as ist
-from instant_staging import loader
+from instant_staging.loader import _checkpoint, _load, _target
 from instant_staging.loader import LoadError, SafetensorsError, VerifyError, iter_load, load_file
 
 from _child import run_child
@@ -123,7 +123,7 @@ class SimTarget:
     def __init__(self, rt):
         from instant_staging.loader._pipeline import DEVICE
         self.rt, self.mode, self.index = rt, DEVICE, 0
-        self.torch_target = loader._TorchTarget(torch, "cpu")
+        self.torch_target = _target._TorchTarget(torch, "cpu")
 
     def check(self, entry, path):
         return self.torch_target.check(entry, path)
@@ -149,10 +149,10 @@ class SimTarget:
 
 def sim_load(paths, staging, *, fail_chunk=-1, threads=None, verify=False, progress=None):
     """Loads through SimTarget; returns {name: CPU tensor}."""
-    checkpoint = loader._Checkpoint(paths if isinstance(paths, list) else [paths])
+    checkpoint = _checkpoint._Checkpoint(paths if isinstance(paths, list) else [paths])
     target = SimTarget(staging.runtime)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    gen = loader._load(checkpoint, target, dtypes, staging, CHUNK, 4, threads, verify,
+    gen = _load._load(checkpoint, target, dtypes, staging, CHUNK, 4, threads, verify,
                        progress, fail_chunk)
     try:
         return dict(gen)
@@ -456,7 +456,7 @@ def test_segments_not_multiple_of_chunk(tmp_path):
     rt = SimulatedRuntime(faults="register#1=invalid_value")
     buf = ist.StagingBuffer(9 * PAGE, runtime=rt, segment_size=3 * PAGE, prefault_threads=0)
     assert buf.kind is ist.Kind.SEGMENTED and len(buf.segments) == 3
-    assert len(loader._slots(buf.spans(), CHUNK)) == 3
+    assert len(_load._slots(buf.spans(), CHUNK)) == 3
     tensors = mixed_tensors(seed=5)
     assert_same(sim_load(save(tmp_path, tensors), buf), tensors)
     buf.close()
@@ -526,11 +526,11 @@ def test_copy_failing_mid_load(tmp_path):
             handle, ptr = super().allocate(entry, dtype)
             return handle, (ptr + 1 if entry.name == "layer.20.weight" else ptr)
 
-    checkpoint = loader._Checkpoint([path])
+    checkpoint = _checkpoint._Checkpoint([path])
     target = BadTarget(rt)
     dtypes = [target.check(t, path) for _, t in checkpoint.entries]
     with pytest.raises(LoadError) as info:
-        list(loader._load(checkpoint, target, dtypes, buf, CHUNK, 4, 2, False, None))
+        list(_load._load(checkpoint, target, dtypes, buf, CHUNK, 4, 2, False, None))
     assert "memcpy_async" in str(info.value) and info.value.tensor == "layer.20.weight"
     gc.collect()
     assert rt.live_device_allocs == 0 and rt.pending_error == 0

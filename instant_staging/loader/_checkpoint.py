@@ -1,0 +1,61 @@
+"""The checkpoint: the shards to read, opened, with validated headers.
+
+Every header is parsed and validated before anything is allocated.  A
+``_Checkpoint`` owns its file descriptors; ``close()`` is called only by the
+code that owns the load once its reader threads have stopped.
+"""
+
+import os
+
+from ._header import SafetensorsError, read_header
+
+
+class _Checkpoint:
+    """The open shards and their tensors in reading order (shard, offset)."""
+
+    def __init__(self, paths):
+        self.paths, self.fds, self.headers = [], [], []
+        try:
+            for path in paths:
+                self._open(os.fspath(path))
+            self.entries = [(i, t) for i, h in enumerate(self.headers) for t in h.tensors]
+            self._check_duplicates()
+        except BaseException:
+            self.close()
+            raise
+        self.total_bytes = sum(t.nbytes for _, t in self.entries)
+
+    def _open(self, path):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.fds.append(fd)
+        self.paths.append(path)
+        self.headers.append(read_header(fd, path))
+
+    def _check_duplicates(self):
+        seen = {}
+        for i, t in self.entries:
+            if t.name in seen:
+                raise SafetensorsError(f"tensor name appears in two shards: "
+                                       f"{self.paths[seen[t.name]]} and {self.paths[i]}",
+                                       self.paths[i], t.name)
+            seen[t.name] = i
+
+    def close(self):
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+def _paths(paths):
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        return [paths]
+    try:
+        paths = list(paths)
+    except TypeError:
+        raise TypeError(f"paths must be a path or a list of paths, not {type(paths).__name__}") from None
+    if not paths:
+        raise ValueError("no safetensors file given")
+    for p in paths:
+        if not isinstance(p, (str, bytes, os.PathLike)):
+            raise TypeError(f"paths must be a path or a list of paths, got {type(p).__name__} in the list")
+    return paths

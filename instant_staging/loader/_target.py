@@ -1,0 +1,80 @@
+"""Where tensors go: torch tensors on the CPU or one GPU.
+
+torch is imported only when a load starts: ``import instant_staging``
+works without it.
+"""
+
+from ._header import SafetensorsError
+
+# safetensors dtype -> torch attribute; absent attributes mean "this torch
+# cannot hold it" and are reported before anything is allocated.
+_TORCH_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+    "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32",
+    "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
+    "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError:
+        raise ImportError("instant_staging.loader needs torch: "
+                          "pip install 'instant_staging[torch]'") from None
+    return torch
+
+
+class _TorchTarget:
+    """Allocates one torch tensor per file tensor on ``device``."""
+
+    def __init__(self, torch, device):
+        from ._pipeline import DEVICE, HOST
+        self.torch = torch
+        self.device = _resolve_device(torch, device)
+        self.mode = HOST if self.device.type == "cpu" else DEVICE
+        self.index = self.device.index or 0
+
+    def check(self, entry, path):
+        """The torch dtype of ``entry``; SafetensorsError if torch lacks it."""
+        dtype = getattr(self.torch, _TORCH_DTYPES[entry.dtype], None)
+        if dtype is None:
+            raise SafetensorsError(f"dtype {entry.dtype} is not supported by torch "
+                                   f"{self.torch.__version__}", path, entry.name)
+        return dtype
+
+    def allocate(self, entry, dtype):
+        t = self.torch.empty(entry.shape, dtype=dtype, device=self.device)
+        return t, t.data_ptr()
+
+    def before_copies(self):
+        # A block torch hands out may still be read by kernels queued on
+        # its current stream; our copies run on other streams.
+        if self.device.type != "cpu":
+            self.torch.cuda.current_stream(self.device).synchronize()
+
+    def result(self, handle):
+        return handle
+
+    def equal(self, handle, offset, data):
+        """Whether the bytes of ``handle`` at ``offset`` are ``data``."""
+        torch = self.torch
+        flat = handle.reshape(-1).view(torch.uint8)
+        expected = torch.frombuffer(data, dtype=torch.uint8).to(self.device)
+        return torch.equal(flat[offset:offset + len(data)], expected)
+
+
+def _resolve_device(torch, device):
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = torch.device("cuda", device)
+    else:
+        device = torch.device(device)
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device ('cuda:N'), not {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
