@@ -40,6 +40,27 @@ class _Checkpoint:
                                        self.paths[i], t.name)
             seen[t.name] = i
 
+    def select(self, names):
+        """Keeps only the selected tensors (DESIGN.md's ``names=``): None for
+        all, an iterable of names (unknown ones are a KeyError listing them),
+        or a predicate ``name -> bool``.  Only their bytes are read."""
+        if names is None:
+            return
+        if callable(names):
+            keep = {t.name for _, t in self.entries if names(t.name)}
+        else:
+            if isinstance(names, (str, bytes)):
+                raise TypeError("names must be an iterable of tensor names or a callable, "
+                                f"not a single {type(names).__name__}")
+            keep = set(names)
+            unknown = keep - {t.name for _, t in self.entries}
+            if unknown:
+                raise KeyError(f"{len(unknown)} tensor name(s) not in the checkpoint: "
+                               + ", ".join(repr(n) for n in sorted(unknown, key=str)[:20])
+                               + (" ..." if len(unknown) > 20 else ""))
+        self.entries = [(i, t) for i, t in self.entries if t.name in keep]
+        self.total_bytes = sum(t.nbytes for _, t in self.entries)
+
     def close(self):
         fds, self.fds = self.fds, []
         for fd in fds:

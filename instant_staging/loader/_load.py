@@ -132,7 +132,7 @@ class LoadIterator:
             pass
 
 
-def iter_load(paths, device="cuda:0", *, chunk_size=DEFAULT_CHUNK_SIZE,
+def iter_load(paths, device="cpu", *, names=None, chunk_size=DEFAULT_CHUNK_SIZE,
               io_depth=DEFAULT_IO_DEPTH, threads=None, staging=None, verify=False,
               progress=None):
     """Loads safetensors file(s), yielding ``(name, tensor)`` as each finishes.
@@ -148,6 +148,7 @@ def iter_load(paths, device="cuda:0", *, chunk_size=DEFAULT_CHUNK_SIZE,
     torch = _import_torch()
     checkpoint = _Checkpoint(_paths(paths))
     try:
+        checkpoint.select(names)
         target = _TorchTarget(torch, device)
         dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
     except BaseException:
@@ -159,13 +160,16 @@ def iter_load(paths, device="cuda:0", *, chunk_size=DEFAULT_CHUNK_SIZE,
     return LoadIterator(generator, checkpoint, info)
 
 
-def load_file(paths, device="cuda:0", *, chunk_size=DEFAULT_CHUNK_SIZE,
+def load_file(paths, device="cpu", *, names=None, chunk_size=DEFAULT_CHUNK_SIZE,
               io_depth=DEFAULT_IO_DEPTH, threads=None, staging=None, verify=False,
               progress=None):
     """Loads safetensors file(s) into ``{name: tensor}`` on ``device``.
 
     paths       one path or a list of shards (a name in two shards is an error)
-    device      "cuda:N", a torch.device, an int, or "cpu"
+    device      "cpu" (as safetensors), "cuda:N", a torch.device or an int
+    names       None for all; an iterable of tensor names (unknown ones are a
+                KeyError, raised before anything is allocated); or a callable
+                name -> bool.  Only the selected tensors' bytes are read.
     chunk_size  bytes per read and per copy (8 MiB)
     io_depth    chunks in flight: the staging buffer holds io_depth * chunk_size
     threads     reader threads (None: one per CPU, at most 16; never more than slots)
@@ -184,7 +188,7 @@ def load_file(paths, device="cuda:0", *, chunk_size=DEFAULT_CHUNK_SIZE,
     in flight and freeing every tensor of the load; the staging buffer
     stays reusable.
     """
-    with iter_load(paths, device, chunk_size=chunk_size, io_depth=io_depth, threads=threads,
+    with iter_load(paths, device, names=names, chunk_size=chunk_size, io_depth=io_depth, threads=threads,
                    staging=staging, verify=verify, progress=progress) as it:
         loaded = dict(it)
         return {name: loaded[name] for name in it.names}
