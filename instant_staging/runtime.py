@@ -5,13 +5,39 @@ or HIP), one instance per process.  ``default_runtime()`` is that runtime
 wrapped in the faults of ``INSTANT_STAGING_FAULTS`` when the variable is
 set, so any GPU host can play a failing one; the plan is parsed once per
 distinct value, so ``#N`` counts calls across the whole process.
+
+``backend_mismatch()`` says when ``INSTANT_STAGING_BACKEND`` (a build-time
+choice) names another backend than this build's: pip reuses a wheel it
+built earlier from the same sdist whatever the variable says, so a
+switched install can silently keep the old backend.  Importing the package
+warns about it; ``doctor`` reports it.
 """
 
 import importlib
 import os
 import threading
+import warnings
 
 from ._build_config import BACKEND
+
+_SWITCH = ("reinstall with the variable set and pip's wheel cache bypassed: "
+           "INSTANT_STAGING_BACKEND={want} pip install --no-cache-dir --force-reinstall "
+           "--no-binary instant_staging instant_staging")
+
+
+def backend_mismatch():
+    """A one-line message when INSTANT_STAGING_BACKEND names another backend
+    than this build's, else None."""
+    want = os.environ.get("INSTANT_STAGING_BACKEND", "").strip().lower()
+    if want in ("cuda", "rocm") and want != BACKEND:
+        return (f"INSTANT_STAGING_BACKEND={want}, but this instant_staging was built for "
+                f"{BACKEND} (a wheel built earlier was reused?): " + _SWITCH.format(want=want))
+    return None
+
+
+_mismatch = backend_mismatch()
+if _mismatch:
+    warnings.warn(_mismatch, RuntimeWarning, stacklevel=2)
 
 _lock = threading.Lock()
 _wrapped = {}
