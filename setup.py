@@ -86,11 +86,15 @@ def build_config_text(backend):
             f"STATIC_RUNTIME = {backend.name == 'cuda'!r}\n")
 
 
-# One build tree per backend, toolchain and flags: a shared build/lib would
+# One build tree per backend, toolchain, compiler and flags (not per path of
+# pip's temporary build environment): a shared build/lib would
 # carry the other backend's module into this wheel, and objects compiled
 # with another toolkit's headers or other flags would be reused
 # (setuptools compares only source times).
-_key = hashlib.sha1(repr((BACKEND, san_args)).encode()).hexdigest()[:8]
+_key = hashlib.sha1(repr((
+    BACKEND and (BACKEND.name, BACKEND.version, BACKEND.toolchain, BACKEND.define_macros,
+                 BACKEND.libraries, BACKEND.include_dirs if "toolkit" in BACKEND.toolchain else None),
+    san_args, os.environ.get("CC"), os.environ.get("CFLAGS"))).encode()).hexdigest()[:8]
 BUILD_BASE = os.path.join("build", f"{BACKEND.name if BACKEND else 'none'}-{_key}")
 
 

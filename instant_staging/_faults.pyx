@@ -34,7 +34,10 @@ _OP_NAMES = ("register", "unregister", "host_alloc", "free_host")
 
 
 cdef class FaultyRuntime(Runtime):
-    """``FaultyRuntime(inner, plan)``: ``inner`` with the faults of ``plan``.
+    """FaultyRuntime(inner, plan)
+--
+
+    ``inner`` with the faults of ``plan``.
 
     ``plan`` is a ``FaultPlan`` or a spec string (DESIGN.md, "Faults").
     ``name`` is the inner name plus ``"+faults"``; ``inner`` and ``plan``

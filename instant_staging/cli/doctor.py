@@ -15,7 +15,7 @@ import resource
 
 from .. import defaults
 from .._types import format_size
-from .report import version_text
+from .report import MIN_DRIVER, driver_problem, version_text
 
 # Twice the default 2 GiB probe buffer: below this a staging buffer plus
 # the process's own memory is at risk.
@@ -51,12 +51,21 @@ def _check(status, value, summary, verdict=None):
 
 def check_build():
     from .. import BACKEND
+    from ..runtime import backend_mismatch
     try:
-        from .._build_config import TOOLCHAIN
+        from .. import _build_config as config
     except ImportError:
-        TOOLCHAIN = "unknown"
-    return _check("ok", {"backend": BACKEND, "toolchain": TOOLCHAIN},
-                  f"{BACKEND} ({TOOLCHAIN})")
+        config = None
+    toolchain = getattr(config, "TOOLCHAIN", "unknown")
+    version = getattr(config, "RUNTIME_VERSION", None)
+    value = {"backend": BACKEND, "toolchain": toolchain, "runtime_version": version,
+             "static_runtime": getattr(config, "STATIC_RUNTIME", None)}
+    summary = f"{BACKEND} ({toolchain}" + (", runtime linked statically)"
+                                            if value["static_runtime"] else ")")
+    mismatch = backend_mismatch()
+    if mismatch:
+        return _check("error", value, summary, mismatch)
+    return _check("ok", value, summary)
 
 
 def _runtime_int(runtime, method):
@@ -70,16 +79,16 @@ def _runtime_int(runtime, method):
 def check_versions(runtime, backend):
     """(runtime check, driver check)."""
     rt_value, rt_error = _runtime_int(runtime, "runtime_version")
+    needs = (f" (this build's; needs driver {MIN_DRIVER.get(rt_value // 1000, '?')}+)"
+             if backend == "cuda" and rt_value else "")
     rt = _check("ok" if rt_value else "error", rt_value,
-                version_text(backend, rt_value) + (f": {rt_error}" if rt_error else ""))
+                version_text(backend, rt_value) + needs + (f": {rt_error}" if rt_error else ""))
     drv_value, drv_error = _runtime_int(runtime, "driver_version")
     if drv_value:
         drv = _check("ok", drv_value, version_text(backend, drv_value))
-        if rt_value and drv_value < rt_value:
-            drv = _check("error", drv_value, version_text(backend, drv_value),
-                         f"the driver supports {version_text(backend, drv_value)}, older than "
-                         f"the runtime {version_text(backend, rt_value)} this build uses: "
-                         "every GPU call fails; update the driver")
+        problem = driver_problem(backend, rt_value, drv_value)
+        if problem:
+            drv = _check("error", drv_value, version_text(backend, drv_value), problem)
     else:
         drv = _check("warn", drv_value, "none" + (f": {drv_error}" if drv_error else ""),
                      "no GPU driver: probe falls back to the simulated runtime")

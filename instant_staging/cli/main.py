@@ -58,10 +58,22 @@ def faults_arg(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def version_line():
+    """'instant-staging 0.1.0 (cuda: CUDA 12.9 (PyPI wheels))'."""
+    from .._version import __version__
+    try:
+        from .. import _build_config as config
+        build = f"{config.BACKEND}: {config.TOOLCHAIN}"
+    except (ImportError, AttributeError):
+        build = "not built"
+    return f"instant-staging {__version__} ({build})"
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="instant-staging",
         description="Pinned host staging buffers: see which path works on this host, and why.")
+    parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = commands.add_parser("probe", help="run the allocation state machine once and "
@@ -176,5 +188,11 @@ def main(argv=None):
     # The state machine logs each fallback once; show it, on stderr.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="instant_staging: %(levelname)s: %(message)s")
-    return COMMANDS[args.command](args, parser)
+    try:
+        return COMMANDS[args.command](args, parser)
+    except BrokenPipeError:
+        # Output piped into a reader that closed early (| head): no traceback;
+        # stdout is pointed at /dev/null so the flush at exit cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 

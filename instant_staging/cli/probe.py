@@ -15,7 +15,7 @@ import time
 from .. import defaults
 from .._staging import StagingBuffer
 from .._types import StagingError, format_size
-from .report import attempt_dict, describe_attempt, version_text
+from .report import attempt_dict, describe_attempt, driver_problem, version_text
 
 H2D = 1  # memcpy kinds of the runtime table
 D2H = 2
@@ -90,6 +90,12 @@ def select_runtime(*, simulate=False, faults=None, require_gpu=False,
             real = real_runtime()
             info["gpu"] = gpu_status(real)
             info["versions"] = _versions(real)  # of the real runtime, even when simulating
+            if not info["gpu"]["available"]:
+                from .. import BACKEND
+                problem = driver_problem(BACKEND, info["versions"].get("runtime_version"),
+                                         info["versions"].get("driver_version"))
+                if problem:  # says why, instead of a bare error 35
+                    info["gpu"]["reason"] = problem
         except (ImportError, OSError) as e:
             real = None
             info["gpu"] = {"available": False, "code": None, "error": type(e).__name__,

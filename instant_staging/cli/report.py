@@ -20,6 +20,36 @@ def version_text(backend, value):
     return f"{value // 1000}.{value % 1000 // 10}"
 
 
+# The oldest driver branch each CUDA major version's runtime runs on (minor
+# version compatibility: any 12.x runtime on any driver of CUDA 12.0+).
+MIN_DRIVER = {11: "R450", 12: "R525", 13: "R580"}
+
+
+def driver_problem(backend, runtime_version, driver_version):
+    """One line when the driver cannot run this build's runtime, else None.
+
+    CUDA: the driver must support the runtime's major version (a 12.9
+    runtime runs on a 12.2 driver; a 13.0 runtime does not run on 12.x,
+    every call returning 35 cudaErrorInsufficientDriver).  0 means no driver.
+    """
+    if backend != "cuda" or not runtime_version:
+        return None
+    runtime = version_text(backend, runtime_version)
+    if not driver_version:
+        return (f"no NVIDIA driver found (this build links the CUDA {runtime} runtime, "
+                f"which needs driver {MIN_DRIVER.get(runtime_version // 1000, '?')}+)")
+    major = runtime_version // 1000
+    if driver_version // 1000 >= major:
+        return None
+    line = (f"the NVIDIA driver supports CUDA {version_text(backend, driver_version)}, too old "
+            f"for this build's CUDA {runtime} runtime (needs driver {MIN_DRIVER.get(major, '?')}+): "
+            "update the driver")
+    if major >= 13:
+        line += (" or reinstall built for CUDA 12 (R525+): INSTANT_STAGING_CUDA=12 pip install "
+                 "--no-cache-dir --force-reinstall --no-binary instant_staging instant_staging")
+    return line
+
+
 def attempt_dict(attempt):
     """An Attempt as the JSON object of ``attempts[]``."""
     return attempt._asdict()
