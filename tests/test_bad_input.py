@@ -10,7 +10,6 @@ INSTANT_STAGING_PREFAULT_THREADS), and spans().
 """
 
 import gc
-import mmap
 
 import pytest
 
@@ -18,10 +17,8 @@ import instant_staging as ist
 from instant_staging.testing import FaultPlan, SimulatedRuntime, inject_faults
 
 from _child import run_child
+from conftest import PAGE, SEG, SIZE
 
-PAGE = mmap.PAGESIZE
-SEG = 4 * PAGE
-SIZE = 10 * PAGE + 100          # three segments, the last one short
 BIG = 2 ** 64                   # one past size_t
 
 

@@ -29,7 +29,6 @@ or ``long`` (20,000).
 import ctypes
 import logging
 import math
-import mmap
 import os
 import re
 from typing import NamedTuple
@@ -44,8 +43,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,  
 
 import instant_staging as ist  # noqa: E402
 from instant_staging.testing import FaultPlan, SimulatedRuntime  # noqa: E402
+from conftest import PAGE
 
-PAGE = mmap.PAGESIZE
 
 # The profiles live here (tests/conftest.py is shared): "ci" is what plain
 # `pytest` runs, "long" a soak of the grammar and the state machine.

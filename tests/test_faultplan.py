@@ -9,7 +9,8 @@ import pytest
 from instant_staging.testing import (FaultPlan, FaultRule, FaultyRuntime, SimulatedRuntime,
                                      inject_faults)
 
-GiB = 1 << 30
+from conftest import GiB
+
 
 
 def host_buffer(size):

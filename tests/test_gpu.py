@@ -18,11 +18,10 @@ import pytest
 import instant_staging as ist
 from instant_staging import real_runtime
 from instant_staging.testing import FaultPlan, inject_faults
+from conftest import GiB, MiB
 
 pytestmark = pytest.mark.gpu
 
-MiB = 1 << 20
-GiB = 1 << 30
 SIZE = 2 * GiB
 SEGMENT = 256 * MiB
 CHUNK = 8 * MiB

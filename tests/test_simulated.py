@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from instant_staging.testing import SimulatedRuntime
+from conftest import PAGE
 
-PAGE = mmap.PAGESIZE
 H2D, D2H = 1, 2
 
 
