@@ -10,11 +10,12 @@ See DESIGN.md for the state machine and the contract.
 
 from ._build_config import BACKEND
 from ._staging import StagingBuffer, auto_prefault_threads
-from ._types import Attempt, Kind, RollbackError, StagingError, format_size, parse_size
+from ._types import (Attempt, Kind, ReleaseError, RollbackError, StagingError, format_size,
+                     parse_size)
 from .runtime import default_runtime, real_runtime
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKEND", "Attempt", "Kind", "RollbackError", "StagingBuffer",
+__all__ = ["BACKEND", "Attempt", "Kind", "ReleaseError", "RollbackError", "StagingBuffer",
            "StagingError", "auto_prefault_threads", "default_runtime",
            "format_size", "parse_size", "real_runtime"]

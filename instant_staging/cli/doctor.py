@@ -50,11 +50,7 @@ def _check(status, value, summary, verdict=None):
 # -- build and runtime ---------------------------------------------------------
 
 def check_build():
-    from .. import BACKEND
-    try:
-        from .._build_config import TOOLCHAIN
-    except ImportError:
-        TOOLCHAIN = "unknown"
+    from .._build_config import BACKEND, TOOLCHAIN
     return _check("ok", {"backend": BACKEND, "toolchain": TOOLCHAIN},
                   f"{BACKEND} ({TOOLCHAIN})")
 
