@@ -38,7 +38,7 @@ from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, MAP_PRIVATE,
                          MAP_ANONYMOUS, PROT_READ, PROT_WRITE, MADV_HUGEPAGE)
 from posix.unistd cimport getpid, sysconf, _SC_PAGESIZE
 
-from instant_staging._runtime cimport Runtime, RuntimeTable
+from instant_staging._runtime cimport ERROR_RUNTIME_UNLOADING, Runtime, RuntimeTable
 
 from instant_staging._types import (Attempt, Kind, ReleaseError, RollbackError,
                                     StagingError, format_size)
@@ -51,9 +51,6 @@ cdef size_t HUGE_PAGE = 2 << 20
 from instant_staging.defaults import (MAX_PREFAULT_THREADS, SEGMENT_SIZE as DEFAULT_SEGMENT_SIZE,
                                        usable_cpus)
 
-# cudaErrorCudartUnloading / hipErrorDeinitialized: the runtime is being
-# torn down at exit; a release that meets it stays quiet.
-cdef int ERROR_RUNTIME_UNLOADING = 4
 
 _KINDS = {KIND_REGISTERED: Kind.REGISTERED, KIND_SEGMENTED: Kind.SEGMENTED,
           KIND_RUNTIME_PINNED: Kind.RUNTIME_PINNED, KIND_PAGEABLE: Kind.PAGEABLE}
@@ -562,8 +559,10 @@ cdef class StagingBuffer:
         return None
 
     cdef object _report_leak(self, list retained, list codes, bint raise_errors):
+        # The runtime torn down at exit (ERROR_RUNTIME_UNLOADING), or the
+        # interpreter finalizing: a release that meets it stays quiet.
         if all(c == ERROR_RUNTIME_UNLOADING for c in codes) or sys.is_finalizing():
-            return None  # interpreter shutdown: the runtime is gone
+            return None
         names = ", ".join(sorted({self._runtime.error_name(c) for c in codes}))
         kind = _KINDS[self._kind].name if self._kind != KIND_NONE else "partly built"
         message = (f"releasing a {format_size(self._size)} {kind} staging buffer "

@@ -90,6 +90,19 @@ class ReleaseError(StagingError):
         return (type(self), (str(self), self.attempts, self.code, self.retained_ranges))
 
 
+class RuntimeCallError(RuntimeError):
+    """A runtime call made from Python failed (``Runtime.check``): ``call``
+    names it, ``code`` and ``name`` are the runtime's own.  The pending
+    error was cleared on the same runtime before this was raised."""
+
+    def __init__(self, call: str, code: int, name: str):
+        super().__init__(f"{call} failed with {name} ({code})")
+        self.call, self.code, self.name = call, code, name
+
+    def __reduce__(self):
+        return (type(self), (self.call, self.code, self.name))
+
+
 _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 
