@@ -8,7 +8,7 @@ and ``free_host`` first ask a fault plan (``instant_staging.faults.FaultPlan``)
 whether the call fails.  A failed call returns the plan's code without
 reaching the inner runtime and leaves that code pending, as the real
 runtime leaves its own, until ``get_last_error`` reads it.  This is how any
-host plays the failing hosts of FIELD_NOTES.md (``INSTANT_STAGING_FAULTS``).
+host plays the failing hosts of docs/design.md ("Measured") (``INSTANT_STAGING_FAULTS``).
 
 Like the CUDA runtime, the injected pending error is per thread.  The
 adapters run without the GIL and take it only to consult the plan and the
@@ -45,7 +45,7 @@ cdef int internal_error(str where) noexcept:
 cdef class FaultyRuntime(Runtime):
     """``FaultyRuntime(inner, plan)``: ``inner`` with the faults of ``plan``.
 
-    ``plan`` is a ``FaultPlan`` or a spec string (DESIGN.md, "Faults").
+    ``plan`` is a ``FaultPlan`` or a spec string (docs/design.md, "Faults").
     ``name`` is the inner name plus ``"+faults"``; ``inner`` and ``plan``
     are what it was made from.  Sizes of ``unregister`` and ``free_host``
     calls, for ``>SIZE`` rules, are those recorded when the range was

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """SimulatedRuntime: a host-only runtime table with the real driver's semantics.
 
-What FIELD_NOTES.md measured on an H200 host, reproduced without a GPU so
+What docs/design.md ("Measured") records on an H200 host, reproduced without a GPU so
 that CI runs every success path of the state machine and the loader:
 
 - ``host_register`` of NULL or of 0 bytes is 1 (invalid value); a range
@@ -149,7 +149,7 @@ cdef class SimulatedRuntime(Runtime):
     """``SimulatedRuntime(faults=None, *, device_count=1, log_limit=10000, backend=None)``
 
     A runtime without a GPU, behaving like the CUDA driver measured in
-    FIELD_NOTES.md (see the module docstring).  ``faults`` (a spec string
+    docs/design.md (see the module docstring).  ``faults`` (a spec string
     or ``FaultPlan``) wraps its own table in ``FaultyRuntime``: calls the
     plan fails never reach the simulation, so they are neither counted nor
     logged here.  ``device_count=0`` plays a host without a device: device

@@ -2,7 +2,7 @@
 """StagingBuffer: the allocation state machine.
 
 A large pinned host buffer that survives drivers refusing big
-registrations.  The steps are those of DESIGN.md, one method each, entered
+registrations.  The steps are those of docs/design.md, one method each, entered
 only after the previous one failed:
 
     1. allocate          page-aligned ordinary memory (mmap), exactly `size`
@@ -85,7 +85,7 @@ def auto_prefault_threads(size_t size):
     host stopped gaining) and at most the CPUs this process may run on; and
     none where that comes to fewer than two: on the H200 host one thread
     writing each page took 1.12 s for 2 GiB where the registration faulting
-    the pages itself took 0.70 s, two threads 0.62 s (FIELD_NOTES.md).
+    the pages itself took 0.70 s, two threads 0.62 s (docs/design.md, "Measured").
     """
     env = os.environ.get("INSTANT_STAGING_PREFAULT_THREADS", "").strip()
     if env:

@@ -17,7 +17,7 @@ class Kind(enum.Enum):
         return self is not Kind.PAGEABLE
 
 
-# The steps of DESIGN.md, in the order the state machine may enter them.
+# The steps of docs/design.md, in the order the state machine may enter them.
 STEPS = ("allocate", "prefault", "register", "register_segment", "rollback",
          "runtime_alloc", "pageable")
 

@@ -1,6 +1,6 @@
 """Fault plans: which runtime calls fail, and with which code.
 
-A plan is parsed from the spec of DESIGN.md ("Faults"), the value of
+A plan is parsed from the spec of docs/design.md ("Faults"), the value of
 ``INSTANT_STAGING_FAULTS``::
 
     SPEC  := RULE (";" RULE)*

@@ -1,6 +1,6 @@
 """Every rejected value and its message, table-driven.
 
-DESIGN.md "Bad input": a clear error before anything is allocated,
+docs/design.md "Bad input": a clear error before anything is allocated,
 TypeError for a wrong type, ValueError for a wrong value.  Each row asserts
 the exception, a fragment of its message, and that nothing was allocated:
 the SimulatedRuntime saw no call, its live counters are 0, and no

@@ -196,7 +196,7 @@ class Outcome(NamedTuple):
 
 
 def predict(oracle, size, seg, threads, allow_pageable):
-    """What the state machine of DESIGN.md must do under these faults."""
+    """What the state machine of docs/design.md must do under these faults."""
     att = [("allocate", True, 0, 0, size)]
     if threads:
         att.append(("prefault", True, 0, 0, size))
@@ -258,7 +258,7 @@ def predict_release(oracle, outcome):
 # -- checks shared by the tests ------------------------------------------------
 
 def kind_from_attempts(attempts):
-    """The kind the attempts justify, read as DESIGN.md states it."""
+    """The kind the attempts justify, read as docs/design.md states it."""
     steps = [(a.step, a.ok) for a in attempts]
     if ("register", True) in steps:
         return ist.Kind.REGISTERED

@@ -277,7 +277,7 @@ def test_calls_after_nth_pass_through():
 
 
 def test_segment_and_rollback_failure_scenario():
-    # DESIGN.md: a segment fails and its rollback fails too.
+    # docs/design.md: a segment fails and its rollback fails too.
     sim = SimulatedRuntime()
     rt = inject_faults(sim, "register#4=invalid_value;unregister#1=invalid_value")
     seg = 4096

@@ -1,4 +1,4 @@
-"""SimulatedRuntime: the driver semantics of FIELD_NOTES.md, without a GPU."""
+"""SimulatedRuntime: the driver semantics of docs/design.md ("Measured"), without a GPU."""
 
 import ctypes
 import mmap

@@ -4,7 +4,7 @@
 devices, the NVIDIA kernel module (open or proprietary), the kernel, WSL2,
 RLIMIT_MEMLOCK, transparent huge pages, memory and the cgroup limit, and
 gives each a one-line verdict where a known failing condition of
-FIELD_NOTES.md applies.  Every file it reads is a parameter, so tests feed
+docs/design.md ("Measured") applies.  Every file it reads is a parameter, so tests feed
 it fake /proc and /sys content.  It returns a plain dict (what ``--json``
 prints); ``format_text()`` renders it.  Nothing here prints.
 """
