@@ -41,7 +41,7 @@ except backends.BackendNotFound as e:
 # ASan builds (tox -e asan): INSTANT_STAGING_SANITIZE=address.
 sanitize = os.environ.get("INSTANT_STAGING_SANITIZE")
 san_args = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"] if sanitize else []
-common = dict(extra_compile_args=["-O2"] + san_args, extra_link_args=list(san_args))
+common = {"extra_compile_args": ["-O2"] + san_args, "extra_link_args": list(san_args)}
 
 # binding: functions and methods carry real signatures (inspect.signature);
 # embedsignature in the clinic format gives each class and builtin a

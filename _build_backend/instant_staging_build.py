@@ -15,7 +15,7 @@ import importlib.util
 import os
 
 from setuptools import build_meta as _setuptools
-from setuptools.build_meta import *  # noqa: F401,F403  (every hook not wrapped below)
+from setuptools.build_meta import *  # noqa: F403  (every hook not wrapped below)
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

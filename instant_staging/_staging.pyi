@@ -1,7 +1,8 @@
 """Types of the compiled ``_staging`` module (see ``_staging.pyx``)."""
 
 from types import TracebackType
-from typing import List, Optional, Tuple, Type
+
+from typing_extensions import Self
 
 from ._runtime import Runtime
 from ._types import Attempt, Kind
@@ -15,15 +16,15 @@ class StagingBuffer:
         self,
         size: int,
         *,
-        alignment: Optional[int] = None,
+        alignment: int | None = None,
         segment_size: int = ...,
-        copy_unit: Optional[int] = None,
+        copy_unit: int | None = None,
         register_flags: int = 0,
         alloc_flags: int = 0,
-        prefault_threads: Optional[int] = None,
-        hugepages: Optional[bool] = None,
+        prefault_threads: int | None = None,
+        hugepages: bool | None = None,
         allow_pageable: bool = False,
-        runtime: Optional[Runtime] = None,
+        runtime: Runtime | None = None,
     ) -> None: ...
     @property
     def kind(self) -> Kind: ...
@@ -38,19 +39,19 @@ class StagingBuffer:
     @property
     def segment_size(self) -> int: ...
     @property
-    def segments(self) -> Tuple[Tuple[int, int], ...]: ...
+    def segments(self) -> tuple[tuple[int, int], ...]: ...
     @property
-    def attempts(self) -> Tuple[Attempt, ...]: ...
+    def attempts(self) -> tuple[Attempt, ...]: ...
     @property
     def runtime(self) -> Runtime: ...
-    def spans(self, offset: int = 0, nbytes: Optional[int] = None) -> List[Tuple[int, int]]: ...
+    def spans(self, offset: int = 0, nbytes: int | None = None) -> list[tuple[int, int]]: ...
     def close(self) -> None: ...
-    def __enter__(self) -> "StagingBuffer": ...
+    def __enter__(self) -> Self: ...
     def __exit__(
         self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None: ...
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int) -> memoryview: ...

@@ -20,13 +20,14 @@ The rule (README "Building"):
   is NEEDED.  The CUDA 12 runtime runs on drivers R525 and newer (R580
   included); CUDA 13's needs R580+.
 """
+from __future__ import annotations
 
 import glob
 import os
 import re
 import shutil
 import sys
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 BACKEND_VAR = "INSTANT_STAGING_BACKEND"
 CUDA_VAR = "INSTANT_STAGING_CUDA"
@@ -36,7 +37,7 @@ CUDA_VAR = "INSTANT_STAGING_CUDA"
 # cuda_runtime_api.h includes): for 12 the nvcc wheel (nvidia/cuda_nvcc/
 # include/crt), for 13 nvidia-cuda-crt (into nvidia/cu13/include).  Pinned
 # so that a build is reproducible and the two header sets match.
-CUDA_WHEELS: Dict[int, Tuple[str, ...]] = {
+CUDA_WHEELS: dict[int, tuple[str, ...]] = {
     12: ("nvidia-cuda-runtime-cu12==12.9.79", "nvidia-cuda-nvcc-cu12==12.9.86"),
     13: ("nvidia-cuda-runtime==13.0.96", "nvidia-cuda-crt==13.0.88"),
 }
@@ -50,12 +51,12 @@ MIN_DRIVER = {11: "R450", 12: "R525", 13: "R580"}
 class Backend(NamedTuple):
     name: str                      # "cuda" or "rocm"
     source: str                    # the .pyx that fills the runtime table
-    include_dirs: List[str]
-    library_dirs: List[str]
-    libraries: List[str]
-    define_macros: List[Tuple[str, Optional[str]]]
-    extra_link_args: List[str]
-    runtime_library_dirs: List[str]
+    include_dirs: list[str]
+    library_dirs: list[str]
+    libraries: list[str]
+    define_macros: list[tuple[str, str | None]]
+    extra_link_args: list[str]
+    runtime_library_dirs: list[str]
     origin: str                    # where the toolchain was found (a path: build output only)
     version: int                   # CUDART_VERSION (12090) or HIP_VERSION of the headers
     toolchain: str                 # what was used, without paths: "CUDA 12.9 (PyPI wheels)"
@@ -76,7 +77,7 @@ def requested_backend() -> str:
     return value
 
 
-def requested_cuda_major() -> Optional[int]:
+def requested_cuda_major() -> int | None:
     value = os.environ.get(CUDA_VAR, "").strip().lower().lstrip("cu")
     if value == "":
         return None
@@ -111,7 +112,7 @@ def _toolkit_homes():
     yield "/usr/local/cuda", "/usr/local/cuda"
 
 
-def _wheel_homes(major: Optional[int] = None):
+def _wheel_homes(major: int | None = None):
     """PyPI runtime wheels importable from this interpreter (sys.path).
 
     In pip's isolated build environment these are the ones the build
@@ -126,7 +127,7 @@ def _wheel_homes(major: Optional[int] = None):
                 yield os.path.join(site, sub), f"nvidia CUDA {wheel_major} runtime wheels"
 
 
-def _crt_include(inc: str) -> Optional[str]:
+def _crt_include(inc: str) -> str | None:
     """The include dir holding crt/host_defines.h, which cuda_runtime_api.h needs.
 
     A toolkit ships it beside cuda_runtime_api.h, and so does the CUDA 13
@@ -140,10 +141,10 @@ def _crt_include(inc: str) -> Optional[str]:
     return None
 
 
-_cuda_skipped: List[str] = []     # why candidates were passed over, for the error
+_cuda_skipped: list[str] = []     # why candidates were passed over, for the error
 
 
-def _cuda_at(home: str, origin: str, major: Optional[int]) -> Optional[Backend]:
+def _cuda_at(home: str, origin: str, major: int | None) -> Backend | None:
     inc = os.path.join(home, "include")
     header = os.path.join(inc, "cuda_runtime_api.h")
     if not os.path.isfile(header):
@@ -175,7 +176,7 @@ def _cuda_at(home: str, origin: str, major: Optional[int]) -> Optional[Backend]:
     return None
 
 
-def _first_cuda(homes, major: Optional[int]) -> Optional[Backend]:
+def _first_cuda(homes, major: int | None) -> Backend | None:
     seen = set()
     for home, origin in homes:
         key = os.path.realpath(home)
@@ -188,12 +189,12 @@ def _first_cuda(homes, major: Optional[int]) -> Optional[Backend]:
     return None
 
 
-def find_cuda_toolkit(major: Optional[int] = None) -> Optional[Backend]:
+def find_cuda_toolkit(major: int | None = None) -> Backend | None:
     """A CUDA toolkit (of ``major``, when given)."""
     return _first_cuda(_toolkit_homes(), major)
 
 
-def find_cuda(major: Optional[int] = None) -> Optional[Backend]:
+def find_cuda(major: int | None = None) -> Backend | None:
     """The toolkit (its own version unless INSTANT_STAGING_CUDA says), else the wheels."""
     if major is None:
         major = requested_cuda_major()
@@ -217,7 +218,7 @@ def _rocm_homes():
 _SYSTEM_LIBDIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64")
 
 
-def find_rocm() -> Optional[Backend]:
+def find_rocm() -> Backend | None:
     for home, origin in _rocm_homes():
         inc = os.path.join(home, "include")
         if not os.path.isfile(os.path.join(inc, "hip", "hip_runtime_api.h")):
@@ -231,7 +232,7 @@ def find_rocm() -> Optional[Backend]:
         libs, link = ["amdhip64"], []
         if not os.path.exists(os.path.join(libdir, "libamdhip64.so")):
             # Only the runtime package's libamdhip64.so.N: link it by file name.
-            libs, link = [], [sorted(glob.glob(os.path.join(libdir, "libamdhip64.so.*")))[-1]]
+            libs, link = [], [max(glob.glob(os.path.join(libdir, "libamdhip64.so.*")))]
         system = libdir in _SYSTEM_LIBDIRS or (
             os.path.dirname(libdir) in _SYSTEM_LIBDIRS and libdir.endswith("-linux-gnu"))
         # -I/usr/include would reorder gcc's system include search: leave it out.
@@ -252,7 +253,7 @@ _HOW_TO_SWITCH = ("choose with INSTANT_STAGING_BACKEND=cuda|rocm (and INSTANT_ST
                   "pip reuses a wheel it built before, so add --no-cache-dir --force-reinstall")
 
 
-def find_backend(requested: Optional[str] = None) -> Backend:
+def find_backend(requested: str | None = None) -> Backend:
     """The backend to build (see the module docstring for the rule)."""
     requested = (requested or requested_backend()).strip().lower()
     if requested not in ("", "cuda", "rocm"):
@@ -289,7 +290,7 @@ def find_backend(requested: Optional[str] = None) -> Backend:
     raise BackendNotFound(f"no {' or '.join(order).upper()} toolchain found: {hint}")
 
 
-def build_requirements() -> List[str]:
+def build_requirements() -> list[str]:
     """What the PEP 517 backend adds to the build environment: PyPI's CUDA
     runtime wheels when the build will be CUDA and no toolkit (of the asked
     major version) is found, else nothing."""

@@ -20,6 +20,14 @@ import warnings
 
 from ._build_config import BACKEND
 
+# The runtime's own names of the calls the state machine makes (for
+# messages), and the compiled module of each backend: defined here once.
+_BACKENDS = {
+    "cuda": ("instant_staging._cuda", {"register": "cudaHostRegister", "alloc": "cudaHostAlloc"}),
+    "rocm": ("instant_staging._hip", {"register": "hipHostRegister", "alloc": "hipHostMalloc"}),
+}
+API_NAMES = _BACKENDS[BACKEND][1]
+
 _SWITCH = ("reinstall with the variable set and pip's wheel cache bypassed: "
            "INSTANT_STAGING_BACKEND={want} pip install --no-cache-dir --force-reinstall "
            "--no-binary instant_staging instant_staging")
@@ -45,8 +53,7 @@ _wrapped = {}
 
 def backend_module():
     """The compiled module that fills the runtime table for this build."""
-    return importlib.import_module("instant_staging._cuda" if BACKEND == "cuda"
-                                   else "instant_staging._hip")
+    return importlib.import_module(_BACKENDS[BACKEND][0])
 
 
 def real_runtime():
@@ -64,7 +71,7 @@ def default_runtime():
         return real_runtime()
     with _lock:
         if spec not in _wrapped:
-            from .faults import FaultPlan
             from ._faults import inject_faults
+            from .faults import FaultPlan
             _wrapped[spec] = inject_faults(real_runtime(), FaultPlan.parse(spec))
         return _wrapped[spec]

@@ -4,7 +4,6 @@ Not collected by pytest (no test_ prefix) and never run: it is read by
 mypy against the package's stubs (py.typed, *.pyi).
 """
 
-from typing import Dict, List, Tuple
 
 import instant_staging as ist
 from instant_staging.loader import iter_load, load_file
@@ -15,13 +14,13 @@ def staging_example() -> None:
     with ist.StagingBuffer(2 << 30, copy_unit=8 << 20) as buf:
         print(buf.kind, buf.pinned, [(a.step, a.ok, a.name) for a in buf.attempts])
         view = memoryview(buf)                 # writable, 1-D, format "B"
-        spans: List[Tuple[int, int]] = buf.spans(0, 8 << 20)
+        spans: list[tuple[int, int]] = buf.spans(0, 8 << 20)
         for ptr, nbytes in spans:
             assert ptr + nbytes <= buf.ptr + buf.size
         view.release()
     kind: ist.Kind = buf.kind
     assert kind.pinned or kind is ist.Kind.PAGEABLE
-    segments: Tuple[Tuple[int, int], ...] = buf.segments
+    segments: tuple[tuple[int, int], ...] = buf.segments
     print(segments, buf.closed, ist.BACKEND, ist.__version__)
 
 
@@ -32,7 +31,7 @@ def errors_example() -> None:
     except ist.RollbackError as e:
         print(e.retained_ranges)
     except ist.StagingError as e:
-        attempts: Tuple[ist.Attempt, ...] = e.attempts
+        attempts: tuple[ist.Attempt, ...] = e.attempts
         print(e.code, [a.step for a in attempts])
 
 
@@ -44,10 +43,10 @@ def simulated_example() -> None:
     print(code + version)
 
 
-def loader_example(paths: List[str]) -> None:
+def loader_example(paths: list[str]) -> None:
     tensors = load_file(["model-1.safetensors", "model-2.safetensors"], "cuda:0")
     for name, tensor in iter_load("model.safetensors", "cuda:0", progress=print):
         print(name, tensor)
     buf = ist.StagingBuffer(256 * (8 << 20), copy_unit=8 << 20)   # reuse across loads
-    more: Dict[str, object] = load_file(paths, "cuda:1", staging=buf)
+    more: dict[str, object] = load_file(paths, "cuda:1", staging=buf)
     print(len(tensors), len(more))

@@ -1,14 +1,15 @@
 """Types of the compiled ``loader._pipeline`` module: private to the loader
 (``load_file``, ``iter_load`` and ``safe_open`` are its public face)."""
 
-from typing import Any, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from .._runtime import Runtime
 
-CALLS: Tuple[str, ...]
+CALLS: tuple[str, ...]
 
 class Pipeline:
-    def __init__(self, runtime: Optional[Runtime], mode: int, device: int, slots: Sequence[int],
+    def __init__(self, runtime: Runtime | None, mode: int, device: int, slots: Sequence[int],
                  threads: int, fds: Sequence[int], begins: Sequence[int], ends: Sequence[int],
                  dsts: Sequence[int], chunk_size: int, fail_chunk: int = -1) -> None: ...
     @property
@@ -26,7 +27,7 @@ class Pipeline:
 class HostArea:
     size: int
     def __init__(self, size: int) -> None: ...
-    def spans(self, offset: int = 0, nbytes: Optional[int] = None) -> List[Tuple[int, int]]: ...
+    def spans(self, offset: int = 0, nbytes: int | None = None) -> list[tuple[int, int]]: ...
     @property
     def closed(self) -> bool: ...
     def close(self) -> None: ...
