@@ -146,7 +146,8 @@ cdef void _remove_range(list starts, dict sizes, intptr_t ptr):
 @cython.no_gc_clear  # __dealloc__ needs the allocation dicts to free them
 
 cdef class SimulatedRuntime(Runtime):
-    """SimulatedRuntime(faults=None, *, device_count=1, log_limit=10000, backend=None)
+    """SimulatedRuntime(faults=None, *, device_count=1, log_limit=10000,
+                     backend=None)
 --
 
     A runtime without a GPU, behaving like the CUDA driver measured in

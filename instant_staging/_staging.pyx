@@ -219,7 +219,10 @@ atexit.register(_close_all_at_exit)
 
 @cython.no_gc_clear  # release needs the runtime and segments, even in a cycle
 cdef class StagingBuffer:
-    """StagingBuffer(size, *, alignment=None, segment_size=DEFAULT_SEGMENT_SIZE, copy_unit=None, register_flags=0, alloc_flags=0, prefault_threads=None, hugepages=None, allow_pageable=False, runtime=None)
+    """StagingBuffer(size, *, alignment=None, segment_size=DEFAULT_SEGMENT_SIZE,
+                  copy_unit=None, register_flags=0, alloc_flags=0,
+                  prefault_threads=None, hugepages=None, allow_pageable=False,
+                  runtime=None)
 --
 
     A pinned host staging buffer that falls back instead of failing.

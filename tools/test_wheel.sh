@@ -22,16 +22,17 @@ SDIST="$(ls "$WORK"/dist/*.tar.gz)"
 # The sdist holds what the tests, CI and a reader need.
 name="$(basename "$SDIST" .tar.gz)"
 missing=0
+tar -tzf "$SDIST" >"$WORK/sdist.list"
 for f in LICENSE README.md pyproject.toml setup.py MANIFEST.in tox.ini .ci/run \
          _build_backend/instant_staging_build.py instant_staging/py.typed \
          instant_staging/backends.py instant_staging/_staging.pyi \
          tests/conftest.py tests/_child.py tests/test_staging.py tools/build_wheel.sh; do
-    tar -tzf "$SDIST" "$name/$f" >/dev/null 2>&1 || { echo "test_wheel: sdist lacks $f"; missing=1; }
+    grep -qxF "$name/$f" "$WORK/sdist.list" || { echo "test_wheel: sdist lacks $f"; missing=1; }
 done
 for d in docs benchmarks; do
-    tar -tzf "$SDIST" | grep -q "^$name/$d/." || { echo "test_wheel: sdist lacks $d/"; missing=1; }
+    grep -q "^$name/$d/." "$WORK/sdist.list" || { echo "test_wheel: sdist lacks $d/"; missing=1; }
 done
-if tar -tzf "$SDIST" | grep -E '\.(c|so)$|_build_config\.py$'; then
+if grep -E '\.(c|so)$|_build_config\.py$' "$WORK/sdist.list"; then
     echo "test_wheel: sdist carries build outputs"; missing=1
 fi
 [ "$missing" = 0 ] || exit 1
