@@ -292,12 +292,12 @@ def probe(size=defaults.STAGING_SIZE, *, segment_size=defaults.SEGMENT_SIZE, cop
               "chunk_size": chunk_size, "ok": False, "kind": None, "pinned": False,
               "segments": [], "attempts": [], "create_seconds": None, "error": None,
               "copy": None}
+    result.update(info["versions"])  # the build's runtime beside the driver, GPU or not
     if runtime is None:
         result["error"] = {"type": "NoGPU", "message": "no usable GPU (--require-gpu): "
                            + info["gpu"]["reason"], "code": info["gpu"]["code"],
                            "retained_ranges": []}
         return result
-    result.update(info["versions"])
     options = {"segment_size": segment_size, "copy_unit": copy_unit, "hugepages": hugepages,
                "prefault_threads": prefault_threads, "allow_pageable": allow_pageable}
     buf, fields = _make_buffer(size, runtime, options)
