@@ -11,6 +11,7 @@ import re
 import sys
 
 import pytest
+from _child import run_child
 
 import instant_staging as ist
 from instant_staging import backends
@@ -18,8 +19,6 @@ from instant_staging.cli import doctor, probe
 from instant_staging.cli.main import main, version_line
 from instant_staging.cli.report import driver_problem
 from instant_staging.testing import SimulatedRuntime
-
-from _child import run_child
 
 
 def _fake_cuda(root, version, crt_beside=True, static=True):

@@ -7,6 +7,7 @@ never from one another.
 import json
 
 from .._types import StagingError, format_size
+from ..backends import MIN_DRIVER  # the oldest driver branch per CUDA major
 
 
 def version_text(backend, value):
@@ -20,9 +21,6 @@ def version_text(backend, value):
     return f"{value // 1000}.{value % 1000 // 10}"
 
 
-# The oldest driver branch each CUDA major version's runtime runs on (minor
-# version compatibility: any 12.x runtime on any driver of CUDA 12.0+).
-MIN_DRIVER = {11: "R450", 12: "R525", 13: "R580"}
 
 
 def driver_problem(backend, runtime_version, driver_version):
