@@ -237,7 +237,11 @@ def find_rocm() -> Backend | None:
             os.path.dirname(libdir) in _SYSTEM_LIBDIRS and libdir.endswith("-linux-gnu"))
         # -I/usr/include would reorder gcc's system include search: leave it out.
         incs = [] if os.path.realpath(inc) == "/usr/include" else [inc]
-        version = _header_version(os.path.join(inc, "hip", "hip_version.h"), "HIP_VERSION")
+        hip_version = os.path.join(inc, "hip", "hip_version.h")
+        version = _header_version(hip_version, "HIP_VERSION") or (
+            _header_version(hip_version, "HIP_VERSION_MAJOR") * 10**7
+            + _header_version(hip_version, "HIP_VERSION_MINOR") * 10**5
+            + _header_version(hip_version, "HIP_VERSION_PATCH"))
         text = (f"{version // 10**7}.{version // 10**5 % 100}.{version % 10**5}"
                 if version else "(version unknown)")
         toolchain = f"HIP {text} ({'system package' if system else 'ROCm install'})"

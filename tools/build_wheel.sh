@@ -17,7 +17,8 @@
 # then accepts.
 #
 # Checks before it succeeds: the module NEEDs no libcudart, and neither
-# the sdist nor the wheel carries generated C or a path of this machine.
+# the sdist nor the wheel carries generated C or a path of this machine
+# (no rpath, debug info stripped by auditwheel --strip).
 # Prints the wheel's path on its last line.
 set -euo pipefail
 
@@ -67,12 +68,17 @@ ZIG
     echo "build_wheel: glibc $glibc here: linking against glibc 2.28 with zig cc ($ZIGLANG)"
 fi
 
+# The link line without the interpreter's own flags: a Python built with an
+# rpath to its lib dir (pyenv) would write that path of this machine into
+# every module.
+export LDSHARED="${CC:-cc} -shared"
+
 # 3. The wheel, from the sdist, with $PY (its Python tag), as pip builds it
 #    for a user (isolated: the in-tree backend fetches the CUDA 12 runtime).
 "$PY" -m pip wheel -v --no-deps --no-cache-dir -w "$WORK/raw" "$SDIST" >"$WORK/wheel.log" 2>&1 \
     || { tail -40 "$WORK/wheel.log"; exit 1; }
 grep -m1 "instant_staging: building" "$WORK/wheel.log" || true
-"$T/auditwheel" repair --plat "$PLAT" -w "$WORK/repaired" "$WORK"/raw/*.whl >"$WORK/repair.log" 2>&1 \
+"$T/auditwheel" repair --strip --plat "$PLAT" -w "$WORK/repaired" "$WORK"/raw/*.whl >"$WORK/repair.log" 2>&1 \
     || { cat "$WORK/repair.log"; "$T/auditwheel" show "$WORK"/raw/*.whl; exit 1; }
 WHEEL="$(ls "$WORK"/repaired/*.whl)"
 
@@ -92,7 +98,17 @@ fi
 if tar -tzf "$SDIST" | grep -E '\.(c|so)$'; then
     echo "build_wheel: the sdist carries generated C or built modules"; fail=1
 fi
-# Paths of this machine: the build directories and the source tree.
+# Paths of this machine: no RPATH/RUNPATH, no debug info (--strip), and no
+# build directory, source tree or interpreter prefix in any file.
+for so in $(find "$WORK/unpacked" -name '*.so'); do
+    if readelf -d "$so" | grep -E 'R(UN)?PATH'; then
+        echo "build_wheel: $so has an rpath"; fail=1
+    fi
+    if grep -laF -e "$WORK" -e "$ROOT" -e "pip-req-build" -e "pip-build-env" \
+            -e "$("$PY" -c 'import sys; print(sys.base_prefix)')/" "$so"; then
+        echo "build_wheel: $so names a path of the build machine"; fail=1
+    fi
+done
 if grep -rlaF -e "$WORK" -e "$ROOT" "$WORK/unpacked" --include='*.py' --include='*.pyi' \
         --include='*.txt' --include='METADATA' --include='RECORD'; then
     echo "build_wheel: the wheel names a path of the build machine"; fail=1
