@@ -15,7 +15,17 @@ import importlib.util
 import os
 
 from setuptools import build_meta as _setuptools
-from setuptools.build_meta import *  # noqa: F403  (every hook not wrapped below)
+from setuptools.build_meta import (
+    build_editable,
+    build_sdist,
+    build_wheel,
+    prepare_metadata_for_build_editable,
+    prepare_metadata_for_build_wheel,
+)
+
+__all__ = ["build_editable", "build_sdist", "build_wheel", "get_requires_for_build_editable",
+           "get_requires_for_build_sdist", "get_requires_for_build_wheel",
+           "prepare_metadata_for_build_editable", "prepare_metadata_for_build_wheel"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
