@@ -116,5 +116,6 @@ fi
 [ "$fail" = 0 ] || exit 1
 
 cp "$SDIST" "$WHEEL" "$OUT"/
-"$T/auditwheel" show "$OUT/$(basename "$WHEEL")" | head -3
+"$T/auditwheel" show "$OUT/$(basename "$WHEEL")" >"$WORK/show.txt" 2>&1 || true
+head -4 "$WORK/show.txt"
 echo "$OUT/$(basename "$WHEEL")"
