@@ -37,10 +37,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402  (also finds an in-place build of the package)
+import _common as C
 
-import instant_staging as ist  # noqa: E402
-from instant_staging.testing import inject_faults  # noqa: E402
+import instant_staging as ist
+from instant_staging.testing import inject_faults
 
 H2D, D2H = 1, 2
 DEFAULT_KINDS = ("registered", "hugepages", "segmented", "runtime_pinned",

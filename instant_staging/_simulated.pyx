@@ -38,7 +38,7 @@ import collections
 from instant_staging._runtime cimport (
     Runtime, ERROR_INVALID_VALUE, ERROR_MEMORY_ALLOCATION, ERROR_NO_DEVICE,
     ERROR_ALREADY_REGISTERED, ERROR_NOT_REGISTERED, ERROR_INVALID_MEMCPY_DIRECTION,
-    ERROR_INVALID_DEVICE, ERROR_INVALID_HANDLE, ERROR_UNKNOWN, MEMCPY_HOST_TO_DEVICE,
+    ERROR_INVALID_DEVICE, ERROR_INVALID_HANDLE, MEMCPY_HOST_TO_DEVICE,
     MEMCPY_DEVICE_TO_HOST, MEMORY_UNREGISTERED, MEMORY_HOST, MEMORY_DEVICE)
 from instant_staging._faults cimport FaultyRuntime, internal_error
 from instant_staging.faults import as_plan
@@ -144,7 +144,6 @@ cdef void _remove_range(list starts, dict sizes, intptr_t ptr):
 
 
 @cython.no_gc_clear  # __dealloc__ needs the allocation dicts to free them
-
 cdef class SimulatedRuntime(Runtime):
     """``SimulatedRuntime(faults=None, *, device_count=1, log_limit=10000, backend=None)``
 

@@ -33,7 +33,6 @@ from cpython.buffer cimport PyBuffer_FillInfo
 from libc.errno cimport errno, ENOMEM
 from libc.stdint cimport intptr_t, uintptr_t
 from libc.stdlib cimport malloc, free
-from libc.string cimport memset
 from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, MAP_PRIVATE,
                          MAP_ANONYMOUS, PROT_READ, PROT_WRITE, MADV_HUGEPAGE)
 from posix.unistd cimport getpid, sysconf, _SC_PAGESIZE
@@ -48,8 +47,8 @@ logger = logging.getLogger("instant_staging")
 
 cdef size_t PAGE = <size_t>sysconf(_SC_PAGESIZE)
 cdef size_t HUGE_PAGE = 2 << 20
-from instant_staging.defaults import (MAX_PREFAULT_THREADS, SEGMENT_SIZE as DEFAULT_SEGMENT_SIZE,
-                                       usable_cpus)
+from instant_staging.defaults import MAX_PREFAULT_THREADS, usable_cpus
+from instant_staging.defaults import SEGMENT_SIZE as DEFAULT_SEGMENT_SIZE
 
 
 _KINDS = {KIND_REGISTERED: Kind.REGISTERED, KIND_SEGMENTED: Kind.SEGMENTED,
@@ -177,7 +176,7 @@ cdef char* _map(size_t size, size_t alignment, size_t* mapped) noexcept nogil:
     if size > <size_t>-1 - (PAGE - 1) - extra:
         # length + extra would wrap around: a tiny mapping, then trimming
         # would unmap whatever lies above it (the interpreter's own memory).
-        errno = ENOMEM
+        errno = ENOMEM  # no-cython-lint (libc's errno, declared global above)
         return NULL
     cdef size_t length = (size + PAGE - 1) // PAGE * PAGE
     cdef void* base = mmap(NULL, length + extra, PROT_READ | PROT_WRITE,
@@ -252,7 +251,8 @@ cdef class StagingBuffer:
             raise ValueError(f"alignment must be a power of two >= the page size ({PAGE}), got {alignment}")
         _int_arg("segment_size", segment_size, 1)
         if segment_size % PAGE:
-            raise ValueError(f"segment_size must be a positive multiple of the page size ({PAGE}), got {segment_size}")
+            raise ValueError(f"segment_size must be a positive multiple of the page size ({PAGE}), "
+                             f"got {segment_size}")
         self._segment_size = segment_size
         if copy_unit is not None:
             self._segment_size = _segment_for_copy_unit(segment_size, copy_unit)
