@@ -66,10 +66,10 @@ def pick_runtime(simulate=False):
         why = (f"device_count returned {rt.error_name(code)}" if code
                else "the real runtime sees no device")
         return Setup(SimulatedRuntime(log_limit=0), False, why)
-    code = rt.set_device(0)
-    if code != 0:
-        rt.get_last_error()
-        raise SystemExit(f"set_device(0) failed: {rt.error_name(code)}")
+    try:
+        rt.check(rt.set_device(0), call="set_device(0)")
+    except ist.RuntimeCallError as e:
+        raise SystemExit(str(e)) from None
     return Setup(rt, True)
 
 

@@ -88,10 +88,7 @@ def make(kind, size, setup, torch):
         return Made(buf.close, buf.kind.name, buf.attempts,
                     any(a.step == "prefault" and a.ok for a in buf.attempts), own)
     if kind == "host_alloc":
-        code, ptr = rt.host_alloc(size)
-        if code:
-            rt.get_last_error()
-            raise RuntimeError(f"host_alloc: {rt.error_name(code)}")
+        ptr = rt.check(*rt.host_alloc(size), call="host_alloc")
 
         def release():
             code = rt.free_host(ptr)
@@ -110,10 +107,7 @@ def make(kind, size, setup, torch):
         try:
             if kind == "populate_write":
                 C.populate_write(ptr, size, 4)
-            code = rt.host_register(ptr, size)
-            if code:
-                rt.get_last_error()
-                raise RuntimeError(f"host_register: {rt.error_name(code)}")
+            rt.check(rt.host_register(ptr, size), call="host_register")
         except BaseException:
             C.unmap(ptr, size)
             raise

@@ -231,10 +231,10 @@ def main(argv=None):
         print(f"no GPU ({setup.why_simulated}); use --simulate for a host-only dry run")
         return 1
     rt = setup.runtime
-    code, device = rt.device_malloc(args.size)
-    if code != 0:
-        rt.get_last_error()
-        raise SystemExit(f"device_malloc of {C.fmt_size(args.size)}: {rt.error_name(code)}")
+    try:
+        device = rt.check(*rt.device_malloc(args.size), call=f"device_malloc of {C.fmt_size(args.size)}")
+    except ist.RuntimeCallError as e:
+        raise SystemExit(str(e)) from None
 
     start = time.monotonic()
     results = []

@@ -492,17 +492,17 @@ cdef class StagingBuffer:
                                       time.perf_counter() - t0))
         return 0
 
-    def _name(self, int code):
+    cdef str _name(self, int code):
         return self._runtime.error_name(code) if code else ""
 
-    def _describe(self, int code):
+    cdef str _describe(self, int code):
         return f"{self._runtime.error_name(code)} ({self._runtime.error_string(code)})"
 
-    def _last_failure(self):
+    cdef str _last_failure(self):
         failed = [a for a in self._attempts if not a.ok and a.code]
         return ", ".join(sorted({a.name for a in failed})) or "no runtime error"
 
-    def _failure_message(self, allow_pageable):
+    cdef str _failure_message(self, bint allow_pageable):
         steps = "; ".join(f"{a.step} at {a.offset} failed with {a.name}"
                           for a in self._attempts if not a.ok)
         hint = ("pageable memory could not be allocated either" if allow_pageable else

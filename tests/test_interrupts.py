@@ -152,7 +152,8 @@ def test_state_machine_is_not_reachable_from_python():
         for name in ("_run", "_step_allocate", "_step_prefault", "_step_register",
                      "_step_register_segments", "_step_rollback", "_step_runtime_alloc",
                      "_step_pageable", "_register_next", "_unregister_newest", "_release",
-                     "_record", "_unmap", "_clear_error"):
+                     "_record", "_unmap", "_clear_error", "_name", "_describe",
+                     "_last_failure", "_failure_message"):
             assert not hasattr(buf, name), name
         assert rt.live_registrations == 1
     assert rt.live_registrations == 0
