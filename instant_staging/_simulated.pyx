@@ -41,6 +41,7 @@ from instant_staging._runtime cimport (
     ERROR_INVALID_DEVICE, ERROR_INVALID_HANDLE, MEMCPY_HOST_TO_DEVICE,
     MEMCPY_DEVICE_TO_HOST, MEMORY_UNREGISTERED, MEMORY_HOST, MEMORY_DEVICE)
 from instant_staging._faults cimport FaultyRuntime, internal_error
+from instant_staging._build_config import BACKEND
 from instant_staging.faults import as_plan
 
 DEVICE_NAME = "SimulatedRuntime device"
@@ -91,15 +92,6 @@ _VERSIONS = {"cuda": 13000, "rocm": 50200003}
 _TEXT_CACHE = {}
 
 cdef intptr_t _STREAM_BASE = 0x5157000   # dummy stream handles start here
-
-
-def _build_backend():
-    """"rocm" when this build is the HIP one, else "cuda" (also when unbuilt)."""
-    try:
-        from instant_staging._build_config import BACKEND
-    except Exception:
-        return "cuda"
-    return "rocm" if BACKEND == "rocm" else "cuda"
 
 
 def error_text(str backend, int code):
@@ -202,7 +194,7 @@ cdef class SimulatedRuntime(Runtime):
             if log_limit < 0:
                 raise ValueError(f"log_limit must be >= 0 or None, got {log_limit}")
         if backend is None:
-            backend = _build_backend()
+            backend = BACKEND     # this build's: its error names by default
         elif backend not in ("cuda", "rocm"):
             raise ValueError(f"backend must be 'cuda' or 'rocm', got {backend!r}")
         self._device_count = device_count

@@ -274,7 +274,7 @@ def probe(size=defaults.STAGING_SIZE, *, segment_size=defaults.SEGMENT_SIZE, cop
     Raises UsageError for arguments refused before anything is allocated
     and ValueError for a malformed fault spec.
     """
-    from .. import BACKEND
+    from .._build_config import BACKEND
     if chunk_size <= 0:
         raise UsageError(f"chunk_size must be > 0, got {chunk_size}")
     runtime, info = select_runtime(simulate=simulate, faults=faults,
