@@ -526,8 +526,9 @@ cdef class StagingBuffer:
             # The registration belongs to the parent's process; the child only
             # drops its own copy of the mapping and makes no runtime call.
             self._nregistered = 0
-            self._host_alloc = False
-            self._ptr = NULL
+            if self._host_alloc:
+                self._host_alloc = False
+                self._ptr = NULL
         else:
             while self._nregistered > 0:
                 code = self._unregister_newest(None)
