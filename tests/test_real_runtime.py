@@ -6,7 +6,6 @@ Tests marked ``gpu`` run only where the runtime finds a device.
 """
 
 import ctypes
-import importlib
 import mmap
 import threading
 
@@ -14,12 +13,12 @@ import pytest
 
 from instant_staging import _build_config
 from instant_staging._runtime import Runtime
+from instant_staging.runtime import backend_module
 
 from conftest import PAGE
 
 BACKEND = _build_config.BACKEND
-backend = importlib.import_module(
-    "instant_staging._cuda" if BACKEND == "cuda" else "instant_staging._hip")
+backend = backend_module()
 rt = backend.runtime()
 
 PREFIX = {"cuda": "cuda", "rocm": "hip"}[BACKEND]
