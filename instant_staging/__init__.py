@@ -10,13 +10,32 @@ See docs/design.md for the state machine and the contract.
 
 from ._build_config import BACKEND
 from ._staging import StagingBuffer, auto_prefault_threads
-from ._types import (Attempt, Kind, ReleaseError, RollbackError, RuntimeCallError, StagingError,
-                     format_size, parse_size)
+from ._types import (
+                     Attempt,
+                     Kind,
+                     ReleaseError,
+                     RollbackError,
+                     RuntimeCallError,
+                     StagingError,
+                     format_size,
+                     parse_size,
+)
 from ._version import __version__
 from .runtime import default_runtime, real_runtime
 
-
-__all__ = ["BACKEND", "__version__", "Attempt", "Kind", "ReleaseError", "RollbackError",
-           "RuntimeCallError",
-           "StagingBuffer", "StagingError", "auto_prefault_threads", "default_runtime",
-           "format_size", "parse_size", "real_runtime"]
+__all__ = [
+                     "BACKEND",
+                     "Attempt",
+                     "Kind",
+                     "ReleaseError",
+                     "RollbackError",
+                     "RuntimeCallError",
+                     "StagingBuffer",
+                     "StagingError",
+                     "__version__",
+                     "auto_prefault_threads",
+                     "default_runtime",
+                     "format_size",
+                     "parse_size",
+                     "real_runtime",
+]

@@ -11,7 +11,6 @@ import re
 import sys
 
 import pytest
-from _child import run_child
 
 import instant_staging as ist
 from instant_staging import backends
@@ -19,6 +18,8 @@ from instant_staging.cli import doctor, probe
 from instant_staging.cli.main import main, version_line
 from instant_staging.cli.report import driver_problem
 from instant_staging.testing import SimulatedRuntime
+
+from _child import run_child
 
 
 def _fake_cuda(root, version, crt_beside=True, static=True):
@@ -114,7 +115,7 @@ def test_cuda12_asked_passes_a_cuda13_toolkit_over(env, tmp_path):
 
 def test_toolkit_without_static_runtime_is_passed_over(env, tmp_path):
     env.toolkit(_fake_cuda(tmp_path / "cuda", 12040, static=False))
-    with pytest.raises(backends.BackendNotFound, match="no libcudart_static.a"):
+    with pytest.raises(backends.BackendNotFound, match=r"no libcudart_static\.a"):
         backends.find_backend()
 
 

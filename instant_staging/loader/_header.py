@@ -17,7 +17,7 @@ the file and, where there is one, the tensor.
 import json
 import os
 import struct
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 # The JSON header may not exceed this (the safetensors package's own limit).
 MAX_HEADER_BYTES = 100_000_000
@@ -57,7 +57,7 @@ class TensorEntry(NamedTuple):
 
     name: str
     dtype: str
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     begin: int
     end: int
 
@@ -72,8 +72,8 @@ class Header(NamedTuple):
     path: str
     file_size: int
     data_start: int
-    tensors: List[TensorEntry]
-    metadata: Dict[str, str]
+    tensors: list[TensorEntry]
+    metadata: dict[str, str]
 
 
 def read_header(fd: int, path) -> Header:
@@ -138,7 +138,7 @@ def _no_duplicates(pairs, path) -> dict:
     return out
 
 
-def _metadata(value, path) -> Dict[str, str]:
+def _metadata(value, path) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
