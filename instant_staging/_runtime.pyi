@@ -1,5 +1,8 @@
 """Types of the compiled ``_runtime`` module (see ``_runtime.pyx``)."""
 
+from typing import TypeVar, overload
+
+_T = TypeVar("_T")
 
 class Runtime:
     """A GPU runtime reached through a table of nogil function pointers.
@@ -11,6 +14,10 @@ class Runtime:
 
     @property
     def name(self) -> str: ...
+    @overload
+    def check(self, code: int, value: None = None, call: str = "runtime call") -> None: ...
+    @overload
+    def check(self, code: int, value: _T, call: str = "runtime call") -> _T: ...
     def host_register(self, ptr: int, size: int, flags: int = 0) -> int: ...
     def host_unregister(self, ptr: int) -> int: ...
     def host_alloc(self, size: int, flags: int = 0) -> tuple[int, int]: ...

@@ -50,3 +50,9 @@ def loader_example(paths: list[str]) -> None:
     buf = ist.StagingBuffer(256 * (8 << 20), copy_unit=8 << 20)   # reuse across loads
     more: dict[str, object] = load_file(paths, "cuda:1", staging=buf)
     print(len(tensors), len(more))
+
+
+def check_example() -> None:
+    rt = SimulatedRuntime()
+    count: int = rt.check(*rt.device_count(), call="device_count")
+    print(count, rt.backend)
