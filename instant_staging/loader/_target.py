@@ -90,6 +90,14 @@ def _resolve_device(torch, device):
         return device
     if device.type != "cuda":
         raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device ('cuda:N'), not {device}")
+    # Checked here, before anything is allocated: without a GPU the first
+    # failure would otherwise come from pinning the staging buffer.
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device} is not available: this torch sees no GPU "
+                         "(torch.cuda.is_available() is False); load to 'cpu' instead")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device} is not available: this torch sees "
+                         f"{torch.cuda.device_count()} GPU(s)")
     return device
