@@ -652,9 +652,11 @@ cdef class Pipeline:
 
     cdef _staging_slots(self, Py_ssize_t cap):
         """Whole slots inside each registration, at most ``cap``."""
+        cdef StagingBuffer buf = self.staging
         cdef Py_ssize_t n = 0, k
-        cdef size_t seg_offset, seg_size, i
-        for seg_offset, seg_size in self.staging._segments:
+        cdef size_t r, nreg = buf.n_registrations(), seg_offset = 0, seg_size = 0, i
+        for r in range(nreg):
+            buf.registration(r, &seg_offset, &seg_size)
             n += <Py_ssize_t>min(<size_t>cap, seg_size // self.slot_size)
             if n >= cap:
                 n = cap
@@ -662,17 +664,18 @@ cdef class Pipeline:
         if n == 0:
             self._release_hold()
             raise ValueError(
-                f"the staging buffer ({self.staging.size} bytes in {len(self.staging._segments)} "
-                f"registration(s)) holds no chunk of {self.slot_size} bytes inside one "
-                "registration: pass a larger buffer or a smaller chunk_size")
+                f"the staging buffer ({buf.size} bytes in {nreg} registration(s)) holds no "
+                f"chunk of {self.slot_size} bytes inside one registration: pass a larger "
+                "buffer or a smaller chunk_size")
         self.slot_ptrs = <char**>malloc(n * sizeof(char*))
         if self.slot_ptrs == NULL:
             raise MemoryError()
         k = 0
-        for seg_offset, seg_size in self.staging._segments:
+        for r in range(nreg):
+            buf.registration(r, &seg_offset, &seg_size)
             i = 0
             while k < n and (i + 1) * self.slot_size <= seg_size:
-                self.slot_ptrs[k] = self.staging._ptr + seg_offset + i * self.slot_size
+                self.slot_ptrs[k] = buf.data() + seg_offset + i * self.slot_size
                 k += 1
                 i += 1
         self.n_slots = n
