@@ -30,11 +30,13 @@ import threading
 import traceback
 
 from .._types import format_size
-from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE, IO_DEPTH as DEFAULT_IO_DEPTH
-from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS, SEGMENT_SIZE, usable_cpus
+from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
+from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
+from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS
+from ..defaults import SEGMENT_SIZE, usable_cpus
 from ._checkpoint import _Checkpoint, _paths
 from ._errors import LoadError, VerifyError
-from ._target import _TorchTarget, _import_torch
+from ._target import _import_torch, _TorchTarget
 
 # How often the consumer wakes to report progress while no tensor finishes.
 _POLL_SECONDS = 0.05
