@@ -41,10 +41,10 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402,F401  (also finds an in-place build of the package)
+import _common as C  # noqa: F401  (also finds an in-place build of the package)
 
-import instant_staging as ist  # noqa: E402
-from instant_staging._types import parse_size  # noqa: E402
+import instant_staging as ist
+from instant_staging._types import parse_size
 
 MEMORY_UNREGISTERED = 0
 
@@ -83,6 +83,7 @@ def consume(it, got, errors, stop_after, seen):
 
 def phase_cancel(path, expected, args, out):
     import torch
+
     from instant_staging.loader import iter_load, load_file
     from instant_staging.runtime import real_runtime
     rt = real_runtime()

@@ -17,13 +17,13 @@ import pytest
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
-import instant_staging as ist  # noqa: E402
-from instant_staging.loader import LoadError, iter_load, load_file  # noqa: E402
-from instant_staging.loader._pipeline import Pipeline, Plan  # noqa: E402
-from instant_staging.testing import FaultPlan, SimulatedRuntime  # noqa: E402
+import instant_staging as ist
+from instant_staging.loader import LoadError, iter_load, load_file
+from instant_staging.loader._pipeline import Pipeline, Plan
+from instant_staging.testing import FaultPlan, SimulatedRuntime
 
-from _child import run_child  # noqa: E402
-from test_loader import CHUNK, SimTarget, assert_same, mixed_tensors, save, sim_load, sim_staging  # noqa: E402
+from _child import run_child
+from test_loader import CHUNK, SimTarget, assert_same, mixed_tensors, save, sim_load, sim_staging
 
 
 def open_fds():
@@ -59,14 +59,22 @@ def test_close_from_another_thread_during_a_load_raises(tmp_path):
     path = save(tmp_path, big_tensors(16))
     rt, buf = sim_staging()
     errors = []
+
+    def close_elsewhere():
+        try:
+            buf.close()
+        except BufferError as e:
+            errors.append(e)
+
     with iter_load(path, "cpu", chunk_size=CHUNK, staging=buf, threads=2) as it:
         next(it)
-        t = threading.Thread(target=lambda: errors.append(pytest.raises(BufferError, buf.close)))
+        t = threading.Thread(target=close_elsewhere)
         t.start()
         t.join()
         list(it)
     assert errors and not buf.closed
     buf.close()
+    assert rt.live_registrations == 0
 
 
 def test_buffer_closed_after_use_was_impossible_to_crash_in_a_child():
@@ -417,6 +425,7 @@ def test_load_to_a_gpu_without_one_names_no_foreign_knob(tmp_path):
 
 def test_bad_paths_of_every_type_are_safetensors_errors(tmp_path):
     import pathlib
+
     from instant_staging.loader import SafetensorsError
     path = tmp_path / "bad.safetensors"
     path.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00[]")

@@ -352,8 +352,8 @@ def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
 
 
 def _error(pipe, plan, checkpoint, runtime):
-    from ._pipeline import CANCELLED, END_OF_FILE, READ_ERROR, RUNTIME_ERROR
     from ..faults import ERROR_CODES
+    from ._pipeline import CANCELLED, END_OF_FILE, READ_ERROR, RUNTIME_ERROR
     kind, code, call, chunk, offset = pipe.error()
     if kind == CANCELLED:
         return LoadError("the load was cancelled (its iterator was closed from another "
