@@ -110,7 +110,7 @@ def build_parser():
                     help=f"default {defaults.IO_DEPTH}")
     ld.add_argument("--threads", type=positive_arg, default=None, help="default: the loader's")
     ld.add_argument("--staging-size", type=size_arg, default=None,
-                    help="staging buffer size (default: io-depth x chunk-size)")
+                    help="staging buffer size (default: io-depth x chunk-size, no more than the files hold)")
     ld.add_argument("--allow-pageable", action="store_true",
                     help="accept unpinned staging memory when nothing can be pinned")
     ld.add_argument("--verify", action="store_true", help="check every tensor after loading")
