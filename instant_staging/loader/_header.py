@@ -108,13 +108,15 @@ class TensorEntry(NamedTuple):
 
 
 class Header(NamedTuple):
-    """A parsed file: its tensors in data order, and its metadata."""
+    """A parsed file: its tensors in data order, and its metadata (None when
+    the header has no ``__metadata__`` or it is null, as safetensors'
+    ``metadata()`` returns)."""
 
     path: str
     file_size: int
     data_start: int
     tensors: list[TensorEntry]
-    metadata: dict[str, str]
+    metadata: Optional[dict[str, str]]
 
 
 def read_header(fd: int, path) -> Header:
@@ -160,7 +162,7 @@ def parse_header(raw: bytes, path, file_size: int) -> Header:
            for name, dtype, shape, b, e in tensors]
     for t in out:
         _check_torch(t, path)
-    return Header(path, file_size, data_start, out, metadata or {})
+    return Header(path, file_size, data_start, out, metadata)
 
 
 def _pread_exact(fd, n, offset, path) -> bytes:
