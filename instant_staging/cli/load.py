@@ -13,8 +13,8 @@ import threading
 import time
 
 from .. import defaults
-from .._types import format_size
-from .report import attempt_dict
+from .._types import StagingError, format_size
+from .report import attempt_dict, describe_attempt, error_result
 
 
 class NoDevice(RuntimeError):
@@ -164,6 +164,7 @@ def load(paths, *, device="cuda:0", chunk_size=defaults.CHUNK_SIZE, io_depth=def
     else:
         _check_device(device)
         buf, staging = _make_staging(size, chunk_size, allow_pageable, runtime)
+    failed = None
     try:
         t0 = time.perf_counter()
         tensors = loader.load_file(list(paths), device, chunk_size=chunk_size,
@@ -171,9 +172,21 @@ def load(paths, *, device="cuda:0", chunk_size=defaults.CHUNK_SIZE, io_depth=def
                                    verify=verify, progress=progress)
         _synchronize(device)
         seconds = time.perf_counter() - t0
+    except (OSError, ValueError, RuntimeError) as e:
+        # A bad file (SafetensorsError), a failed read or copy (LoadError),
+        # torch's own: the run failed; its report keeps the staging attempts.
+        failed = e
     finally:
         if buf is not None:
-            buf.close()
+            try:
+                buf.close()
+            except StagingError as e:          # ReleaseError: memory retained
+                failed = failed or e
+    if failed is not None:
+        return {"command": "load", "ok": False, "files": [str(p) for p in paths],
+                "device": str(device), "chunk_size": chunk_size, "io_depth": io_depth,
+                "threads": threads, "staging": staging,
+                "error": error_result("load", failed)["error"]}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return {"command": "load", "ok": True, "files": [str(p) for p in paths],
             "device": str(device), "tensors": len(tensors), "bytes": nbytes,
@@ -183,6 +196,14 @@ def load(paths, *, device="cuda:0", chunk_size=defaults.CHUNK_SIZE, io_depth=def
 
 
 def format_text(result):
+    if not result["ok"]:
+        s = result["staging"]
+        lines = [f"load failed: {result['error']['type']}: {result['error']['message']}"]
+        if s["kind"] != "HOST":
+            lines.append(f"staging: {s['kind']}, {format_size(s['size'])}, made in "
+                         f"{s['seconds']:.3f} s")
+            lines += ["  " + describe_attempt(a) for a in s["attempts"]]
+        return lines
     s = result["staging"]
     if s["kind"] == "HOST":
         pinned = " (ordinary memory: a load to the CPU needs no pinning)"

@@ -169,6 +169,12 @@ def run_load(args, parser):
             print("\n".join(lines), file=sys.stderr)
         return 1
     progress.close()
+    if not result["ok"]:
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print("\n".join(load_cmd.format_text(result)), file=sys.stderr)
+        return 1
     emit(args.json, result, load_cmd.format_text(result))
     return 0
 
