@@ -9,11 +9,11 @@ tenth otherwise.  Nothing here prints to stdout.
 """
 
 import mmap
-import threading
 import time
 
 from .. import defaults
 from .._types import format_size
+from ..loader._progress import Progress  # noqa: F401  (the CLI's progress, one implementation)
 from .report import attempt_dict
 
 
@@ -24,69 +24,6 @@ class NoDevice(RuntimeError):
 def staging_size(chunk_size, io_depth):
     """The staging bytes a load needs: ``io_depth`` slots of ``chunk_size``."""
     return chunk_size * io_depth
-
-
-class Progress:
-    """``progress(done_bytes, total_bytes)`` for the loader; thread-safe.
-
-    ``bar=True`` redraws one line in place (a terminal); otherwise a plain
-    line is written at each tenth, and nothing when ``quiet``.
-    """
-
-    WIDTH = 30
-
-    def __init__(self, stream, *, bar, quiet=False, interval=0.1):
-        self._stream = stream
-        self._bar = bar
-        self._quiet = quiet and not bar
-        self._interval = interval
-        self._lock = threading.Lock()
-        self._start = time.perf_counter()
-        self._last_draw = 0.0
-        self._last_tenth = 0
-        self._drawn = False
-
-    def __call__(self, done, total):
-        if self._quiet:
-            return
-        with self._lock:
-            if self._bar:
-                self._draw_bar(done, total)
-            else:
-                self._plain(done, total)
-
-    def _rate(self, done):
-        return done / max(time.perf_counter() - self._start, 1e-9) / 1e9
-
-    def _draw_bar(self, done, total):
-        now = time.perf_counter()
-        if done < total and now - self._last_draw < self._interval:
-            return  # redraw at most every `interval` seconds
-        self._last_draw = now
-        frac = done / total if total else 1.0
-        filled = int(frac * self.WIDTH)
-        self._stream.write(f"\r[{'#' * filled}{' ' * (self.WIDTH - filled)}] {frac:4.0%} "
-                           f"{format_size(done)} / {format_size(total)} "
-                           f"{self._rate(done):.1f} GB/s ")
-        self._stream.flush()
-        self._drawn = True
-
-    def _plain(self, done, total):
-        tenth = int(10 * done / total) if total else 10
-        if tenth <= self._last_tenth:
-            return
-        self._last_tenth = tenth
-        self._stream.write(f"loaded {tenth * 10}%: {format_size(done)} of "
-                           f"{format_size(total)}, {self._rate(done):.1f} GB/s\n")
-        self._stream.flush()
-
-    def close(self):
-        """Ends the bar's line."""
-        with self._lock:
-            if self._drawn:
-                self._stream.write("\n")
-                self._stream.flush()
-                self._drawn = False
 
 
 def _check_device(device):

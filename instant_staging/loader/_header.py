@@ -69,7 +69,7 @@ class Header(NamedTuple):
     file_size: int
     data_start: int
     tensors: List[TensorEntry]
-    metadata: Dict[str, str]
+    metadata: Optional[Dict[str, str]]   # None when the file has no __metadata__
 
 
 def read_header(fd: int, path) -> Header:
@@ -80,6 +80,10 @@ def read_header(fd: int, path) -> Header:
         raise SafetensorsError(f"file of {size} bytes is too short for the 8-byte header length", path)
     (length,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, path))
     if length > MAX_HEADER_BYTES:
+        if os.pread(fd, 1, 0) in (b"{", b"["):
+            raise SafetensorsError("this is a JSON file (a model.safetensors.index.json?), not a "
+                                   "safetensors file: pass the index or its directory as the "
+                                   "source, not as a shard", path)
         raise SafetensorsError(f"header length {length} exceeds the limit of {MAX_HEADER_BYTES} bytes", path)
     if 8 + length > size:
         raise SafetensorsError(f"header length {length} goes beyond the end of the file "
@@ -134,9 +138,9 @@ def _no_duplicates(pairs, path) -> dict:
     return out
 
 
-def _metadata(value, path) -> Dict[str, str]:
+def _metadata(value, path) -> Optional[Dict[str, str]]:
     if value is None:
-        return {}
+        return None   # as safetensors' metadata(): absent (or null) is None, {} is {}
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         raise SafetensorsError("__metadata__ must map strings to strings", path)
     return dict(value)
