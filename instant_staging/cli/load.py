@@ -1,14 +1,17 @@
-"""load: load safetensors files through a StagingBuffer and report how fast.
+"""load: load safetensors checkpoints through a StagingBuffer and report how fast.
 
-``load()`` makes the staging buffer itself (``copy_unit=chunk_size``, so
-that chunk-aligned copies never straddle two registrations), hands it to
-``instant_staging.loader.load_file`` and returns a plain dict with the
-tensor count, bytes, seconds, GB/s and the staging kind reached.
+``sources()`` turns the command's SOURCE arguments (files, a directory, an
+index.json) into a ``load_file`` source.  ``load()`` makes the staging
+buffer itself (``copy_unit=chunk_size``, so that chunk-aligned copies never
+straddle two registrations), hands it to ``instant_staging.loader.iter_load``
+and returns a plain dict with the tensor count, the bytes read, seconds
+(torch imported before the clock starts), GB/s and the staging kind reached.
 ``Progress`` is the progress callback: a bar on a terminal, a line per
 tenth otherwise.  Nothing here prints to stdout.
 """
 
 import mmap
+import os
 import time
 
 from .. import defaults
@@ -72,20 +75,46 @@ def _is_cpu(device):
     return str(device).split(":")[0] == "cpu"
 
 
-def load(paths, *, device="cuda:0", chunk_size=defaults.CHUNK_SIZE, io_depth=defaults.IO_DEPTH, threads=None,
-         verify=False, staging_bytes=None, allow_pageable=False, runtime=None,
-         progress=None):
-    """Loads ``paths``; returns the result dict (the tensors are dropped).
+def sources(args):
+    """What ``load SOURCE...`` loads: one SOURCE as given (a file, a
+    directory or an index.json: resolved here so that a missing file or a bad
+    index is a usage error), several as the list of the shards each names.
+    Raises OSError, ValueError or TypeError with the message to show."""
+    from ..loader._source import resolve
+    shards = []
+    for arg in args:
+        paths = resolve(arg).paths
+        for path in paths:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no such file: {path}")
+            if any(os.path.samefile(path, p) for p in shards):
+                raise ValueError(f"{path} is given twice (SOURCE {arg} names it again)")
+            shards.append(path)
+    return args[0] if len(args) == 1 else shards
+
+
+def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
+         io_depth=defaults.IO_DEPTH, threads=None, verify=False, staging_bytes=None,
+         allow_pageable=False, runtime=None, progress=None):
+    """Loads ``source`` (as ``load_file``'s); returns the result dict (each
+    tensor is dropped as it arrives).  ``bytes`` are the bytes read from the
+    files; the time excludes importing torch and making the staging buffer.
 
     Raises ImportError (no torch), NoDevice, StagingError, and whatever the loader raises
     (SafetensorsError, a ValueError, for a bad file; LoadError, a
     RuntimeError, for a failed read or copy).
     """
     from .. import loader
+    from ..loader._source import resolve
+    from ..loader._target import _import_torch
+    if not isinstance(source, (str, bytes, os.PathLike)):
+        source = list(source)
+    files = [str(p) for p in resolve(source).paths]
     size = staging_bytes or staging_size(chunk_size, io_depth)
     if size < chunk_size:
         raise ValueError(f"the staging buffer ({format_size(size)}) must hold at least one "
                          f"chunk ({format_size(chunk_size)})")
+    _import_torch()              # not part of the load's time
     if _is_cpu(device):
         buf, staging = None, _host_staging(size)
     else:
@@ -93,17 +122,21 @@ def load(paths, *, device="cuda:0", chunk_size=defaults.CHUNK_SIZE, io_depth=def
         buf, staging = _make_staging(size, chunk_size, allow_pageable, runtime)
     try:
         t0 = time.perf_counter()
-        tensors = loader.load_file(list(paths), device, chunk_size=chunk_size,
-                                   io_depth=io_depth, threads=threads, staging=buf,
-                                   verify=verify, progress=progress)
+        count = 0
+        with loader.iter_load(source, device, dtype=dtype, chunk_size=chunk_size,
+                              io_depth=io_depth, threads=threads, staging=buf,
+                              verify=verify, progress=progress) as it:
+            for _ in it:
+                count += 1
+            nbytes = it.total_bytes
         _synchronize(device)
         seconds = time.perf_counter() - t0
     finally:
         if buf is not None:
             buf.close()
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return {"command": "load", "ok": True, "files": [str(p) for p in paths],
-            "device": str(device), "tensors": len(tensors), "bytes": nbytes,
+    return {"command": "load", "ok": True, "files": files,
+            "device": str(device), "dtype": None if dtype is None else str(dtype),
+            "tensors": count, "bytes": nbytes,
             "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / 1e9,
             "chunk_size": chunk_size, "io_depth": io_depth, "threads": threads,
             "verified": bool(verify), "staging": staging}
@@ -116,8 +149,9 @@ def format_text(result):
     else:
         pinned = "" if s["pinned"] else " (NOT pinned: several times slower)"
     segments = f" (segments of {format_size(s['segment_size'])})" if s["segment_size"] else ""
+    as_dtype = f" as {result['dtype']}" if result.get("dtype") else ""
     return [f"{result['tensors']} tensors, {format_size(result['bytes'])} to "
-            f"{result['device']} in {result['seconds']:.3f} s: {result['gbps']:.2f} GB/s"
+            f"{result['device']}{as_dtype} in {result['seconds']:.3f} s: {result['gbps']:.2f} GB/s"
             + (", verified" if result["verified"] else ""),
             f"staging: {s['kind']}{pinned}, {format_size(s['size'])}{segments}, "
             f"made in {s['seconds']:.3f} s"]
