@@ -133,7 +133,8 @@ def test_missing_weight_is_an_error_before_reading(tmp_path, monkeypatch):
     # a shard file that lacks one tensor: rewrite it without it, fix the index
     victim = "model.layers.1.mlp.down_proj.weight"
     shard = path / obj["weight_map"].pop(victim)
-    from safetensors.torch import load_file as st_load, save_file as st_save
+    from safetensors.torch import load_file as st_load
+    from safetensors.torch import save_file as st_save
     tensors = st_load(shard)
     del tensors[victim]
     st_save(tensors, shard, metadata={"format": "pt"})
@@ -145,7 +146,8 @@ def test_missing_weight_is_an_error_before_reading(tmp_path, monkeypatch):
 
 def test_unexpected_weights_are_ignored_and_not_read(tmp_path, caplog):
     path, cls = save(tmp_path, "llama", sharded=False)
-    from safetensors.torch import load_file as st_load, save_file as st_save
+    from safetensors.torch import load_file as st_load
+    from safetensors.torch import save_file as st_save
     tensors = st_load(path / "model.safetensors")
     tensors["extra.head.weight"] = torch.ones(4, 4)
     st_save(tensors, path / "model.safetensors", metadata={"format": "pt"})

@@ -10,13 +10,18 @@ without a GPU), 2 bad arguments.
 import argparse
 import json
 import logging
-import os
 import sys
 
 from .. import defaults
 from .._types import StagingError, format_size, parse_size
 from ..loader._header import SafetensorsError
-from ..loader._options import DTYPE_ALIASES, ENV_CHUNK_SIZE, ENV_IO_DEPTH, ENV_THREADS, knobs
+from ..loader._options import (
+    DTYPE_ALIASES,
+    ENV_CHUNK_SIZE,
+    ENV_IO_DEPTH,
+    ENV_THREADS,
+    knobs,
+)
 from .report import attempt_dict, describe_attempt, emit, error_result
 
 # What --dtype accepts (the loader converts floating tensors only).

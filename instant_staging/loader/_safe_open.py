@@ -35,7 +35,7 @@ from ._checkpoint import _Checkpoint
 from ._header import DTYPE_SIZES, TensorEntry
 from ._load import _check_args, _load, _own_staging
 from ._options import knobs
-from ._target import _TorchTarget, _import_torch
+from ._target import _import_torch, _TorchTarget
 from ._typing import Device, PathLike
 
 if TYPE_CHECKING:
