@@ -169,7 +169,7 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     except BaseException:
         checkpoint.close()
         raise
-    info = {}
+    info: Dict[str, object] = {}
     generator = _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads,
                       verify, progress, info=info)
     return LoadIterator(generator, checkpoint, info)

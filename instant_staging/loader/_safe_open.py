@@ -75,12 +75,13 @@ class safe_open:
         _check_args(self._chunk_size, self._io_depth, self._threads)
         self._lock = threading.Lock()
         self._staging = None
-        self._checkpoint = _Checkpoint([filename])
-        header = self._checkpoint.headers[0]
+        checkpoint = _Checkpoint([filename])
+        self._checkpoint: Optional[_Checkpoint] = checkpoint
+        header = checkpoint.headers[0]
         self._entries = {t.name: t for t in header.tensors}
         self._order = [t.name for t in header.tensors]
         self._metadata = header.metadata
-        self._path = self._checkpoint.paths[0]
+        self._path = checkpoint.paths[0]
 
     # -- what safetensors' handle offers ---------------------------------------
 
