@@ -1,6 +1,6 @@
 """Fault plans: which runtime calls fail, and with which code.
 
-A plan is parsed from the spec of DESIGN.md ("Faults"), the value of
+A plan is parsed from the spec of docs/design.md ("Faults"), the value of
 ``INSTANT_STAGING_FAULTS``::
 
     SPEC  := RULE (";" RULE)*
@@ -13,8 +13,8 @@ A plan is parsed from the spec of DESIGN.md ("Faults"), the value of
 
 ``FaultyRuntime`` (``instant_staging._faults``) asks ``plan.decide(op, size)``
 before each of those calls and, when it answers a code, fails the call with
-it instead of calling the runtime.  Pure Python, so it can be used (and
-tested) without anything compiled.
+it instead of calling the runtime.  Python, apart from the error codes it
+takes from ``_runtime`` (the one table of them).
 """
 
 import os
@@ -22,6 +22,7 @@ import re
 import threading
 from typing import Iterable, NamedTuple, Optional, Tuple
 
+from instant_staging._runtime import ERROR_CODES
 from instant_staging._types import parse_size
 
 __all__ = ["ENV_VAR", "ERROR_CODES", "OPERATIONS", "FaultPlan", "FaultRule", "as_plan"]
@@ -31,15 +32,8 @@ ENV_VAR = "INSTANT_STAGING_FAULTS"
 # The operations a rule can name, in the order error messages list them.
 OPERATIONS = ("register", "unregister", "host_alloc", "free_host")
 
-# Error names a rule may use; the codes are CUDA's and HIP's (they agree).
-ERROR_CODES = {
-    "invalid_value": 1,
-    "memory_allocation": 2,
-    "no_device": 100,
-    "already_registered": 712,
-    "not_registered": 713,
-    "not_supported": 801,
-}
+# ERROR_CODES: the error names a rule may use; the codes are CUDA's and
+# HIP's (they agree), tabled once in _runtime.pxd.
 _ERROR_NAMES = {code: name for name, code in ERROR_CODES.items()}
 
 _INT_MAX = (1 << 31) - 1           # codes travel as a C int

@@ -9,7 +9,6 @@ tests also check that no chunk does.  GPU tests are marked ``gpu``.
 
 import gc
 import json
-import mmap
 import os
 import struct
 
@@ -23,8 +22,8 @@ from instant_staging.loader import _checkpoint, _load, _target
 from instant_staging.loader import LoadError, SafetensorsError, VerifyError, iter_load, load_file
 
 from _child import run_child
+from conftest import PAGE
 
-PAGE = mmap.PAGESIZE
 CHUNK = 2 * PAGE              # small: many chunks, tensors spanning chunks
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,

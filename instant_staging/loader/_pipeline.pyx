@@ -12,7 +12,7 @@ whole per-chunk path runs in plain C threads:
 A *chunk* is a contiguous file range of at most one slot; a *piece* is
 the part of one tensor inside one chunk, so small tensors share a chunk
 and large ones span several.  Each thread owns its own slots (as in the
-C program of FIELD_NOTES.md that reached 41 GB/s), so no thread waits on
+C program of docs/design.md ("Measured") that reached 41 GB/s), so no thread waits on
 another.  Device copies go through the runtime table on the thread's
 own stream (after ``set_device``: the current device is per thread); in
 host mode a piece is a ``memcpy`` into CPU memory.
