@@ -50,11 +50,11 @@ SHARDS = 4
 
 def llama_config(small):
     if small:
-        sizes = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+        sizes = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
     else:
-        sizes = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+        sizes = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
     return transformers.LlamaConfig(max_position_embeddings=8192, rope_theta=500000.0,
                                     rms_norm_eps=1e-5, tie_word_embeddings=False,
                                     architectures=["LlamaForCausalLM"], dtype="bfloat16", **sizes)
@@ -163,7 +163,8 @@ def tp2_slices(path, device):
     for shard in shards:
         with safe_open(shard, framework="pt", device=dev) as f, \
                 st_safe_open(shard, framework="pt", device=dev) as g:
-            for name in f.keys():
+            names = f.keys()   # safe_open is not iterable (as safetensors')
+            for name in names:
                 shape = f.get_slice(name).get_shape()
                 if len(shape) != 2:
                     continue

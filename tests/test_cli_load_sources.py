@@ -23,7 +23,7 @@ def cli(*args, env=None):
     environ.update(env or {})
     return subprocess.run([sys.executable, "-m", "instant_staging", "load", *args],
                           cwd=PACKAGE_PARENT, env=environ, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
 
 
 def cli_json(*args, env=None, code=0):

@@ -78,7 +78,7 @@ def test_names_iterable_and_predicate(path):
 
 
 def test_names_reads_only_selected_bytes(path):
-    p, tensors = path
+    p, _tensors = path
     it = iter_load(p, names=["f16", "i8"])
     assert it.total_bytes == 5 * 7 * 2 + 10
     assert set(it.names) == {"f16", "i8"}

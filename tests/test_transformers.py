@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from instant_staging.integrations.transformers import from_pretrained
 from instant_staging.loader import _load
 
-SMALL = dict(vocab_size=96, max_position_embeddings=64)
+SMALL = {"vocab_size": 96, "max_position_embeddings": 64}
 
 
 def configs():

@@ -37,11 +37,13 @@ transformers is an optional dependency: ``pip install
 'instant_staging[transformers]'``.
 """
 
+from __future__ import annotations
+
 import contextlib
 import logging
 import os
 import re
-from typing import TYPE_CHECKING, Any, Optional, Type
+from typing import TYPE_CHECKING, Any
 
 from ..loader._checkpoint import _Checkpoint
 from ..loader._load import iter_load
@@ -66,7 +68,7 @@ def _import_transformers():
 
 
 def from_pretrained(model_dir: PathLike, *, device: Device = "cuda:0", dtype: DType = None,
-                    model_class: Optional[Type[Any]] = None) -> "torch.nn.Module":
+                    model_class: type[Any] | None = None) -> torch.nn.Module:
     """A ready model (eval mode) from the local checkpoint directory ``model_dir``.
 
     model_dir    a directory with config.json and safetensors weights (one

@@ -62,7 +62,8 @@ def torch_dtype(torch, dtype):
         name = DTYPE_ALIASES.get(dtype.lower(), dtype)
         value = getattr(torch, name, None)
         if not isinstance(value, torch.dtype):
-            raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. torch.bfloat16 or 'bfloat16')")
+            raise ValueError(  # noqa: TRY004  (a str, the right type, naming no dtype)
+                f"dtype {dtype!r} is not a torch dtype (e.g. torch.bfloat16 or 'bfloat16')")
         dtype = value
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be None or a torch.dtype, not {type(dtype).__name__}")

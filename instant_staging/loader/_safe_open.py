@@ -28,8 +28,10 @@ serialised (one staging buffer); use one handle per thread for parallel
 reads.  A missing name is a KeyError; a use after close a ValueError.
 """
 
+from __future__ import annotations
+
 import threading
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING
 
 from ._checkpoint import _Checkpoint
 from ._header import DTYPE_SIZES, TensorEntry
@@ -40,6 +42,7 @@ from ._typing import Device, PathLike
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Self
 
 # safetensors' names for torch (safetensors accepts the same three).
 FRAMEWORKS = ("pt", "torch", "pytorch")
@@ -76,7 +79,7 @@ class safe_open:
         self._lock = threading.Lock()
         self._staging = None
         checkpoint = _Checkpoint([filename])
-        self._checkpoint: Optional[_Checkpoint] = checkpoint
+        self._checkpoint: _Checkpoint | None = checkpoint
         header = checkpoint.headers[0]
         self._entries = {t.name: t for t in header.tensors}
         self._order = [t.name for t in header.tensors]
@@ -85,33 +88,33 @@ class safe_open:
 
     # -- what safetensors' handle offers ---------------------------------------
 
-    def keys(self) -> List[str]:
+    def keys(self) -> list[str]:
         """The tensor names, sorted (as safetensors)."""
         self._check_open()
         return sorted(self._entries)
 
-    def offset_keys(self) -> List[str]:
+    def offset_keys(self) -> list[str]:
         """The tensor names in the order of their data in the file."""
         self._check_open()
         return list(self._order)
 
-    def metadata(self) -> Optional[Dict[str, str]]:
+    def metadata(self) -> dict[str, str] | None:
         """The header's ``__metadata__`` (None when the file has none)."""
         self._check_open()
         return None if self._metadata is None else dict(self._metadata)
 
-    def get_tensor(self, name: str) -> "torch.Tensor":
+    def get_tensor(self, name: str) -> torch.Tensor:
         """The whole tensor, reading only its bytes."""
         entry = self._entry(name)
         return self._read([entry])[0]
 
-    def get_tensors(self) -> Dict[str, "torch.Tensor"]:
+    def get_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor, keyed by name in file order, in one pass over the file."""
         self._check_open()
         entries = [self._entries[n] for n in self._order]
         return dict(zip(self._order, self._read(entries)))
 
-    def get_slice(self, name: str) -> "_Slice":
+    def get_slice(self, name: str) -> _Slice:
         """A lazy view: ``get_shape()``, ``get_dtype()``, and indexing reads."""
         return _Slice(self, self._entry(name))
 
@@ -125,7 +128,7 @@ class safe_open:
         if staging is not None:
             staging.close()
 
-    def __enter__(self) -> "safe_open":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -134,7 +137,7 @@ class safe_open:
     def __del__(self):
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001, S110  (a finaliser never raises)
             pass
 
     def __repr__(self):
@@ -196,13 +199,13 @@ class _Slice:
         self._handle = handle
         self._entry = entry
 
-    def get_shape(self) -> List[int]:
+    def get_shape(self) -> list[int]:
         return list(self._entry.shape)
 
     def get_dtype(self) -> str:
         return self._entry.dtype
 
-    def __getitem__(self, index) -> "torch.Tensor":
+    def __getitem__(self, index) -> torch.Tensor:
         handle, entry = self._handle, self._entry
         torch = handle._torch
         dtype = handle._target.check(entry, handle._path)

@@ -19,9 +19,10 @@ passed where a shard belongs is reported as what it is.
 Nothing here opens a shard: ``_Checkpoint`` does.
 """
 
+from __future__ import annotations
+
 import json
 import os
-from typing import Dict, List, Optional
 
 from ._header import SafetensorsError
 
@@ -34,8 +35,8 @@ class Source:
     """The shards of one load; ``index`` and ``weight_map`` (tensor name ->
     shard path) where an index named them."""
 
-    def __init__(self, paths: List[str], index: Optional[str] = None,
-                 weight_map: Optional[Dict[str, str]] = None):
+    def __init__(self, paths: list[str], index: str | None = None,
+                 weight_map: dict[str, str] | None = None):
         self.paths = paths
         self.index = index
         self.weight_map = weight_map

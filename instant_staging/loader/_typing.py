@@ -1,7 +1,8 @@
 """Type aliases of the loader's public signatures (for annotations only)."""
 
 import os
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Union
 
 if TYPE_CHECKING:
     import torch
