@@ -117,7 +117,8 @@ def from_pretrained(model_dir: PathLike, *, device: Device = "cuda:0", dtype: DT
     wanted = _target_dtypes(torch, model, expected, dtype)
 
     state = {}
-    with iter_load(source.paths, device, names=set(rename)) as it:
+    # model_dir, not the shard list: an index is also checked against its shards
+    with iter_load(model_dir, device, names=set(rename)) as it:
         for name, tensor in it:
             key = rename[name]
             if tensor.dtype != wanted[key]:

@@ -3,7 +3,7 @@
 ``progress`` is None (silent), a callable ``progress(done_bytes,
 total_bytes)`` called from the consuming thread, or True: a tqdm bar on
 standard error where tqdm is installed (``pip install
-'instant_staging[progress]'``) and standard error is a terminal, else a plain
+'instant_staging[tqdm]'``) and standard error is a terminal, else a plain
 line per tenth (``Progress(bar=False)``).  ``Progress`` is also the CLI's
 ``load`` progress: one implementation.
 """
