@@ -185,6 +185,34 @@ def test_bad_arguments(tmp_path):
         from_pretrained(path, device="cpu")
 
 
+def test_failed_read_frees_everything_and_restores_torch(tmp_path, monkeypatch):
+    import functools
+    import gc
+    import weakref
+
+    from instant_staging.loader import LoadError
+    path, _ = save(tmp_path, "llama", sharded=True)
+    monkeypatch.setenv("INSTANT_STAGING_CHUNK_SIZE", "4KiB")
+    monkeypatch.setenv("INSTANT_STAGING_THREADS", "1")
+    refs = []
+    real = _load._load
+
+    def failing(*args, **kwargs):
+        for item in functools.partial(real, fail_chunk=12)(*args, **kwargs):
+            refs.append(weakref.ref(item[1]))
+            yield item
+            item = None           # this spy's frame outlives the failure too
+    monkeypatch.setattr(_load, "_load", failing)
+    before = torch.nn.Module.register_parameter
+    with pytest.raises(LoadError) as info:
+        from_pretrained(path, device="cpu")
+    assert info.value is not None            # the exception (and its traceback) still alive
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+    assert torch.nn.Module.register_parameter is before
+    assert torch.get_default_dtype() == torch.float32
+
+
 def test_meta_patch_is_undone(tmp_path):
     path, _ = save(tmp_path, "gpt2", sharded=False)
     before = torch.nn.Module.register_parameter

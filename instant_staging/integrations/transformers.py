@@ -116,21 +116,27 @@ def from_pretrained(model_dir: PathLike, *, device: Device = "cuda:0", dtype: DT
     _check_complete(model, expected, rename, entries, model_dir)
     wanted = _target_dtypes(torch, model, expected, dtype)
 
-    state = {}
-    # model_dir, not the shard list: an index is also checked against its shards
-    with iter_load(model_dir, device, names=set(rename)) as it:
-        for name, tensor in it:
-            key = rename[name]
-            if tensor.dtype != wanted[key]:
-                tensor = tensor.to(wanted[key])
-            state[key] = tensor
-    model.load_state_dict(state, strict=False, assign=True)
-    del state
-    _tie(model, set(expected) - set(rename.values()))
-    still = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if still:
-        raise KeyError(f"{model_dir}: weight(s) missing after loading and tying: "
-                       + ", ".join(still[:20]))
+    state, tensor = {}, None
+    try:
+        # model_dir, not the shard list: an index is also checked against its shards
+        with iter_load(model_dir, device, names=set(rename)) as it:
+            for name, tensor in it:
+                key = rename[name]
+                if tensor.dtype != wanted[key]:
+                    tensor = tensor.to(wanted[key])
+                state[key] = tensor
+        model.load_state_dict(state, strict=False, assign=True)
+        state.clear()
+        _tie(model, set(expected) - set(rename.values()))
+        still = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+        if still:
+            raise KeyError(f"{model_dir}: weight(s) missing after loading and tying: "
+                           + ", ".join(still[:20]))
+    except BaseException:
+        # Nothing of a failed load outlives it (a traceback keeps this frame).
+        state.clear()
+        model = expected = tensor = None
+        raise
     for module in model.modules():
         for name, buf in module._buffers.items():
             if buf is not None and buf.device != device:
