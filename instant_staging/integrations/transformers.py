@@ -40,6 +40,7 @@ transformers is an optional dependency: ``pip install
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import re
@@ -288,9 +289,9 @@ def _target_dtypes(torch, model, expected, dtype):
 def _tie(model, missing):
     """transformers' tying; told which keys the checkpoint lacked where it
     takes them (transformers 5 ties symmetrically then)."""
-    try:
+    if "missing_keys" in inspect.signature(model.tie_weights).parameters:
         model.tie_weights(missing_keys=set(missing))
-    except TypeError:
+    else:                                        # transformers 4
         model.tie_weights()
 
 
