@@ -121,6 +121,18 @@ def test_bad_index_is_torchs_error_before_reading(checkpoint, index, monkeypatch
     assert reads == []
 
 
+def test_tensor_index_out_of_bounds_like_safetensors(checkpoint):
+    # values of a tensor index are only known to torch when it indexes: the
+    # rows are read, the error is torch's, and nothing of the read survives it
+    path, _ = checkpoint
+    index = torch.tensor([0, 7])
+    with st_safe_open(str(path), framework="pt") as g, pytest.raises(IndexError) as ref:
+        g.get_slice("w3")[index]
+    with safe_open(path, framework="pt") as f, pytest.raises(IndexError) as got:
+        f.get_slice("w3")[index]
+    assert str(got.value) == str(ref.value)
+
+
 @pytest.mark.parametrize("name, index", [
     ("scalar", ()), ("scalar", Ellipsis), ("scalar", None), ("empty", slice(None)),
     ("empty", (slice(None), 1)), ("empty_inner", 1), ("empty_inner", (slice(0, 2), slice(None))),

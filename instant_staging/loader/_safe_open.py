@@ -213,16 +213,22 @@ class _Slice:
         torch.empty(entry.shape, dtype=dtype, device="meta")[index]
         rows = _rows(index, entry.shape)
         if rows is None:
-            full = handle._read([entry])[0]
-            return _like_safetensors(torch, full[index], full, handle._target.device)
-        lo, hi, shifted = rows
-        row_bytes = DTYPE_SIZES[entry.dtype]
-        for d in entry.shape[1:]:
-            row_bytes *= d
-        part = TensorEntry(entry.name, entry.dtype, (hi - lo,) + tuple(entry.shape[1:]),
-                           entry.begin + lo * row_bytes, entry.begin + hi * row_bytes)
+            part, shifted = entry, index
+        else:
+            lo, hi, shifted = rows
+            row_bytes = DTYPE_SIZES[entry.dtype]
+            for d in entry.shape[1:]:
+                row_bytes *= d
+            part = TensorEntry(entry.name, entry.dtype, (hi - lo,) + tuple(entry.shape[1:]),
+                               entry.begin + lo * row_bytes, entry.begin + hi * row_bytes)
         covering = handle._read([part])[0]
-        return _like_safetensors(torch, covering[shifted], covering, handle._target.device)
+        try:
+            return _like_safetensors(torch, covering[shifted], covering, handle._target.device)
+        except BaseException:
+            # e.g. a tensor index out of bounds (the meta check cannot see
+            # its values): the rows read do not outlive the error
+            covering = None
+            raise
 
 
 def _rows(index, shape):
