@@ -16,13 +16,14 @@ import weakref
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 from .._types import format_size
-from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS, SEGMENT_SIZE, usable_cpus
+from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS
+from ..defaults import SEGMENT_SIZE, usable_cpus
 from . import _progress
 from ._checkpoint import _Checkpoint
 from ._errors import LoadError, VerifyError
 from ._options import knobs, torch_dtype
 from ._source import resolve
-from ._target import _TorchTarget, _import_torch
+from ._target import _import_torch, _TorchTarget
 from ._typing import Device, DType, Names, ProgressArg, Source
 
 if TYPE_CHECKING:
