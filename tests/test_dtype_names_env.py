@@ -88,7 +88,7 @@ def test_names_reads_only_selected_bytes(path):
 def test_unknown_names_keyerror_before_allocation(path, monkeypatch):
     p, _ = path
     monkeypatch.setattr(_load, "_load", lambda *a, **k: pytest.fail("allocated"))
-    with pytest.raises(KeyError, match="2 tensor name.*'ghost'.*'nope'"):
+    with pytest.raises(KeyError, match=r"2 tensor name.*'ghost'.*'nope'"):
         load_file(p, names=["f32", "nope", "ghost"])
     with pytest.raises(TypeError, match="single str"):
         load_file(p, names="f32")

@@ -122,16 +122,16 @@ def test_json_passed_as_shard_says_what_it_is(tmp_path):
     index = tmp_path / "model.safetensors.index.json"
     renamed = tmp_path / "index-copy.safetensors"
     renamed.write_bytes(index.read_bytes())
-    with pytest.raises(SafetensorsError, match="JSON file .*index.*not a safetensors file"):
+    with pytest.raises(SafetensorsError, match=r"JSON file .*index.*not a safetensors file"):
         load_file(renamed)
-    with pytest.raises(ValueError, match="is a JSON file .*not a shard"):
+    with pytest.raises(ValueError, match=r"is a JSON file .*not a shard"):
         load_file([tmp_path / "model-00001-of-00003.safetensors", index])
 
 
 def test_missing_shard_of_index(tmp_path):
     write_sharded(tmp_path)
     os.remove(tmp_path / "model-00002-of-00003.safetensors")
-    with pytest.raises(FileNotFoundError, match="model-00002-of-00003.safetensors") as e:
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00003.safetensors") as e:
         load_file(tmp_path)
     assert "model.safetensors.index.json" in str(e.value)
 
@@ -143,7 +143,7 @@ def test_index_naming_a_tensor_no_shard_holds(tmp_path):
     obj["weight_map"]["ghost.weight"] = "model-00001-of-00003.safetensors"
     obj["weight_map"]["layer1.ids"] = "model-00002-of-00003.safetensors"   # wrong shard
     index.write_text(json.dumps(obj))
-    with pytest.raises(SafetensorsError, match="2 tensor.*'ghost.weight'.*in no shard") as e:
+    with pytest.raises(SafetensorsError, match=r"2 tensor.*'ghost.weight'.*in no shard") as e:
         load_file(tmp_path)
     assert "'layer1.ids' (listed in model-00002-of-00003.safetensors, found in model-00001" in str(e.value)
 
@@ -165,7 +165,7 @@ def test_bad_index(tmp_path, content, match):
 
 
 def test_empty_directory_and_missing_paths(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no model.safetensors.index.json and no"):
+    with pytest.raises(FileNotFoundError, match=r"no model.safetensors.index.json and no"):
         load_file(tmp_path)
     with pytest.raises(FileNotFoundError):
         load_file(tmp_path / "absent.safetensors")

@@ -162,7 +162,7 @@ def test_shape_mismatch(tmp_path):
     config = json.loads((path / "config.json").read_text())
     config["intermediate_size"] = 72
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="shape mismatch.*mlp"):
+    with pytest.raises(ValueError, match=r"shape mismatch.*mlp"):
         from_pretrained(path, device="cpu")
 
 
@@ -176,7 +176,7 @@ def test_bad_arguments(tmp_path):
         from_pretrained(path, device="cpu", model_class="LlamaForCausalLM")
     with pytest.raises(FileNotFoundError, match="no such model directory"):
         from_pretrained(tmp_path / "absent", device="cpu")
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config.json"):
         from_pretrained(tmp_path, device="cpu")
     config = json.loads((path / "config.json").read_text())
     del config["architectures"]

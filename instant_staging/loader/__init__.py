@@ -29,11 +29,21 @@ torch is imported only when a load starts: ``import instant_staging``
 works without it.
 """
 
-from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE, IO_DEPTH as DEFAULT_IO_DEPTH
+from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
+from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
 from ._errors import LoadError, VerifyError
 from ._header import SafetensorsError
 from ._load import LoadIterator, iter_load, load_file
 from ._safe_open import safe_open
 
-__all__ = ["LoadError", "LoadIterator", "SafetensorsError", "VerifyError",
-           "iter_load", "load_file", "safe_open", "DEFAULT_CHUNK_SIZE", "DEFAULT_IO_DEPTH"]
+__all__ = [
+           "DEFAULT_CHUNK_SIZE",
+           "DEFAULT_IO_DEPTH",
+           "LoadError",
+           "LoadIterator",
+           "SafetensorsError",
+           "VerifyError",
+           "iter_load",
+           "load_file",
+           "safe_open",
+]

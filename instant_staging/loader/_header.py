@@ -17,7 +17,7 @@ the file and, where there is one, the tensor.
 import json
 import os
 import struct
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 # The JSON header may not exceed this (the safetensors package's own limit).
 MAX_HEADER_BYTES = 100_000_000
@@ -57,7 +57,7 @@ class TensorEntry(NamedTuple):
 
     name: str
     dtype: str
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     begin: int
     end: int
 
@@ -72,8 +72,8 @@ class Header(NamedTuple):
     path: str
     file_size: int
     data_start: int
-    tensors: List[TensorEntry]
-    metadata: Optional[Dict[str, str]]   # None when the file has no __metadata__
+    tensors: list[TensorEntry]
+    metadata: Optional[dict[str, str]]   # None when the file has no __metadata__
 
 
 def read_header(fd: int, path) -> Header:
@@ -142,7 +142,7 @@ def _no_duplicates(pairs, path) -> dict:
     return out
 
 
-def _metadata(value, path) -> Optional[Dict[str, str]]:
+def _metadata(value, path) -> Optional[dict[str, str]]:
     if value is None:
         return None   # as safetensors' metadata(): absent (or null) is None, {} is {}
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):

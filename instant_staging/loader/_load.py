@@ -13,7 +13,7 @@ import sys
 import threading
 import traceback
 import weakref
-from typing import TYPE_CHECKING, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Optional
 
 from .._types import format_size
 from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS
@@ -119,7 +119,7 @@ class LoadIterator:
     def __iter__(self) -> "LoadIterator":
         return self
 
-    def __next__(self) -> Tuple[str, "torch.Tensor"]:
+    def __next__(self) -> tuple[str, "torch.Tensor"]:
         return next(self._generator)
 
     def close(self):
@@ -170,7 +170,7 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     except BaseException:
         checkpoint.close()
         raise
-    info: Dict[str, object] = {}
+    info: dict[str, object] = {}
     generator = _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads,
                       verify, progress, info=info)
     return LoadIterator(generator, checkpoint, info)
@@ -179,7 +179,7 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
 def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, names: Names = None,
               chunk_size: Optional[int] = None, io_depth: Optional[int] = None,
               threads: Optional[int] = None, staging: Optional["StagingBuffer"] = None,
-              verify: bool = False, progress: ProgressArg = None) -> Dict[str, "torch.Tensor"]:
+              verify: bool = False, progress: ProgressArg = None) -> dict[str, "torch.Tensor"]:
     """Loads safetensors file(s) into ``{name: tensor}`` on ``device``.
 
     source      a .safetensors path; a list of them (a name in two shards is an

@@ -62,7 +62,7 @@ def torch_dtype(torch, dtype):
         name = DTYPE_ALIASES.get(dtype.lower(), dtype)
         value = getattr(torch, name, None)
         if not isinstance(value, torch.dtype):
-            raise ValueError(  # noqa: TRY004  (a str, the right type, naming no dtype)
+            raise ValueError(  # a str, the right type, naming no dtype
                 f"dtype {dtype!r} is not a torch dtype (e.g. torch.bfloat16 or 'bfloat16')")
         dtype = value
     if not isinstance(dtype, torch.dtype):

@@ -605,4 +605,3 @@ cdef class HostArea:
 
     def __dealloc__(self):
         free(self.ptr)
-

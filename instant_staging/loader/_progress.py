@@ -62,7 +62,7 @@ class TqdmProgress:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001, S110  (a finaliser never raises)
+        except Exception:  # a finaliser never raises
             pass
 
 

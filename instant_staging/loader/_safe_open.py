@@ -137,7 +137,7 @@ class safe_open:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001, S110  (a finaliser never raises)
+        except Exception:  # a finaliser never raises
             pass
 
     def __repr__(self):
@@ -239,11 +239,10 @@ def _rows(index, shape):
     if not shape:
         return None
     items = index if isinstance(index, tuple) else (index,)
-    for k, item in enumerate(items):
-        if item is not None:
-            break
-    else:
+    k = next((i for i, item in enumerate(items) if item is not None), None)
+    if k is None:
         return None
+    item = items[k]
     n = shape[0]
     if isinstance(item, bool) or not isinstance(item, (int, slice)):
         return None
