@@ -58,6 +58,9 @@ DTYPE_BITS = {
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
 }
 
+# Bytes per element of the dtypes whose elements are whole bytes (all but F4).
+DTYPE_SIZES = {name: bits // 8 for name, bits in DTYPE_BITS.items() if bits % 8 == 0}
+
 # serde_json's recursion limit, as safetensors 0.8 meets it: 127 levels of
 # arrays and objects (the root counts) parse, 128 do not.
 MAX_DEPTH = 127
@@ -127,6 +130,10 @@ def read_header(fd: int, path) -> Header:
         raise SafetensorsError(f"file of {size} bytes is too short for the 8-byte header length", path)
     (length,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, path))
     if length > MAX_HEADER_BYTES:
+        if os.pread(fd, 1, 0) in (b"{", b"["):
+            raise SafetensorsError("this is a JSON file (a model.safetensors.index.json?), not a "
+                                   "safetensors file: pass the index or its directory as the "
+                                   "source, not as a shard", path)
         raise SafetensorsError(f"header length {length} exceeds the limit of {MAX_HEADER_BYTES} bytes", path)
     if 8 + length > size:
         raise SafetensorsError(f"header length {length} goes beyond the end of the file "
