@@ -31,8 +31,8 @@ import traceback
 from typing import TYPE_CHECKING, Optional
 
 from .._types import format_size
+from ..defaults import CHUNK_SIZE, IO_DEPTH, SEGMENT_SIZE, usable_cpus
 from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS
-from ..defaults import SEGMENT_SIZE, usable_cpus
 from . import _progress
 from ._checkpoint import _Checkpoint
 from ._errors import LoadError, VerifyError
@@ -141,9 +141,8 @@ class LoadIterator:
     ``LoadError`` (the reader threads are the parent's).
     """
 
-    def __init__(self, checkpoint, target, dtypes, *, staging=None, chunk_size=DEFAULT_CHUNK_SIZE,
-                 io_depth=DEFAULT_IO_DEPTH, threads=None, verify=False, progress=None,
-                 faults=None):
+    def __init__(self, checkpoint, target, dtypes, *, staging=None, chunk_size=CHUNK_SIZE,
+                 io_depth=IO_DEPTH, threads=None, verify=False, progress=None, faults=None):
         self._state = _LoadState()
         self._lock = threading.RLock()     # one next() or close() at a time
         self._pid = os.getpid()
