@@ -4,8 +4,9 @@
 index.json) into a ``load_file`` source.  ``load()`` makes the staging
 buffer itself (sized by what the files can use; the loader's slots are
 whole chunks inside each registration, so any chunk size works), hands it
-to ``instant_staging.loader.iter_load`` and returns a plain dict with the tensor count, the bytes read, seconds
-(torch imported before the clock starts), GB/s and the staging kind reached.
+to ``instant_staging.loader.iter_load`` and returns a plain dict with the
+tensor count, the bytes read, seconds (torch imported before the clock
+starts), GB/s and the staging kind reached.
 ``Progress`` is the progress callback: a bar on a terminal, a line per
 tenth otherwise.  Nothing here prints to stdout.
 """
