@@ -28,6 +28,7 @@ from instant_staging.loader import (
     iter_load,
     load_file,
 )
+from instant_staging.testing import FaultPlan
 
 from _child import run_child
 from conftest import PAGE
@@ -154,17 +155,16 @@ class SimTarget:
         return bytes(out[offset:offset + len(data)].numpy()) == bytes(data)
 
 
-def sim_load(paths, staging, *, fail_chunk=-1, threads=None, verify=False, progress=None):
+def sim_load(paths, staging, *, faults=None, threads=None, verify=False, progress=None,
+             target=None):
     """Loads through SimTarget; returns {name: CPU tensor}."""
     checkpoint = _checkpoint._Checkpoint(paths if isinstance(paths, list) else [paths])
-    target = SimTarget(staging.runtime)
+    target = target or SimTarget(staging.runtime)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    gen = _load._load(checkpoint, target, dtypes, staging, CHUNK, 4, threads, verify,
-                       progress, fail_chunk)
-    try:
-        return dict(gen)
-    finally:
-        gen.close()
+    with _load.LoadIterator(checkpoint, target, dtypes, staging=staging, chunk_size=CHUNK,
+                            io_depth=4, threads=threads, verify=verify, progress=progress,
+                            faults=faults and FaultPlan.parse(faults)) as it:
+        return dict(it)
 
 
 # -- round trips on the CPU --------------------------------------------------
@@ -330,9 +330,8 @@ F32_4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
     ("invalid json", b'{"a": {"dtype": "F32",,}}', b"", None, None, "JSON"),
     ("not an object", b"[1, 2]", b"", None, None, "object"),
     ("not utf-8", b'{"\xff\xfe": 1}', b"", None, None, "UTF-8"),
-    ("duplicate key", b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
-                      b'"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', b"\0",
-     None, "a", "twice"),
+    ("duplicate field", b'{"a": {"dtype": "U8", "dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}',
+     b"\0", None, "a", "twice"),
     ("unknown dtype", {"a": {"dtype": "F12", "shape": [4], "data_offsets": [0, 16]}},
      b"\0" * 16, None, "a", "dtype"),
     ("shape mismatch", {"a": {"dtype": "F32", "shape": [5], "data_offsets": [0, 16]}},
@@ -340,13 +339,14 @@ F32_4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
     ("negative shape", {"a": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}},
      b"\0" * 16, None, "a", "shape"),
     ("offsets outside", {"a": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}},
-     b"\0" * 16, None, "a", "outside"),
+     b"\0" * 16, None, "a", "gap"),
     ("offsets reversed", {"a": {"dtype": "U8", "shape": [0], "data_offsets": [8, 4]}},
-     b"\0" * 16, None, "a", "before they begin"),
+     b"\0" * 16, None, "a", "gap"),
     ("overlap", {"a": F32_4, "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}},
      b"\0" * 16, None, "b", "overlap"),
     ("missing key", {"a": {"dtype": "F32", "shape": [4]}}, b"\0" * 16, None, "a", "data_offsets"),
-    ("extra key", {"a": dict(F32_4, strides=[1])}, b"\0" * 16, None, "a", "unexpected"),
+    ("entry not an object", {"a": 4}, b"", None, "a", "not an object"),
+    ("trailing bytes", {"a": F32_4}, b"\0" * 17, None, None, "trailing"),
     ("bad metadata", {"__metadata__": {"k": 1}, "a": F32_4}, b"\0" * 16, None, None, "__metadata__"),
 ])
 def test_malformed(tmp_path, case, header, data, length, tensor, words):
@@ -378,12 +378,15 @@ def test_duplicate_names_across_shards(tmp_path):
     assert info.value.tensor == "x" and a in str(info.value) and b in str(info.value)
 
 
-def test_gaps_between_tensors_are_accepted(tmp_path):
+def test_gaps_between_tensors_are_rejected_as_safetensors_does(tmp_path):
     header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
               "b": {"dtype": "U8", "shape": [2], "data_offsets": [10, 12]}}
-    path = write_raw(tmp_path, header, bytes(range(16)))
-    loaded = load_file(path, "cpu", chunk_size=4)
-    assert loaded["a"].tolist() == [0, 1, 2] and loaded["b"].tolist() == [10, 11]
+    path = write_raw(tmp_path, header, bytes(range(12)))
+    with pytest.raises(SafetensorsError, match="gap") as info:
+        load_file(path, "cpu", chunk_size=4)
+    assert info.value.tensor == "b"
+    with pytest.raises(Exception, match="offset"):     # safetensors: "invalid offset"
+        st.load_file(path)
 
 
 def test_bad_arguments(tmp_path):
@@ -404,10 +407,13 @@ def test_bad_arguments(tmp_path):
 
 
 def test_staging_too_small_or_closed(tmp_path):
-    path = save(tmp_path, {"x": torch.ones(3)})
+    path = save(tmp_path, {"x": torch.ones(CHUNK)})     # 4 * CHUNK bytes
     _rt, buf = sim_staging(size=CHUNK)
     with pytest.raises(ValueError, match="no chunk"):
         load_file(path, "cpu", chunk_size=2 * CHUNK, staging=buf)
+    # A slot is only as long as the longest chunk: a small file fits anyway.
+    small = save(tmp_path, {"x": torch.ones(3)}, "small.safetensors")
+    assert_same(load_file(small, "cpu", chunk_size=2 * CHUNK, staging=buf), {"x": torch.ones(3)})
     buf.close()
     with pytest.raises(ValueError, match="closed"):
         load_file(path, "cpu", chunk_size=CHUNK, staging=buf)
@@ -463,7 +469,10 @@ def test_segments_not_multiple_of_chunk(tmp_path):
     rt = SimulatedRuntime(faults="register#1=invalid_value")
     buf = ist.StagingBuffer(9 * PAGE, runtime=rt, segment_size=3 * PAGE, prefault_threads=0)
     assert buf.kind is ist.Kind.SEGMENTED and len(buf.segments) == 3
-    assert len(_load._slots(buf.spans(), CHUNK)) == 3
+    from instant_staging.loader._pipeline import Pipeline, Plan
+    pipe = Pipeline(Plan([(0, 0, 100 * CHUNK)], CHUNK), threads=2, staging=buf, device=0)
+    assert pipe.slots == 3 and pipe.slot_bytes == CHUNK
+    pipe.close()
     tensors = mixed_tensors(seed=5)
     assert_same(sim_load(save(tmp_path, tensors), buf), tensors)
     buf.close()
@@ -509,7 +518,7 @@ def test_read_failing_mid_load_frees_everything(tmp_path, kind, fail_chunk):
     rt, buf = sim_staging(faults, **kw)
     live = (rt.live_registrations, rt.live_host_allocs)
     with pytest.raises(LoadError) as info:
-        sim_load(path, buf, fail_chunk=fail_chunk, threads=2)
+        sim_load(path, buf, faults=f"read#{fail_chunk + 1}=EIO", threads=2)
     assert info.value.code == 5 and info.value.path == path     # EIO
     assert info.value.tensor in tensors
     gc.collect()
@@ -533,11 +542,8 @@ def test_copy_failing_mid_load(tmp_path):
             handle, ptr = super().allocate(entry, dtype)
             return handle, (ptr + 1 if entry.name == "layer.20.weight" else ptr)
 
-    checkpoint = _checkpoint._Checkpoint([path])
-    target = BadTarget(rt)
-    dtypes = [target.check(t, path) for _, t in checkpoint.entries]
     with pytest.raises(LoadError) as info:
-        list(_load._load(checkpoint, target, dtypes, buf, CHUNK, 4, 2, False, None))
+        sim_load(path, buf, threads=2, target=BadTarget(rt))
     assert "memcpy_async" in str(info.value) and info.value.tensor == "layer.20.weight"
     gc.collect()
     assert rt.live_device_allocs == 0 and rt.pending_error == 0

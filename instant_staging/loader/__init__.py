@@ -1,9 +1,17 @@
 """A buffered safetensors loader that stages file chunks through a StagingBuffer.
 
-    from instant_staging.loader import load_file, iter_load
-    tensors = load_file(["model-1.safetensors", "model-2.safetensors"], "cuda:0")
+    from instant_staging.loader import load_file, iter_load, safe_open
+    tensors = load_file("model_dir", "cuda:0", dtype=torch.bfloat16)
     for name, tensor in iter_load("model.safetensors", "cuda:0"):
         ...
+    with safe_open("model.safetensors", framework="pt", device="cuda:0") as f:
+        shard = f.get_slice("lm_head.weight")[: vocab // 2]
+
+A drop-in for ``safetensors.torch.load_file`` and ``safetensors.safe_open``
+(DESIGN.md, "The loader"): ``source`` is a file, a list of files, a
+directory or an index.json (``_source.py``); ``dtype``, ``names``, the
+environment knobs (``_options.py``) and ``progress`` (``_progress.py``) as
+documented on ``load_file``.
 
 Every header is parsed and validated first (``SafetensorsError``, a
 ``ValueError``, naming the file and the tensor), before anything is
@@ -12,10 +20,12 @@ and shape, and reader threads (``_pipeline.pyx``, C, no GIL) read chunks
 of ``chunk_size`` into the staging buffer's slots and copy them out: to a
 GPU through the buffer's runtime table on their own streams, with an event
 per slot so that a slot is refilled only after its copy finished; to the
-CPU with memcpy.  The staging buffer holds ``io_depth`` chunks and is made
-with ``copy_unit=chunk_size``, so no chunk straddles two registrations
-whatever kind the buffer reached; or pass one with ``staging=`` to reuse it
-across loads (its depth is then what fits in it).
+CPU with memcpy.  The staging buffer holds ``io_depth`` chunks; its slots
+are whole chunks inside each registration, so no chunk straddles two
+registrations whatever kind the buffer reached and whatever the chunk size;
+or pass one with ``staging=`` to reuse it across loads (its depth is then
+what fits in it).  A load holds its staging buffer and its files until its
+reader threads are joined (``_load.py``, ``_pipeline.pyx``).
 
 torch is imported only when a load starts: ``import instant_staging``
 works without it.
@@ -26,6 +36,7 @@ from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
 from ._errors import LoadError, VerifyError
 from ._header import SafetensorsError
 from ._load import LoadIterator, iter_load, load_file
+from ._safe_open import safe_open
 
 __all__ = [
            "DEFAULT_CHUNK_SIZE",
@@ -36,4 +47,5 @@ __all__ = [
            "VerifyError",
            "iter_load",
            "load_file",
+           "safe_open",
 ]
