@@ -10,6 +10,7 @@ without a GPU), 2 bad arguments.
 import argparse
 import json
 import logging
+import os
 import sys
 
 from .. import defaults
