@@ -38,6 +38,7 @@ cdef class StagingBuffer:
     cdef int _unregister(self, size_t offset, size_t length, str step) except? -1
     cdef void _clear_error(self) noexcept
     cdef void _unmap(self) noexcept
+    cdef void _abandon_mapping(self) noexcept
     cdef object _release(self, bint raise_errors, bint dealloc=*)
     cdef object _release_in_fork_child(self)
     cdef object _leak(self, list retained, list codes, bint raise_errors)

@@ -54,8 +54,17 @@ cdef enum:
     ERR_RUNTIME = 3    # a runtime call failed; code is the runtime's
     ERR_THREAD = 4     # no reader thread could be started; code is the errno
 
+# benchmarks/profile_load.py takes the pipeline apart: SKIP_READ copies
+# whatever the slot holds (the copy side alone), SKIP_COPY only reads (the
+# read side alone, the host's parallel-read ceiling).
+cdef enum:
+    SKIP_NONE = 0
+    SKIP_READ_BIT = 1
+    SKIP_COPY_BIT = 2
+
 # The same, for Python callers.
 HOST, DEVICE = MODE_HOST, MODE_DEVICE
+SKIP_READ, SKIP_COPY = SKIP_READ_BIT, SKIP_COPY_BIT
 READ_ERROR, END_OF_FILE, RUNTIME_ERROR, THREAD_ERROR = ERR_READ, ERR_EOF, ERR_RUNTIME, ERR_THREAD
 
 # Which runtime call failed (error()[2]).
@@ -98,6 +107,7 @@ cdef struct Shared:
     int mode
     int device
     Py_ssize_t fail_chunk   # tests: this chunk's read fails with EIO
+    int skip                # benchmarks: SKIP_READ / SKIP_COPY bits
     int err_kind
     int err_code
     int err_call
@@ -261,9 +271,13 @@ cdef void _run(Worker* w) noexcept nogil:
             return
         s = turn % w.n_slots
         turn += 1
-        if _wait_slot(w, s) != 0 or _read_chunk(sh, c, w.slots[s]) != 0:
+        if _wait_slot(w, s) != 0:
             return
-        if sh.mode == MODE_HOST:
+        if not (sh.skip & SKIP_READ_BIT) and _read_chunk(sh, c, w.slots[s]) != 0:
+            return
+        if sh.skip & SKIP_COPY_BIT:
+            _complete(sh, c)
+        elif sh.mode == MODE_HOST:
             _copy_host(sh, c, w.slots[s])
         elif _copy_device(w, c, s) != 0:
             return
@@ -318,13 +332,14 @@ cdef class Pipeline:
     """Copies tensors from open files into destination memory through slots.
 
     Pipeline(runtime, mode, device, slots, threads, fds, begins, ends, dsts,
-             chunk_size, fail_chunk=-1)
+             chunk_size, fail_chunk=-1, skip=0)
 
     Tensor i is the byte range [begins[i], ends[i]) of file descriptor
     fds[i], copied to address dsts[i]; list tensors in reading order (file,
     then offset).  ``slots`` are addresses of chunk_size-byte slots, none
     crossing a registration boundary.  ``start()`` launches the threads;
-    ``wait()`` reports progress; ``join()`` waits for them all.
+    ``wait()`` reports progress; ``join()`` waits for them all.  ``skip``
+    (benchmarks only) is SKIP_READ and/or SKIP_COPY: leave that side out.
     """
 
     cdef Shared sh
@@ -344,11 +359,14 @@ cdef class Pipeline:
         self.joined = True
 
     def __init__(self, Runtime runtime, int mode, int device, slots, int threads,
-                 fds, begins, ends, dsts, size_t chunk_size, Py_ssize_t fail_chunk=-1):
+                 fds, begins, ends, dsts, size_t chunk_size, Py_ssize_t fail_chunk=-1,
+                 int skip=0):
         if mode not in (MODE_HOST, MODE_DEVICE):
             raise ValueError(f"mode must be MODE_HOST or MODE_DEVICE, got {mode}")
         if mode == MODE_DEVICE and runtime is None:
             raise ValueError("device mode needs a runtime")
+        if skip & ~(SKIP_READ_BIT | SKIP_COPY_BIT):
+            raise ValueError(f"skip must be a combination of SKIP_READ and SKIP_COPY, got {skip}")
         if chunk_size == 0 or not slots or threads < 1:
             raise ValueError("need chunk_size > 0, at least one slot and one thread")
         if mode == MODE_DEVICE and not _has_copy_entries(&runtime.table):
@@ -359,6 +377,7 @@ cdef class Pipeline:
         self.sh.mode = mode
         self.sh.device = device
         self.sh.fail_chunk = fail_chunk
+        self.sh.skip = skip
         pthread_mutex_init(&self.sh.lock, NULL)
         pthread_cond_init(&self.sh.cond, NULL)
         self.sync_init = True
