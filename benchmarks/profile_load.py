@@ -35,7 +35,7 @@ import bench_load as B
 from instant_staging import loader
 from instant_staging.loader import _load as L
 from instant_staging.loader._checkpoint import _Checkpoint
-from instant_staging.loader._pipeline import DEVICE, HOST, SKIP_COPY, SKIP_READ, HostArea, Pipeline
+from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 from instant_staging.loader._target import _TorchTarget
 
 MiB = C.MiB
@@ -63,25 +63,34 @@ class Files:
         self.handles = []
         self.dsts = [L._allocate(self.handles, self.target, e, d)
                      for (_, e), d in zip(self.ck.entries, dtypes)]
-        e = self.ck.entries
-        self.fds = [self.ck.fds[i] for i, _ in e]
-        self.begins = [t.begin for _, t in e]
-        self.ends = [t.end for _, t in e]
-        self.sizes = [t.nbytes for _, t in e]
+        self.ranges = [(self.ck.fds[i], t.begin, t.end) for i, t in self.ck.entries]
+        self.plans = {}
+
+    def plan(self, chunk):
+        if chunk not in self.plans:
+            self.plans[chunk] = Plan(self.ranges, chunk)
+        return self.plans[chunk]
 
     def close(self):
         self.handles.clear()
         self.ck.close()
 
 
-def run_pipe(f, buf, runtime, mode, chunk, threads, skip=0, slots=None):
-    slots = slots if slots is not None else L._slots(buf.spans(), chunk)
-    pipe = Pipeline(runtime, mode, f.target.index, slots, threads, f.fds, f.begins, f.ends,
-                    f.dsts, chunk, skip=skip)
-    pipe.start()
-    pipe.join()
-    if pipe.error():
-        raise RuntimeError(f"pipeline error {pipe.error()}")
+def finish(pipe):
+    """Waits for every thread to exit, raises the pipeline's error, closes it."""
+    try:
+        while not pipe.wait(1.0)[2]:
+            pass
+        if pipe.error():
+            raise RuntimeError(f"pipeline error {pipe.error()}")
+    finally:
+        pipe.close()
+
+
+def run_pipe(plan, dsts, threads, staging=None, depth=None, device=None, skip=0):
+    pipe = Pipeline(plan, threads=threads, staging=staging, depth=depth, device=device, skip=skip)
+    pipe.start(dsts)
+    finish(pipe)
     return pipe
 
 
@@ -96,34 +105,33 @@ def section_phases(torch, name, paths, device, repeat, out):
         dtypes = [target.check(e, paths[i]) for i, e in ck.entries]
         t["headers"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        buf = L._own_staging(target.mode, loader.DEFAULT_CHUNK_SIZE, loader.DEFAULT_IO_DEPTH)
-        t["staging"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        handles = []
-        dsts = [L._allocate(handles, target, e, d) for (_, e), d in zip(ck.entries, dtypes)]
-        target.before_copies()
-        t["allocate"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        e = ck.entries
-        pipe = Pipeline(buf.runtime if hasattr(buf, "runtime") else None, target.mode,
-                        target.index, L._slots(buf.spans(), loader.DEFAULT_CHUNK_SIZE),
-                        L._default_threads(), [ck.fds[i] for i, _ in e], [x.begin for _, x in e],
-                        [x.end for _, x in e], dsts, loader.DEFAULT_CHUNK_SIZE)
+        plan = Plan([(ck.fds[i], e.begin, e.end) for i, e in ck.entries], loader.DEFAULT_CHUNK_SIZE)
         t["plan"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        pipe.start()
+        depth = min(loader.DEFAULT_IO_DEPTH, plan.n_chunks)
+        buf = L._own_staging(depth * plan.max_chunk, plan.max_chunk)
+        t["staging"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        pipe = Pipeline(plan, threads=L._default_threads(), staging=buf, depth=depth,
+                        device=target.index)
+        target.before_copies()
+        t["pipeline"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        handles = []
+        L._start(pipe, handles, target, ck.entries, dtypes)
+        t["allocate_while_running"] = time.perf_counter() - t1
         first = None
-        n = 0
         while True:
             finished, _, exited, failed = pipe.wait(0.05)
             if finished and first is None:
                 first = time.perf_counter() - t1
-            n += len(finished)
             if exited or failed:
                 break
-        pipe.join()
         t["run"] = time.perf_counter() - t1
         t["first_tensor_in_run"] = first
+        t1 = time.perf_counter()
+        pipe.close()
+        t["join"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         buf.close()
         t["release_staging"] = time.perf_counter() - t1
@@ -135,13 +143,14 @@ def section_phases(torch, name, paths, device, repeat, out):
         t["run_gbps"] = ck.total_bytes / t["run"] / 1e9
         t["total_gbps"] = ck.total_bytes / t["total"] / 1e9
         t["threads"] = pipe.n_threads
+        t["slots"] = pipe.slots
         t["chunks"] = pipe.n_chunks
         rows.append(t)
         B._free(torch, device)
     bestrow = min(rows, key=lambda r: r["total"])
     out.append(dict(section="phases", layout=name, **bestrow))
     C.progress(f"  {name} phases: " + ", ".join(
-        f"{k} {v * 1e3:.1f} ms" if isinstance(v, float) and not k.endswith("gbps") else f"{k} {v}"
+        f"{k} {v * 1e3:.1f} ms" if isinstance(v, float) and not k.endswith("gbps") else f"{k} {v:.4g}"
         for k, v in bestrow.items() if v is not None))
     # The same through load_file, for the consumer's share.
     tl = best(lambda: loader.load_file(paths, str(device)), repeat)
@@ -152,25 +161,22 @@ def section_phases(torch, name, paths, device, repeat, out):
 
 
 def section_reads(name, paths, repeat, out, threads_list, chunks):
+    from instant_staging import StagingBuffer
     sets = [(name, paths)]
     if len(paths) > 1:
         sets.append((name + "[shard 1]", paths[:1]))
     for label, files in sets:
         fds = [os.open(p, os.O_RDONLY) for p in files]
-        sizes = [os.fstat(fd).st_size for fd in fds]
-        total = sum(sizes)
+        total = sum(os.fstat(fd).st_size for fd in fds)
         try:
             for chunk, threads in itertools.product(chunks, threads_list):
-                area = HostArea(threads * chunk)
-                slots = [area.spans()[0][0] + i * chunk for i in range(threads)]
-
-                def go():
-                    pipe = Pipeline(None, HOST, 0, slots, threads, fds, [0] * len(fds), sizes,
-                                    [0] * len(fds), chunk, skip=SKIP_COPY)
-                    pipe.start()
-                    pipe.join()
-                s = best(go, repeat)
-                area.close()
+                plan = Plan([(fd, 0, os.fstat(fd).st_size) for fd in fds], chunk)
+                buf = StagingBuffer(threads * chunk, allow_pageable=True)
+                try:
+                    s = best(lambda: run_pipe(plan, [0] * len(fds), threads, staging=buf,
+                                              skip=SKIP_COPY), repeat)
+                finally:
+                    buf.close()
                 out.append(dict(section="reads", layout=label, chunk=chunk, threads=threads,
                                 seconds=s, gbps=total / s / 1e9))
                 C.progress(f"  {label} reads {threads} threads x {chunk // MiB} MiB: "
@@ -188,8 +194,10 @@ def staging_for(chunk, depth):
 def section_pipeline(torch, name, f, repeat, out, grid, skip=0, label="pipeline"):
     for chunk, depth, threads in grid:
         buf = staging_for(chunk, depth)
+        plan = f.plan(chunk)
         try:
-            s = best(lambda: run_pipe(f, buf, buf.runtime, DEVICE, chunk, threads, skip), repeat)
+            s = best(lambda: run_pipe(plan, f.dsts, threads, staging=buf,
+                                      device=f.target.index, skip=skip), repeat)
         finally:
             buf.close()
         out.append(dict(section=label, layout=name, chunk=chunk, depth=depth, threads=threads,
@@ -225,10 +233,7 @@ def section_host(torch, name, paths, repeat, out):
     f = Files(torch, paths, torch.device("cpu"))
     try:
         for chunk, threads in ((loader.DEFAULT_CHUNK_SIZE, 16), (4 * MiB, 8)):
-            area = HostArea(16 * chunk)
-            slots = [area.spans()[0][0] + i * chunk for i in range(16)]
-            s = best(lambda: run_pipe(f, None, None, HOST, chunk, threads, slots=slots), repeat)
-            area.close()
+            s = best(lambda: run_pipe(f.plan(chunk), f.dsts, threads, depth=2 * threads), repeat)
             out.append(dict(section="host", layout=name, chunk=chunk, threads=threads,
                             seconds=s, gbps=f.nbytes / s / 1e9, what="pipeline, tensors resident"))
             C.progress(f"  {name} host pipeline {chunk // MiB} MiB x {threads}: "
