@@ -237,7 +237,21 @@ def our_methods(torch, device, only):
         method.note = f"iter_load defaults, {it.threads} reader threads"
         return result
     method = Method("instant_staging", iterate)
+
+    def hugepages(files, mark):
+        old = os.environ.get("INSTANT_STAGING_HUGEPAGES")
+        os.environ["INSTANT_STAGING_HUGEPAGES"] = "1"
+        try:
+            return loader.load_file(files, dev)
+        finally:
+            if old is None:
+                del os.environ["INSTANT_STAGING_HUGEPAGES"]
+            else:
+                os.environ["INSTANT_STAGING_HUGEPAGES"] = old
     out = [method, _read_ceiling()]
+    if device.type == "cuda":
+        out.append(Method("instant_staging hugepages", hugepages, kind="REGISTERED",
+                          note="load_file defaults, INSTANT_STAGING_HUGEPAGES=1"))
     if device.type == "cuda" and only:
         out += [_forced(kind, faults, kw, dev) for kind, faults, kw in FORCED]
     return out
@@ -553,6 +567,7 @@ def main(argv=None):
     ap.add_argument("--cold", default="dense,moe", help="layouts also measured cold ('' for none)")
     ap.add_argument("--cold-only", default=None,
                     help="comma-separated method name prefixes measured cold (default: all)")
+    ap.add_argument("--skip-hot", action="store_true", help="only the cold runs")
     ap.add_argument("--uniform-size", default="4GiB")
     ap.add_argument("--dir", default=DEFAULT_DIR, help="where checkpoints live (local disk)")
     ap.add_argument("--repeat", type=int, default=3)
@@ -594,7 +609,7 @@ def main(argv=None):
         peers, notes = peer_methods(torch, device)
         doc["notes"] += [n for n in notes if n not in doc["notes"]]
         methods = [m for m in methods + peers if wanted(m, args.only)]
-        for method in methods:
+        for method in [] if args.skip_hot else methods:
             C.progress(f"  {name} hot {method.name}")
             rec = summarize(measure(method, paths, torch, device, checker, repeat, args.budget,
                                     False), nbytes)

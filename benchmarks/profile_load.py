@@ -109,11 +109,12 @@ def section_phases(torch, name, paths, device, repeat, out):
         t["plan"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         depth = min(loader.DEFAULT_IO_DEPTH, plan.n_chunks)
-        buf = L._own_staging(depth * plan.max_chunk, plan.max_chunk)
+        gpu = device.type == "cuda"
+        buf = L._own_staging(depth * plan.max_chunk, plan.max_chunk) if gpu else None
         t["staging"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         pipe = Pipeline(plan, threads=L._default_threads(), staging=buf, depth=depth,
-                        device=target.index)
+                        device=target.index if gpu else None)
         target.before_copies()
         t["pipeline"] = time.perf_counter() - t1
         t1 = time.perf_counter()
@@ -133,7 +134,8 @@ def section_phases(torch, name, paths, device, repeat, out):
         pipe.close()
         t["join"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        buf.close()
+        if buf is not None:
+            buf.close()
         t["release_staging"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         handles.clear()

@@ -28,6 +28,7 @@ cdef class StagingBuffer:
     cdef int _kind                   # KIND_*
     cdef int _exports                # live buffer-protocol exports
     cdef int _holds                  # running loads using it (loader/_pipeline.pyx)
+    cdef bint _unmap_later           # close(): unmap in a background thread
     cdef bint _released
     cdef int _owner_pid              # pinning does not survive fork
     cdef Runtime _runtime

@@ -557,6 +557,9 @@ cdef class StagingBuffer:
                 _unmap_in_background(ptr, size)
 
     cdef void _unmap(self) noexcept:
+        if self._unmap_later:
+            self._abandon_mapping()
+            return
         if self._ptr != NULL and self._map_size:
             with nogil:
                 munmap(self._ptr, self._map_size)
@@ -663,6 +666,17 @@ cdef class StagingBuffer:
             raise BufferError(f"cannot close a StagingBuffer with {self._exports} "
                               "exported buffer(s) (memoryviews) still alive")
         self._release(True)
+
+    def _close_unmapping_later(self):
+        """close(), except that ordinary memory (REGISTERED, SEGMENTED,
+        PAGEABLE) is unmapped by a background thread after it returns: every
+        registration is gone when it returns, the pages a moment later.
+        The loader's own buffer: a load need not wait for its pages."""
+        self._unmap_later = True
+        try:
+            self.close()
+        finally:
+            self._unmap_later = False
 
     def __enter__(self):
         return self

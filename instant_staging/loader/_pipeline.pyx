@@ -559,7 +559,9 @@ cdef class Pipeline:
              slots inside each registration); held until the threads are
              joined.  Required with ``device``.
     depth    without ``staging`` (host mode only): this many slots of
-             ordinary memory owned by the pipeline.
+             ordinary memory owned by the pipeline; with it, at most this
+             many of its slots (None: all, up to MAX_SLOTS_PER_THREAD per
+             thread).
     device   None: pieces are memcpy'd to host addresses; an int: copied to
              that device through ``staging.runtime``.
     threads  reader threads wanted (fewer when there are fewer slots or
@@ -612,11 +614,15 @@ cdef class Pipeline:
             raise ValueError("device copies need a staging buffer (its runtime copies)")
         if staging is None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
             raise ValueError(f"without a staging buffer, depth must be an int >= 1, got {depth!r}")
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+            raise ValueError(f"depth must be None or an int >= 1, got {depth!r}")
         self.plan = plan
         self.slot_size = max(plan.max_chunk, 1)
         # A thread gains nothing from more slots than MAX_SLOTS_PER_THREAD,
         # and the load from more than one per chunk.
         cdef Py_ssize_t cap = max(1, min(plan.n_chunks, min(threads, 1 << 20) * MAX_SLOTS_PER_THREAD))
+        if depth is not None:
+            cap = min(cap, depth)
         if device is not None:
             if not _has_copy_entries(&staging._runtime.table):
                 raise RuntimeError(f"runtime {staging._runtime.name!r} lacks the stream, event or "
@@ -631,7 +637,7 @@ cdef class Pipeline:
             self._hold(staging)
             self._staging_slots(cap)
         else:
-            self._own_slots(min(depth, cap))
+            self._own_slots(cap)
         pthread_mutex_init(&self.sh.lock, NULL)
         pthread_cond_init(&self.sh.cond, NULL)
         pthread_mutex_init(&self.join_lock, NULL)
