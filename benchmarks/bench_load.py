@@ -620,7 +620,8 @@ def main(argv=None):
             flush(paths)
             doc["layouts"][name]["flush_s"] = time.perf_counter() - t0
             for method in methods:
-                if method.name == "pinned copy ceiling" or not wanted(method, args.cold_only):
+                if (method.name in ("pinned copy ceiling", "instant_staging hugepages")
+                        or not wanted(method, args.cold_only)):
                     continue
                 C.progress(f"  {name} cold {method.name}")
                 rec = summarize(measure(method, paths, torch, device, checker, 1, args.budget,
