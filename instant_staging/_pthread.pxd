@@ -14,7 +14,6 @@ cdef extern from "<pthread.h>" nogil:
         pass
     int pthread_create(pthread_t* thread, void* attr, void* (*start)(void*) noexcept nogil, void* arg)
     int pthread_join(pthread_t thread, void** retval)
-    int pthread_detach(pthread_t thread)
     int pthread_mutex_init(pthread_mutex_t* m, void* attr)
     int pthread_mutex_destroy(pthread_mutex_t* m)
     int pthread_mutex_lock(pthread_mutex_t* m)

@@ -28,7 +28,6 @@ cdef class StagingBuffer:
     cdef int _kind                   # KIND_*
     cdef int _exports                # live buffer-protocol exports
     cdef int _holds                  # running loads using it (loader/_pipeline.pyx)
-    cdef bint _unmap_later           # close(): unmap in a background thread
     cdef bint _released
     cdef int _owner_pid              # pinning does not survive fork
     cdef Runtime _runtime
@@ -40,7 +39,6 @@ cdef class StagingBuffer:
     cdef int _unregister(self, size_t offset, size_t length, str step) except? -1
     cdef void _clear_error(self) noexcept
     cdef void _unmap(self) noexcept
-    cdef void _abandon_mapping(self) noexcept
     cdef object _release(self, bint raise_errors, bint dealloc=*)
     cdef object _release_in_fork_child(self)
     cdef object _leak(self, list retained, list codes, bint raise_errors)

@@ -136,9 +136,7 @@ def _hugepages_default():
 
 # -- step 2: the prefault workers (plain C threads, no GIL) ------------------
 
-from instant_staging._pthread cimport (pthread_t, pthread_create, pthread_join, pthread_detach,
-                                       pthread_mutex_t, pthread_mutex_init, pthread_mutex_lock,
-                                       pthread_mutex_unlock)
+from instant_staging._pthread cimport pthread_t, pthread_create, pthread_join
 
 cdef struct TouchRange:
     char* start
@@ -216,66 +214,6 @@ cdef char* _map(size_t size, size_t alignment, size_t* mapped) noexcept nogil:
         munmap(<void*>(aligned + length), start + length + extra - aligned - length)
     mapped[0] = length
     return <char*>aligned
-
-
-# -- the abandoned mapping of a fallback --------------------------------------
-#
-# When registration fails, the prefaulted mapping is useless, and unmapping
-# 2 GiB of 4 KiB pages took 0.11 s (FIELD_NOTES.md) on the way to the
-# fallback's own cudaHostAlloc.  A detached thread owns the mapping from the
-# moment it is handed over and unmaps it while the fallback allocates.
-# Nothing else refers to those pages any more: the buffer forgets the
-# pointer before the hand-over.  A fork child inherits the mapping without
-# the thread, as it inherits any of the parent's memory; exit returns it.
-
-cdef struct Unmapping:
-    char* ptr
-    size_t size
-
-cdef pthread_mutex_t _unmap_lock
-pthread_mutex_init(&_unmap_lock, NULL)
-cdef int _unmaps_pending = 0
-
-
-cdef void* _unmap_worker(void* arg) noexcept nogil:
-    global _unmaps_pending
-    cdef Unmapping* u = <Unmapping*>arg
-    munmap(u.ptr, u.size)
-    free(u)
-    pthread_mutex_lock(&_unmap_lock)
-    _unmaps_pending -= 1
-    pthread_mutex_unlock(&_unmap_lock)
-    return NULL
-
-
-cdef void _unmap_in_background(char* ptr, size_t size) noexcept nogil:
-    """munmap(ptr, size) in a detached thread; right here if none starts."""
-    global _unmaps_pending
-    cdef pthread_t tid
-    cdef Unmapping* u = <Unmapping*>malloc(sizeof(Unmapping))
-    if u != NULL:
-        u.ptr = ptr
-        u.size = size
-        pthread_mutex_lock(&_unmap_lock)
-        _unmaps_pending += 1
-        pthread_mutex_unlock(&_unmap_lock)
-        if pthread_create(&tid, NULL, _unmap_worker, u) == 0:
-            pthread_detach(tid)
-            return
-        pthread_mutex_lock(&_unmap_lock)
-        _unmaps_pending -= 1
-        pthread_mutex_unlock(&_unmap_lock)
-        free(u)
-    munmap(ptr, size)
-
-
-def _pending_unmaps():
-    """Abandoned mappings still being unmapped in the background (tests)."""
-    with nogil:
-        pthread_mutex_lock(&_unmap_lock)
-        n = _unmaps_pending
-        pthread_mutex_unlock(&_unmap_lock)
-    return n
 
 
 _live = weakref.WeakSet()
@@ -390,9 +328,7 @@ cdef class StagingBuffer:
             if self._step_register_segments(register_flags):
                 self._kind = KIND_SEGMENTED
                 return
-        # Registration is over: the prefaulted mapping goes to a background
-        # thread, so unmapping it overlaps the fallback's allocation.
-        self._abandon_mapping()
+        self._unmap()
         if self._step_runtime_alloc(alloc_flags):
             self._kind = KIND_RUNTIME_PINNED
             return
@@ -547,19 +483,7 @@ cdef class StagingBuffer:
         with nogil:
             rt.get_last_error(rt.ctx)
 
-    cdef void _abandon_mapping(self) noexcept:
-        cdef char* ptr = self._ptr
-        cdef size_t size = self._map_size
-        self._ptr = NULL
-        self._map_size = 0
-        if ptr != NULL and size:
-            with nogil:
-                _unmap_in_background(ptr, size)
-
     cdef void _unmap(self) noexcept:
-        if self._unmap_later:
-            self._abandon_mapping()
-            return
         if self._ptr != NULL and self._map_size:
             with nogil:
                 munmap(self._ptr, self._map_size)
@@ -666,17 +590,6 @@ cdef class StagingBuffer:
             raise BufferError(f"cannot close a StagingBuffer with {self._exports} "
                               "exported buffer(s) (memoryviews) still alive")
         self._release(True)
-
-    def _close_unmapping_later(self):
-        """close(), except that ordinary memory (REGISTERED, SEGMENTED,
-        PAGEABLE) is unmapped by a background thread after it returns: every
-        registration is gone when it returns, the pages a moment later.
-        The loader's own buffer: a load need not wait for its pages."""
-        self._unmap_later = True
-        try:
-            self.close()
-        finally:
-            self._unmap_later = False
 
     def __enter__(self):
         return self

@@ -317,10 +317,7 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
             pipe.close()           # stop, join: no copy in flight into what we free next
         handles.clear()
         if owned and buf is not None:
-            # Unregistered here; its pages are unmapped by a background
-            # thread (7-11 ms for 128 MiB on the H200 host, after the last
-            # tensor of a 140 ms load).
-            buf._close_unmapping_later()
+            buf.close()
         checkpoint.close()         # only now: no reader can use a reused fd number
 
 
