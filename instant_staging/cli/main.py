@@ -50,7 +50,7 @@ def positive_arg(text):
 
 
 def faults_arg(text):
-    """A fault spec (DESIGN.md, "Faults"), parsed now so a bad rule is a usage error."""
+    """A fault spec (docs/design.md, "Faults"), parsed now so a bad rule is a usage error."""
     from ..faults import FaultPlan
     try:
         return FaultPlan.parse(text)

@@ -13,7 +13,7 @@ A *chunk* is a contiguous file range of at most ``chunk_size`` bytes; a
 *piece* is the part of one tensor inside one chunk, so small tensors share
 a chunk and large ones span several.  A ``Plan`` cuts the tensors into
 chunks and pieces; a ``Pipeline`` runs one plan once.  Each thread owns its
-own slots (as in the C program of FIELD_NOTES.md that reached 41 GB/s), so
+own slots (as in the C program of docs/design.md ("Measured") that reached 41 GB/s), so
 no thread waits on another.  Device copies go through the staging
 buffer's runtime table on the thread's own stream (after ``set_device``:
 the current device is per thread); in host mode a piece is a ``memcpy``
@@ -40,7 +40,7 @@ it exits.  In a fork child (where the reader threads do not exist)
 nor joins.  At interpreter exit every running pipeline is cancelled and
 joined before the staging buffers' own atexit release runs.
 
-Faults (DESIGN.md "Faults"): the ``read`` and ``copy`` rules of a
+Faults (docs/design.md, "Faults"): the ``read`` and ``copy`` rules of a
 ``FaultPlan`` are resolved when the plan is made, by position, not by
 time: ``read#N`` is the N-th chunk of this plan and ``copy#N`` its N-th
 piece, in reading order (file, then offset), 1-based, whichever thread
