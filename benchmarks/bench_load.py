@@ -50,10 +50,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402  (also finds an in-place build of the package)
+import _common as C
 
-import instant_staging as ist  # noqa: E402
-from instant_staging import loader  # noqa: E402
+import instant_staging as ist
+from instant_staging import loader
 
 STAGING_BYTES = 256 * loader.DEFAULT_CHUNK_SIZE   # InstantTensor's 2 GiB per rank
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".bench")
@@ -354,7 +354,7 @@ def peer_methods(torch, device):
         def fst_load(files, mark):
             out = {}
             with fastsafe_open(files, device=dev, nogds=True) as f:
-                for k in f.keys():
+                for k in f:
                     out[k] = f.get_tensor(k)
                     if len(out) == 1:
                         mark()
@@ -421,9 +421,9 @@ def sync(torch, device):
 
 def measure(method, files, torch, device, checker, repeat, budget, cold):
     """Runs ``method`` up to ``repeat`` times; returns its record."""
-    rec = dict(method=method.name, kind=method.kind, note=method.note, peer=method.peer,
-               cache="cold" if cold else "hot", times=[], ttft=[], peak_rss=[], verified=[],
-               error=None)
+    rec = {"method": method.name, "kind": method.kind, "note": method.note, "peer": method.peer,
+               "cache": "cold" if cold else "hot", "times": [], "ttft": [], "peak_rss": [], "verified": [],
+               "error": None}
     try:
         method.setup(files)
         rec["note"] = method.note
@@ -531,9 +531,9 @@ def pick_device(torch, wanted):
 
 
 def environment(torch, device):
-    env = dict(python=sys.version.split()[0], torch=torch.__version__, device=str(device),
-               cpus=len(os.sched_getaffinity(0)), backend=ist.BACKEND,
-               faults_env=os.environ.get("INSTANT_STAGING_FAULTS"))
+    env = {"python": sys.version.split()[0], "torch": torch.__version__, "device": str(device),
+               "cpus": len(os.sched_getaffinity(0)), "backend": ist.BACKEND,
+               "faults_env": os.environ.get("INSTANT_STAGING_FAULTS")}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     for mod, dist in (("safetensors", "safetensors"), ("instanttensor", "instanttensor"),
@@ -590,7 +590,7 @@ def main(argv=None):
     print(f"bench_load -- device {device}" + (f" (NO GPU: {why_cpu}; CPU copies only)" if why_cpu else ""))
     print("=" * 78, flush=True)
     os.makedirs(args.dir, exist_ok=True)
-    doc = dict(environment=environment(torch, device), layouts={}, results=[], notes=[])
+    doc = {"environment": environment(torch, device), "layouts": {}, "results": [], "notes": []}
     cold_layouts = [c for c in args.cold.split(",") if c]
     wanted = lambda m, prefixes: not prefixes or any(m.name.startswith(p) for p in prefixes.split(","))
     for name, files in layouts([n for n in args.layouts.split(",") if n], scale,
@@ -599,8 +599,8 @@ def main(argv=None):
         paths = generate(args.dir, files)
         nbytes = sum(os.path.getsize(p) for p in paths)
         ntensors = sum(len(t) for _, t in files)
-        doc["layouts"][name] = dict(files=len(paths), tensors=ntensors, bytes=nbytes,
-                                    generate_s=time.perf_counter() - t0)
+        doc["layouts"][name] = {"files": len(paths), "tensors": ntensors, "bytes": nbytes,
+                                    "generate_s": time.perf_counter() - t0}
         C.progress(f"{name}: {len(paths)} file(s), {ntensors} tensors, {nbytes / 1e9:.2f} GB "
                    f"({time.perf_counter() - t0:.1f} s)")
         warm(paths)

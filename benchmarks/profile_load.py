@@ -31,22 +31,22 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C
 import bench_load as B
+from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 
 from instant_staging import loader
 from instant_staging.loader import _load as L
 from instant_staging.loader._checkpoint import _Checkpoint
-from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 from instant_staging.loader._target import _TorchTarget
 
 MiB = C.MiB
 SECTIONS = ("phases", "reads", "copies", "pipeline", "spin", "load_file", "host")
 
 
-def best(fn, repeat):
+def best(fn, repeat, *args, **kwargs):
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        fn()
+        fn(*args, **kwargs)
         times.append(time.perf_counter() - t0)
     return min(times)
 
@@ -157,8 +157,8 @@ def section_phases(torch, name, paths, device, repeat, out):
     # The same through load_file, for the consumer's share.
     tl = best(lambda: loader.load_file(paths, str(device)), repeat)
     B._free(torch, device)
-    out.append(dict(section="phases", layout=name, what="load_file", seconds=tl,
-                    gbps=ck.total_bytes / tl / 1e9))
+    out.append({"section": "phases", "layout": name, "what": "load_file", "seconds": tl,
+                    "gbps": ck.total_bytes / tl / 1e9})
     C.progress(f"  {name} load_file defaults {tl * 1e3:.1f} ms = {ck.total_bytes / tl / 1e9:.1f} GB/s")
 
 
@@ -175,12 +175,12 @@ def section_reads(name, paths, repeat, out, threads_list, chunks):
                 plan = Plan([(fd, 0, os.fstat(fd).st_size) for fd in fds], chunk)
                 buf = StagingBuffer(threads * chunk, allow_pageable=True)
                 try:
-                    s = best(lambda: run_pipe(plan, [0] * len(fds), threads, staging=buf,
-                                              skip=SKIP_COPY), repeat)
+                    s = best(run_pipe, repeat, plan, [0] * len(fds), threads, staging=buf,
+                             skip=SKIP_COPY)
                 finally:
                     buf.close()
-                out.append(dict(section="reads", layout=label, chunk=chunk, threads=threads,
-                                seconds=s, gbps=total / s / 1e9))
+                out.append({"section": "reads", "layout": label, "chunk": chunk, "threads": threads,
+                                "seconds": s, "gbps": total / s / 1e9})
                 C.progress(f"  {label} reads {threads} threads x {chunk // MiB} MiB: "
                            f"{total / s / 1e9:.1f} GB/s")
         finally:
@@ -198,12 +198,12 @@ def section_pipeline(torch, name, f, repeat, out, grid, skip=0, label="pipeline"
         buf = staging_for(chunk, depth)
         plan = f.plan(chunk)
         try:
-            s = best(lambda: run_pipe(plan, f.dsts, threads, staging=buf,
-                                      device=f.target.index, skip=skip), repeat)
+            s = best(run_pipe, repeat, plan, f.dsts, threads, staging=buf,
+                     device=f.target.index, skip=skip)
         finally:
             buf.close()
-        out.append(dict(section=label, layout=name, chunk=chunk, depth=depth, threads=threads,
-                        seconds=s, gbps=f.nbytes / s / 1e9))
+        out.append({"section": label, "layout": name, "chunk": chunk, "depth": depth, "threads": threads,
+                        "seconds": s, "gbps": f.nbytes / s / 1e9})
         C.progress(f"  {name} {label} {chunk // MiB} MiB / depth {depth} / {threads} threads: "
                    f"{f.nbytes / s / 1e9:.1f} GB/s")
 
@@ -211,11 +211,11 @@ def section_pipeline(torch, name, f, repeat, out, grid, skip=0, label="pipeline"
 def section_load_file(torch, name, paths, device, repeat, out, settings):
     nbytes = sum(os.path.getsize(p) for p in paths)
     for chunk, depth, threads in settings:
-        s = best(lambda: loader.load_file(paths, str(device), chunk_size=chunk, io_depth=depth,
-                                          threads=threads), repeat)
+        s = best(loader.load_file, repeat, paths, str(device), chunk_size=chunk, io_depth=depth,
+                 threads=threads)
         B._free(torch, device)
-        out.append(dict(section="load_file", layout=name, chunk=chunk, depth=depth,
-                        threads=threads, seconds=s, gbps=nbytes / s / 1e9))
+        out.append({"section": "load_file", "layout": name, "chunk": chunk, "depth": depth,
+                        "threads": threads, "seconds": s, "gbps": nbytes / s / 1e9})
         C.progress(f"  {name} load_file {chunk // MiB} MiB / {depth} / {threads}: "
                    f"{nbytes / s / 1e9:.1f} GB/s")
     buf = staging_for(loader.DEFAULT_CHUNK_SIZE, loader.DEFAULT_IO_DEPTH)
@@ -224,8 +224,8 @@ def section_load_file(torch, name, paths, device, repeat, out, settings):
     finally:
         buf.close()
     B._free(torch, device)
-    out.append(dict(section="load_file", layout=name, what="reused staging", seconds=s,
-                    gbps=nbytes / s / 1e9))
+    out.append({"section": "load_file", "layout": name, "what": "reused staging", "seconds": s,
+                    "gbps": nbytes / s / 1e9})
     C.progress(f"  {name} load_file defaults, reused staging: {nbytes / s / 1e9:.1f} GB/s")
 
 
@@ -235,16 +235,16 @@ def section_host(torch, name, paths, repeat, out):
     f = Files(torch, paths, torch.device("cpu"))
     try:
         for chunk, threads in ((loader.DEFAULT_CHUNK_SIZE, 16), (4 * MiB, 8)):
-            s = best(lambda: run_pipe(f.plan(chunk), f.dsts, threads, depth=2 * threads), repeat)
-            out.append(dict(section="host", layout=name, chunk=chunk, threads=threads,
-                            seconds=s, gbps=f.nbytes / s / 1e9, what="pipeline, tensors resident"))
+            s = best(run_pipe, repeat, f.plan(chunk), f.dsts, threads, depth=2 * threads)
+            out.append({"section": "host", "layout": name, "chunk": chunk, "threads": threads,
+                            "seconds": s, "gbps": f.nbytes / s / 1e9, "what": "pipeline, tensors resident"})
             C.progress(f"  {name} host pipeline {chunk // MiB} MiB x {threads}: "
                        f"{f.nbytes / s / 1e9:.1f} GB/s")
     finally:
         f.close()
     s = best(lambda: loader.load_file(paths, "cpu"), repeat)
-    out.append(dict(section="host", layout=name, what="load_file cpu", seconds=s,
-                    gbps=f.nbytes / s / 1e9))
+    out.append({"section": "host", "layout": name, "what": "load_file cpu", "seconds": s,
+                    "gbps": f.nbytes / s / 1e9})
     C.progress(f"  {name} host load_file(cpu): {f.nbytes / s / 1e9:.1f} GB/s")
 
 
@@ -309,7 +309,7 @@ def main(argv=None):
         if "host" in sections:
             section_host(torch, name, paths, args.repeat, out)
     print(f"profile total {time.perf_counter() - t_start:.0f} s")
-    C.write_json(args.json, dict(results=out, device=str(device)))
+    C.write_json(args.json, {"results": out, "device": str(device)})
     return 0
 
 

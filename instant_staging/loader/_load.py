@@ -15,10 +15,11 @@ import traceback
 
 from .._types import format_size
 from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
-from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS, SEGMENT_SIZE, SLOTS_PER_THREAD, usable_cpus
+from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS
+from ..defaults import SEGMENT_SIZE, SLOTS_PER_THREAD, usable_cpus
 from ._checkpoint import _Checkpoint, _paths
 from ._errors import LoadError, VerifyError
-from ._target import _TorchTarget, _import_torch
+from ._target import _import_torch, _TorchTarget
 
 # How often the consumer wakes to report progress while no tensor finishes.
 _POLL_SECONDS = 0.05
@@ -370,8 +371,8 @@ def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
 
 
 def _error(pipe, plan, checkpoint, runtime):
-    from ._pipeline import CANCELLED, END_OF_FILE, READ_ERROR, RUNTIME_ERROR
     from ..faults import ERROR_CODES
+    from ._pipeline import CANCELLED, END_OF_FILE, READ_ERROR, RUNTIME_ERROR
     kind, code, call, chunk, offset = pipe.error()
     if kind == CANCELLED:
         return LoadError("the load was cancelled (its iterator was closed from another "
