@@ -23,9 +23,8 @@ of each load and ``copy#N`` its N-th piece (the part of one tensor in one
 chunk), both in reading order (file, then offset); ``>SIZE`` compares the
 chunk's or the piece's length.  A load takes them from its staging
 buffer's runtime (a FaultyRuntime's or SimulatedRuntime's plan), else from
-``INSTANT_STAGING_FAULTS``.  Python, so it can be used (and tested)
-without anything compiled, apart from the error codes it takes from
-``_runtime`` (the one table of them).
+``INSTANT_STAGING_FAULTS``.  Python, apart from the error codes it takes
+from ``_runtime`` (the one table of them).
 """
 
 import errno

@@ -303,8 +303,26 @@ def probe(size=defaults.STAGING_SIZE, *, segment_size=defaults.SEGMENT_SIZE, cop
             result["copy"] = copy_check(buf, chunk_size)
             result["ok"] = result["copy"]["ok"]
     finally:
-        buf.close()
+        release = _release(buf)
+    result["release"] = release
+    if not release["ok"]:
+        # The buffer was made, but giving it back failed: the run failed,
+        # and its report says what was retained (docs/design.md: leaked on
+        # purpose, never freed while it may be registered).
+        result["ok"] = False
+        result["error"] = release["error"]
     return result
+
+
+def _release(buf):
+    t0 = time.perf_counter()
+    try:
+        buf.close()
+    except StagingError as e:
+        return {"ok": False, "seconds": time.perf_counter() - t0,
+                "error": {"type": type(e).__name__, "message": str(e), "code": e.code,
+                          "retained_ranges": [list(r) for r in getattr(e, "retained_ranges", ())]}}
+    return {"ok": True, "seconds": time.perf_counter() - t0, "error": None}
 
 
 def exit_code(result):
@@ -338,12 +356,16 @@ def format_text(result):
     lines.append(f"{sim}staging buffer of {format_size(result['size'])}, "
                  f"segments of {format_size(result['segment_size'])}")
     lines.extend("  " + describe_attempt(a) for a in result["attempts"])
-    if result["error"] is not None:
+    if result["kind"] is None:
         lines.append(f"{sim}{result['error']['type']}: {result['error']['message']}")
         return lines
     pinned = "pinned" if result["pinned"] else "NOT pinned: copies are several times slower"
     lines.append(f"{sim}kind: {result['kind']} ({pinned}) in {result['create_seconds']:.3f} s")
     lines.extend(_copy_lines(result, sim))
+    release = result.get("release")
+    if release is not None and not release["ok"]:
+        lines.append(f"{sim}release FAILED: {release['error']['type']}: "
+                     f"{release['error']['message']}")
     return lines
 
 
