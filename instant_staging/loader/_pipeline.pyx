@@ -699,8 +699,10 @@ cdef class Pipeline:
     cdef _staging_slots(self, Py_ssize_t cap):
         """Whole slots inside each registration, at most ``cap``."""
         cdef Py_ssize_t n = 0, k
-        cdef size_t seg_offset, seg_size, i
-        for seg_offset, seg_size in self.staging._segments:
+        cdef size_t seg_offset = 0, seg_size = 0, i, r
+        cdef size_t nreg = self.staging.n_registrations()
+        for r in range(nreg):
+            self.staging.registration(r, &seg_offset, &seg_size)
             n += <Py_ssize_t>min(<size_t>cap, seg_size // self.slot_size)
             if n >= cap:
                 n = cap
@@ -708,14 +710,15 @@ cdef class Pipeline:
         if n == 0:
             self._release_hold()
             raise ValueError(
-                f"the staging buffer ({self.staging.size} bytes in {len(self.staging._segments)} "
+                f"the staging buffer ({self.staging.size} bytes in {nreg} "
                 f"registration(s)) holds no chunk of {self.slot_size} bytes inside one "
                 "registration: pass a larger buffer or a smaller chunk_size")
         self.slot_ptrs = <char**>malloc(n * sizeof(char*))
         if self.slot_ptrs == NULL:
             raise MemoryError()
         k = 0
-        for seg_offset, seg_size in self.staging._segments:
+        for r in range(nreg):
+            self.staging.registration(r, &seg_offset, &seg_size)
             i = 0
             while k < n and (i + 1) * self.slot_size <= seg_size:
                 self.slot_ptrs[k] = self.staging._ptr + seg_offset + i * self.slot_size
