@@ -41,7 +41,7 @@ import math
 import os
 import re
 import struct
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 # The JSON header may not exceed this (the safetensors package's own limit).
 MAX_HEADER_BYTES = 100_000_000
@@ -98,7 +98,7 @@ class TensorEntry(NamedTuple):
 
     name: str
     dtype: str
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     begin: int
     end: int
 
@@ -113,8 +113,8 @@ class Header(NamedTuple):
     path: str
     file_size: int
     data_start: int
-    tensors: List[TensorEntry]
-    metadata: Dict[str, str]
+    tensors: list[TensorEntry]
+    metadata: Optional[dict[str, str]]   # None when the file has no __metadata__
 
 
 def read_header(fd: int, path) -> Header:
@@ -125,6 +125,10 @@ def read_header(fd: int, path) -> Header:
         raise SafetensorsError(f"file of {size} bytes is too short for the 8-byte header length", path)
     (length,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, path))
     if length > MAX_HEADER_BYTES:
+        if os.pread(fd, 1, 0) in (b"{", b"["):
+            raise SafetensorsError("this is a JSON file (a model.safetensors.index.json?), not a "
+                                   "safetensors file: pass the index or its directory as the "
+                                   "source, not as a shard", path)
         raise SafetensorsError(f"header length {length} exceeds the limit of {MAX_HEADER_BYTES} bytes", path)
     if 8 + length > size:
         raise SafetensorsError(f"header length {length} goes beyond the end of the file "
@@ -256,7 +260,7 @@ def _kind(value) -> str:
 
 # -- the entries -------------------------------------------------------------
 
-def _metadata(value, path) -> Optional[Dict[str, str]]:
+def _metadata(value, path) -> Optional[dict[str, str]]:
     if value is None:
         return None
     if not isinstance(value, _Pairs) or not all(isinstance(v, str) for _, v in value):
@@ -347,7 +351,7 @@ def _check_torch(t, path):
                                "needs an even last dimension", path, t.name)
 
 
-def torch_shape(entry: TensorEntry) -> Tuple[int, ...]:
+def torch_shape(entry: TensorEntry) -> tuple[int, ...]:
     """The shape of ``entry``'s torch tensor: the file's, except F4, which
     torch packs two to a byte (float4_e2m1fn_x2) along the last dimension."""
     if entry.dtype == "F4":

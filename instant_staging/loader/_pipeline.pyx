@@ -963,3 +963,37 @@ cdef class Pipeline:
             pthread_mutex_destroy(&self.sh.lock)
             pthread_cond_destroy(&self.sh.cond)
             pthread_mutex_destroy(&self.join_lock)
+
+
+cdef class HostArea:
+    """Ordinary page-aligned memory for slots when pinning buys nothing
+    (a load to the CPU without a staging buffer)."""
+
+    cdef char* ptr
+    cdef readonly size_t size
+
+    def __cinit__(self, size_t size):
+        cdef void* p = NULL
+        if size == 0:
+            raise ValueError("size must be > 0")
+        if posix_memalign(&p, 4096, size) != 0:
+            raise MemoryError(f"could not allocate {size} bytes of host memory")
+        self.ptr = <char*>p
+        self.size = size
+
+    def spans(self, offset=0, nbytes=None):
+        """The whole area as one span, like StagingBuffer.spans()."""
+        if self.ptr == NULL:
+            raise ValueError("operation on a closed HostArea")
+        return [(<intptr_t>self.ptr, self.size)]
+
+    @property
+    def closed(self):
+        return self.ptr == NULL
+
+    def close(self):
+        free(self.ptr)
+        self.ptr = NULL
+
+    def __dealloc__(self):
+        free(self.ptr)
