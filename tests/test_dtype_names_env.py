@@ -108,7 +108,9 @@ def clean_env(monkeypatch):
 
 def test_knobs_from_environment(clean_env):
     from instant_staging import defaults
-    assert knobs(None, None, None) == (defaults.CHUNK_SIZE, defaults.IO_DEPTH, None)
+    # io_depth stays None: the load gives each reader thread
+    # defaults.SLOTS_PER_THREAD slots (defaults.IO_DEPTH with 16 threads).
+    assert knobs(None, None, None) == (defaults.CHUNK_SIZE, None, None)
     clean_env.setenv("INSTANT_STAGING_CHUNK_SIZE", "64KiB")
     clean_env.setenv("INSTANT_STAGING_IO_DEPTH", "3")
     clean_env.setenv("INSTANT_STAGING_THREADS", "2")
@@ -124,9 +126,9 @@ def test_environment_reaches_the_load(path, clean_env, monkeypatch):
     seen = {}
     real = _load._load
 
-    def spy(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads, *rest, **kw):
-        seen.update(chunk_size=chunk_size, io_depth=io_depth, threads=threads)
-        return real(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads, *rest, **kw)
+    def spy(state, checkpoint, target, dtypes, **kw):
+        seen.update(chunk_size=kw["chunk_size"], io_depth=kw["io_depth"], threads=kw["threads"])
+        return real(state, checkpoint, target, dtypes, **kw)
     monkeypatch.setattr(_load, "_load", spy)
     clean_env.setenv("INSTANT_STAGING_CHUNK_SIZE", "4KiB")
     clean_env.setenv("INSTANT_STAGING_IO_DEPTH", "2")

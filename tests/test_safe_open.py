@@ -154,9 +154,9 @@ def reads_of(monkeypatch):
     seen = []
     real = _safe_open._load
 
-    def spy(view, *args, **kwargs):
+    def spy(state, view, *args, **kwargs):
         seen.append([(e.begin, e.end) for _, e in view.entries])
-        return real(view, *args, **kwargs)
+        return real(state, view, *args, **kwargs)
     monkeypatch.setattr(_safe_open, "_load", spy)
     return seen
 

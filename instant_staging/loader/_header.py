@@ -164,7 +164,7 @@ def parse_header(raw: bytes, path, file_size: int) -> Header:
            for name, dtype, shape, b, e in tensors]
     for t in out:
         _check_torch(t, path)
-    return Header(path, file_size, data_start, out, metadata or {})
+    return Header(path, file_size, data_start, out, metadata)
 
 
 def _pread_exact(fd, n, offset, path) -> bytes:

@@ -34,7 +34,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from ._checkpoint import _Checkpoint
-from ._header import DTYPE_SIZES, TensorEntry
+from ._header import DTYPE_BITS, TensorEntry
 from ..defaults import SLOTS_PER_THREAD
 from ._load import _check_args, _default_threads, _load, _LoadState, _own_staging
 from ._options import knobs
@@ -220,11 +220,15 @@ class _Slice:
             part, shifted = entry, index
         else:
             lo, hi, shifted = rows
-            row_bytes = DTYPE_SIZES[entry.dtype]
+            row_bits = DTYPE_BITS[entry.dtype]
             for d in entry.shape[1:]:
-                row_bytes *= d
-            part = TensorEntry(entry.name, entry.dtype, (hi - lo,) + tuple(entry.shape[1:]),
-                               entry.begin + lo * row_bytes, entry.begin + hi * row_bytes)
+                row_bits *= d
+            if row_bits % 8:        # rows of F4 that do not end on a byte: all of it
+                part, shifted = entry, index
+            else:
+                part = TensorEntry(entry.name, entry.dtype, (hi - lo,) + tuple(entry.shape[1:]),
+                                   entry.begin + lo * row_bits // 8,
+                                   entry.begin + hi * row_bits // 8)
         covering = handle._read([part])[0]
         try:
             return _like_safetensors(torch, covering[shifted], covering, handle._target.device)
