@@ -147,7 +147,7 @@ def generate(directory, files, pool_bytes=64 * C.MiB):
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
-            for k, (name, shape) in enumerate(tensors):
+            for k, (_, shape) in enumerate(tensors):
                 left, start = _nbytes(shape), (k * 1000003 * 2) % pool_bytes
                 while left:
                     n = min(left, pool_bytes)
@@ -324,7 +324,10 @@ def peer_methods(torch, device):
     dev = str(device)
     try:
         from safetensors.torch import load_file as st_load
-        methods.append(Method("safetensors", lambda files, mark: _merge(st_load(f, device=dev) for f in files),
+
+        def st_run(files, mark):
+            return _merge(st_load(f, device=dev) for f in files)
+        methods.append(Method("safetensors", st_run,
                               note=("load_file(device='cpu') maps the file: no copy"
                                     if device.type == "cpu" else "load_file(device=...)"), peer=True))
     except ImportError as e:
@@ -592,7 +595,9 @@ def main(argv=None):
     os.makedirs(args.dir, exist_ok=True)
     doc = {"environment": environment(torch, device), "layouts": {}, "results": [], "notes": []}
     cold_layouts = [c for c in args.cold.split(",") if c]
-    wanted = lambda m, prefixes: not prefixes or any(m.name.startswith(p) for p in prefixes.split(","))
+
+    def wanted(m, prefixes):
+        return not prefixes or any(m.name.startswith(p) for p in prefixes.split(","))
     for name, files in layouts([n for n in args.layouts.split(",") if n], scale,
                                C.parse_sizes(args.uniform_size)[0]):
         t0 = time.perf_counter()

@@ -31,11 +31,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C
 import bench_load as B
-from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 
 from instant_staging import loader
 from instant_staging.loader import _load as L
 from instant_staging.loader._checkpoint import _Checkpoint
+from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 from instant_staging.loader._target import _TorchTarget
 
 MiB = C.MiB

@@ -15,10 +15,10 @@ import time
 import pytest
 import safetensors.torch as st
 import torch
-from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 
 import instant_staging as ist
 from instant_staging.loader import _checkpoint, _load, load_file
+from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 from instant_staging.testing import SimulatedRuntime
 
 PAGE = mmap.PAGESIZE

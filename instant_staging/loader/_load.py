@@ -28,7 +28,6 @@ import os
 import sys
 import threading
 import traceback
-
 from typing import TYPE_CHECKING, Optional
 
 from .._types import format_size
@@ -138,7 +137,7 @@ class _LoadState:
     iterator both point here (never at each other), so dropping the
     iterator frees the load at once."""
 
-    __slots__ = ("pipe", "staging_kind", "threads", "finished", "cancelled")
+    __slots__ = ("cancelled", "finished", "pipe", "staging_kind", "threads")
 
     def __init__(self):
         self.pipe = None
