@@ -47,7 +47,6 @@ def test_release_failure_prints_its_report():
     assert proc.returncode == 1
     report = json.loads(proc.stdout)
     assert report["ok"] is False and report["kind"] == "REGISTERED"
-    # main's ReleaseError (a StagingError) names a failed release.
     assert report["release"]["ok"] is False and report["error"]["type"] == "ReleaseError"
     assert report["error"]["retained_ranges"] and report["attempts"]
 

@@ -126,9 +126,9 @@ def test_environment_reaches_the_load(path, clean_env, monkeypatch):
     seen = {}
     real = _load._load
 
-    def spy(state, checkpoint, target, dtypes, **kw):
-        seen.update(chunk_size=kw["chunk_size"], io_depth=kw["io_depth"], threads=kw["threads"])
-        return real(state, checkpoint, target, dtypes, **kw)
+    def spy(*args, chunk_size, io_depth, threads, **kw):
+        seen.update(chunk_size=chunk_size, io_depth=io_depth, threads=threads)
+        return real(*args, chunk_size=chunk_size, io_depth=io_depth, threads=threads, **kw)
     monkeypatch.setattr(_load, "_load", spy)
     clean_env.setenv("INSTANT_STAGING_CHUNK_SIZE", "4KiB")
     clean_env.setenv("INSTANT_STAGING_IO_DEPTH", "2")

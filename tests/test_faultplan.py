@@ -64,7 +64,8 @@ def test_empty_spec_has_no_rules(spec):
 
 
 @pytest.mark.parametrize("rule, why", [
-    ("regster=1", "unknown operation 'regster' (expected register, unregister, host_alloc, free_host, read, copy)"),
+    ("regster=1", "unknown operation 'regster' (expected register, unregister, host_alloc, "
+                  "free_host, read, copy)"),
     ("register", "missing '=ERROR'"),
     ("register=", "missing error"),
     ("register=bogus", "unknown error 'bogus'"),

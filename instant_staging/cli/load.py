@@ -3,8 +3,8 @@
 ``sources()`` turns the command's SOURCE arguments (files, a directory, an
 index.json) into a ``load_file`` source.  ``load()`` makes the staging
 buffer itself (sized by what the files can use; the loader's slots are
-whole chunks inside each registration), hands it to
-``instant_staging.loader.iter_load`` and returns a plain dict with the
+whole chunks inside each registration, so any chunk size works), hands it
+to ``instant_staging.loader.iter_load`` and returns a plain dict with the
 tensor count, the bytes read, seconds (torch imported before the clock
 starts), GB/s and the staging kind reached.
 ``Progress`` is the progress callback: a bar on a terminal, a line per
@@ -16,9 +16,9 @@ import os
 import time
 
 from .. import defaults
-from .._types import format_size
+from .._types import StagingError, format_size
 from ..loader._progress import Progress  # noqa: F401  (the CLI's progress, one implementation)
-from .report import attempt_dict
+from .report import attempt_dict, describe_attempt, error_result
 
 
 class NoDevice(RuntimeError):
@@ -112,8 +112,6 @@ def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
     (SafetensorsError, a ValueError, for a bad file; LoadError, a
     RuntimeError, for a failed read or copy).
     """
-    import os
-
     from .. import loader
     from ..loader._source import resolve
     from ..loader._target import _import_torch
@@ -134,6 +132,7 @@ def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
     else:
         _check_device(device)
         buf, staging = _make_staging(size, chunk_size, allow_pageable, runtime)
+    failed = None
     try:
         t0 = time.perf_counter()
         count = 0
@@ -145,9 +144,21 @@ def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
             nbytes = it.total_bytes
         _synchronize(device)
         seconds = time.perf_counter() - t0
+    except (OSError, ValueError, RuntimeError) as e:
+        # A bad file (SafetensorsError), a failed read or copy (LoadError),
+        # torch's own: the run failed; its report keeps the staging attempts.
+        failed = e
     finally:
         if buf is not None:
-            buf.close()
+            try:
+                buf.close()
+            except StagingError as e:          # ReleaseError: memory retained
+                failed = failed or e
+    if failed is not None:
+        return {"command": "load", "ok": False, "files": files, "device": str(device),
+                "dtype": None if dtype is None else str(dtype), "chunk_size": chunk_size,
+                "io_depth": io_depth, "threads": threads, "staging": staging,
+                "error": error_result("load", failed)["error"]}
     return {"command": "load", "ok": True, "files": files,
             "device": str(device), "dtype": None if dtype is None else str(dtype),
             "tensors": count, "bytes": nbytes,
@@ -157,6 +168,14 @@ def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
 
 
 def format_text(result):
+    if not result["ok"]:
+        s = result["staging"]
+        lines = [f"load failed: {result['error']['type']}: {result['error']['message']}"]
+        if s["kind"] != "HOST":
+            lines.append(f"staging: {s['kind']}, {format_size(s['size'])}, made in "
+                         f"{s['seconds']:.3f} s")
+            lines += ["  " + describe_attempt(a) for a in s["attempts"]]
+        return lines
     s = result["staging"]
     if s["kind"] == "HOST":
         pinned = " (ordinary memory: a load to the CPU needs no pinning)"

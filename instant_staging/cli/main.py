@@ -136,7 +136,7 @@ def build_parser():
     ld.add_argument("--threads", type=positive_arg, default=None,
                     help=f"default ${ENV_THREADS}, else the loader's")
     ld.add_argument("--staging-size", type=size_arg, default=None,
-                    help="staging buffer size (default: io-depth x chunk-size)")
+                    help="staging buffer size (default: io-depth x chunk-size, no more than the files hold)")
     ld.add_argument("--allow-pageable", action="store_true",
                     help="accept unpinned staging memory when nothing can be pinned")
     ld.add_argument("--verify", action="store_true", help="check every tensor after loading")
@@ -203,6 +203,12 @@ def run_load(args, parser):
             print("\n".join(lines), file=sys.stderr)
         return 1
     progress.close()
+    if not result["ok"]:
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print("\n".join(load_cmd.format_text(result)), file=sys.stderr)
+        return 1
     emit(args.json, result, load_cmd.format_text(result))
     return 0
 

@@ -58,6 +58,9 @@ DTYPE_BITS = {
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
 }
 
+# Bytes per element of the dtypes whose elements are whole bytes (all but F4).
+DTYPE_SIZES = {name: bits // 8 for name, bits in DTYPE_BITS.items() if bits % 8 == 0}
+
 # serde_json's recursion limit, as safetensors 0.8 meets it: 127 levels of
 # arrays and objects (the root counts) parse, 128 do not.
 MAX_DEPTH = 127
@@ -108,13 +111,15 @@ class TensorEntry(NamedTuple):
 
 
 class Header(NamedTuple):
-    """A parsed file: its tensors in data order, and its metadata."""
+    """A parsed file: its tensors in data order, and its metadata (None when
+    the header has no ``__metadata__`` or it is null, as safetensors'
+    ``metadata()`` returns)."""
 
     path: str
     file_size: int
     data_start: int
     tensors: list[TensorEntry]
-    metadata: Optional[dict[str, str]]   # None when the file has no __metadata__
+    metadata: Optional[dict[str, str]]
 
 
 def read_header(fd: int, path) -> Header:

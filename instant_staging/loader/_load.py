@@ -31,9 +31,8 @@ import traceback
 from typing import TYPE_CHECKING, Optional
 
 from .._types import format_size
-from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
+from ..defaults import CHUNK_SIZE, SEGMENT_SIZE, SLOTS_PER_THREAD, usable_cpus
 from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS
-from ..defaults import SEGMENT_SIZE, SLOTS_PER_THREAD, usable_cpus
 from . import _progress
 from ._checkpoint import _Checkpoint
 from ._errors import LoadError, VerifyError
@@ -49,12 +48,12 @@ if TYPE_CHECKING:
 
 # How often the consumer wakes to report progress while no tensor finishes.
 _POLL_SECONDS = 0.05
+# verify=True compares in pieces of this many bytes.
+_VERIFY_STEP = 64 << 20
 # Tensors allocated before the reader threads start, and per hand-over
 # after that (each hand-over takes the pipeline's lock once).
 _FIRST_BATCH = 4
 _BATCH = 32
-# verify=True compares in pieces of this many bytes.
-_VERIFY_STEP = 64 << 20
 
 # -- arguments and the staging buffer -----------------------------------------
 
@@ -101,7 +100,7 @@ def _prefault_threads(size):
 def _check_args(chunk_size, io_depth, threads):
     for name, value in (("chunk_size", chunk_size), ("io_depth", io_depth)):
         if name == "io_depth" and value is None:
-            continue
+            continue        # SLOTS_PER_THREAD per reader thread
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, not {type(value).__name__}")
         if value < 1:
@@ -159,9 +158,8 @@ class LoadIterator:
     ``LoadError`` (the reader threads are the parent's).
     """
 
-    def __init__(self, checkpoint, target, dtypes, *, staging=None, chunk_size=DEFAULT_CHUNK_SIZE,
-                 io_depth=None, threads=None, verify=False, progress=None,
-                 faults=None):
+    def __init__(self, checkpoint, target, dtypes, *, staging=None, chunk_size=CHUNK_SIZE,
+                 io_depth=None, threads=None, verify=False, progress=None, faults=None):
         self._state = _LoadState()
         self._lock = threading.RLock()     # one next() or close() at a time
         self._pid = os.getpid()

@@ -698,11 +698,11 @@ cdef class Pipeline:
 
     cdef _staging_slots(self, Py_ssize_t cap):
         """Whole slots inside each registration, at most ``cap``."""
+        cdef StagingBuffer buf = self.staging
         cdef Py_ssize_t n = 0, k
-        cdef size_t seg_offset = 0, seg_size = 0, i, r
-        cdef size_t nreg = self.staging.n_registrations()
+        cdef size_t r, nreg = buf.n_registrations(), seg_offset = 0, seg_size = 0, i
         for r in range(nreg):
-            self.staging.registration(r, &seg_offset, &seg_size)
+            buf.registration(r, &seg_offset, &seg_size)
             n += <Py_ssize_t>min(<size_t>cap, seg_size // self.slot_size)
             if n >= cap:
                 n = cap
@@ -710,18 +710,18 @@ cdef class Pipeline:
         if n == 0:
             self._release_hold()
             raise ValueError(
-                f"the staging buffer ({self.staging.size} bytes in {nreg} "
-                f"registration(s)) holds no chunk of {self.slot_size} bytes inside one "
-                "registration: pass a larger buffer or a smaller chunk_size")
+                f"the staging buffer ({buf.size} bytes in {nreg} registration(s)) holds no "
+                f"chunk of {self.slot_size} bytes inside one registration: pass a larger "
+                "buffer or a smaller chunk_size")
         self.slot_ptrs = <char**>malloc(n * sizeof(char*))
         if self.slot_ptrs == NULL:
             raise MemoryError()
         k = 0
         for r in range(nreg):
-            self.staging.registration(r, &seg_offset, &seg_size)
+            buf.registration(r, &seg_offset, &seg_size)
             i = 0
             while k < n and (i + 1) * self.slot_size <= seg_size:
-                self.slot_ptrs[k] = self.staging._ptr + seg_offset + i * self.slot_size
+                self.slot_ptrs[k] = buf.data() + seg_offset + i * self.slot_size
                 k += 1
                 i += 1
         self.n_slots = n
@@ -964,36 +964,3 @@ cdef class Pipeline:
             pthread_cond_destroy(&self.sh.cond)
             pthread_mutex_destroy(&self.join_lock)
 
-
-cdef class HostArea:
-    """Ordinary page-aligned memory for slots when pinning buys nothing
-    (a load to the CPU without a staging buffer)."""
-
-    cdef char* ptr
-    cdef readonly size_t size
-
-    def __cinit__(self, size_t size):
-        cdef void* p = NULL
-        if size == 0:
-            raise ValueError("size must be > 0")
-        if posix_memalign(&p, 4096, size) != 0:
-            raise MemoryError(f"could not allocate {size} bytes of host memory")
-        self.ptr = <char*>p
-        self.size = size
-
-    def spans(self, offset=0, nbytes=None):
-        """The whole area as one span, like StagingBuffer.spans()."""
-        if self.ptr == NULL:
-            raise ValueError("operation on a closed HostArea")
-        return [(<intptr_t>self.ptr, self.size)]
-
-    @property
-    def closed(self):
-        return self.ptr == NULL
-
-    def close(self):
-        free(self.ptr)
-        self.ptr = NULL
-
-    def __dealloc__(self):
-        free(self.ptr)

@@ -33,10 +33,10 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from ..defaults import SLOTS_PER_THREAD
 from ._checkpoint import _Checkpoint
-from ._header import DTYPE_BITS, TensorEntry
-from ._load import _check_args, _default_threads, _load, _LoadState, _own_staging
+from ._header import DTYPE_SIZES, TensorEntry
+from ..defaults import SLOTS_PER_THREAD
+from ._load import LoadIterator, _check_args, _default_threads, _fault_plan, _own_staging
 from ._options import knobs
 from ._target import _import_torch, _TorchTarget
 from ._typing import Device, PathLike
@@ -51,8 +51,9 @@ _PAGE = 4096
 
 
 class _View:
-    """The part of a safe_open checkpoint one read loads; ``_load`` closes
-    its checkpoint when done, and this one owns nothing."""
+    """The part of a safe_open checkpoint one read loads; the load closes
+    its checkpoint when done, and this one owns nothing (the descriptors
+    are the safe_open's, closed by ``safe_open.close()``)."""
 
     def __init__(self, checkpoint, entries):
         self.paths, self.fds = checkpoint.paths, checkpoint.fds
@@ -169,25 +170,22 @@ class safe_open:
             dtypes = {e: target.check(e, self._path) for e in entries}
             view = _View(self._checkpoint, entries)
             chunk_size, io_depth = self._chunk_size, self._io_depth
-            if io_depth is None:
+            if io_depth is None:    # as the loader: SLOTS_PER_THREAD per reader thread
                 io_depth = SLOTS_PER_THREAD * (self._threads or _default_threads())
             staging = None
             if target.mode == _host_mode():
-                # A HostArea per read, no larger than the read needs.
+                # The pipeline's own slots per read, no larger than the read needs.
                 chunk_size = max(_PAGE, min(chunk_size, -(-view.total_bytes // _PAGE) * _PAGE))
                 io_depth = max(1, min(io_depth, -(-view.total_bytes // chunk_size)))
             else:
                 if self._staging is None:
                     self._staging = _own_staging(io_depth * chunk_size, chunk_size)
                 staging = self._staging
-            generator = _load(_LoadState(), view, target, [dtypes[e] for _, e in view.entries],
-                              staging=staging, chunk_size=chunk_size, io_depth=io_depth,
-                              threads=self._threads, verify=False, progress=None, faults=None)
-            try:
+            with LoadIterator(view, target, [dtypes[e] for _, e in view.entries], staging=staging,
+                              chunk_size=chunk_size, io_depth=io_depth, threads=self._threads,
+                              faults=_fault_plan(staging)) as it:
                 # Yielded in completion order; one read holds each name once.
-                loaded = dict(generator)
-            finally:
-                generator.close()
+                loaded = dict(it)
         return [loaded[e.name] for e in entries]
 
 
@@ -220,15 +218,11 @@ class _Slice:
             part, shifted = entry, index
         else:
             lo, hi, shifted = rows
-            row_bits = DTYPE_BITS[entry.dtype]
+            row_bytes = DTYPE_SIZES[entry.dtype]
             for d in entry.shape[1:]:
-                row_bits *= d
-            if row_bits % 8:        # rows of F4 that do not end on a byte: all of it
-                part, shifted = entry, index
-            else:
-                part = TensorEntry(entry.name, entry.dtype, (hi - lo,) + tuple(entry.shape[1:]),
-                                   entry.begin + lo * row_bits // 8,
-                                   entry.begin + hi * row_bits // 8)
+                row_bytes *= d
+            part = TensorEntry(entry.name, entry.dtype, (hi - lo,) + tuple(entry.shape[1:]),
+                               entry.begin + lo * row_bytes, entry.begin + hi * row_bytes)
         covering = handle._read([part])[0]
         try:
             return _like_safetensors(torch, covering[shifted], covering, handle._target.device)
