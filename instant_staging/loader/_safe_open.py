@@ -33,9 +33,9 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from ..defaults import SLOTS_PER_THREAD
 from ._checkpoint import _Checkpoint
 from ._header import DTYPE_SIZES, TensorEntry
-from ..defaults import SLOTS_PER_THREAD
 from ._load import LoadIterator, _check_args, _default_threads, _fault_plan, _own_staging
 from ._options import knobs
 from ._target import _import_torch, _TorchTarget
