@@ -963,4 +963,3 @@ cdef class Pipeline:
             pthread_mutex_destroy(&self.sh.lock)
             pthread_cond_destroy(&self.sh.cond)
             pthread_mutex_destroy(&self.join_lock)
-
