@@ -26,6 +26,12 @@ IO_DEPTH = 16
 # 41 GB/s, 32 threads 39 GB/s).
 MAX_THREADS = 16
 
+# A load under a process group: how long a rank waits for the others at
+# each agreement before it names the ranks that never came (hung or died).
+# Generous: the ranks' shares are balanced, so a healthy rank is late by
+# seconds, but a cold read of a large checkpoint takes minutes.
+DISTRIBUTED_TIMEOUT = 600.0
+
 # Step 2: at most this many prefault threads (a sanity bound on the knob).
 MAX_PREFAULT_THREADS = 1024
 

@@ -25,6 +25,7 @@ from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE, IO_DEPTH as DEFAULT_IO_
 from ._errors import LoadError, VerifyError
 from ._header import SafetensorsError
 from ._load import LoadIterator, iter_load, load_file
+from ._distributed import DistributedLoadError
 
-__all__ = ["LoadError", "LoadIterator", "SafetensorsError", "VerifyError",
+__all__ = ["DistributedLoadError", "LoadError", "LoadIterator", "SafetensorsError", "VerifyError",
            "iter_load", "load_file", "DEFAULT_CHUNK_SIZE", "DEFAULT_IO_DEPTH"]

@@ -132,37 +132,45 @@ class LoadIterator:
             pass
 
 
-def iter_load(paths, device="cpu", *, names=None, chunk_size=DEFAULT_CHUNK_SIZE,
-              io_depth=DEFAULT_IO_DEPTH, threads=None, staging=None, verify=False,
-              progress=None):
+def iter_load(paths, device="cpu", *, names=None, process_group=None,
+              chunk_size=DEFAULT_CHUNK_SIZE, io_depth=DEFAULT_IO_DEPTH, threads=None,
+              staging=None, verify=False, progress=None):
     """Loads safetensors file(s), yielding ``(name, tensor)`` as each finishes.
 
     Headers are parsed and validated when this is called; the load runs
     while the iterator is consumed.  Arguments are those of ``load_file``.
     """
-    _check_args(chunk_size, io_depth, threads)
-    if staging is not None:
-        _check_staging(staging, chunk_size)
-    if sys.byteorder != "little":
-        raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
-    torch = _import_torch()
-    checkpoint = _Checkpoint(_paths(paths))
-    try:
-        checkpoint.select(names)
-        target = _TorchTarget(torch, device)
-        dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    except BaseException:
-        checkpoint.close()
-        raise
+    def prepare():
+        _check_args(chunk_size, io_depth, threads)
+        if staging is not None:
+            _check_staging(staging, chunk_size)
+        if sys.byteorder != "little":
+            raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
+        torch = _import_torch()
+        checkpoint = _Checkpoint(_paths(paths))
+        try:
+            checkpoint.select(names)
+            target = _TorchTarget(torch, device)
+            dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
+        except BaseException:
+            checkpoint.close()
+            raise
+        return checkpoint, target, dtypes
+
+    if process_group is not None:
+        from ._distributed import DistributedLoadIterator, iter_load_group
+        return iter_load_group(prepare, process_group, DistributedLoadIterator,
+                               (staging, chunk_size, io_depth, threads, verify, progress))
+    checkpoint, target, dtypes = prepare()
     info = {}
     generator = _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads,
                       verify, progress, info=info)
     return LoadIterator(generator, checkpoint, info)
 
 
-def load_file(paths, device="cpu", *, names=None, chunk_size=DEFAULT_CHUNK_SIZE,
-              io_depth=DEFAULT_IO_DEPTH, threads=None, staging=None, verify=False,
-              progress=None):
+def load_file(paths, device="cpu", *, names=None, process_group=None,
+              chunk_size=DEFAULT_CHUNK_SIZE, io_depth=DEFAULT_IO_DEPTH, threads=None,
+              staging=None, verify=False, progress=None):
     """Loads safetensors file(s) into ``{name: tensor}`` on ``device``.
 
     paths       one path or a list of shards (a name in two shards is an error)
@@ -170,6 +178,11 @@ def load_file(paths, device="cpu", *, names=None, chunk_size=DEFAULT_CHUNK_SIZE,
     names       None for all; an iterable of tensor names (unknown ones are a
                 KeyError, raised before anything is allocated); or a callable
                 name -> bool.  Only the selected tensors' bytes are read.
+    process_group  a torch.distributed group whose every rank makes this call
+                with the same checkpoint: each rank reads about 1/N of the bytes
+                and the ranks exchange them over the group, so each byte is read
+                from the host once (loader/_distributed.py); names= may differ
+                per rank.  A failure on one rank raises on every rank.
     chunk_size  bytes per read and per copy (8 MiB)
     io_depth    chunks in flight: the staging buffer holds io_depth * chunk_size
     threads     reader threads (None: one per CPU, at most 16; never more than slots)
@@ -188,8 +201,9 @@ def load_file(paths, device="cpu", *, names=None, chunk_size=DEFAULT_CHUNK_SIZE,
     in flight and freeing every tensor of the load; the staging buffer
     stays reusable.
     """
-    with iter_load(paths, device, names=names, chunk_size=chunk_size, io_depth=io_depth, threads=threads,
-                   staging=staging, verify=verify, progress=progress) as it:
+    with iter_load(paths, device, names=names, process_group=process_group, chunk_size=chunk_size,
+                   io_depth=io_depth, threads=threads, staging=staging, verify=verify,
+                   progress=progress) as it:
         loaded = dict(it)
         return {name: loaded[name] for name in it.names}
 
