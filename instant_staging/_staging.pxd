@@ -27,6 +27,7 @@ cdef class StagingBuffer:
     cdef size_t _segment_size        # after copy_unit rounding
     cdef int _kind                   # KIND_*
     cdef int _exports                # live buffer-protocol exports
+    cdef int _holds                  # running loads using it (loader/_pipeline.pyx)
     cdef bint _released
     cdef int _owner_pid              # pinning does not survive fork
     cdef Runtime _runtime

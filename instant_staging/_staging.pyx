@@ -223,6 +223,11 @@ def _close_all_at_exit():
     # Release while the runtime is still loaded: Python's atexit handlers
     # run before the C runtime's own teardown.
     for buf in list(_live):
+        if (<StagingBuffer>buf)._holds > 0:
+            # A load's reader threads may still write into it (the loader's
+            # own exit hook stops the loads it can; a hold left means one
+            # could not be stopped).  Never unmap under a reader.
+            continue
         if (<StagingBuffer>buf)._exports > 0:
             # A memoryview still uses the memory, and may after this handler:
             # later atexit handlers and daemon threads run on.  Leave it
@@ -571,10 +576,16 @@ cdef class StagingBuffer:
     def close(self):
         """Releases the memory with the call matching its kind.  Idempotent.
 
-        Raises BufferError while a memoryview of the buffer is alive, and
-        StagingError if the runtime refused to unregister (the memory is
-        then leaked on purpose, never freed while registered).
+        Raises BufferError while a memoryview (or ``as_tensor()``) of the
+        buffer is alive or while a load uses it (close or cancel the load
+        first: its reader threads write into the buffer until they are
+        joined), and StagingError if the runtime refused to unregister (the
+        memory is then leaked on purpose, never freed while registered).
         """
+        if self._holds > 0:
+            raise BufferError("cannot close a StagingBuffer while a load is using it: "
+                              "close the load's iterator first (that stops and joins "
+                              "its reader threads)")
         if self._exports > 0:
             raise BufferError(f"cannot close a StagingBuffer with {self._exports} "
                               "exported buffer(s) (memoryviews) still alive")
@@ -671,6 +682,19 @@ cdef class StagingBuffer:
             if lo < hi:
                 out.append((base + lo, hi - lo))
         return out
+
+    def as_tensor(self):
+        """The buffer as a 1-D ``torch.uint8`` CPU tensor sharing its memory.
+
+        The tensor (and every view of it) keeps a memoryview of the buffer,
+        so ``close()`` raises BufferError while any of them lives.  Prefer it
+        to ``torch.frombuffer(buf)``, which releases its export at once:
+        after ``close()`` such a tensor points at unmapped memory.
+        """
+        if self._released or self._ptr == NULL:
+            raise ValueError("operation on a closed StagingBuffer")
+        import torch
+        return torch.frombuffer(memoryview(self), dtype=torch.uint8)
 
     def __len__(self):
         return self._size

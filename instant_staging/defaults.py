@@ -22,6 +22,12 @@ CHUNK_SIZE = 8 << 20
 # Chunks in flight: the staging buffer of a load holds io_depth * chunk_size.
 IO_DEPTH = 16
 
+# Slots one reader thread cycles through at most: a thread waits only for
+# its oldest copy, so a few in flight keep the link busy; the bound keeps a
+# tiny chunk_size over a large reused buffer from planning millions of slots
+# (16 MiB with chunk_size=1 built 16 Mi Python ints: 3 s, 1.4 GB).
+MAX_SLOTS_PER_THREAD = 64
+
 # Reader threads: more stopped paying off on the H200 host (16 threads
 # 41 GB/s, 32 threads 39 GB/s).
 MAX_THREADS = 16

@@ -1,22 +1,33 @@
-"""Fault plans: which runtime calls fail, and with which code.
+"""Fault plans: which runtime calls (and loader reads and copies) fail, and how.
 
 A plan is parsed from the spec of DESIGN.md ("Faults"), the value of
 ``INSTANT_STAGING_FAULTS``::
 
     SPEC  := RULE (";" RULE)*
     RULE  := OP [ "#" N | ">" SIZE | ">=" SIZE ] "=" ERROR
-    OP    := register | unregister | host_alloc | free_host
+    OP    := register | unregister | host_alloc | free_host   (the staging runtime)
+           | read | copy                                   (the loader's readers)
     N     := 1-based index of that op's call within this plan
     SIZE  := bytes with an optional KiB/MiB/GiB suffix
     ERROR := invalid_value | memory_allocation | not_supported
              | already_registered | not_registered | no_device | <integer>
+             (read: an errno name such as EIO, or ``short``: the file ends there)
 
 ``FaultyRuntime`` (``instant_staging._faults``) asks ``plan.decide(op, size)``
-before each of those calls and, when it answers a code, fails the call with
-it instead of calling the runtime.  Pure Python, so it can be used (and
-tested) without anything compiled.
+before each staging call and, when it answers a code, fails the call with
+it instead of calling the runtime; ``#N`` counts those calls in time order,
+across the process's threads.  ``read`` and ``copy`` rules are resolved by
+the loader's ``Plan`` (``loader/_pipeline.pyx``) by position instead, so they
+fail the same chunk whatever the threads do: ``read#N`` is the N-th chunk
+of each load and ``copy#N`` its N-th piece (the part of one tensor in one
+chunk), both in reading order (file, then offset); ``>SIZE`` compares the
+chunk's or the piece's length.  A load takes them from its staging
+buffer's runtime (a FaultyRuntime's or SimulatedRuntime's plan), else from
+``INSTANT_STAGING_FAULTS``.  Pure Python, so it can be used (and tested)
+without anything compiled.
 """
 
+import errno
 import os
 import re
 import threading
@@ -24,12 +35,17 @@ from typing import Iterable, NamedTuple, Optional, Tuple
 
 from instant_staging._types import parse_size
 
-__all__ = ["ENV_VAR", "ERROR_CODES", "OPERATIONS", "FaultPlan", "FaultRule", "as_plan"]
+__all__ = ["ENV_VAR", "ERROR_CODES", "OPERATIONS", "SHORT_READ", "FaultPlan", "FaultRule", "as_plan"]
 
 ENV_VAR = "INSTANT_STAGING_FAULTS"
 
 # The operations a rule can name, in the order error messages list them.
-OPERATIONS = ("register", "unregister", "host_alloc", "free_host")
+OPERATIONS = ("register", "unregister", "host_alloc", "free_host", "read", "copy")
+
+# A ``read`` rule's ``short``: the read finds the end of the file where its
+# chunk begins (as if the file had been truncated there).  Errno values
+# are positive, so the code cannot be mistaken for one.
+SHORT_READ = -1
 
 # Error names a rule may use; the codes are CUDA's and HIP's (they agree).
 ERROR_CODES = {
@@ -81,7 +97,10 @@ class FaultRule(NamedTuple):
         return True
 
     def __str__(self) -> str:
-        error = _ERROR_NAMES.get(self.code, str(self.code))
+        if self.op == "read":
+            error = "short" if self.code == SHORT_READ else errno.errorcode.get(self.code, str(self.code))
+        else:
+            error = _ERROR_NAMES.get(self.code, str(self.code))
         if self.when == "#":
             return f"{self.op}#{self.value}={error}"
         if self.when:
@@ -93,7 +112,22 @@ def _bad(rule: str, why: str) -> ValueError:
     return ValueError(f"bad fault rule {rule!r}: {why}")
 
 
-def _parse_error(rule: str, text: str) -> int:
+def _parse_read_error(rule: str, text: str) -> int:
+    text = text.strip()
+    if text.lower() == "short":
+        return SHORT_READ
+    code = getattr(errno, text.upper(), None) if text.upper().startswith("E") else None
+    if isinstance(code, int) and code > 0:
+        return code
+    if _INT_RE.fullmatch(text) and 0 < int(text) <= _INT_MAX:
+        return int(text)
+    raise _bad(rule, f"unknown read error {text!r} (expected an errno name such as EIO, "
+               "'short', or a positive errno number)")
+
+
+def _parse_error(rule: str, text: str, op: str = "") -> int:
+    if op == "read":
+        return _parse_read_error(rule, text)
     text = text.strip()
     if not text:
         raise _bad(rule, "missing error after '=' (expected "
@@ -150,7 +184,7 @@ def _parse_rule(rule: str) -> FaultRule:
     else:
         raise _bad(rule, f"expected '#N', '>SIZE', '>=SIZE' or '=ERROR' after {op!r}, "
                    f"got {rest!r}")
-    return FaultRule(op, when, value, _parse_error(rule, error))
+    return FaultRule(op, when, value, _parse_error(rule, error, op))
 
 
 class FaultPlan:

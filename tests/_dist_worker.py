@@ -28,7 +28,7 @@ def main(spec_path, rank):
     from safetensors.torch import load_file as st_load
 
     import instant_staging as ist
-    from instant_staging.loader import _load, iter_load, load_file
+    from instant_staging.loader import iter_load, load_file
     from instant_staging.testing import SimulatedRuntime
 
     world, files = spec["world"], spec["files"]
@@ -137,17 +137,13 @@ def main(spec_path, rank):
             out[name] = run(shards, staging=buf)
             buf.close()
             out[name]["leaks"] = [rt.live_registrations, rt.live_host_allocs]
-        elif name == "staging_fails":   # rank 1's staging buffer cannot be made at all
-            original = _load._own_staging
-            if rank == 1:
-                def failing(mode, chunk_size, io_depth):
-                    rt = SimulatedRuntime(faults="register=invalid_value;host_alloc=memory_allocation")
-                    return ist.StagingBuffer(io_depth * chunk_size, copy_unit=chunk_size, runtime=rt)
-                _load._own_staging = failing
-            try:
-                out[name] = run(shards)
-            finally:
-                _load._own_staging = original
+        elif name == "staging_unusable":   # rank 1's staging buffer holds no chunk
+            rt = SimulatedRuntime()
+            buf = ist.StagingBuffer(4096, runtime=rt) if rank == 1 else None
+            out[name] = run(shards, staging=buf)
+            if buf is not None:
+                buf.close()
+                out[name]["leaks"] = [rt.live_registrations, rt.live_host_allocs]
         elif name == "after_failures":
             out[name] = run(shards, verify=True)
         elif name == "timeout":         # the last rank never calls: the others name it

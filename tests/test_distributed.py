@@ -5,10 +5,12 @@ rank that wants it; shares balanced; one issue order).  The load itself
 runs in 2 and 3 real processes (tests/_dist_worker.py, a gloo group over
 a free port), each world running every scenario in one group so that the
 processes start once: replicated loads, per-rank ``names=``, uneven
-shards, more ranks than tensors, a rank with a bad file, a rank whose
-file shrinks under it, a rank whose staging buffer cannot be made, a
-rank that falls back to RUNTIME_PINNED, a rank that never comes, and a
-load after all of those; every tensor compared with safetensors' own.
+shards, more ranks than tensors, a rank with a bad file, another layout
+or an unknown name, a rank whose file shrinks under it, a rank whose read
+fails (INSTANT_STAGING_FAULTS='read#1=EIO' there only), a rank whose
+staging buffer is unusable, a rank that falls back to RUNTIME_PINNED, a
+rank that never comes, and a load after all of those; every tensor
+compared with safetensors' own.
 """
 
 import json
@@ -187,7 +189,7 @@ def free_port():
 
 
 SCENARIOS = ["replicated", "load_file", "names", "predicate", "nothing_on_one_rank", "tiny",
-             "bad_file", "other_layout", "unknown_name", "truncated", "kinds", "staging_fails",
+             "bad_file", "other_layout", "unknown_name", "truncated", "read_fault", "kinds", "staging_unusable",
              "after_failures", "timeout"]
 
 
@@ -307,13 +309,26 @@ def test_staging_kinds_reported(world):
         assert rec["leaks"] == [0, 0]
 
 
-def test_staging_fails_on_one_rank(world):
-    recs = scenario(world, "staging_fails")
-    assert recs[1]["error"] == "StagingError"
+def test_read_fault_on_one_rank(world):
+    # INSTANT_STAGING_FAULTS='read#1=EIO' on rank 1 only: its first chunk fails.
+    recs = scenario(world, "read_fault")
+    assert recs[1]["error"] == "LoadError" and "Input/output error" in recs[1]["message"]
+    for r, rec in enumerate(recs):
+        if r != 1:
+            assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1], rec
+            assert "Input/output error" in rec["message"]
+
+
+def test_staging_unusable_on_one_rank(world):
+    # Rank 1 passes a staging buffer too small for one chunk: it fails before
+    # any read, and so does everyone else.
+    recs = scenario(world, "staging_unusable")
+    assert recs[1]["error"] == "ValueError" and "holds no chunk" in recs[1]["message"]
+    assert recs[1]["leaks"] == [0, 0]
     for r, rec in enumerate(recs):
         if r != 1:
             assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1]
-            assert "StagingError" in rec["message"]
+            assert "holds no chunk" in rec["message"]
 
 
 def test_group_usable_after_failures(world):

@@ -64,7 +64,7 @@ def test_empty_spec_has_no_rules(spec):
 
 
 @pytest.mark.parametrize("rule, why", [
-    ("regster=1", "unknown operation 'regster' (expected register, unregister, host_alloc, free_host)"),
+    ("regster=1", "unknown operation 'regster' (expected register, unregister, host_alloc, free_host, read, copy)"),
     ("register", "missing '=ERROR'"),
     ("register=", "missing error"),
     ("register=bogus", "unknown error 'bogus'"),
@@ -103,7 +103,7 @@ def test_exact_error_message():
     with pytest.raises(ValueError) as info:
         FaultPlan.parse("regster=1")
     assert str(info.value) == ("bad fault rule 'regster=1': unknown operation 'regster' "
-                               "(expected register, unregister, host_alloc, free_host)")
+                               "(expected register, unregister, host_alloc, free_host, read, copy)")
 
 
 def test_parse_rejects_non_str():
@@ -150,7 +150,8 @@ def test_nth_call_counts_failing_calls_too():
     plan = FaultPlan.parse("register#2=invalid_value;register#3=not_supported;unregister#1=1")
     assert [plan.decide("register", 10) for _ in range(5)] == [0, 1, 801, 0, 0]
     assert [plan.decide("unregister", 10) for _ in range(3)] == [1, 0, 0]
-    assert plan.counts == {"register": 5, "unregister": 3, "host_alloc": 0, "free_host": 0}
+    assert plan.counts == {"register": 5, "unregister": 3, "host_alloc": 0, "free_host": 0,
+                           "read": 0, "copy": 0}
 
 
 def test_first_matching_rule_wins():

@@ -21,6 +21,7 @@ st = pytest.importorskip("safetensors.torch")
 import instant_staging as ist
 from instant_staging.loader import _checkpoint, _load, _target
 from instant_staging.loader import LoadError, SafetensorsError, VerifyError, iter_load, load_file
+from instant_staging.testing import FaultPlan
 
 from _child import run_child
 
@@ -147,17 +148,16 @@ class SimTarget:
         return bytes(out[offset:offset + len(data)].numpy()) == bytes(data)
 
 
-def sim_load(paths, staging, *, fail_chunk=-1, threads=None, verify=False, progress=None):
+def sim_load(paths, staging, *, faults=None, threads=None, verify=False, progress=None,
+             target=None):
     """Loads through SimTarget; returns {name: CPU tensor}."""
     checkpoint = _checkpoint._Checkpoint(paths if isinstance(paths, list) else [paths])
-    target = SimTarget(staging.runtime)
+    target = target or SimTarget(staging.runtime)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    gen = _load._load(checkpoint, target, dtypes, staging, CHUNK, 4, threads, verify,
-                       progress, fail_chunk)
-    try:
-        return dict(gen)
-    finally:
-        gen.close()
+    with _load.LoadIterator(checkpoint, target, dtypes, staging=staging, chunk_size=CHUNK,
+                            io_depth=4, threads=threads, verify=verify, progress=progress,
+                            faults=faults and FaultPlan.parse(faults)) as it:
+        return dict(it)
 
 
 # -- round trips on the CPU --------------------------------------------------
@@ -397,10 +397,13 @@ def test_bad_arguments(tmp_path):
 
 
 def test_staging_too_small_or_closed(tmp_path):
-    path = save(tmp_path, {"x": torch.ones(3)})
+    path = save(tmp_path, {"x": torch.ones(CHUNK)})     # 4 * CHUNK bytes
     rt, buf = sim_staging(size=CHUNK)
     with pytest.raises(ValueError, match="no chunk"):
         load_file(path, "cpu", chunk_size=2 * CHUNK, staging=buf)
+    # A slot is only as long as the longest chunk: a small file fits anyway.
+    small = save(tmp_path, {"x": torch.ones(3)}, "small.safetensors")
+    assert_same(load_file(small, "cpu", chunk_size=2 * CHUNK, staging=buf), {"x": torch.ones(3)})
     buf.close()
     with pytest.raises(ValueError, match="closed"):
         load_file(path, "cpu", chunk_size=CHUNK, staging=buf)
@@ -456,7 +459,10 @@ def test_segments_not_multiple_of_chunk(tmp_path):
     rt = SimulatedRuntime(faults="register#1=invalid_value")
     buf = ist.StagingBuffer(9 * PAGE, runtime=rt, segment_size=3 * PAGE, prefault_threads=0)
     assert buf.kind is ist.Kind.SEGMENTED and len(buf.segments) == 3
-    assert len(_load._slots(buf.spans(), CHUNK)) == 3
+    from instant_staging.loader._pipeline import Pipeline, Plan
+    pipe = Pipeline(Plan([(0, 0, 100 * CHUNK)], CHUNK), threads=2, staging=buf, device=0)
+    assert pipe.slots == 3 and pipe.slot_bytes == CHUNK
+    pipe.close()
     tensors = mixed_tensors(seed=5)
     assert_same(sim_load(save(tmp_path, tensors), buf), tensors)
     buf.close()
@@ -502,7 +508,7 @@ def test_read_failing_mid_load_frees_everything(tmp_path, kind, fail_chunk):
     rt, buf = sim_staging(faults, **kw)
     live = (rt.live_registrations, rt.live_host_allocs)
     with pytest.raises(LoadError) as info:
-        sim_load(path, buf, fail_chunk=fail_chunk, threads=2)
+        sim_load(path, buf, faults=f"read#{fail_chunk + 1}=EIO", threads=2)
     assert info.value.code == 5 and info.value.path == path     # EIO
     assert info.value.tensor in tensors
     gc.collect()
@@ -526,11 +532,8 @@ def test_copy_failing_mid_load(tmp_path):
             handle, ptr = super().allocate(entry, dtype)
             return handle, (ptr + 1 if entry.name == "layer.20.weight" else ptr)
 
-    checkpoint = _checkpoint._Checkpoint([path])
-    target = BadTarget(rt)
-    dtypes = [target.check(t, path) for _, t in checkpoint.entries]
     with pytest.raises(LoadError) as info:
-        list(_load._load(checkpoint, target, dtypes, buf, CHUNK, 4, 2, False, None))
+        sim_load(path, buf, threads=2, target=BadTarget(rt))
     assert "memcpy_async" in str(info.value) and info.value.tensor == "layer.20.weight"
     gc.collect()
     assert rt.live_device_allocs == 0 and rt.pending_error == 0

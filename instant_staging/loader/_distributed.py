@@ -93,18 +93,28 @@ class DistributedLoadError(LoadError):
 
 class DistributedLoadIterator(LoadIterator):
     """The LoadIterator of a load under a process group: it yields only
-    after every rank agreed that the whole load succeeded."""
+    after every rank agreed that the whole load succeeded.  Every rank must
+    consume (or close) its iterator: a rank that drops it unstarted never
+    reaches the agreements, and the others then name it after the timeout."""
+
+    def __init__(self, group, wanted, checkpoint, target, dtypes, **options):
+        self._group, self._wanted, self._info = group, wanted, {}
+        super().__init__(checkpoint, target, dtypes, **options)
+
+    def _generate(self, state, checkpoint, target, dtypes, **options):
+        return _load_group(state, self._info, self._group, self._wanted, checkpoint, target,
+                           dtypes, **options)
 
     @property
     def staging_kinds(self):
         """Kind names of every rank's staging buffer, in group rank order
-        (None for a rank loading to the CPU through ordinary memory), once
-        loading started; None before."""
+        (None for a rank that loads to the CPU through ordinary memory or
+        has nothing to read), once loading started; None before."""
         return self._info.get("kinds")
 
     @property
     def read_bytes(self):
-        """Bytes this rank read from the host (its share), once planned."""
+        """Bytes this rank reads from the host (its share), once planned."""
         return self._info.get("read_bytes")
 
 
@@ -243,14 +253,18 @@ class _Group:
         self.store = dist.distributed_c10d._get_default_store()
         self.posted = set()
 
+    def post(self, phase, value):
+        """Posts this rank's ``value`` for ``phase`` (once; later posts of the
+        same phase are ignored)."""
+        if phase not in self.posted:
+            self.posted.add(phase)
+            self.store.set(self.prefix + f"{phase}/{self.rank}", pickle.dumps(value))
+
     def agree(self, phase, value):
         """Posts ``value`` for ``phase`` and returns every rank's, in rank
         order; a rank that does not post within the timeout is an error
         naming it."""
-        if phase in self.posted:
-            raise RuntimeError(f"agreement {phase!r} posted twice")
-        self.posted.add(phase)
-        self.store.set(self.prefix + f"{phase}/{self.rank}", pickle.dumps(value))
+        self.post(phase, value)
         keys = [self.prefix + f"{phase}/{r}" for r in range(self.size)]
         try:
             self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
@@ -335,36 +349,33 @@ def _check_group(process_group):
     return dist
 
 
-def iter_load_group(prepare, process_group, make_iterator, load_args):
+def iter_load_group(prepare, process_group, options):
     """``iter_load`` under a process group.
 
     ``prepare()`` checks the arguments and returns ``(checkpoint, target,
-    dtypes)`` as the plain loader does (or raises); ``make_iterator(gen,
-    checkpoint, info)`` wraps the generator; ``load_args`` are the load's
-    (staging, chunk_size, io_depth, threads, verify, progress).
+    dtypes, faults)`` as the plain loader does (or raises); ``options`` are
+    the load's keyword arguments (staging, chunk_size, io_depth, threads,
+    verify, progress).
     """
     dist = _check_group(process_group)
     group = _Group(dist, process_group, timeout_from_env())
     checkpoint = local = None
     try:
-        checkpoint, target, dtypes = prepare()
-        wanted = _wanted_mask(checkpoint)
-        post = (True, "", _layout(checkpoint), wanted)
+        checkpoint, target, dtypes, faults = prepare()
+        post = (True, "", _layout(checkpoint), _wanted_mask(checkpoint))
     except Exception as e:
         local = e
         post = (False, _describe(e), None, None)
     try:
         values = group.agree("plan", post)
         failed = _failed(values)
-        if not failed:
-            layouts = {v[2] for v in values}
-            if len(layouts) > 1:
-                differ = [r for r, v in enumerate(values) if v[2] != values[0][2]]
-                raise DistributedLoadError(
-                    f"the ranks see different checkpoints: rank(s) {differ} differ from rank 0 "
-                    f"in tensor names, dtypes, shapes or offsets", {r: "different layout" for r in differ})
-        else:
+        if failed:
             _raise_others(group, failed, local, "checking the checkpoint")
+        differ = [r for r, v in enumerate(values) if v[2] != values[0][2]]
+        if differ:
+            raise DistributedLoadError(
+                f"the ranks see different checkpoints: rank(s) {differ} differ from rank 0 "
+                f"in tensor names, dtypes, shapes or offsets", {r: "different layout" for r in differ})
         if target.device.type == "cpu" and group.backend == "nccl":
             raise ValueError("an NCCL process group exchanges GPU tensors: load to the rank's GPU, "
                              "or use a gloo group for device='cpu'")
@@ -372,11 +383,9 @@ def iter_load_group(prepare, process_group, make_iterator, load_args):
         if checkpoint is not None:
             checkpoint.close()
         raise
-    info = {}
-    wanted = [_unpack(v[3], len(_all_entries(checkpoint))) for v in values]
-    generator = _load_group(group, checkpoint, target, dtypes, wanted, *load_args, info=info)
-    it = make_iterator(generator, checkpoint, info)
-    return it
+    n = len(_all_entries(checkpoint))
+    wanted = [_unpack(v[3], n) for v in values]
+    return DistributedLoadIterator(group, wanted, checkpoint, target, dtypes, faults=faults, **options)
 
 
 def _all_entries(checkpoint):
@@ -408,11 +417,12 @@ def _unpack(mask, n):
 
 # -- the load ------------------------------------------------------------------
 
-def _load_group(group, checkpoint, target, dtypes, wanted, staging, chunk_size, io_depth,
-                threads, verify, progress, info):
-    """The generator behind a group's LoadIterator."""
+def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, staging, chunk_size,
+                io_depth, threads, verify, progress, faults):
+    """The generator behind a group's LoadIterator (``state`` as the plain
+    load's; ``info`` receives the ranks' kinds and this rank's share)."""
     from . import _load as L
-    from ._pipeline import Pipeline
+    from ._pipeline import DEVICE, Pipeline, Plan
     torch = target.torch
     everything = _all_entries(checkpoint)
     mine = {(i, t.name): dtype for (i, t), dtype in zip(checkpoint.entries, dtypes)}
@@ -420,19 +430,30 @@ def _load_group(group, checkpoint, target, dtypes, wanted, staging, chunk_size, 
                             [[r for r in range(group.size) if wanted[r][k]] for k in range(len(everything))],
                             group.size)
     me = group.rank
-    info["read_bytes"] = sum(u.end - u.begin for u in reads[me])
-    owned = staging is None
-    buf = pipe = None
-    tensors = {}           # index in `everything` -> tensor of this rank
+    items = reads[me]
+    info["read_bytes"] = sum(u.end - u.begin for u in items)
+    device = target.index if target.mode == DEVICE else None
+    buf = pipe = runtime = None
+    owned = False
+    tensors = {}           # index in `everything` -> this rank's tensor
     local = None
     try:
-        # Step 2: staging and tensors, then agree.
+        # Step 2: the plan of this rank's reads, staging, tensors; then agree.
         try:
-            if not owned:
-                L._claim_staging(staging)
-            buf = L._own_staging(target.mode, chunk_size, io_depth) if owned else staging
-            kind = getattr(buf, "kind", None)
-            info["kind"] = kind
+            read_plan = Plan([(checkpoint.fds[everything[u.entry][0]],
+                               everything[u.entry][1].begin + u.begin,
+                               everything[u.entry][1].begin + u.end) for u in items],
+                             chunk_size, faults=faults)
+            if read_plan.n_chunks:
+                depth = min(io_depth, read_plan.n_chunks)
+                owned = staging is None and device is not None
+                buf = L._own_staging(depth * read_plan.max_chunk, read_plan.max_chunk) if owned else staging
+                pipe = Pipeline(read_plan, threads=threads or L._default_threads(), staging=buf,
+                                depth=depth, device=device)
+                state.pipe = pipe
+                state.threads = pipe.n_threads
+                runtime = buf.runtime if buf is not None else None
+            state.staging_kind = kind = buf.kind if buf is not None else None
             for k, (i, t) in enumerate(everything):
                 if (i, t.name) in mine:
                     tensors[k] = target.allocate(t, mine[i, t.name])[0]
@@ -445,24 +466,15 @@ def _load_group(group, checkpoint, target, dtypes, wanted, staging, chunk_size, 
         failed = _failed(values)
         if failed:
             _raise_others(group, failed, local, "making the staging buffer and the tensors")
-        _report_kinds(group, info["kinds"])
+        _report_kinds(info["kinds"])
         target.before_copies()
 
         # Step 3: the reads, and the exchanges as the reads finish.
-        items = reads[me]
         flat = {k: t.reshape(-1).view(torch.uint8) for k, t in tensors.items()}
-        slots = L._slots(buf.spans(), chunk_size)
-        runtime = getattr(buf, "runtime", None)
-        pipe = Pipeline(runtime, target.mode, target.index, slots, threads or L._default_threads(),
-                        [checkpoint.fds[everything[u.entry][0]] for u in items],
-                        [everything[u.entry][1].begin + u.begin for u in items],
-                        [everything[u.entry][1].begin + u.end for u in items],
-                        [flat[u.entry].data_ptr() + u.begin for u in items],
-                        chunk_size)
-        info["threads"] = pipe.n_threads
-        pipe.start()
+        if pipe is not None:
+            pipe.start([flat[u.entry].data_ptr() + u.begin for u in items])
         works, issued_all = [], False
-        waiter = _Waiter(pipe, len(items), sum(u.end - u.begin for u in items), progress)
+        waiter = _Waiter(pipe, len(items), info["read_bytes"], progress)
         try:
             for u in exchanges:
                 if u.src == me:
@@ -470,13 +482,21 @@ def _load_group(group, checkpoint, target, dtypes, wanted, staging, chunk_size, 
                 if u.src == me or me in u.dsts:
                     works.extend(_exchange(group, u, flat[u.entry][u.begin:u.end]))
             issued_all = True
-        finally:
             waiter.until_all()
-            pipe.join()
-        if pipe.error() is not None:
+        except BaseException as e:
+            # Interrupted here (Ctrl-C, a cancel, a broken group): tell the
+            # others at once instead of letting them wait for the timeout.
+            group.post("done", (False, f"interrupted while exchanging: {_describe(e)}", False))
+            raise
+        finally:
+            if pipe is not None:
+                pipe.close()       # joined: nothing writes into the tensors any more
+        error = pipe.error() if pipe is not None else None
+        if error is not None or waiter.left:
             view = SimpleNamespace(entries=[everything[u.entry] for u in items],
                                    paths=checkpoint.paths, fds=checkpoint.fds)
-            local = L._error(pipe, view, runtime)
+            local = (L._error(pipe, read_plan, view, runtime) if error is not None else
+                     LoadError(f"the load ended with {waiter.left} part(s) unread and no error recorded"))
             post = (False, str(local), issued_all)
         else:
             post = (True, "", issued_all)
@@ -491,7 +511,8 @@ def _load_group(group, checkpoint, target, dtypes, wanted, staging, chunk_size, 
         if target.device.type != "cpu":
             torch.cuda.current_stream(target.device).synchronize()
         if progress is not None:
-            progress(checkpoint.total_bytes, checkpoint.total_bytes)
+            progress(info["read_bytes"], info["read_bytes"])
+        state.finished = True
         for k, (i, t) in enumerate(everything):
             if k in tensors:
                 handle = tensors.pop(k)
@@ -503,14 +524,10 @@ def _load_group(group, checkpoint, target, dtypes, wanted, staging, chunk_size, 
         raise
     finally:
         if pipe is not None:
-            pipe.abort()
-            pipe.join()
+            pipe.close()
         tensors.clear()
-        if buf is not None and owned:
+        if owned and buf is not None:
             buf.close()
-        elif buf is not None:
-            with L._busy_lock:
-                L._busy.discard(buf)
         checkpoint.close()
 
 
@@ -527,6 +544,9 @@ class _Waiter:
         self.left, self.stopped, self.reported = n, False, -1
 
     def _poll(self, timeout):
+        if self.pipe is None:          # nothing to read on this rank
+            self.stopped = True
+            return
         finished, nbytes, exited, failed = self.pipe.wait(timeout)
         for i in finished:
             if not self.done[i]:
@@ -549,8 +569,6 @@ class _Waiter:
         from ._load import _POLL_SECONDS
         while self.left and not self.stopped:
             self._poll(_POLL_SECONDS)
-        if self.left:
-            self.pipe.abort()
 
 
 def _exchange(group, unit, view):
@@ -565,7 +583,7 @@ def _exchange(group, unit, view):
     return dist.batch_isend_irecv(ops)
 
 
-def _report_kinds(group, kinds):
+def _report_kinds(kinds):
     """A WARNING when some rank's staging buffer fell back from REGISTERED."""
     fell = {r: k for r, k in enumerate(kinds) if k is not None and k != "REGISTERED"}
     if fell:

@@ -12,7 +12,6 @@ import os
 import sys
 import threading
 import traceback
-import weakref
 
 from .._types import format_size
 from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE, IO_DEPTH as DEFAULT_IO_DEPTH
@@ -26,42 +25,35 @@ _POLL_SECONDS = 0.05
 # verify=True compares in pieces of this many bytes.
 _VERIFY_STEP = 64 << 20
 
-# Staging buffers a load is using: two loads through one buffer would
-# overwrite each other's slots.
-_busy = weakref.WeakSet()
-_busy_lock = threading.Lock()
+# -- arguments and the staging buffer -----------------------------------------
 
+def _own_staging(size, slot_bytes):
+    """A pinned staging buffer of ``size`` bytes for one load to a GPU.
 
-# -- the staging slots -------------------------------------------------------
-
-def _slots(spans, chunk_size):
-    """Slot addresses: whole chunks inside each span, none crossing one."""
-    return [ptr + i * chunk_size for ptr, size in spans for i in range(size // chunk_size)]
-
-
-def _own_staging(mode, chunk_size, io_depth):
-    from ._pipeline import HOST, HostArea
-    size = io_depth * chunk_size
-    if mode == HOST:
-        # A copy to CPU memory gains nothing from pinning.
-        return HostArea(size)
+    No ``copy_unit``: the pipeline cuts whole slots inside each
+    registration, so any chunk size works; segments are at least one slot.
+    """
     from .._staging import StagingBuffer
+    from .._types import StagingError
     page = mmap.PAGESIZE
-    segment = max(SEGMENT_SIZE, -(-chunk_size // page) * page)
-    return StagingBuffer(size, copy_unit=chunk_size, segment_size=segment)
+    segment = max(SEGMENT_SIZE, -(-slot_bytes // page) * page)
+    try:
+        return StagingBuffer(size, segment_size=segment)
+    except StagingError as e:
+        # Its message suggests StagingBuffer's own knobs; load_file's are these.
+        raise StagingError(
+            f"no pinned staging buffer of {format_size(size)} for the load ("
+            + "; ".join(f"{a.step} failed with {a.name or 'an error'}" for a in e.attempts if not a.ok)
+            + "): pass staging=StagingBuffer(size, allow_pageable=True) to load through "
+            "unpinned memory, or a smaller chunk_size / io_depth", e.attempts) from None
 
 
-def _check_staging(staging, chunk_size):
+def _check_staging(staging):
     from .._staging import StagingBuffer
     if not isinstance(staging, StagingBuffer):
         raise TypeError(f"staging must be an instant_staging.StagingBuffer, not {type(staging).__name__}")
     if staging.closed:
         raise ValueError("staging buffer is closed")
-    if not _slots(staging.spans(), chunk_size):
-        raise ValueError(
-            f"staging buffer of {format_size(staging.size)} ({staging.kind.name}, "
-            f"{len(staging.segments)} registration(s)) holds no chunk of {format_size(chunk_size)} "
-            f"inside one registration: pass a larger buffer or a smaller chunk_size")
 
 
 def _check_args(chunk_size, io_depth, threads):
@@ -81,42 +73,116 @@ def _default_threads():
     return max(1, min(MAX_DEFAULT_THREADS, usable_cpus()))
 
 
+def _fault_plan(staging):
+    """The plan whose ``read`` and ``copy`` rules this load obeys: that of the
+    staging buffer's runtime if it has one, else INSTANT_STAGING_FAULTS."""
+    from .._faults import FaultyRuntime
+    from .._simulated import SimulatedRuntime
+    from ..faults import FaultPlan
+    if staging is not None:
+        runtime = staging.runtime
+        if isinstance(runtime, (FaultyRuntime, SimulatedRuntime)) and runtime.plan is not None:
+            return runtime.plan
+    return FaultPlan.from_env()
+
+
 # -- the public functions ------------------------------------------------------
 
-class LoadIterator:
-    """Yields ``(name, tensor)`` as tensors finish; ``close()`` (or leaving a
-    ``with`` block, or dropping it) stops the load, waits for in-flight
-    copies and frees every tensor not yet yielded."""
+class _LoadState:
+    """What a load shares with its LoadIterator.  The generator and the
+    iterator both point here (never at each other), so dropping the
+    iterator frees the load at once."""
 
-    def __init__(self, generator, checkpoint, info):
-        self._generator = generator
+    __slots__ = ("pipe", "staging_kind", "threads", "finished", "cancelled")
+
+    def __init__(self):
+        self.pipe = None
+        self.staging_kind = None
+        self.threads = None
+        self.finished = False
+        self.cancelled = False
+
+
+class LoadIterator:
+    """Yields ``(name, tensor)`` as tensors finish.
+
+    ``close()`` (or leaving a ``with`` block, or dropping it) stops the load,
+    waits for in-flight copies, joins the reader threads, frees every tensor
+    not yet yielded, and only then closes the files.  It may be called from
+    any thread (a watchdog's cancel): a ``next()`` running in another thread
+    then raises ``LoadError`` ("cancelled"), and so does every ``next()``
+    after closing an unfinished load.  In a forked child ``next()`` raises
+    ``LoadError`` (the reader threads are the parent's).
+    """
+
+    def __init__(self, checkpoint, target, dtypes, *, staging=None, chunk_size=DEFAULT_CHUNK_SIZE,
+                 io_depth=DEFAULT_IO_DEPTH, threads=None, verify=False, progress=None,
+                 faults=None):
+        self._state = _LoadState()
+        self._lock = threading.RLock()     # one next() or close() at a time
+        self._pid = os.getpid()
         self._checkpoint = checkpoint
-        self._info = info
+        self._generator = self._generate(self._state, checkpoint, target, dtypes, staging=staging,
+                                         chunk_size=chunk_size, io_depth=io_depth, threads=threads,
+                                         verify=verify, progress=progress, faults=faults)
         self.names = [t.name for _, t in checkpoint.entries]
         self.total_bytes = checkpoint.total_bytes
+
+    def _generate(self, state, checkpoint, target, dtypes, **options):
+        """The generator of the load (a process group's iterator has its own)."""
+        return _load(state, checkpoint, target, dtypes, **options)
 
     @property
     def staging_kind(self):
         """The Kind of the staging buffer in use once loading started (None
         before, and for ordinary memory when loading to the CPU)."""
-        return self._info.get("kind")
+        return self._state.staging_kind
 
     @property
     def threads(self):
         """Reader threads of this load, once it started."""
-        return self._info.get("threads")
+        return self._state.threads
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        return next(self._generator)
+        if os.getpid() != self._pid:
+            raise LoadError(f"this load was started by process {self._pid}; a forked child "
+                            "cannot continue it (its reader threads exist only in the parent)")
+        with self._lock:
+            if self._state.cancelled:
+                raise LoadError("the load was cancelled: its iterator was closed before it finished")
+            return next(self._generator)
 
     def close(self):
-        try:
+        state = self._state
+        if os.getpid() != self._pid:
+            self._close_in_fork_child()
+            return
+        if not state.finished:
+            state.cancelled = True
+        pipe = state.pipe
+        if pipe is not None:
+            pipe.cancel()
+            pipe.close()     # stop, join: from here on no reader touches anything
+        with self._lock:
+            if self._generator.gi_running:
+                # close() from inside this load (a progress callback): the
+                # generator sees the cancel and cleans up as it unwinds.
+                return
+            self._generator.close()      # frees the tensors and the load's buffer
+            self._checkpoint.close()     # (the generator's finally did, if it ran)
+
+    def _close_in_fork_child(self):
+        # The parent's threads do not exist here and its locks may have been
+        # copied held: take none; drop the hold and our copies of the fds.
+        self._state.cancelled = True
+        if self._state.pipe is not None:
+            self._state.pipe.close()
+        if not self._generator.gi_running:
             self._generator.close()
-        finally:
-            self._checkpoint.close()
+        self._checkpoint.close()
 
     def __enter__(self):
         return self
@@ -143,7 +209,7 @@ def iter_load(paths, device="cpu", *, names=None, process_group=None,
     def prepare():
         _check_args(chunk_size, io_depth, threads)
         if staging is not None:
-            _check_staging(staging, chunk_size)
+            _check_staging(staging)
         if sys.byteorder != "little":
             raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
         torch = _import_torch()
@@ -152,20 +218,19 @@ def iter_load(paths, device="cpu", *, names=None, process_group=None,
             checkpoint.select(names)
             target = _TorchTarget(torch, device)
             dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
+            faults = _fault_plan(staging)
         except BaseException:
             checkpoint.close()
             raise
-        return checkpoint, target, dtypes
+        return checkpoint, target, dtypes, faults
 
+    options = dict(staging=staging, chunk_size=chunk_size, io_depth=io_depth, threads=threads,
+                   verify=verify, progress=progress)
     if process_group is not None:
-        from ._distributed import DistributedLoadIterator, iter_load_group
-        return iter_load_group(prepare, process_group, DistributedLoadIterator,
-                               (staging, chunk_size, io_depth, threads, verify, progress))
-    checkpoint, target, dtypes = prepare()
-    info = {}
-    generator = _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads,
-                      verify, progress, info=info)
-    return LoadIterator(generator, checkpoint, info)
+        from ._distributed import iter_load_group
+        return iter_load_group(prepare, process_group, options)
+    checkpoint, target, dtypes, faults = prepare()
+    return LoadIterator(checkpoint, target, dtypes, faults=faults, **options)
 
 
 def load_file(paths, device="cpu", *, names=None, process_group=None,
@@ -210,33 +275,37 @@ def load_file(paths, device="cpu", *, names=None, process_group=None,
 
 # -- the load itself ---------------------------------------------------------
 
-def _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads, verify,
-          progress, fail_chunk=-1, info=None):
-    """The generator behind LoadIterator (``fail_chunk``: tests make that
-    chunk's read fail; ``info`` receives the staging kind and thread count)."""
-    info = {} if info is None else info
-    from ._pipeline import Pipeline
-    owned = staging is None
-    if not owned:
-        _claim_staging(staging)
-    buf = _own_staging(target.mode, chunk_size, io_depth) if owned else staging
+def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, threads,
+          verify, progress, faults):
+    """The generator behind LoadIterator; ``state`` receives the pipeline,
+    the staging kind and the thread count."""
+    from ._pipeline import DEVICE, Pipeline, Plan
+    entries = checkpoint.entries
+    device = target.index if target.mode == DEVICE else None
+    owned = staging is None and device is not None
+    buf = None if owned else staging
     handles = []
     pipe = None
     try:
-        slots = _slots(buf.spans(), chunk_size)
-        runtime = getattr(buf, "runtime", None)
-        info["kind"] = getattr(buf, "kind", None)
+        plan = Plan([(checkpoint.fds[i], t.begin, t.end) for i, t in entries], chunk_size,
+                    faults=faults if faults is not None else _fault_plan(staging))
+        threads = threads or _default_threads()
+        # No load uses more slots than it has chunks (io_depth=10**11 is fine).
+        depth = min(io_depth, max(plan.n_chunks, 1))
+        if owned:
+            buf = _own_staging(depth * plan.max_chunk, plan.max_chunk)
+        # Holds buf from here until its threads are joined (pipe.close()).
+        pipe = Pipeline(plan, threads=threads, staging=buf, depth=depth, device=device)
+        state.pipe = pipe
+        state.staging_kind = buf.kind if buf is not None else None
+        state.threads = pipe.n_threads
         dsts = [_allocate(handles, target, entry, dtype)
-                for (_, entry), dtype in zip(checkpoint.entries, dtypes)]
+                for (_, entry), dtype in zip(entries, dtypes)]
         target.before_copies()
-        entries = checkpoint.entries
-        pipe = Pipeline(runtime, target.mode, target.index, slots,
-                        threads or _default_threads(),
-                        [checkpoint.fds[i] for i, _ in entries], [t.begin for _, t in entries],
-                        [t.end for _, t in entries], dsts, chunk_size, fail_chunk)
-        info["threads"] = pipe.n_threads
-        pipe.start()
-        yield from _drive(pipe, checkpoint, target, handles, verify, progress, runtime)
+        pipe.start(dsts)
+        runtime = buf.runtime if buf is not None else None
+        yield from _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime)
+        state.finished = True
     except BaseException as e:
         # The traceback's finished frames would keep tensors alive for as
         # long as the caller keeps the exception.
@@ -244,23 +313,11 @@ def _load(checkpoint, target, dtypes, staging, chunk_size, io_depth, threads, ve
         raise
     finally:
         if pipe is not None:
-            pipe.abort()
-            pipe.join()            # no copy in flight into what we free next
+            pipe.close()           # stop, join: no copy in flight into what we free next
         handles.clear()
-        if owned:
+        if owned and buf is not None:
             buf.close()
-        else:
-            with _busy_lock:
-                _busy.discard(buf)
-        checkpoint.close()
-
-
-def _claim_staging(buf):
-    with _busy_lock:
-        if buf in _busy:
-            raise RuntimeError("this staging buffer is in use by another load; "
-                               "loads through one buffer must not overlap")
-        _busy.add(buf)
+        checkpoint.close()         # only now: no reader can use a reused fd number
 
 
 def _allocate(handles, target, entry, dtype):
@@ -270,14 +327,14 @@ def _allocate(handles, target, entry, dtype):
     return ptr
 
 
-def _drive(pipe, checkpoint, target, handles, verify, progress, runtime):
+def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
     """Yields tensors as the pipeline finishes them; raises its first error."""
     total, reported, left = checkpoint.total_bytes, -1, len(handles)
     while True:
         finished, done, exited, failed = pipe.wait(_POLL_SECONDS)
         if failed:
-            pipe.join()
-            raise _error(pipe, checkpoint, runtime)
+            pipe.close()
+            raise _error(pipe, plan, checkpoint, runtime)
         if progress is not None and done != reported:
             progress(done, total)
             reported = done
@@ -293,10 +350,14 @@ def _drive(pipe, checkpoint, target, handles, verify, progress, runtime):
         raise LoadError(f"the load ended with {left} tensor(s) unfinished and no error recorded")
 
 
-def _error(pipe, checkpoint, runtime):
-    from ._pipeline import END_OF_FILE, READ_ERROR, RUNTIME_ERROR
+def _error(pipe, plan, checkpoint, runtime):
+    from ._pipeline import CANCELLED, END_OF_FILE, READ_ERROR, RUNTIME_ERROR
+    from ..faults import ERROR_CODES
     kind, code, call, chunk, offset = pipe.error()
-    index = pipe.tensor_at(chunk, offset)
+    if kind == CANCELLED:
+        return LoadError("the load was cancelled (its iterator was closed from another "
+                         "thread, or the interpreter is exiting)")
+    index = plan.tensor_at(chunk, offset)
     path = tensor = None
     where = ""
     if index >= 0:
@@ -311,9 +372,12 @@ def _error(pipe, checkpoint, runtime):
         return LoadError(f"{where}reading at byte {offset} failed: {os.strerror(code)}",
                          path, tensor, code)
     if kind == RUNTIME_ERROR:
-        name = runtime.error_name(code) if runtime is not None else str(code)
-        text = runtime.error_string(code) if runtime is not None else ""
-        return LoadError(f"{where}{call} failed with {name} ({text})", path, tensor, code)
+        if runtime is not None:
+            name, text = runtime.error_name(code), f" ({runtime.error_string(code)})"
+        else:
+            name = {c: n for n, c in ERROR_CODES.items()}.get(code, f"error {code}")
+            text = ""
+        return LoadError(f"{where}{call} failed with {name}{text}", path, tensor, code)
     return LoadError(f"could not start reader threads: {os.strerror(code)}", code=code)
 
 

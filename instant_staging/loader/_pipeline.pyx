@@ -9,29 +9,64 @@ whole per-chunk path runs in plain C threads:
     -> pread the chunk into the slot -> copy each piece to its tensor
     -> record the slot's event
 
-A *chunk* is a contiguous file range of at most one slot; a *piece* is
-the part of one tensor inside one chunk, so small tensors share a chunk
-and large ones span several.  Each thread owns its own slots (as in the
-C program of FIELD_NOTES.md that reached 41 GB/s), so no thread waits on
-another.  Device copies go through the runtime table on the thread's
-own stream (after ``set_device``: the current device is per thread); in
-host mode a piece is a ``memcpy`` into CPU memory.
+A *chunk* is a contiguous file range of at most ``chunk_size`` bytes; a
+*piece* is the part of one tensor inside one chunk, so small tensors share
+a chunk and large ones span several.  A ``Plan`` cuts the tensors into
+chunks and pieces; a ``Pipeline`` runs one plan once.  Each thread owns its
+own slots (as in the C program of FIELD_NOTES.md that reached 41 GB/s), so
+no thread waits on another.  Device copies go through the staging
+buffer's runtime table on the thread's own stream (after ``set_device``:
+the current device is per thread); in host mode a piece is a ``memcpy``
+into CPU memory.
 
-A tensor is reported done only once every copy into it has finished, so
-a consumer may use it on any stream.  The first error stops every
-thread; each thread then waits for its in-flight copies before it exits,
-so ``join()`` returning means nothing writes into the destinations any
-more and they may be freed.
+Slots are whole chunks inside each registration of the staging buffer
+(``StagingBuffer.segments``), so no copy ever spans two registrations,
+whatever the chunk size and whatever kind the buffer reached; a slot is as
+long as the plan's longest chunk.  The slot count is bounded by what the
+load can use: at most one per chunk, and at most ``MAX_SLOTS_PER_THREAD``
+per thread.
+
+Lifetimes.  A Pipeline *holds* its staging buffer from construction until
+its threads are joined (``StagingBuffer.close()`` raises meanwhile, and
+the buffer's atexit release skips it), and nothing here closes file
+descriptors: the caller closes them after ``close()`` returned.
+``cancel()`` and ``close()`` may be called from any thread, concurrently
+with ``wait()`` in another; ``close()`` stops the threads, waits for every
+in-flight copy, joins them and only then drops the hold.  A tensor is
+reported done only once every copy into it has finished.  The first error
+stops every thread; each thread then waits for its in-flight copies before
+it exits.  In a fork child (where the reader threads do not exist)
+``wait()`` raises instead of waiting forever, and ``close()`` neither locks
+nor joins.  At interpreter exit every running pipeline is cancelled and
+joined before the staging buffers' own atexit release runs.
+
+Faults (DESIGN.md "Faults"): the ``read`` and ``copy`` rules of a
+``FaultPlan`` are resolved when the plan is made, by position, not by
+time: ``read#N`` is the N-th chunk of this plan and ``copy#N`` its N-th
+piece, in reading order (file, then offset), 1-based, whichever thread
+ends up doing it; ``>SIZE``/``>=SIZE`` compare the chunk's or the piece's
+length.  So a rule fails the same chunk in every run, with any number of
+threads.  ``read=EIO`` (an errno) fails that chunk's read with the errno;
+``read=short`` makes the file end where the chunk begins; ``copy=CODE``
+fails that piece's copy with the runtime code, in host mode too.
 """
+
+cimport cython
+
+import atexit
+import weakref
 
 from libc.stdint cimport intptr_t, int64_t
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy
 from libc.errno cimport errno, EINTR
-from posix.unistd cimport pread
+from posix.unistd cimport pread, getpid
 from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
 
 from instant_staging._runtime cimport Runtime, RuntimeTable, MEMCPY_HOST_TO_DEVICE
+from instant_staging._staging cimport StagingBuffer
+
+from instant_staging.defaults import MAX_SLOTS_PER_THREAD
 
 cdef extern from "<stdlib.h>" nogil:
     int posix_memalign(void** memptr, size_t alignment, size_t size)
@@ -53,21 +88,27 @@ cdef enum:
     ERR_EOF = 2        # the file ended before the chunk did
     ERR_RUNTIME = 3    # a runtime call failed; code is the runtime's
     ERR_THREAD = 4     # no reader thread could be started; code is the errno
+    ERR_CANCELLED = 5  # cancel() (another thread, or interpreter exit)
+
+# A read fault that makes the file end where the chunk begins
+# (faults.SHORT_READ; errno values are positive).
+cdef int FAULT_SHORT = -1
 
 # The same, for Python callers.
 HOST, DEVICE = MODE_HOST, MODE_DEVICE
-READ_ERROR, END_OF_FILE, RUNTIME_ERROR, THREAD_ERROR = ERR_READ, ERR_EOF, ERR_RUNTIME, ERR_THREAD
+READ_ERROR, END_OF_FILE, RUNTIME_ERROR, CANCELLED = ERR_READ, ERR_EOF, ERR_RUNTIME, ERR_CANCELLED
 
 # Which runtime call failed (error()[2]).
 CALLS = ("", "set_device", "stream_create", "event_create", "memcpy_async",
-         "event_record", "event_synchronize", "stream_synchronize")
+         "event_record", "event_synchronize", "stream_synchronize", "memcpy")
 cdef enum:
     CALL_NONE, CALL_SET_DEVICE, CALL_STREAM_CREATE, CALL_EVENT_CREATE, CALL_MEMCPY,
-    CALL_EVENT_RECORD, CALL_EVENT_SYNCHRONIZE, CALL_STREAM_SYNCHRONIZE
+    CALL_EVENT_RECORD, CALL_EVENT_SYNCHRONIZE, CALL_STREAM_SYNCHRONIZE, CALL_HOST_MEMCPY
 
 
 cdef struct Chunk:
     int fd
+    int fault               # read fault: 0, an errno, or FAULT_SHORT
     int64_t offset          # in the file
     size_t length
     Py_ssize_t first_piece
@@ -77,8 +118,9 @@ cdef struct Chunk:
 cdef struct Piece:
     Py_ssize_t tensor
     size_t offset           # in the chunk
-    intptr_t dst
+    size_t dst_offset       # in the tensor
     size_t nbytes
+    int fault               # copy fault: 0 or the runtime code
 
 
 cdef struct Shared:
@@ -88,6 +130,7 @@ cdef struct Shared:
     Py_ssize_t n_chunks
     Py_ssize_t next_chunk
     Piece* pieces
+    intptr_t* dsts          # per tensor: where its bytes go
     size_t* remaining       # per tensor: bytes not yet copied
     Py_ssize_t* done        # tensors in the order they completed
     Py_ssize_t n_done
@@ -97,7 +140,6 @@ cdef struct Shared:
     RuntimeTable* rt
     int mode
     int device
-    Py_ssize_t fail_chunk   # tests: this chunk's read fails with EIO
     int err_kind
     int err_code
     int err_call
@@ -190,8 +232,11 @@ cdef int _read_chunk(Shared* sh, Py_ssize_t c, char* slot) noexcept nogil:
     cdef Chunk* ch = &sh.chunks[c]
     cdef size_t got = 0
     cdef ssize_t n
-    if c == sh.fail_chunk:
-        _fail(sh, ERR_READ, 5, CALL_NONE, c, ch.offset)   # EIO
+    if ch.fault != 0:               # a read rule of the fault plan
+        if ch.fault == FAULT_SHORT:
+            _fail(sh, ERR_EOF, 0, CALL_NONE, c, ch.offset)
+        else:
+            _fail(sh, ERR_READ, ch.fault, CALL_NONE, c, ch.offset)
         return -1
     while got < ch.length:
         n = pread(ch.fd, slot + got, ch.length - got, ch.offset + <int64_t>got)
@@ -213,7 +258,10 @@ cdef int _copy_host(Shared* sh, Py_ssize_t c, char* slot) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(ch.first_piece, ch.first_piece + ch.n_pieces):
         p = &sh.pieces[i]
-        memcpy(<void*>p.dst, slot + p.offset, p.nbytes)
+        if p.fault != 0:            # a copy rule of the fault plan
+            _fail(sh, ERR_RUNTIME, p.fault, CALL_HOST_MEMCPY, c, ch.offset + <int64_t>p.offset)
+            return -1
+        memcpy(<void*>(sh.dsts[p.tensor] + <intptr_t>p.dst_offset), slot + p.offset, p.nbytes)
     _complete(sh, c)
     return 0
 
@@ -224,11 +272,15 @@ cdef int _copy_device(Worker* w, Py_ssize_t c, int s) noexcept nogil:
     cdef Chunk* ch = &sh.chunks[c]
     cdef Piece* p
     cdef Py_ssize_t i
+    cdef int code
     for i in range(ch.first_piece, ch.first_piece + ch.n_pieces):
         p = &sh.pieces[i]
-        if _runtime_call(w, rt.memcpy_async(rt.ctx, <void*>p.dst, w.slots[s] + p.offset,
-                                            p.nbytes, MEMCPY_HOST_TO_DEVICE, w.stream),
-                         CALL_MEMCPY, c, ch.offset + <int64_t>p.offset):
+        if p.fault != 0:            # a copy rule: fails as the runtime would, uncalled
+            _fail(sh, ERR_RUNTIME, p.fault, CALL_MEMCPY, c, ch.offset + <int64_t>p.offset)
+            return -1
+        code = rt.memcpy_async(rt.ctx, <void*>(sh.dsts[p.tensor] + <intptr_t>p.dst_offset),
+                               w.slots[s] + p.offset, p.nbytes, MEMCPY_HOST_TO_DEVICE, w.stream)
+        if _runtime_call(w, code, CALL_MEMCPY, c, ch.offset + <int64_t>p.offset):
             return -1
     if _runtime_call(w, rt.event_record(rt.ctx, w.events[s], w.stream),
                      CALL_EVENT_RECORD, c, ch.offset):
@@ -264,7 +316,8 @@ cdef void _run(Worker* w) noexcept nogil:
         if _wait_slot(w, s) != 0 or _read_chunk(sh, c, w.slots[s]) != 0:
             return
         if sh.mode == MODE_HOST:
-            _copy_host(sh, c, w.slots[s])
+            if _copy_host(sh, c, w.slots[s]) != 0:
+                return
         elif _copy_device(w, c, s) != 0:
             return
 
@@ -312,140 +365,337 @@ cdef bint _has_copy_entries(RuntimeTable* t) noexcept:
             and t.event_synchronize != NULL)
 
 
-# -- the Python face ---------------------------------------------------------
+# -- the plan ----------------------------------------------------------------
 
-cdef class Pipeline:
-    """Copies tensors from open files into destination memory through slots.
+cdef class Plan:
+    """Plan(tensors, chunk_size, *, faults=None): chunks and pieces of a load.
 
-    Pipeline(runtime, mode, device, slots, threads, fds, begins, ends, dsts,
-             chunk_size, fail_chunk=-1)
-
-    Tensor i is the byte range [begins[i], ends[i]) of file descriptor
-    fds[i], copied to address dsts[i]; list tensors in reading order (file,
-    then offset).  ``slots`` are addresses of chunk_size-byte slots, none
-    crossing a registration boundary.  ``start()`` launches the threads;
-    ``wait()`` reports progress; ``join()`` waits for them all.
+    ``tensors`` is a sequence of ``(fd, begin, end)`` file ranges, in
+    reading order (file, then offset); tensor i is the i-th of them.
+    ``faults`` is a ``FaultPlan`` (or None) whose ``read`` and ``copy``
+    rules are resolved here, by position (see the module docstring).
+    Allocates nothing but its own tables; no file is read.
     """
 
-    cdef Shared sh
-    cdef Worker* workers
-    cdef int n_workers
-    cdef int started
-    cdef bint joined
-    cdef Py_ssize_t seen
-    cdef Py_ssize_t n_tensors
-    cdef char** slot_ptrs
-    cdef void** events
-    cdef Py_ssize_t* pending
-    cdef Runtime runtime
-    cdef bint sync_init
+    cdef Chunk* chunks
+    cdef Piece* pieces
+    cdef size_t* sizes
+    cdef readonly Py_ssize_t n_chunks
+    cdef readonly Py_ssize_t n_pieces
+    cdef readonly Py_ssize_t n_tensors
+    cdef readonly size_t max_chunk       # the longest chunk: what a slot must hold
+    cdef readonly unsigned long long total_bytes
 
-    def __cinit__(self, *args, **kwargs):
-        self.joined = True
+    def __init__(self, tensors, chunk_size, *, faults=None):
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+            raise TypeError(f"chunk_size must be an int, not {type(chunk_size).__name__}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if self.chunks != NULL:
+            raise RuntimeError("Plan.__init__ may run only once")
+        ranges = [(int(fd), int(b), int(e)) for fd, b, e in tensors]
+        for i, (fd, b, e) in enumerate(ranges):
+            if b < 0 or e < b:
+                raise ValueError(f"tensor {i}: bad file range [{b}, {e})")
+        total = sum(e - b for _, b, e in ranges)
+        # A chunk never exceeds what there is to read (so a huge chunk_size
+        # neither overflows nor asks for huge slots).
+        self._cut(ranges, min(chunk_size, max(total, 1)))
+        self.total_bytes = total
+        if faults is not None:
+            self._faults(faults)
 
-    def __init__(self, Runtime runtime, int mode, int device, slots, int threads,
-                 fds, begins, ends, dsts, size_t chunk_size, Py_ssize_t fail_chunk=-1):
-        if mode not in (MODE_HOST, MODE_DEVICE):
-            raise ValueError(f"mode must be MODE_HOST or MODE_DEVICE, got {mode}")
-        if mode == MODE_DEVICE and runtime is None:
-            raise ValueError("device mode needs a runtime")
-        if chunk_size == 0 or not slots or threads < 1:
-            raise ValueError("need chunk_size > 0, at least one slot and one thread")
-        if mode == MODE_DEVICE and not _has_copy_entries(&runtime.table):
-            raise RuntimeError(f"runtime {runtime.name!r} lacks the stream, event or copy "
-                               "entries of the runtime table that device copies need")
-        self.runtime = runtime
-        self.sh.rt = &runtime.table if runtime is not None else NULL
-        self.sh.mode = mode
-        self.sh.device = device
-        self.sh.fail_chunk = fail_chunk
-        pthread_mutex_init(&self.sh.lock, NULL)
-        pthread_cond_init(&self.sh.cond, NULL)
-        self.sync_init = True
-        self._plan(fds, begins, ends, dsts, chunk_size)
-        self._assign(slots, min(threads, len(slots)))
-
-    cdef _plan(self, fds, begins, ends, dsts, size_t chunk_size):
+    cdef _cut(self, list ranges, size_t chunk_size):
         """Cuts the tensors into chunks of at most chunk_size and their pieces."""
-        cdef Py_ssize_t n = len(fds), i, bound = 0, nc = 0, np_ = 0
+        cdef Py_ssize_t n = len(ranges), i, bound = 0, nc = 0, np_ = 0
         cdef int64_t b, e, pos, start = 0
         cdef size_t length = 0, take
-        cdef intptr_t dst
         cdef int fd, cur_fd = -1
         cdef bint open_ = False
-        if not (len(begins) == len(ends) == len(dsts) == n):
-            raise ValueError("fds, begins, ends and dsts must have the same length")
-        for i in range(n):
-            bound += (<int64_t>ends[i] - <int64_t>begins[i] + chunk_size - 1) // chunk_size + 1
+        for _, b, e in ranges:
+            bound += (e - b) // <int64_t>chunk_size + 2
         self.n_tensors = n
-        self.sh.chunks = <Chunk*>malloc(max(bound, 1) * sizeof(Chunk))
-        self.sh.pieces = <Piece*>malloc(max(bound, 1) * sizeof(Piece))
-        self.sh.remaining = <size_t*>calloc(max(n, 1), sizeof(size_t))
-        self.sh.done = <Py_ssize_t*>malloc(max(n, 1) * sizeof(Py_ssize_t))
-        if (self.sh.chunks == NULL or self.sh.pieces == NULL or self.sh.remaining == NULL
-                or self.sh.done == NULL):
-            raise MemoryError()
+        self.chunks = <Chunk*>calloc(max(bound, 1), sizeof(Chunk))
+        self.pieces = <Piece*>calloc(max(bound, 1), sizeof(Piece))
+        self.sizes = <size_t*>calloc(max(n, 1), sizeof(size_t))
+        if self.chunks == NULL or self.pieces == NULL or self.sizes == NULL:
+            raise MemoryError(f"no memory to plan {bound} chunks of {chunk_size} bytes")
         for i in range(n):
-            fd, b, e, dst = fds[i], begins[i], ends[i], dsts[i]
-            if e < b:
-                raise ValueError(f"tensor {i} ends before it begins")
-            self.sh.remaining[i] = <size_t>(e - b)
-            if e == b:     # nothing to copy: done from the start
-                self.sh.done[self.sh.n_done] = i
-                self.sh.n_done += 1
-                continue
+            fd, b, e = ranges[i]
+            self.sizes[i] = <size_t>(e - b)
             pos = b
             while pos < e:
                 if open_ and (fd != cur_fd or pos != start + <int64_t>length or length == chunk_size):
                     nc += 1
                     open_ = False
                 if not open_:
-                    self.sh.chunks[nc].fd = fd
-                    self.sh.chunks[nc].offset = pos
-                    self.sh.chunks[nc].length = 0
-                    self.sh.chunks[nc].first_piece = np_
-                    self.sh.chunks[nc].n_pieces = 0
+                    self.chunks[nc].fd = fd
+                    self.chunks[nc].offset = pos
+                    self.chunks[nc].length = 0
+                    self.chunks[nc].first_piece = np_
+                    self.chunks[nc].n_pieces = 0
                     cur_fd, start, length, open_ = fd, pos, 0, True
                 take = min(<size_t>(e - pos), chunk_size - length)
-                self.sh.pieces[np_].tensor = i
-                self.sh.pieces[np_].offset = length
-                self.sh.pieces[np_].dst = dst + <intptr_t>(pos - b)
-                self.sh.pieces[np_].nbytes = take
+                self.pieces[np_].tensor = i
+                self.pieces[np_].offset = length
+                self.pieces[np_].dst_offset = <size_t>(pos - b)
+                self.pieces[np_].nbytes = take
                 np_ += 1
-                self.sh.chunks[nc].n_pieces += 1
+                self.chunks[nc].n_pieces += 1
                 length += take
-                self.sh.chunks[nc].length = length
+                self.chunks[nc].length = length
+                if length > self.max_chunk:
+                    self.max_chunk = length
                 pos += <int64_t>take
         if open_:
             nc += 1
-        self.sh.n_chunks = nc
+        self.n_chunks = nc
+        self.n_pieces = np_
 
-    cdef _assign(self, slots, int threads):
-        """Gives thread t the slots t, t + threads, t + 2 * threads, ..."""
-        cdef Py_ssize_t n = len(slots), i
-        cdef int t, k
-        threads = max(1, min(threads, self.sh.n_chunks))
-        self.workers = <Worker*>calloc(threads, sizeof(Worker))
+    cdef _faults(self, plan):
+        from instant_staging.faults import FaultPlan
+        if not isinstance(plan, FaultPlan):
+            raise TypeError(f"faults must be a FaultPlan or None, not {type(plan).__name__}")
+        reads = [r for r in plan.rules if r.op == "read"]
+        copies = [r for r in plan.rules if r.op == "copy"]
+        cdef Py_ssize_t i
+        if reads:
+            for i in range(self.n_chunks):
+                for rule in reads:
+                    if rule.matches(i + 1, self.chunks[i].length):
+                        self.chunks[i].fault = rule.code
+                        break
+        if copies:
+            for i in range(self.n_pieces):
+                for rule in copies:
+                    if rule.matches(i + 1, self.pieces[i].nbytes):
+                        self.pieces[i].fault = rule.code
+                        break
+
+    def tensor_at(self, Py_ssize_t chunk, int64_t offset):
+        """The tensor whose piece of ``chunk`` holds file ``offset`` (or the
+        chunk's first tensor); -1 without a chunk."""
+        cdef Chunk* ch
+        cdef Piece* p
+        cdef Py_ssize_t i
+        if chunk < 0 or chunk >= self.n_chunks:
+            return -1
+        ch = &self.chunks[chunk]
+        for i in range(ch.first_piece, ch.first_piece + ch.n_pieces):
+            p = &self.pieces[i]
+            if ch.offset + <int64_t>(p.offset + p.nbytes) > offset:
+                return p.tensor
+        return self.pieces[ch.first_piece].tensor
+
+    def __dealloc__(self):
+        free(self.chunks)
+        free(self.pieces)
+        free(self.sizes)
+
+
+# -- running pipelines, for the exit hook ------------------------------------
+
+_running = weakref.WeakSet()
+
+
+def _stop_all_at_exit():
+    # Registered after _staging's hook (imported above), so it runs first:
+    # no reader writes into a staging buffer (or calls into a runtime that
+    # is being torn down) once the buffers are released.  A daemon thread
+    # consuming the load then sees a cancelled load.
+    for pipe in list(_running):
+        try:
+            pipe.close()
+        except BaseException:
+            pass
+
+
+atexit.register(_stop_all_at_exit)
+
+
+# -- the Python face ---------------------------------------------------------
+
+@cython.no_gc_clear  # __dealloc__ joins the threads and drops the hold on staging
+cdef class Pipeline:
+    """Runs a Plan once: reader threads copy its tensors out of slots.
+
+    Pipeline(plan, *, threads, staging=None, depth=None, device=None)
+
+    staging  a StagingBuffer whose registrations give the slots (whole
+             slots inside each registration); held until the threads are
+             joined.  Required with ``device``.
+    depth    without ``staging`` (host mode only): this many slots of
+             ordinary memory owned by the pipeline.
+    device   None: pieces are memcpy'd to host addresses; an int: copied to
+             that device through ``staging.runtime``.
+    threads  reader threads wanted (fewer when there are fewer slots or
+             chunks).
+
+    ``start(dsts)`` launches the threads (``dsts[i]``: where tensor i goes);
+    ``wait()`` reports progress; ``cancel()`` asks them to stop; ``close()``
+    stops, joins and releases the staging buffer (idempotent, any thread).
+    """
+
+    cdef Plan plan
+    cdef Shared sh
+    cdef Worker* workers
+    cdef int n_workers
+    cdef int started
+    cdef bint joined
+    cdef bint closed
+    cdef bint sync_init
+    cdef pthread_mutex_t join_lock
+    cdef Py_ssize_t seen
+    cdef char** slot_ptrs
+    cdef Py_ssize_t n_slots
+    cdef size_t slot_size
+    cdef char* own_slots
+    cdef void** events
+    cdef Py_ssize_t* pending
+    cdef Runtime runtime
+    cdef StagingBuffer staging
+    cdef bint holding
+    cdef int pid
+    cdef object __weakref__
+
+    def __cinit__(self, *args, **kwargs):
+        self.joined = True
+        self.pid = getpid()
+
+    def __init__(self, Plan plan not None, *, threads, StagingBuffer staging=None,
+                 depth=None, device=None):
+        if self.plan is not None:
+            raise RuntimeError("Pipeline.__init__ may run only once")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        if device is not None and staging is None:
+            raise ValueError("device copies need a staging buffer (its runtime copies)")
+        if staging is None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+            raise ValueError(f"without a staging buffer, depth must be an int >= 1, got {depth!r}")
+        self.plan = plan
+        self.slot_size = max(plan.max_chunk, 1)
+        # A thread gains nothing from more slots than MAX_SLOTS_PER_THREAD,
+        # and the load from more than one per chunk.
+        cdef Py_ssize_t cap = max(1, min(plan.n_chunks, min(threads, 1 << 20) * MAX_SLOTS_PER_THREAD))
+        if device is not None:
+            if not _has_copy_entries(&staging._runtime.table):
+                raise RuntimeError(f"runtime {staging._runtime.name!r} lacks the stream, event or "
+                                   "copy entries of the runtime table that device copies need")
+            self.runtime = staging._runtime
+            self.sh.rt = &self.runtime.table
+            self.sh.mode = MODE_DEVICE
+            self.sh.device = device
+        else:
+            self.sh.mode = MODE_HOST
+        if staging is not None:
+            self._hold(staging)
+            self._staging_slots(cap)
+        else:
+            self._own_slots(min(depth, cap))
+        pthread_mutex_init(&self.sh.lock, NULL)
+        pthread_cond_init(&self.sh.cond, NULL)
+        pthread_mutex_init(&self.join_lock, NULL)
+        self.sync_init = True
+        self.sh.chunks = plan.chunks
+        self.sh.pieces = plan.pieces
+        self.sh.n_chunks = plan.n_chunks
+        self.sh.remaining = <size_t*>calloc(max(plan.n_tensors, 1), sizeof(size_t))
+        self.sh.done = <Py_ssize_t*>malloc(max(plan.n_tensors, 1) * sizeof(Py_ssize_t))
+        self.sh.dsts = <intptr_t*>calloc(max(plan.n_tensors, 1), sizeof(intptr_t))
+        if self.sh.remaining == NULL or self.sh.done == NULL or self.sh.dsts == NULL:
+            raise MemoryError()
+        self._assign(<int>min(threads, self.n_slots, max(plan.n_chunks, 1)))
+
+    cdef _hold(self, StagingBuffer staging):
+        # Check and take in one step under the GIL: two loads through one
+        # buffer would overwrite each other's slots.
+        if staging._released or staging._ptr == NULL:
+            raise ValueError("staging buffer is closed")
+        if staging._holds > 0:
+            raise RuntimeError("this staging buffer is in use by another load; "
+                               "loads through one buffer must not overlap")
+        staging._holds += 1
+        self.staging = staging
+        self.holding = True
+
+    cdef _release_hold(self):
+        if self.holding:
+            self.holding = False
+            self.staging._holds -= 1
+
+    cdef _staging_slots(self, Py_ssize_t cap):
+        """Whole slots inside each registration, at most ``cap``."""
+        cdef Py_ssize_t n = 0, k
+        cdef size_t seg_offset, seg_size, i
+        for seg_offset, seg_size in self.staging._segments:
+            n += <Py_ssize_t>min(<size_t>cap, seg_size // self.slot_size)
+            if n >= cap:
+                n = cap
+                break
+        if n == 0:
+            self._release_hold()
+            raise ValueError(
+                f"the staging buffer ({self.staging.size} bytes in {len(self.staging._segments)} "
+                f"registration(s)) holds no chunk of {self.slot_size} bytes inside one "
+                "registration: pass a larger buffer or a smaller chunk_size")
         self.slot_ptrs = <char**>malloc(n * sizeof(char*))
+        if self.slot_ptrs == NULL:
+            raise MemoryError()
+        k = 0
+        for seg_offset, seg_size in self.staging._segments:
+            i = 0
+            while k < n and (i + 1) * self.slot_size <= seg_size:
+                self.slot_ptrs[k] = self.staging._ptr + seg_offset + i * self.slot_size
+                k += 1
+                i += 1
+        self.n_slots = n
+
+    cdef _own_slots(self, Py_ssize_t n):
+        """n slots of ordinary page-aligned memory: a copy to CPU memory
+        gains nothing from pinning."""
+        cdef void* p = NULL
+        cdef Py_ssize_t k
+        if posix_memalign(&p, 4096, n * self.slot_size) != 0:
+            raise MemoryError(f"could not allocate {n} slots of {self.slot_size} bytes")
+        self.own_slots = <char*>p
+        self.slot_ptrs = <char**>malloc(n * sizeof(char*))
+        if self.slot_ptrs == NULL:
+            raise MemoryError()
+        for k in range(n):
+            self.slot_ptrs[k] = self.own_slots + k * self.slot_size
+        self.n_slots = n
+
+    cdef _assign(self, int threads):
+        """Gives thread t the slots t, t + threads, t + 2 * threads, ..."""
+        cdef Py_ssize_t n = self.n_slots, i, k, per
+        cdef int t
+        cdef char** ordered
+        threads = max(1, threads)
+        self.workers = <Worker*>calloc(threads, sizeof(Worker))
+        ordered = <char**>malloc(n * sizeof(char*))
         self.events = <void**>calloc(n, sizeof(void*))
         self.pending = <Py_ssize_t*>malloc(n * sizeof(Py_ssize_t))
-        if (self.workers == NULL or self.slot_ptrs == NULL or self.events == NULL
-                or self.pending == NULL):
+        if self.workers == NULL or ordered == NULL or self.events == NULL or self.pending == NULL:
+            free(ordered)
             raise MemoryError()
         self.n_workers = threads
         k = 0
         for t in range(threads):
             self.workers[t].sh = &self.sh
-            self.workers[t].slots = &self.slot_ptrs[k]
+            self.workers[t].slots = &ordered[k]
             self.workers[t].events = &self.events[k]
             self.workers[t].pending = &self.pending[k]
+            per = 0
             i = t
             while i < n:
-                self.slot_ptrs[k] = <char*><intptr_t>slots[i]
+                ordered[k] = self.slot_ptrs[i]
                 self.pending[k] = -1
                 k += 1
+                per += 1
                 i += threads
-            self.workers[t].n_slots = <int>(&self.slot_ptrs[k] - self.workers[t].slots)
+            self.workers[t].n_slots = <int>per
+        free(self.slot_ptrs)
+        self.slot_ptrs = ordered
 
     @property
     def n_chunks(self):
@@ -455,13 +705,36 @@ cdef class Pipeline:
     def n_threads(self):
         return self.n_workers
 
-    def start(self):
-        """Starts the reader threads (fewer if the system refuses some)."""
+    @property
+    def slots(self):
+        """Slot count of this pipeline."""
+        return self.n_slots
+
+    @property
+    def slot_bytes(self):
+        return self.slot_size
+
+    def start(self, dsts):
+        """Starts the reader threads (fewer if the system refuses some);
+        ``dsts[i]`` is the address tensor i of the plan is copied to."""
         cdef int t, rc = 0
-        if self.started or not self.joined:
+        cdef Py_ssize_t i
+        if self.started or self.closed or self.plan is None:
             raise RuntimeError("a Pipeline runs once")
-        self.joined = False
+        if len(dsts) != self.plan.n_tensors:
+            raise ValueError(f"{len(dsts)} destinations for {self.plan.n_tensors} tensors")
+        if getpid() != self.pid:
+            raise RuntimeError("a Pipeline made before fork() cannot start in the child")
+        for i in range(self.plan.n_tensors):
+            self.sh.dsts[i] = <intptr_t>dsts[i]
+            self.sh.remaining[i] = self.plan.sizes[i]
+            if self.plan.sizes[i] == 0:      # nothing to copy: done from the start
+                self.sh.done[self.sh.n_done] = i
+                self.sh.n_done += 1
+        _running.add(self)
         with nogil:
+            pthread_mutex_lock(&self.join_lock)
+            self.joined = False
             pthread_mutex_lock(&self.sh.lock)
             self.sh.running = self.n_workers
             pthread_mutex_unlock(&self.sh.lock)
@@ -473,20 +746,28 @@ cdef class Pipeline:
             pthread_mutex_lock(&self.sh.lock)
             self.sh.running -= self.n_workers - self.started
             pthread_mutex_unlock(&self.sh.lock)
+            if self.started == 0:
+                self.joined = True
+            pthread_mutex_unlock(&self.join_lock)
         if self.started == 0:
             _fail(&self.sh, ERR_THREAD, rc, CALL_NONE, -1, 0)
-            self.joined = True
 
     def wait(self, double timeout):
         """Waits up to ``timeout`` seconds for a tensor to finish.
 
         Returns ``(finished_tensors, done_bytes, all_threads_exited, failed)``
         where finished_tensors are the tensors finished since the last call.
+        In a fork child (the threads are the parent's) it raises.
         """
         cdef Py_ssize_t n
         cdef unsigned long long nbytes
         cdef int running, failed
         cdef timespec deadline
+        if getpid() != self.pid:
+            raise RuntimeError(f"this load was started by process {self.pid}; its reader "
+                               "threads do not exist in this forked child")
+        if not self.sync_init:
+            raise RuntimeError("Pipeline was not initialised")
         clock_gettime(CLOCK_REALTIME, &deadline)
         deadline.tv_sec += <long>timeout
         deadline.tv_nsec += <long>((timeout - <long>timeout) * 1e9)
@@ -507,26 +788,47 @@ cdef class Pipeline:
         self.seen = n
         return finished, nbytes, running == 0, bool(failed)
 
-    def abort(self):
-        """Asks the threads to stop after their current chunk."""
-        with nogil:
-            pthread_mutex_lock(&self.sh.lock)
-            self.sh.stop = 1
-            pthread_cond_broadcast(&self.sh.cond)
-            pthread_mutex_unlock(&self.sh.lock)
+    def cancel(self):
+        """Asks the threads to stop after their current chunk; the load then
+        reports CANCELLED unless it already failed.  Any thread."""
+        if not self.sync_init or getpid() != self.pid:
+            return
+        _fail(&self.sh, ERR_CANCELLED, 0, CALL_NONE, -1, 0)
 
-    def join(self):
-        """Waits for every thread; afterwards no copy is in flight."""
-        self._join()
+    def close(self):
+        """Stops the threads, waits for every in-flight copy, joins them,
+        then releases the staging buffer.  Idempotent; any thread."""
+        if not self.sync_init:
+            self._release_hold()
+            return
+        if getpid() != self.pid:
+            # A fork child: the threads (and maybe a held lock) are the
+            # parent's.  Touch neither; nothing runs here.
+            self.joined = True
+        else:
+            with nogil:
+                pthread_mutex_lock(&self.sh.lock)
+                self.sh.stop = 1
+                pthread_cond_broadcast(&self.sh.cond)
+                pthread_mutex_unlock(&self.sh.lock)
+            self._join()
+        self.closed = True
+        _running.discard(self)
+        self._release_hold()
+        free(self.own_slots)
+        self.own_slots = NULL
 
     cdef void _join(self) noexcept:
         cdef int t
-        if self.joined:
-            return
+        # join_lock: close() may run in several threads at once (a cancel
+        # from a watchdog, the consumer, the exit hook): one joins each thread.
         with nogil:
-            for t in range(self.started):
-                pthread_join(self.workers[t].tid, NULL)
-        self.joined = True
+            pthread_mutex_lock(&self.join_lock)
+            if not self.joined:
+                for t in range(self.started):
+                    pthread_join(self.workers[t].tid, NULL)
+                self.joined = True
+            pthread_mutex_unlock(&self.join_lock)
 
     def error(self):
         """None, or ``(kind, code, call, chunk, offset)`` of the first error."""
@@ -535,74 +837,26 @@ cdef class Pipeline:
         return (self.sh.err_kind, self.sh.err_code, CALLS[self.sh.err_call],
                 self.sh.err_chunk, self.sh.err_offset)
 
-    def tensor_at(self, Py_ssize_t chunk, int64_t offset):
-        """The tensor whose piece of ``chunk`` holds file ``offset`` (or the
-        chunk's first tensor); -1 without a chunk."""
-        cdef Chunk* ch
-        cdef Piece* p
-        cdef Py_ssize_t i
-        if chunk < 0 or chunk >= self.sh.n_chunks:
-            return -1
-        ch = &self.sh.chunks[chunk]
-        for i in range(ch.first_piece, ch.first_piece + ch.n_pieces):
-            p = &self.sh.pieces[i]
-            if ch.offset + <int64_t>(p.offset + p.nbytes) > offset:
-                return p.tensor
-        return self.sh.pieces[ch.first_piece].tensor
-
-    def chunk_fd(self, Py_ssize_t chunk):
-        return self.sh.chunks[chunk].fd if 0 <= chunk < self.sh.n_chunks else -1
-
     def __dealloc__(self):
-        if self.sync_init:
+        # (In a fork child the parent's threads do not exist: nothing to
+        # stop or join, and its locks may have been copied held.)
+        if self.sync_init and getpid() == self.pid:
             with nogil:
                 pthread_mutex_lock(&self.sh.lock)
                 self.sh.stop = 1
                 pthread_mutex_unlock(&self.sh.lock)
-        self._join()
-        free(self.sh.chunks)
-        free(self.sh.pieces)
+            self._join()
+        if self.holding:
+            self.staging._holds -= 1
         free(self.sh.remaining)
         free(self.sh.done)
+        free(self.sh.dsts)
         free(self.workers)
         free(self.slot_ptrs)
         free(self.events)
         free(self.pending)
-        if self.sync_init:
+        free(self.own_slots)
+        if self.sync_init and getpid() == self.pid:
             pthread_mutex_destroy(&self.sh.lock)
             pthread_cond_destroy(&self.sh.cond)
-
-
-cdef class HostArea:
-    """Ordinary page-aligned memory for slots when pinning buys nothing
-    (a load to the CPU without a staging buffer)."""
-
-    cdef char* ptr
-    cdef readonly size_t size
-
-    def __cinit__(self, size_t size):
-        cdef void* p = NULL
-        if size == 0:
-            raise ValueError("size must be > 0")
-        if posix_memalign(&p, 4096, size) != 0:
-            raise MemoryError(f"could not allocate {size} bytes of host memory")
-        self.ptr = <char*>p
-        self.size = size
-
-    def spans(self, offset=0, nbytes=None):
-        """The whole area as one span, like StagingBuffer.spans()."""
-        if self.ptr == NULL:
-            raise ValueError("operation on a closed HostArea")
-        return [(<intptr_t>self.ptr, self.size)]
-
-    @property
-    def closed(self):
-        return self.ptr == NULL
-
-    def close(self):
-        free(self.ptr)
-        self.ptr = NULL
-
-    def __dealloc__(self):
-        free(self.ptr)
-
+            pthread_mutex_destroy(&self.join_lock)
