@@ -248,8 +248,9 @@ class _Group:
         ident = (getattr(pg, "group_name", None) or "") + "/" + ",".join(map(str, self.globals))
         seq = _sequence.get(ident, 0)
         _sequence[ident] = seq + 1
+        # Keys are never deleted: no rank can tell when the others have read
+        # them without one more round, and a load leaves three small ones.
         self.prefix = f"instant_staging/load/{ident}/{seq}/"
-        self.old_prefix = f"instant_staging/load/{ident}/{seq - 2}/" if seq >= 2 else None
         self.store = dist.distributed_c10d._get_default_store()
         self.posted = set()
 
@@ -277,12 +278,7 @@ class _Group:
                 f"{names} of the process group did not reach the load's {phase!r} step "
                 f"within {self.timeout:g} s (hung or died; INSTANT_STAGING_DIST_TIMEOUT "
                 f"sets this timeout)", {r: "no answer" for r in missing}) from e
-        values = [pickle.loads(self.store.get(k)) for k in keys]
-        if phase == "done" and self.old_prefix is not None:
-            # Every rank finished load seq-1, so each has read load seq-2's keys.
-            for p in ("plan", "ready", "done"):
-                _delete(self.store, self.old_prefix + f"{p}/{self.rank}")
-        return values
+        return [pickle.loads(self.store.get(k)) for k in keys]
 
     def global_rank(self, r):
         return self.globals[r]
@@ -293,13 +289,6 @@ def _check(store, key):
         return store.check([key])
     except Exception:
         return False
-
-
-def _delete(store, key):
-    try:
-        store.delete_key(key)
-    except Exception:
-        pass
 
 
 def _failed(values):
@@ -362,6 +351,9 @@ def iter_load_group(prepare, process_group, options):
     checkpoint = local = None
     try:
         checkpoint, target, dtypes, faults = prepare()
+        if target.device.type == "cpu" and group.backend == "nccl":
+            raise ValueError("an NCCL process group exchanges GPU tensors: load to this rank's "
+                             "GPU, or use a gloo group for device='cpu'")
         post = (True, "", _layout(checkpoint), _wanted_mask(checkpoint))
     except Exception as e:
         local = e
@@ -376,9 +368,6 @@ def iter_load_group(prepare, process_group, options):
             raise DistributedLoadError(
                 f"the ranks see different checkpoints: rank(s) {differ} differ from rank 0 "
                 f"in tensor names, dtypes, shapes or offsets", {r: "different layout" for r in differ})
-        if target.device.type == "cpu" and group.backend == "nccl":
-            raise ValueError("an NCCL process group exchanges GPU tensors: load to the rank's GPU, "
-                             "or use a gloo group for device='cpu'")
     except BaseException:
         if checkpoint is not None:
             checkpoint.close()
