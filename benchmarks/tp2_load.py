@@ -276,7 +276,7 @@ def compare_group(args, torch, dist):
         t0 = time.perf_counter()
         with loader.iter_load(paths, dev, process_group=pg) as it:
             result = dict(it)
-            kinds = it.staging_kinds
+            kinds = [k.name if k is not None else None for k in it.staging_kinds]
         B.sync(torch, device)
         times["group, one rank RUNTIME_PINNED"] = [time.perf_counter() - t0]
         os.environ.pop("INSTANT_STAGING_FAULTS", None)

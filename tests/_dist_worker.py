@@ -71,7 +71,8 @@ def main(spec_path, rank):
             it = iter_load(paths, "cpu", names=names, process_group=pg, chunk_size=chunk, **kw)
             with it:
                 got = dict(it)
-                rec.update(kinds=list(it.staging_kinds), read_bytes=it.read_bytes)
+                rec.update(kinds=[k.name if k is not None else None for k in it.staging_kinds],
+                           read_bytes=it.read_bytes)
             ref = reference(paths, expect if expect is not None else names)
             rec.update(ok=True, equal=equal(got, ref), names=list(got), owns=owns_memory(got))
         except Exception as e:
@@ -88,8 +89,11 @@ def main(spec_path, rank):
         if name == "replicated":
             out[name] = run(shards)
         elif name == "load_file":
-            got = load_file(shards, process_group=pg, chunk_size=chunk, threads=2)
-            out[name] = dict(ok=True, equal=equal(got, everything), owns=owns_memory(got))
+            calls = []
+            got = load_file(shards, process_group=pg, chunk_size=chunk, threads=2,
+                            progress=lambda done, total: calls.append((done, total)))
+            out[name] = dict(ok=True, equal=equal(got, everything), owns=owns_memory(got),
+                             progress=calls)
         elif name == "names":
             # Each rank its own third, all ranks the norms, ranks 0 and 1 the embeddings.
             mine = {k for i, k in enumerate(sorted(everything)) if i % world == rank}

@@ -250,7 +250,11 @@ def test_replicated(world):
     assert sum(shares) == data < total                 # each byte read once, by one rank
     assert max(shares) <= data / n * 1.3               # balanced (cuts snap to tensors)
     assert all(rec["kinds"] == [None] * n for rec in recs)
-    assert_all_equal(scenario(world, "load_file"))
+    recs = scenario(world, "load_file")
+    assert_all_equal(recs)
+    for rec, share in zip(recs, shares):      # progress: this rank's reads, ending complete
+        done = [d for d, _ in rec["progress"]]
+        assert done == sorted(done) and rec["progress"][-1] == [share, share]
 
 
 def test_per_rank_names(world):

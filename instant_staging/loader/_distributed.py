@@ -107,7 +107,7 @@ class DistributedLoadIterator(LoadIterator):
 
     @property
     def staging_kinds(self):
-        """Kind names of every rank's staging buffer, in group rank order
+        """The Kind of every rank's staging buffer, in group rank order
         (None for a rank that loads to the CPU through ordinary memory or
         has nothing to read), once loading started; None before."""
         return self._info.get("kinds")
@@ -451,11 +451,12 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
             traceback.clear_frames(e.__traceback__)
             local, post = e, (False, _describe(e), None)
         values = group.agree("ready", post)
-        info["kinds"] = tuple(v[2] for v in values)
         failed = _failed(values)
         if failed:
             _raise_others(group, failed, local, "making the staging buffer and the tensors")
-        _report_kinds(info["kinds"])
+        from .._types import Kind
+        info["kinds"] = tuple(Kind[v[2]] if v[2] is not None else None for v in values)
+        _report_kinds([v[2] for v in values])
         target.before_copies()
 
         # Step 3: the reads, and the exchanges as the reads finish.
