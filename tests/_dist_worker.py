@@ -35,6 +35,7 @@ def main(spec_path, rank):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     pg = dist.new_group(list(range(world)), backend="gloo")
+    sub = dist.new_group(list(range(1, world)), backend="gloo")   # every rank but 0
     chunk = 2 * 4096
 
     warnings = []
@@ -148,6 +149,18 @@ def main(spec_path, rank):
             if buf is not None:
                 buf.close()
                 out[name]["leaks"] = [rt.live_registrations, rt.live_host_allocs]
+        elif name == "subgroup":        # group ranks differ from global ranks; rank 0 outside
+            try:
+                got = load_file(shards, process_group=sub, chunk_size=chunk)
+                out[name] = dict(ok=True, equal=equal(got, everything))
+            except Exception as e:
+                out[name] = dict(ok=False, error=type(e).__name__, message=str(e))
+        elif name == "not_a_group":
+            try:
+                load_file(shards, process_group="world")
+                out[name] = dict(ok=True)
+            except Exception as e:
+                out[name] = dict(ok=False, error=type(e).__name__, message=str(e))
         elif name == "after_failures":
             out[name] = run(shards, verify=True)
         elif name == "timeout":         # the last rank never calls: the others name it

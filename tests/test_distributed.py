@@ -190,6 +190,7 @@ def free_port():
 
 SCENARIOS = ["replicated", "load_file", "names", "predicate", "nothing_on_one_rank", "tiny",
              "bad_file", "other_layout", "unknown_name", "truncated", "read_fault", "kinds", "staging_unusable",
+             "subgroup", "not_a_group",
              "after_failures", "timeout"]
 
 
@@ -333,6 +334,19 @@ def test_staging_unusable_on_one_rank(world):
         if r != 1:
             assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1]
             assert "holds no chunk" in rec["message"]
+
+
+def test_subgroup(world):
+    # Ranks 1..n-1 load through their own group (group rank r is global rank
+    # r + 1); rank 0, outside it, gets a ValueError and no one waits for it.
+    recs = scenario(world, "subgroup")
+    assert recs[0]["error"] == "ValueError" and "not a member" in recs[0]["message"]
+    assert all(rec["ok"] and rec["equal"] for rec in recs[1:])
+
+
+def test_not_a_group(world):
+    for rec in scenario(world, "not_a_group"):
+        assert rec["error"] == "TypeError" and "ProcessGroup" in rec["message"]
 
 
 def test_group_usable_after_failures(world):

@@ -332,6 +332,9 @@ def _check_group(process_group):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("process_group given but torch.distributed is not initialized "
                            "(call torch.distributed.init_process_group first)")
+    if process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
+        raise ValueError("this process is not a member of process_group (new_group gave "
+                         "it GroupMember.NON_GROUP_MEMBER): only the group's ranks load through it")
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed ProcessGroup, "
                         f"not {type(process_group).__name__}")
