@@ -1,51 +1,92 @@
-"""Strict safetensors header parsing for the loader (pure Python, no torch).
+"""Safetensors header parsing for the loader (pure Python, no torch).
 
 A safetensors file is an 8-byte little-endian header length N, N bytes of
 UTF-8 JSON, then the data section.  The JSON maps each tensor name to
 ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to
 the data section) and may hold a ``"__metadata__"`` map of strings.
 
-Everything is checked before the loader allocates anything on a device:
-a header length beyond the file, JSON that is not UTF-8 or not an object
-or repeats a key, an unknown dtype, a shape whose size disagrees with its
-offsets, offsets outside the data section, and overlapping tensors.  Gaps
-between tensors and bytes after the last one are accepted: they harm
-nothing.  Each problem is a ``SafetensorsError`` (a ``ValueError``) naming
-the file and, where there is one, the tensor.
+A file is valid exactly when safetensors (0.8, ``safetensors.torch``)
+accepts it; every rule below is one of its rules, checked before the
+loader allocates anything (``tests/test_header_validity.py`` compares
+both on generated and mutated files):
+
+- the header length is at most 100,000,000 and inside the file; the header
+  is UTF-8 JSON as serde_json reads it: JSON whitespace around the object
+  (leading too), no NaN/Infinity, no number beyond the double range, no
+  lone surrogate escape, at most 127 levels of nesting;
+- the root is an object; ``__metadata__`` (at most once) is null or maps
+  strings to strings; a tensor name given twice keeps its last entry;
+- an entry is an object with ``dtype``, ``shape`` and ``data_offsets``
+  (each at most once; other keys are ignored) or the array ``[dtype,
+  shape, data_offsets]``; dtype is a known name (or ``{"NAME": null}``);
+  dimensions and offsets are integers in [0, 2**64);
+- sorted by their offsets, the tensors cover the data section exactly:
+  each begins where the previous one ended (no gap, no overlap), the first
+  at 0, the last at the end of the file (no trailing bytes); so a header
+  length too small by 1-7, whose JSON still parses thanks to the padding,
+  is rejected instead of shifting every tensor;
+- each tensor's byte count is its element count times its dtype's size,
+  computed in 64 bits without overflow (element count, then bits; a whole
+  number of bytes);
+- what torch cannot hold is rejected as well (a dimension >= 2**63, a
+  dtype torch lacks, F4 whose last dimension is odd).
+
+Each problem is a ``SafetensorsError`` (a ``ValueError``) naming the file
+and, where there is one, the tensor; never a RecursionError, a bare
+ValueError or a TypeError, whatever the path type (str, bytes, PathLike).
 """
 
 import json
+import math
 import os
+import re
 import struct
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 # The JSON header may not exceed this (the safetensors package's own limit).
 MAX_HEADER_BYTES = 100_000_000
 
-# Every dtype of the format that has a whole number of bytes per element.
-# Sub-byte types (F4, F6_*) cannot be copied bytewise into a torch tensor.
-DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1,
-    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+# Bits per element of every dtype safetensors.torch loads (F4 packs two
+# elements in a byte: torch's float4_e2m1fn_x2).  F6_* are format dtypes
+# that safetensors.torch refuses ("Dtype not understood"), so they are
+# rejected here too.
+DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F4": 4,
+    "F8_E4M3": 8, "F8_E5M2": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
 }
 
-_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+# serde_json's recursion limit, as safetensors 0.8 meets it: 127 levels of
+# arrays and objects (the root counts) parse, 128 do not.
+MAX_DEPTH = 127
+
+_U64 = 1 << 64
+_I64_MIN = -(1 << 63)
+_TORCH_DIM_LIMIT = 1 << 63          # torch sizes are int64
+_FIELDS = ("dtype", "shape", "data_offsets")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# A number token this long is beyond the double range, whatever it is.
+_MAX_NUMBER_DIGITS = 400
 
 
 class SafetensorsError(ValueError):
     """A malformed safetensors file; ``path`` and ``tensor`` say where."""
 
     def __init__(self, message: str, path=None, tensor: Optional[str] = None):
-        self.path = os.fspath(path) if path is not None else None
+        self.path = _path_text(path) if path is not None else None
         self.tensor = tensor
         self.reason = message
         where = self.path or "<safetensors>"
         if tensor is not None:
             where += f": tensor {tensor!r}"
         super().__init__(f"{where}: {message}")
+
+
+def _path_text(path) -> str:
+    path = os.fspath(path)
+    return os.fsdecode(path) if isinstance(path, bytes) else path
 
 
 class TensorEntry(NamedTuple):
@@ -74,7 +115,7 @@ class Header(NamedTuple):
 
 def read_header(fd: int, path) -> Header:
     """Parses and validates the header of the open file ``fd``."""
-    path = os.fspath(path)
+    path = _path_text(path)
     size = os.fstat(fd).st_size
     if size < 8:
         raise SafetensorsError(f"file of {size} bytes is too short for the 8-byte header length", path)
@@ -90,15 +131,32 @@ def read_header(fd: int, path) -> Header:
 
 def parse_header(raw: bytes, path, file_size: int) -> Header:
     """Validates the JSON header ``raw`` of a file of ``file_size`` bytes."""
-    path = os.fspath(path)
+    path = _path_text(path)
     data_start = 8 + len(raw)
-    data_size = file_size - data_start
-    obj = _decode(raw, path)
-    metadata = _metadata(obj.pop("__metadata__", None), path)
-    tensors = [_entry(name, value, path, data_start, data_size) for name, value in obj.items()]
-    tensors.sort(key=lambda t: (t.begin, t.end))
-    _check_overlaps(tensors, path, data_start)
-    return Header(path, file_size, data_start, tensors, metadata)
+    pairs = _decode(raw, path)
+    if not isinstance(pairs, _Pairs):
+        raise SafetensorsError(f"header is a JSON {_kind(pairs)}, not an object", path)
+    metadata, seen_metadata, entries = None, False, {}
+    for name, value in pairs:
+        if name == "__metadata__":
+            if seen_metadata:
+                raise SafetensorsError("__metadata__ appears twice in the header", path)
+            metadata, seen_metadata = _metadata(value, path), True
+        else:
+            entries[name] = value      # a name given twice keeps its last entry
+    tensors = [_entry(name, value, path) for name, value in entries.items()]
+    tensors.sort(key=lambda t: (t[3], t[4]))
+    end = _check_coverage(tensors, path)
+    if data_start + end != file_size:
+        raise SafetensorsError(
+            f"the tensors cover {end} bytes of data but the file holds {file_size - data_start} "
+            "after the header: the header length is wrong or the file has a gap or trailing "
+            "bytes (safetensors requires the data to be covered exactly)", path)
+    out = [TensorEntry(name, dtype, shape, data_start + b, data_start + e)
+           for name, dtype, shape, b, e in tensors]
+    for t in out:
+        _check_torch(t, path)
+    return Header(path, file_size, data_start, out, metadata or {})
 
 
 def _pread_exact(fd, n, offset, path) -> bytes:
@@ -109,89 +167,185 @@ def _pread_exact(fd, n, offset, path) -> bytes:
     return data
 
 
-def _decode(raw, path) -> dict:
+# -- JSON as serde_json reads it ---------------------------------------------
+
+class _Pairs(list):
+    """A JSON object as its (key, value) pairs, duplicates kept."""
+
+
+class _Reject(Exception):
+    """Raised inside the JSON hooks; becomes a SafetensorsError."""
+
+
+def _constant(name):
+    raise _Reject(f"{name} is not JSON")
+
+
+def _float(text):
+    value = float(text)
+    if math.isinf(value):
+        raise _Reject(f"number {text[:40]} is out of range")
+    return value
+
+
+def _int(text):
+    # serde_json reads an integer as u64, else i64, else as a double (which
+    # may overflow); "-0" is a double.
+    if len(text) > _MAX_NUMBER_DIGITS:
+        raise _Reject(f"number of {len(text)} digits is out of range")
+    value = int(text)
+    if text == "-0" or not _I64_MIN <= value < _U64:
+        return _float(text)
+    return value
+
+
+def _decode(raw, path):
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SafetensorsError(f"header is not UTF-8 ({e.reason} at byte {8 + e.start})", path) from None
-    if not text.startswith("{"):
-        raise SafetensorsError("header is not a JSON object (it must start with '{')", path)
     try:
-        obj = json.loads(text, object_pairs_hook=lambda pairs: _no_duplicates(pairs, path))
+        obj = json.loads(text, object_pairs_hook=_Pairs, parse_constant=_constant,
+                         parse_float=_float, parse_int=_int)
     except json.JSONDecodeError as e:
         raise SafetensorsError(f"header is not valid JSON: {e.msg} at header byte {e.pos}", path) from None
-    if not isinstance(obj, dict):
-        raise SafetensorsError("header is not a JSON object", path)
+    except _Reject as e:
+        raise SafetensorsError(f"header is not valid JSON: {e}", path) from None
+    except RecursionError:
+        raise SafetensorsError(f"header nests more than {MAX_DEPTH} levels", path) from None
+    _check_tree(obj, path)
     return obj
 
 
-def _no_duplicates(pairs, path) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise SafetensorsError("name appears twice in the header", path, key)
-        out[key] = value
-    return out
+def _check_tree(obj, path):
+    """Nesting depth and lone surrogates, without recursion."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                raise SafetensorsError("header holds a lone surrogate escape (not valid UTF-16)", path)
+        elif isinstance(value, list):       # arrays and objects (_Pairs)
+            if depth > MAX_DEPTH:
+                raise SafetensorsError(f"header nests more than {MAX_DEPTH} levels", path)
+            if isinstance(value, _Pairs):
+                for k, v in value:
+                    stack.append((k, depth))
+                    stack.append((v, depth + 1))
+            else:
+                stack.extend((v, depth + 1) for v in value)
 
 
-def _metadata(value, path) -> Dict[str, str]:
+def _kind(value) -> str:
+    if isinstance(value, _Pairs):
+        return "object"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
     if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return "number"
+
+
+# -- the entries -------------------------------------------------------------
+
+def _metadata(value, path) -> Optional[Dict[str, str]]:
+    if value is None:
+        return None
+    if not isinstance(value, _Pairs) or not all(isinstance(v, str) for _, v in value):
         raise SafetensorsError("__metadata__ must map strings to strings", path)
     return dict(value)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _u64(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _U64
 
 
-def _entry(name, value, path, data_start, data_size) -> TensorEntry:
-    if not isinstance(value, dict):
-        raise SafetensorsError("entry is not a JSON object", path, name)
-    keys = set(value)
-    if keys != _ENTRY_KEYS:
-        missing, extra = sorted(_ENTRY_KEYS - keys), sorted(keys - _ENTRY_KEYS)
-        raise SafetensorsError(f"entry must have exactly dtype, shape and data_offsets"
-                               f"{' (missing ' + ', '.join(missing) + ')' if missing else ''}"
-                               f"{' (unexpected ' + ', '.join(extra) + ')' if extra else ''}",
+def _fields(name, value, path):
+    if isinstance(value, _Pairs):
+        found = {}
+        for key, v in value:
+            if key in _FIELDS:
+                if key in found:
+                    raise SafetensorsError(f"entry gives {key} twice", path, name)
+                found[key] = v
+        missing = [f for f in _FIELDS if f not in found]
+        if missing:
+            raise SafetensorsError(f"entry lacks {', '.join(missing)}", path, name)
+        return found["dtype"], found["shape"], found["data_offsets"]
+    if isinstance(value, list):
+        if len(value) != 3:
+            raise SafetensorsError(f"entry array has {len(value)} elements, not 3 "
+                                   "(dtype, shape, data_offsets)", path, name)
+        return value
+    raise SafetensorsError(f"entry is a JSON {_kind(value)}, not an object", path, name)
+
+
+def _entry(name, value, path):
+    dtype, shape, offsets = _fields(name, value, path)
+    if isinstance(dtype, _Pairs) and len(dtype) == 1 and dtype[0][1] is None:
+        dtype = dtype[0][0]           # serde's map form of an enum variant
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise SafetensorsError(f"unknown dtype {dtype!r} (known: {', '.join(sorted(DTYPE_BITS))})",
                                path, name)
-    dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-        raise SafetensorsError(f"unknown dtype {dtype!r} (known: {', '.join(sorted(DTYPE_SIZES))})",
-                               path, name)
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise SafetensorsError(f"shape must be a list of non-negative integers, got {shape!r}", path, name)
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(_is_int(o) and o >= 0 for o in offsets)):
-        raise SafetensorsError(f"data_offsets must be two non-negative integers, got {offsets!r}",
-                               path, name)
-    begin, end = offsets
-    if begin > end:
-        raise SafetensorsError(f"data_offsets [{begin}, {end}] end before they begin", path, name)
-    if end > data_size:
-        raise SafetensorsError(f"data_offsets [{begin}, {end}] lie outside the data section of "
-                               f"{data_size} bytes", path, name)
-    numel = 1
-    for d in shape:
-        numel *= d
-    expected = numel * DTYPE_SIZES[dtype]
-    if end - begin != expected:
-        raise SafetensorsError(f"shape {shape} of {dtype} needs {expected} bytes but data_offsets "
-                               f"[{begin}, {end}] hold {end - begin}", path, name)
-    return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
+    if (not isinstance(shape, list) or isinstance(shape, _Pairs)
+            or not all(_u64(d) for d in shape)):
+        raise SafetensorsError(f"shape must be a list of integers in [0, 2**64), got "
+                               f"{_short(shape)}", path, name)
+    if (not isinstance(offsets, list) or isinstance(offsets, _Pairs) or len(offsets) != 2
+            or not all(_u64(o) for o in offsets)):
+        raise SafetensorsError(f"data_offsets must be two integers in [0, 2**64), got "
+                               f"{_short(offsets)}", path, name)
+    return name, dtype, tuple(shape), offsets[0], offsets[1]
 
 
-def _check_overlaps(tensors, path, data_start):
-    # Sorted by begin: a tensor overlaps another only if it starts before
-    # the furthest end seen so far.  Empty tensors overlap nothing.
-    furthest, owner = 0, None
-    for t in tensors:
-        if t.begin == t.end:
-            continue
-        if owner is not None and t.begin < furthest:
+def _short(value) -> str:
+    text = repr(list(value) if isinstance(value, _Pairs) else value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_coverage(tensors, path) -> int:
+    """safetensors' rule: in offset order, each tensor begins where the
+    previous ended and holds exactly its shape's bytes; returns the end."""
+    start = 0
+    for name, dtype, shape, begin, end in tensors:
+        if begin != start or end < begin:
             raise SafetensorsError(
-                f"data_offsets [{t.begin - data_start}, {t.end - data_start}] overlap those of "
-                f"{owner.name!r} [{owner.begin - data_start}, {owner.end - data_start}]", path, t.name)
-        if t.end > furthest:
-            furthest, owner = t.end, t
+                f"data_offsets [{begin}, {end}] do not begin where the previous tensor ends "
+                f"({start}): a gap or an overlap", path, name)
+        start = end
+        numel = 1
+        for d in shape:
+            numel *= d
+            if numel >= _U64:
+                raise SafetensorsError(f"shape {list(shape)} overflows 64 bits", path, name)
+        bits = numel * DTYPE_BITS[dtype]
+        if bits >= _U64:
+            raise SafetensorsError(f"shape {list(shape)} of {dtype} overflows 64 bits", path, name)
+        if bits % 8:
+            raise SafetensorsError(f"shape {list(shape)} of {dtype} is not a whole number of bytes",
+                                   path, name)
+        if end - begin != bits // 8:
+            raise SafetensorsError(f"shape {list(shape)} of {dtype} needs {bits // 8} bytes but "
+                                   f"data_offsets [{begin}, {end}] hold {end - begin}", path, name)
+    return start
+
+
+def _check_torch(t, path):
+    if any(d >= _TORCH_DIM_LIMIT for d in t.shape):
+        raise SafetensorsError(f"shape {list(t.shape)} has a dimension >= 2**63, which torch "
+                               "cannot hold", path, t.name)
+    if t.dtype == "F4" and (not t.shape or t.shape[-1] % 2):
+        raise SafetensorsError(f"F4 tensor of shape {list(t.shape)}: torch's float4_e2m1fn_x2 "
+                               "needs an even last dimension", path, t.name)
+
+
+def torch_shape(entry: TensorEntry) -> Tuple[int, ...]:
+    """The shape of ``entry``'s torch tensor: the file's, except F4, which
+    torch packs two to a byte (float4_e2m1fn_x2) along the last dimension."""
+    if entry.dtype == "F4":
+        return entry.shape[:-1] + (entry.shape[-1] // 2,)
+    return entry.shape

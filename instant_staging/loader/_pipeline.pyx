@@ -71,10 +71,17 @@ from instant_staging.defaults import MAX_SLOTS_PER_THREAD
 cdef extern from "<stdlib.h>" nogil:
     int posix_memalign(void** memptr, size_t alignment, size_t size)
 
+cdef extern from "<unistd.h>" nogil:
+    unsigned int sleep(unsigned int seconds)
+
 from instant_staging._pthread cimport (
     pthread_t, pthread_mutex_t, pthread_cond_t, pthread_create, pthread_join,
     pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_lock, pthread_mutex_unlock,
     pthread_cond_init, pthread_cond_destroy, pthread_cond_broadcast, pthread_cond_timedwait)
+
+cdef extern from "<pthread.h>" nogil:
+    pthread_t pthread_self()
+    int pthread_equal(pthread_t a, pthread_t b)
 
 # Where the pieces go.
 cdef enum:
@@ -497,12 +504,32 @@ cdef class Plan:
 
 _running = weakref.WeakSet()
 
+# Set by the exit hook: from then on a consumer thread other than the one
+# running the hook parks in wait() instead of returning.
+cdef bint _exiting = False
+cdef pthread_t _exit_thread
+
+
+cdef void _park_if_exiting() noexcept nogil:
+    # At exit only daemon threads are left besides the main thread; one
+    # that resumed would race the interpreter's finalization through
+    # Python and torch code (torch aborts the process when a daemon thread
+    # is caught inside one of its calls: "terminate called without an
+    # active exception", 4 of 8 runs here).  Parked without the GIL it is
+    # simply dropped with the process.
+    if _exiting and not pthread_equal(pthread_self(), _exit_thread):
+        while True:
+            sleep(3600)
+
 
 def _stop_all_at_exit():
     # Registered after _staging's hook (imported above), so it runs first:
-    # no reader writes into a staging buffer (or calls into a runtime that
-    # is being torn down) once the buffers are released.  A daemon thread
-    # consuming the load then sees a cancelled load.
+    # every reader is stopped and joined (no write into a staging buffer,
+    # no call into a runtime being torn down) before the buffers are
+    # released; consumers waiting on a load stay parked (above).
+    global _exiting, _exit_thread
+    _exit_thread = pthread_self()
+    _exiting = True
     for pipe in list(_running):
         try:
             pipe.close()
@@ -719,8 +746,10 @@ cdef class Pipeline:
         ``dsts[i]`` is the address tensor i of the plan is copied to."""
         cdef int t, rc = 0
         cdef Py_ssize_t i
-        if self.started or self.closed or self.plan is None:
+        if self.started or self.plan is None:
             raise RuntimeError("a Pipeline runs once")
+        if self.closed:
+            return      # cancelled before it started: wait() reports CANCELLED
         if len(dsts) != self.plan.n_tensors:
             raise ValueError(f"{len(dsts)} destinations for {self.plan.n_tensors} tensors")
         if getpid() != self.pid:
@@ -768,6 +797,8 @@ cdef class Pipeline:
                                "threads do not exist in this forked child")
         if not self.sync_init:
             raise RuntimeError("Pipeline was not initialised")
+        with nogil:
+            _park_if_exiting()
         clock_gettime(CLOCK_REALTIME, &deadline)
         deadline.tv_sec += <long>timeout
         deadline.tv_nsec += <long>((timeout - <long>timeout) * 1e9)
@@ -784,6 +815,7 @@ cdef class Pipeline:
             running = self.sh.running
             failed = self.sh.err_kind != ERR_NONE
             pthread_mutex_unlock(&self.sh.lock)
+            _park_if_exiting()
         finished = [self.sh.done[i] for i in range(self.seen, n)]
         self.seen = n
         return finished, nbytes, running == 0, bool(failed)
@@ -796,8 +828,8 @@ cdef class Pipeline:
         _fail(&self.sh, ERR_CANCELLED, 0, CALL_NONE, -1, 0)
 
     def close(self):
-        """Stops the threads, waits for every in-flight copy, joins them,
-        then releases the staging buffer.  Idempotent; any thread."""
+        """Cancels, waits for every in-flight copy, joins the threads, then
+        releases the staging buffer.  Idempotent; any thread."""
         if not self.sync_init:
             self._release_hold()
             return
@@ -806,11 +838,9 @@ cdef class Pipeline:
             # parent's.  Touch neither; nothing runs here.
             self.joined = True
         else:
-            with nogil:
-                pthread_mutex_lock(&self.sh.lock)
-                self.sh.stop = 1
-                pthread_cond_broadcast(&self.sh.cond)
-                pthread_mutex_unlock(&self.sh.lock)
+            # A load closed before it finished was cancelled (a finished
+            # one has no reader left to notice).
+            _fail(&self.sh, ERR_CANCELLED, 0, CALL_NONE, -1, 0)
             self._join()
         self.closed = True
         _running.discard(self)

@@ -4,7 +4,7 @@ torch is imported only when a load starts: ``import instant_staging``
 works without it.
 """
 
-from ._header import SafetensorsError
+from ._header import SafetensorsError, torch_shape
 
 # safetensors dtype -> torch attribute; absent attributes mean "this torch
 # cannot hold it" and are reported before anything is allocated.
@@ -14,7 +14,7 @@ _TORCH_DTYPES = {
     "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
     "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
     "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu",
+    "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2",
 }
 
 
@@ -38,15 +38,30 @@ class _TorchTarget:
         self.index = self.device.index or 0
 
     def check(self, entry, path):
-        """The torch dtype of ``entry``; SafetensorsError if torch lacks it."""
+        """The torch dtype of ``entry``; SafetensorsError if torch lacks it
+        or cannot give it its shape."""
         dtype = getattr(self.torch, _TORCH_DTYPES[entry.dtype], None)
         if dtype is None:
             raise SafetensorsError(f"dtype {entry.dtype} is not supported by torch "
                                    f"{self.torch.__version__}", path, entry.name)
+        if not entry.nbytes:
+            try:
+                self._empty(entry, dtype, "cpu")      # no memory: zero elements
+            except (RuntimeError, TypeError, OverflowError) as e:
+                raise SafetensorsError(f"torch cannot make a tensor of shape {list(entry.shape)}: "
+                                       f"{e}", path, entry.name) from None
         return dtype
 
+    def _empty(self, entry, dtype, device):
+        # As safetensors makes a zero-element tensor (an empty one viewed
+        # with the shape): the same strides, the same shapes refused.
+        return self.torch.empty(0, dtype=dtype, device=device).view(torch_shape(entry))
+
     def allocate(self, entry, dtype):
-        t = self.torch.empty(entry.shape, dtype=dtype, device=self.device)
+        if not entry.nbytes:
+            t = self._empty(entry, dtype, self.device)
+        else:
+            t = self.torch.empty(torch_shape(entry), dtype=dtype, device=self.device)
         return t, t.data_ptr()
 
     def before_copies(self):
@@ -75,6 +90,14 @@ def _resolve_device(torch, device):
         return device
     if device.type != "cuda":
         raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device ('cuda:N'), not {device}")
+    # Checked here, before anything is allocated: without a GPU the first
+    # failure would otherwise come from pinning the staging buffer.
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device} is not available: this torch sees no GPU "
+                         "(torch.cuda.is_available() is False); load to 'cpu' instead")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device} is not available: this torch sees "
+                         f"{torch.cuda.device_count()} GPU(s)")
     return device
