@@ -466,7 +466,7 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
         flat = {k: t.reshape(-1).view(torch.uint8) for k, t in tensors.items()}
         if pipe is not None:
             pipe.start([flat[u.entry].data_ptr() + u.begin for u in items])
-        works, issued_all = [], False
+        works, issued_all, error = [], False, None
         waiter = _Waiter(pipe, len(items), info["read_bytes"], progress)
         try:
             for u in exchanges:
@@ -476,6 +476,8 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
                     works.extend(_exchange(group, u, flat[u.entry][u.begin:u.end]))
             issued_all = True
             waiter.until_all()
+            # Read before close(): closing a pipeline cancels it, and reports so.
+            error = pipe.error() if pipe is not None else None
         except BaseException as e:
             # Interrupted here (Ctrl-C, a cancel, a broken group): tell the
             # others at once instead of letting them wait for the timeout.
@@ -484,7 +486,6 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
         finally:
             if pipe is not None:
                 pipe.close()       # joined: nothing writes into the tensors any more
-        error = pipe.error() if pipe is not None else None
         if error is not None or waiter.left:
             view = SimpleNamespace(entries=[everything[u.entry] for u in items],
                                    paths=checkpoint.paths, fds=checkpoint.fds)
