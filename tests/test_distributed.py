@@ -190,7 +190,7 @@ def free_port():
 
 SCENARIOS = ["replicated", "load_file", "names", "predicate", "nothing_on_one_rank", "tiny",
              "bad_file", "other_layout", "unknown_name", "truncated", "read_fault", "kinds", "staging_unusable",
-             "subgroup", "not_a_group",
+             "subgroup", "not_a_group", "dropped",
              "after_failures", "timeout"]
 
 
@@ -347,6 +347,14 @@ def test_subgroup(world):
 def test_not_a_group(world):
     for rec in scenario(world, "not_a_group"):
         assert rec["error"] == "TypeError" and "ProcessGroup" in rec["message"]
+
+
+def test_iterator_closed_unstarted_on_one_rank(world):
+    recs = scenario(world, "dropped")
+    for r, rec in enumerate(recs):
+        if r != 1:
+            assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1]
+            assert "closed its iterator" in rec["message"] and rec["seconds"] < TIMEOUT
 
 
 def test_group_usable_after_failures(world):

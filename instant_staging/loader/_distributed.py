@@ -105,6 +105,19 @@ class DistributedLoadIterator(LoadIterator):
         return _load_group(state, self._info, self._group, self._wanted, checkpoint, target,
                            dtypes, **options)
 
+    def close(self):
+        # Closed before loading (never iterated, or dropped): the others
+        # would wait for this rank at the next agreement until the timeout;
+        # tell them now.
+        if not self._info.get("started") and os.getpid() == self._pid:
+            self._info["started"] = True
+            try:
+                self._group.post("ready", (False, f"rank {self._group.rank} closed its iterator "
+                                                  "before loading", None))
+            except Exception:  # noqa: BLE001  (a store gone at exit: nobody is waiting)
+                pass
+        super().close()
+
     @property
     def staging_kinds(self):
         """The Kind of every rank's staging buffer, in group rank order
@@ -421,6 +434,7 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
     reads, exchanges = plan([t.nbytes for _, t in everything],
                             [[r for r in range(group.size) if wanted[r][k]] for k in range(len(everything))],
                             group.size)
+    info["started"] = True
     me = group.rank
     items = reads[me]
     info["read_bytes"] = sum(u.end - u.begin for u in items)
