@@ -92,7 +92,7 @@ def main(spec_path, rank):
         elif name == "load_file":
             calls = []
             got = load_file(shards, process_group=pg, chunk_size=chunk, threads=2,
-                            progress=lambda done, total: calls.append((done, total)))
+                            progress=lambda done, total, calls=calls: calls.append((done, total)))
             out[name] = dict(ok=True, equal=equal(got, everything), owns=owns_memory(got),
                              progress=calls)
         elif name == "names":

@@ -25,10 +25,10 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 dist = pytest.importorskip("torch.distributed")
 
-from instant_staging.loader import _distributed as D
-from instant_staging.loader import DistributedLoadError, load_file
-
 from _child import PACKAGE_PARENT
+
+from instant_staging.loader import DistributedLoadError, load_file
+from instant_staging.loader import _distributed as D
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
