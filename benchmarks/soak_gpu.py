@@ -22,7 +22,7 @@ the last cycle of each phase also copy the whole buffer to the GPU span by
 span and read samples back.
 
 Time: cudaHostAlloc of 2 GiB takes ~1.1 s and cudaFreeHost ~0.3 s on the
-H200 host of FIELD_NOTES.md, a registered or segmented cycle ~0.45 s.  200
+H200 host of docs/design.md ("Measured"), a registered or segmented cycle ~0.45 s.  200
 cycles of all three would take ~8 min, so the run has a time budget
 (--budget, default 330 s) as well as --cycles (default 200): each phase may
 use its share of what is left, and stops early (saying so) when that is

@@ -3,6 +3,12 @@
 from instant_staging._runtime cimport Runtime, RuntimeTable
 
 
+# Reports a Python exception raised inside a nogil table entry (a broken
+# plan, a bug of the simulation) on stderr and returns ERROR_UNKNOWN: such a
+# call fails closed, never passes as success.  Shared with _simulated.pyx.
+cdef int internal_error(str where) noexcept
+
+
 cdef struct FaultCtx:
     RuntimeTable inner                # a copy of the wrapped runtime's table
     void* owner                       # the FaultyRuntime (borrowed)

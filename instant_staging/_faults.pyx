@@ -8,7 +8,7 @@ and ``free_host`` first ask a fault plan (``instant_staging.faults.FaultPlan``)
 whether the call fails.  A failed call returns the plan's code without
 reaching the inner runtime and leaves that code pending, as the real
 runtime leaves its own, until ``get_last_error`` reads it.  This is how any
-host plays the failing hosts of FIELD_NOTES.md (``INSTANT_STAGING_FAULTS``).
+host plays the failing hosts of docs/design.md ("Measured") (``INSTANT_STAGING_FAULTS``).
 
 Like the CUDA runtime, the injected pending error is per thread.  The
 adapters run without the GIL and take it only to consult the plan and the
@@ -18,7 +18,10 @@ wrapper's bookkeeping; the inner call itself is made without it.
 from cpython.pythread cimport PyThread_get_thread_ident
 from libc.stdint cimport intptr_t
 
-from instant_staging._runtime cimport Runtime, RuntimeTable
+import sys
+import traceback
+
+from instant_staging._runtime cimport ERROR_UNKNOWN, Runtime, RuntimeTable
 
 # Operations a plan can fail, indexing _OP_NAMES.
 cdef enum:
@@ -32,11 +35,17 @@ from instant_staging.faults import as_plan
 _OP_NAMES = ("register", "unregister", "host_alloc", "free_host")
 
 
+cdef int internal_error(str where) noexcept:
+    sys.stderr.write(f"{where}: internal error, the call fails (ERROR_UNKNOWN)\n")
+    traceback.print_exc()
+    return ERROR_UNKNOWN
+
+
 
 cdef class FaultyRuntime(Runtime):
     """``FaultyRuntime(inner, plan)``: ``inner`` with the faults of ``plan``.
 
-    ``plan`` is a ``FaultPlan`` or a spec string (DESIGN.md, "Faults").
+    ``plan`` is a ``FaultPlan`` or a spec string (docs/design.md, "Faults").
     ``name`` is the inner name plus ``"+faults"``; ``inner`` and ``plan``
     are what it was made from.  Sizes of ``unregister`` and ``free_host``
     calls, for ``>SIZE`` rules, are those recorded when the range was
@@ -77,17 +86,21 @@ cdef class FaultyRuntime(Runtime):
         return f"<FaultyRuntime {self.name!r} plan={str(self.plan)!r}>"
 
     # -- bookkeeping, called by the adapters with the GIL held ------------
-    # All noexcept: an exception (a broken plan) is reported as unraisable
-    # and the call then passes through, as if no rule matched.
+    # All noexcept.  A plan that raises while deciding fails the call
+    # (ERROR_UNKNOWN, the traceback on stderr) instead of passing it through
+    # to the real runtime: faults fail closed, as the simulator does.
 
     cdef int _enter(self, int op, void* ptr, size_t size) noexcept:
         """Ask the plan; an injected code becomes this thread's pending error."""
         cdef int code
-        if op == OP_UNREGISTER:
-            size = self._registered.get(<intptr_t>ptr, 0)
-        elif op == OP_FREE_HOST:
-            size = self._allocated.get(<intptr_t>ptr, 0)
-        code = self.plan.decide(_OP_NAMES[op], size)
+        try:
+            if op == OP_UNREGISTER:
+                size = self._registered.get(<intptr_t>ptr, 0)
+            elif op == OP_FREE_HOST:
+                size = self._allocated.get(<intptr_t>ptr, 0)
+            code = self.plan.decide(_OP_NAMES[op], size)
+        except BaseException:
+            code = internal_error(f"FaultyRuntime.{_OP_NAMES[op]}")
         if code != 0:
             self._pending[PyThread_get_thread_ident()] = code
         return code

@@ -8,15 +8,22 @@ runs against all of them.  Codes are the runtime's own (CUDA and HIP agree
 on the ones used here); 0 is success.
 """
 
-# Error codes shared by the CUDA and HIP runtimes for the calls used here.
+# Error codes shared by the CUDA and HIP runtimes for the calls used here:
+# the one table of them (ERROR_CODES in _runtime.pyx is its Python face,
+# the fault grammar's error names).
 cdef enum:
     SUCCESS = 0
     ERROR_INVALID_VALUE = 1
     ERROR_MEMORY_ALLOCATION = 2
+    ERROR_RUNTIME_UNLOADING = 4        # cudaErrorCudartUnloading / hipErrorDeinitialized
+    ERROR_INVALID_MEMCPY_DIRECTION = 21
     ERROR_NO_DEVICE = 100
+    ERROR_INVALID_DEVICE = 101
+    ERROR_INVALID_HANDLE = 400
     ERROR_ALREADY_REGISTERED = 712
     ERROR_NOT_REGISTERED = 713
     ERROR_NOT_SUPPORTED = 801
+    ERROR_UNKNOWN = 999
 
 # cudaMemcpyKind / hipMemcpyKind values (identical in both runtimes).
 cdef enum:

@@ -5,11 +5,26 @@
 wrappers, one per table entry, that release the GIL around the call and
 return the runtime's own status code (0 is success), with any output as
 a second value.  Pointers cross into Python as integers, as in CuPy's
-``cupy_backends.cuda.api.runtime``.  Nothing here raises on a failed call:
-the callers (state machine, probe, tests) decide what a code means.
+``cupy_backends.cuda.api.runtime``.  The wrappers do not raise on a failed
+call; ``check`` is the one idiom that does (CuPy's ``check_status``): it
+clears the pending error on this same runtime and raises RuntimeCallError.
 """
 
 from libc.stdint cimport intptr_t
+
+from instant_staging._types import RuntimeCallError
+
+# The error names of the fault grammar and their codes (_runtime.pxd's enum).
+ERROR_CODES = {
+    "invalid_value": ERROR_INVALID_VALUE,
+    "memory_allocation": ERROR_MEMORY_ALLOCATION,
+    "no_device": ERROR_NO_DEVICE,
+    "already_registered": ERROR_ALREADY_REGISTERED,
+    "not_registered": ERROR_NOT_REGISTERED,
+    "not_supported": ERROR_NOT_SUPPORTED,
+}
+
+cdef unsigned long _HEAPTYPE = 1 << 9      # Py_TPFLAGS_HEAPTYPE: a class made in Python
 
 
 cdef class Runtime:
@@ -21,8 +36,29 @@ cdef class Runtime:
     filled by itself.
     """
 
+    def __cinit__(self, *args, **kwargs):
+        # Only an extension type below this one fills the table; calling an
+        # empty table would jump to NULL.
+        for cls in type(self).__mro__:
+            if not (cls.__flags__ & _HEAPTYPE):
+                break
+        if cls is Runtime:
+            raise TypeError("Runtime cannot be instantiated (its table is empty): use "
+                            "instant_staging.real_runtime(), testing.SimulatedRuntime "
+                            "or testing.inject_faults")
+
     def __repr__(self):
         return f"<{type(self).__name__} {self.name!r}>"
+
+    def check(self, int code, value=None, call="runtime call"):
+        """``value`` when ``code`` is 0; otherwise clears the pending error
+        (same runtime, same thread) and raises RuntimeCallError naming
+        ``call``.  ``rt.check(*rt.device_count(), call="device_count")``."""
+        if code == 0:
+            return value
+        with nogil:
+            self.table.get_last_error(self.table.ctx)
+        raise RuntimeCallError(call, code, self.error_name(code))
 
     # -- what the state machine uses -------------------------------------
 

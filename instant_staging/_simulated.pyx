@@ -1,7 +1,7 @@
 # cython: language_level=3
 """SimulatedRuntime: a host-only runtime table with the real driver's semantics.
 
-What FIELD_NOTES.md measured on an H200 host, reproduced without a GPU so
+What docs/design.md ("Measured") records on an H200 host, reproduced without a GPU so
 that CI runs every success path of the state machine and the loader:
 
 - ``host_register`` of NULL or of 0 bytes is 1 (invalid value); a range
@@ -34,22 +34,14 @@ from posix.unistd cimport sysconf, _SC_PAGESIZE
 
 import bisect
 import collections
-import sys
-import traceback
 
 from instant_staging._runtime cimport (
     Runtime, ERROR_INVALID_VALUE, ERROR_MEMORY_ALLOCATION, ERROR_NO_DEVICE,
-    ERROR_ALREADY_REGISTERED, ERROR_NOT_REGISTERED, MEMCPY_HOST_TO_DEVICE,
+    ERROR_ALREADY_REGISTERED, ERROR_NOT_REGISTERED, ERROR_INVALID_MEMCPY_DIRECTION,
+    ERROR_INVALID_DEVICE, ERROR_INVALID_HANDLE, ERROR_UNKNOWN, MEMCPY_HOST_TO_DEVICE,
     MEMCPY_DEVICE_TO_HOST, MEMORY_UNREGISTERED, MEMORY_HOST, MEMORY_DEVICE)
-from instant_staging._faults cimport FaultyRuntime
+from instant_staging._faults cimport FaultyRuntime, internal_error
 from instant_staging.faults import as_plan
-
-# Codes beyond the shared ones of _runtime.pxd (same in CUDA and HIP).
-cdef enum:
-    ERROR_INVALID_MEMCPY_DIRECTION = 21
-    ERROR_INVALID_DEVICE = 101
-    ERROR_INVALID_HANDLE = 400
-    ERROR_UNKNOWN = 999
 
 DEVICE_NAME = "SimulatedRuntime device"
 
@@ -157,7 +149,7 @@ cdef class SimulatedRuntime(Runtime):
     """``SimulatedRuntime(faults=None, *, device_count=1, log_limit=10000, backend=None)``
 
     A runtime without a GPU, behaving like the CUDA driver measured in
-    FIELD_NOTES.md (see the module docstring).  ``faults`` (a spec string
+    docs/design.md (see the module docstring).  ``faults`` (a spec string
     or ``FaultPlan``) wraps its own table in ``FaultyRuntime``: calls the
     plan fails never reach the simulation, so they are neither counted nor
     logged here.  ``device_count=0`` plays a host without a device: device
@@ -565,19 +557,13 @@ cdef class SimulatedRuntime(Runtime):
 # Each takes the GIL for the bookkeeping.  An exception there (MemoryError)
 # is a bug of the simulation, reported as unknown error (999), never as success.
 
-cdef int _internal_error(str where) noexcept:
-    sys.stderr.write(f"SimulatedRuntime.{where}: internal error\n")
-    traceback.print_exc()
-    return ERROR_UNKNOWN
-
-
 cdef int _host_register(void* ctx, void* ptr, size_t size,
                         unsigned int flags) noexcept nogil:
     with gil:
         try:
             return (<SimulatedRuntime>ctx)._host_register(<intptr_t>ptr, size, flags)
         except BaseException:
-            return _internal_error("host_register")
+            return internal_error("SimulatedRuntime.host_register")
 
 
 cdef int _host_unregister(void* ctx, void* ptr) noexcept nogil:
@@ -585,7 +571,7 @@ cdef int _host_unregister(void* ctx, void* ptr) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._host_unregister(<intptr_t>ptr)
         except BaseException:
-            return _internal_error("host_unregister")
+            return internal_error("SimulatedRuntime.host_unregister")
 
 
 cdef int _host_alloc(void* ctx, void** ptr, size_t size, unsigned int flags) noexcept nogil:
@@ -593,7 +579,7 @@ cdef int _host_alloc(void* ctx, void** ptr, size_t size, unsigned int flags) noe
         try:
             return (<SimulatedRuntime>ctx)._host_alloc(ptr, size, flags)
         except BaseException:
-            return _internal_error("host_alloc")
+            return internal_error("SimulatedRuntime.host_alloc")
 
 
 cdef int _free_host(void* ctx, void* ptr) noexcept nogil:
@@ -601,7 +587,7 @@ cdef int _free_host(void* ctx, void* ptr) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._free_host(<intptr_t>ptr)
         except BaseException:
-            return _internal_error("free_host")
+            return internal_error("SimulatedRuntime.free_host")
 
 
 cdef int _get_last_error(void* ctx) noexcept nogil:
@@ -609,7 +595,7 @@ cdef int _get_last_error(void* ctx) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._get_last_error()
         except BaseException:
-            return _internal_error("get_last_error")
+            return internal_error("SimulatedRuntime.get_last_error")
 
 
 cdef int _peek_last_error(void* ctx) noexcept nogil:
@@ -617,7 +603,7 @@ cdef int _peek_last_error(void* ctx) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._peek_last_error()
         except BaseException:
-            return _internal_error("peek_last_error")
+            return internal_error("SimulatedRuntime.peek_last_error")
 
 
 cdef const char* _error_name(void* ctx, int code) noexcept nogil:
@@ -625,7 +611,7 @@ cdef const char* _error_name(void* ctx, int code) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._text(code, 0)
         except BaseException:
-            _internal_error("error_name")
+            internal_error("SimulatedRuntime.error_name")
             return NULL
 
 
@@ -634,7 +620,7 @@ cdef const char* _error_string(void* ctx, int code) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._text(code, 1)
         except BaseException:
-            _internal_error("error_string")
+            internal_error("SimulatedRuntime.error_string")
             return NULL
 
 
@@ -643,7 +629,7 @@ cdef int _runtime_version(void* ctx, int* value) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._get_int("runtime_version", value)
         except BaseException:
-            return _internal_error("runtime_version")
+            return internal_error("SimulatedRuntime.runtime_version")
 
 
 cdef int _driver_version(void* ctx, int* value) noexcept nogil:
@@ -651,7 +637,7 @@ cdef int _driver_version(void* ctx, int* value) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._get_int("driver_version", value)
         except BaseException:
-            return _internal_error("driver_version")
+            return internal_error("SimulatedRuntime.driver_version")
 
 
 cdef int _device_count(void* ctx, int* value) noexcept nogil:
@@ -659,7 +645,7 @@ cdef int _device_count(void* ctx, int* value) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._get_int("device_count", value)
         except BaseException:
-            return _internal_error("device_count")
+            return internal_error("SimulatedRuntime.device_count")
 
 
 cdef int _get_device(void* ctx, int* value) noexcept nogil:
@@ -667,7 +653,7 @@ cdef int _get_device(void* ctx, int* value) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._get_int("get_device", value)
         except BaseException:
-            return _internal_error("get_device")
+            return internal_error("SimulatedRuntime.get_device")
 
 
 cdef int _set_device(void* ctx, int device) noexcept nogil:
@@ -675,7 +661,7 @@ cdef int _set_device(void* ctx, int device) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._set_device(device)
         except BaseException:
-            return _internal_error("set_device")
+            return internal_error("SimulatedRuntime.set_device")
 
 
 cdef int _device_name(void* ctx, int device, char* name, size_t length) noexcept nogil:
@@ -683,7 +669,7 @@ cdef int _device_name(void* ctx, int device, char* name, size_t length) noexcept
         try:
             return (<SimulatedRuntime>ctx)._device_name(device, name, length)
         except BaseException:
-            return _internal_error("device_name")
+            return internal_error("SimulatedRuntime.device_name")
 
 
 cdef int _pointer_type(void* ctx, void* ptr, int* memory_type) noexcept nogil:
@@ -691,7 +677,7 @@ cdef int _pointer_type(void* ctx, void* ptr, int* memory_type) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._pointer_type(<intptr_t>ptr, memory_type)
         except BaseException:
-            return _internal_error("pointer_type")
+            return internal_error("SimulatedRuntime.pointer_type")
 
 
 cdef int _device_malloc(void* ctx, void** ptr, size_t size) noexcept nogil:
@@ -699,7 +685,7 @@ cdef int _device_malloc(void* ctx, void** ptr, size_t size) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._device_malloc(ptr, size)
         except BaseException:
-            return _internal_error("device_malloc")
+            return internal_error("SimulatedRuntime.device_malloc")
 
 
 cdef int _device_free(void* ctx, void* ptr) noexcept nogil:
@@ -707,7 +693,7 @@ cdef int _device_free(void* ctx, void* ptr) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._device_free(<intptr_t>ptr)
         except BaseException:
-            return _internal_error("device_free")
+            return internal_error("SimulatedRuntime.device_free")
 
 
 cdef int _memcpy_async(void* ctx, void* dst, const void* src, size_t size,
@@ -718,7 +704,7 @@ cdef int _memcpy_async(void* ctx, void* dst, const void* src, size_t size,
             code = (<SimulatedRuntime>ctx)._check_copy(<intptr_t>dst, <intptr_t>src,
                                                        size, kind, <intptr_t>stream)
         except BaseException:
-            return _internal_error("memcpy_async")
+            return internal_error("SimulatedRuntime.memcpy_async")
     # Synchronous, outside the GIL so that loader threads copy in parallel.
     if code == 0 and size != 0:
         memcpy(dst, src, size)
@@ -730,7 +716,7 @@ cdef int _stream_create(void* ctx, void** stream) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._stream_create(stream)
         except BaseException:
-            return _internal_error("stream_create")
+            return internal_error("SimulatedRuntime.stream_create")
 
 
 cdef int _stream_destroy(void* ctx, void* stream) noexcept nogil:
@@ -738,7 +724,7 @@ cdef int _stream_destroy(void* ctx, void* stream) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._stream_op("stream_destroy", <intptr_t>stream)
         except BaseException:
-            return _internal_error("stream_destroy")
+            return internal_error("SimulatedRuntime.stream_destroy")
 
 
 cdef int _stream_synchronize(void* ctx, void* stream) noexcept nogil:
@@ -746,7 +732,7 @@ cdef int _stream_synchronize(void* ctx, void* stream) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._stream_op("stream_synchronize", <intptr_t>stream)
         except BaseException:
-            return _internal_error("stream_synchronize")
+            return internal_error("SimulatedRuntime.stream_synchronize")
 
 
 cdef int _device_synchronize(void* ctx) noexcept nogil:
@@ -754,7 +740,7 @@ cdef int _device_synchronize(void* ctx) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._device_synchronize()
         except BaseException:
-            return _internal_error("device_synchronize")
+            return internal_error("SimulatedRuntime.device_synchronize")
 
 
 cdef int _event_create(void* ctx, void** event) noexcept nogil:
@@ -762,7 +748,7 @@ cdef int _event_create(void* ctx, void** event) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._event_create(event)
         except BaseException:
-            return _internal_error("event_create")
+            return internal_error("SimulatedRuntime.event_create")
 
 
 cdef int _event_destroy(void* ctx, void* event) noexcept nogil:
@@ -770,7 +756,7 @@ cdef int _event_destroy(void* ctx, void* event) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._event_op("event_destroy", <intptr_t>event, 0)
         except BaseException:
-            return _internal_error("event_destroy")
+            return internal_error("SimulatedRuntime.event_destroy")
 
 
 cdef int _event_record(void* ctx, void* event, void* stream) noexcept nogil:
@@ -779,7 +765,7 @@ cdef int _event_record(void* ctx, void* event, void* stream) noexcept nogil:
             return (<SimulatedRuntime>ctx)._event_op("event_record", <intptr_t>event,
                                                      <intptr_t>stream)
         except BaseException:
-            return _internal_error("event_record")
+            return internal_error("SimulatedRuntime.event_record")
 
 
 cdef int _event_synchronize(void* ctx, void* event) noexcept nogil:
@@ -787,7 +773,7 @@ cdef int _event_synchronize(void* ctx, void* event) noexcept nogil:
         try:
             return (<SimulatedRuntime>ctx)._event_op("event_synchronize", <intptr_t>event, 0)
         except BaseException:
-            return _internal_error("event_synchronize")
+            return internal_error("SimulatedRuntime.event_synchronize")
 
 
 include "_table.pxi"   # _fill_table: every entry from the adapters above

@@ -2,7 +2,7 @@
 """StagingBuffer: the allocation state machine.
 
 A large pinned host buffer that survives drivers refusing big
-registrations.  The steps are those of DESIGN.md, one method each, entered
+registrations.  The steps are those of docs/design.md, one method each, entered
 only after the previous one failed:
 
     1. allocate          page-aligned ordinary memory (mmap), exactly `size`
@@ -23,6 +23,7 @@ cannot surface later in an unrelated call of the caller's.
 cimport cython
 
 import logging
+import math
 import os
 import sys
 import time
@@ -37,10 +38,11 @@ from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, MAP_PRIVATE,
                          MAP_ANONYMOUS, PROT_READ, PROT_WRITE, MADV_HUGEPAGE)
 from posix.unistd cimport getpid, sysconf, _SC_PAGESIZE
 
-from instant_staging._runtime cimport Runtime, RuntimeTable
+from instant_staging._runtime cimport ERROR_RUNTIME_UNLOADING, Runtime, RuntimeTable
 
-from instant_staging._types import (Attempt, Kind, RollbackError, StagingError,
-                                    format_size)
+from instant_staging._types import (Attempt, Kind, ReleaseError, RollbackError,
+                                    StagingError, format_size)
+from instant_staging.runtime import API_NAMES
 
 logger = logging.getLogger("instant_staging")
 
@@ -49,26 +51,9 @@ cdef size_t HUGE_PAGE = 2 << 20
 from instant_staging.defaults import (MAX_PREFAULT_THREADS, SEGMENT_SIZE as DEFAULT_SEGMENT_SIZE,
                                        usable_cpus)
 
-# cudaErrorCudartUnloading / hipErrorDeinitialized: the runtime is being
-# torn down at exit; a release that meets it stays quiet.
-cdef int ERROR_RUNTIME_UNLOADING = 4
 
 _KINDS = {KIND_REGISTERED: Kind.REGISTERED, KIND_SEGMENTED: Kind.SEGMENTED,
           KIND_RUNTIME_PINNED: Kind.RUNTIME_PINNED, KIND_PAGEABLE: Kind.PAGEABLE}
-
-
-def _api_names():
-    """The runtime's own call names, for messages."""
-    try:
-        from instant_staging._build_config import BACKEND
-    except ImportError:
-        BACKEND = "cuda"
-    if BACKEND == "rocm":
-        return {"register": "hipHostRegister", "alloc": "hipHostMalloc"}
-    return {"register": "cudaHostRegister", "alloc": "cudaHostAlloc"}
-
-
-_API = _api_names()
 
 
 # -- argument checking: everything is rejected before anything is allocated --
@@ -92,13 +77,6 @@ def _check_flags(name, value):
         raise ValueError(f"{name} must fit in 32 bits, got {value:#x}")
 
 
-def _gcd(a, b):
-    while b:
-        a, b = b, a % b
-    return a
-
-
-
 def auto_prefault_threads(size_t size):
     """How many threads prefault `size` bytes when prefault_threads=None.
 
@@ -107,7 +85,7 @@ def auto_prefault_threads(size_t size):
     host stopped gaining) and at most the CPUs this process may run on; and
     none where that comes to fewer than two: on the H200 host one thread
     writing each page took 1.12 s for 2 GiB where the registration faulting
-    the pages itself took 0.70 s, two threads 0.62 s (FIELD_NOTES.md).
+    the pages itself took 0.70 s, two threads 0.62 s (docs/design.md, "Measured").
     """
     env = os.environ.get("INSTANT_STAGING_PREFAULT_THREADS", "").strip()
     if env:
@@ -302,59 +280,92 @@ cdef class StagingBuffer:
             alignment = max(alignment, HUGE_PAGE)
         self._runtime = runtime
         self._attempts = []
-        self._segments = []
-        self._run(alignment, threads, bool(hugepages), register_flags,
-                  alloc_flags, bool(allow_pageable))
-        _live.add(self)
+        self._retained = []
+        try:
+            self._run(alignment, threads, bool(hugepages), register_flags,
+                      alloc_flags, bool(allow_pageable))
+            _live.add(self)
+        except BaseException:
+            # Whatever was reached, and only that: the registrations newest
+            # first, then the mapping or the runtime allocation.
+            self._release(False)
+            raise
 
-    # -- the state machine ---------------------------------------------------
+    # -- the state machine (the life cycle of _staging.pxd) ------------------
 
-    def _run(self, size_t alignment, int threads, bint hugepages,
-             unsigned int register_flags, unsigned int alloc_flags,
-             bint allow_pageable):
-        self._step_allocate(alignment)
+    cdef int _run(self, size_t alignment, int threads, bint hugepages,
+                  unsigned int register_flags, unsigned int alloc_flags,
+                  bint allow_pageable) except -1:
+        cdef int code
+        # 1. allocate: page-aligned ordinary memory of exactly `size` bytes.
+        code = self._step_allocate(alignment)
+        if code != 0:
+            raise StagingError(f"could not allocate {format_size(self._size)} of host memory: "
+                               f"{os.strerror(code)}", self._attempts)
+        # 2. prefault: an optimisation; a failure leaves the pages to step 3.
         self._step_prefault(threads, hugepages)
-        cdef int code = self._step_register(register_flags)
+        # 3. register: the whole range at once.
+        code = self._step_register(register_flags)
         if code == 0:
             self._kind = KIND_REGISTERED
-            return
+            return 0
+        # 4. register_segment, skipped when it would repeat step 3.
         if self._size > self._segment_size:
             logger.warning(
                 "%s of %s failed with %s; retrying as %d segments of %s "
                 "(segment_size= changes the segment size)",
-                _API["register"], format_size(self._size), self._describe(code),
+                API_NAMES["register"], format_size(self._size), self._describe(code),
                 (self._size + self._segment_size - 1) // self._segment_size,
                 format_size(self._segment_size))
-            if self._step_register_segments(register_flags):
+            code = self._step_register_segments(register_flags)
+            if code == 0:
                 self._kind = KIND_SEGMENTED
-                return
+                return 0
+            # 5. rollback: a segment failed; undo the ones registered.
+            failed_offset = self._nregistered * self._unit
+            count = self._nregistered
+            if self._step_rollback() != 0:
+                raise RollbackError(
+                    f"segment at offset {failed_offset} failed with {self._describe(code)} "
+                    f"and rolling back {count} segment(s) failed for {len(self._retained)}; "
+                    f"the buffer's memory is retained, still registered: "
+                    + ", ".join(f"{p:#x}+{format_size(n)}" for p, n in self._retained),
+                    self._attempts, retained_ranges=self._retained)
+        # 6. runtime_alloc: free the ordinary memory, then the runtime's own.
         self._unmap()
-        if self._step_runtime_alloc(alloc_flags):
+        logger.warning(
+            "%s could not pin %s (%s); falling back to %s of the same size",
+            API_NAMES["register"], format_size(self._size), self._last_failure(),
+            API_NAMES["alloc"])
+        if self._step_runtime_alloc(alloc_flags) == 0:
             self._kind = KIND_RUNTIME_PINNED
-            return
-        if allow_pageable and self._step_pageable(alignment):
-            self._kind = KIND_PAGEABLE
-            return
+            return 0
+        # 7. pageable: ordinary memory again, only when the caller accepts it.
+        if allow_pageable:
+            logger.warning(
+                "no pinned memory for %s (%s); using pageable memory: host-to-device "
+                "copies will be several times slower (allow_pageable=False makes this an error)",
+                format_size(self._size), self._last_failure())
+            if self._step_pageable(alignment) == 0:
+                self._kind = KIND_PAGEABLE
+                return 0
         raise StagingError(self._failure_message(allow_pageable), self._attempts)
 
-    def _step_allocate(self, size_t alignment):
-        """Step 1: page-aligned ordinary memory of exactly `size` bytes."""
+    cdef int _step_allocate(self, size_t alignment) except -1:
+        """Step 1: page-aligned ordinary memory of exactly `size` bytes; 0 or an errno."""
         cdef double t0 = time.perf_counter()
-        cdef size_t mapped = 0
         cdef int err = 0
         with nogil:
-            self._ptr = _map(self._size, alignment, &mapped)
+            self._ptr = _map(self._size, alignment, &self._map_size)
             if self._ptr == NULL:
                 err = errno
-        self._map_size = mapped
-        self._record("allocate", self._ptr != NULL, 0, os.strerror(err) if err else "",
-                     0, self._size, t0)
-        if self._ptr == NULL:
-            raise StagingError(f"could not allocate {format_size(self._size)} of host memory: "
-                               f"{os.strerror(err)}", self._attempts)
+        self._unit = self._size
+        self._nranges = 1
+        self._record("allocate", err == 0, 0, os.strerror(err) if err else "", 0, self._size, t0)
+        return err
 
-    def _step_prefault(self, int threads, bint hugepages):
-        """Step 2: fault the pages in with threads; failure is not fatal."""
+    cdef int _step_prefault(self, int threads, bint hugepages) except -1:
+        """Step 2: fault the pages in with threads; 0 or an errno (not fatal)."""
         cdef double t0 = time.perf_counter()
         cdef int rc = 0
         if hugepages:
@@ -365,116 +376,104 @@ cdef class StagingBuffer:
                 logger.info("MADV_HUGEPAGE refused (%s); continuing with 4 KiB pages",
                             os.strerror(errno))
         if threads <= 0:
-            return
+            return 0
         with nogil:
             rc = _prefault(self._ptr, self._size, threads)
-        self._record("prefault", rc == 0, 0, os.strerror(rc) if rc else "", 0,
-                     self._size, t0)
+        self._record("prefault", rc == 0, 0, os.strerror(rc) if rc else "", 0, self._size, t0)
+        return rc
 
-    def _step_register(self, unsigned int flags):
-        """Step 3: one registration of the whole range (the fast path)."""
-        code = self._register(0, self._size, flags, "register")
-        if code == 0:
-            self._segments.append((0, self._size))
-        return code
+    cdef int _step_register(self, unsigned int flags) except -1:
+        """Step 3: one registration of the whole range; 0 or the runtime's code."""
+        self._unit = self._size
+        self._nranges = 1
+        return self._register_next(flags, "register")
 
-    def _step_register_segments(self, unsigned int flags):
-        """Step 4: adjacent segments; step 5 (rollback) if one fails."""
-        cdef size_t offset = 0
-        cdef size_t length
-        while offset < self._size:
-            length = min(self._segment_size, self._size - offset)
-            code = self._register(offset, length, flags, "register_segment")
+    cdef int _step_register_segments(self, unsigned int flags) except -1:
+        """Step 4: adjacent segments; 0, or the code of the segment that failed
+        (at offset _nregistered * _unit, the others still registered)."""
+        cdef int code
+        self._unit = self._segment_size
+        self._nranges = (self._size + self._unit - 1) // self._unit
+        while self._nregistered < self._nranges:
+            code = self._register_next(flags, "register_segment")
             if code != 0:
-                self._step_rollback(offset, code)
-                return False
-            self._segments.append((offset, length))
-            offset += length
-        return True
+                return code
+        return 0
 
-    def _step_rollback(self, size_t failed_offset, int failed_code):
-        """Step 5: unregister every registered segment, newest first."""
-        cdef list retained = []
-        for offset, length in reversed(self._segments):
-            if self._unregister(offset, length, "rollback") != 0:
-                retained.append((<intptr_t>self._ptr + offset, length))
-        count = len(self._segments)
-        self._segments = []
-        if retained:
-            # Never free memory that may still be registered: retain it.
-            self._ptr = NULL
-            self._map_size = 0
-            raise RollbackError(
-                f"segment at offset {failed_offset} failed with {self._describe(failed_code)} "
-                f"and rolling back {count} segment(s) failed for {len(retained)}; "
-                f"the buffer's memory is retained, still registered: "
-                + ", ".join(f"{p:#x}+{format_size(n)}" for p, n in retained),
-                self._attempts, retained_ranges=retained[::-1])
+    cdef int _step_rollback(self) except -1:
+        """Step 5: unregister every registered segment, newest first; 0, or
+        the number of ranges left registered (then the memory is retained)."""
+        while self._nregistered > 0:
+            self._unregister_newest("rollback")
+        self._unit = self._size
+        self._nranges = 1
+        return len(self._retained)
 
-    def _step_runtime_alloc(self, unsigned int flags):
-        """Step 6: the runtime's own pinned allocation of the same size."""
+    cdef int _step_runtime_alloc(self, unsigned int flags) except -1:
+        """Step 6: the runtime's own pinned allocation; 0 or the runtime's code."""
         cdef RuntimeTable* rt = &self._runtime.table
         cdef void* ptr = NULL
         cdef int code
         cdef size_t size = self._size
-        logger.warning(
-            "%s could not pin %s (%s); falling back to %s of the same size",
-            _API["register"], format_size(self._size), self._last_failure(),
-            _API["alloc"])
         cdef double t0 = time.perf_counter()
         with nogil:
             code = rt.host_alloc(rt.ctx, &ptr, size, flags)
-        self._record("runtime_alloc", code == 0, code, self._name(code), 0, size, t0)
+            if code == 0:
+                self._ptr = <char*>ptr
+                self._host_alloc = True
         if code != 0:
             self._clear_error()
-            return False
-        self._ptr = <char*>ptr
-        self._segments = [(0, self._size)]
-        return True
+        self._record("runtime_alloc", code == 0, code, self._name(code), 0, size, t0)
+        return code
 
-    def _step_pageable(self, size_t alignment):
-        """Step 7 (allow_pageable=True): ordinary memory, not pinned."""
-        logger.warning(
-            "no pinned memory for %s (%s); using pageable memory: host-to-device "
-            "copies will be several times slower (allow_pageable=False makes this an error)",
-            format_size(self._size), self._last_failure())
+    cdef int _step_pageable(self, size_t alignment) except -1:
+        """Step 7 (allow_pageable=True): ordinary memory, not pinned; 0 or an errno."""
         cdef double t0 = time.perf_counter()
-        cdef size_t mapped = 0
+        cdef int err = 0
         with nogil:
-            self._ptr = _map(self._size, alignment, &mapped)
-        self._map_size = mapped
-        self._record("pageable", self._ptr != NULL, 0, "" if self._ptr != NULL else "ENOMEM",
-                     0, self._size, t0)
-        if self._ptr == NULL:
-            return False
-        self._segments = [(0, self._size)]
-        return True
+            self._ptr = _map(self._size, alignment, &self._map_size)
+            if self._ptr == NULL:
+                err = errno
+        self._record("pageable", err == 0, 0, os.strerror(err) if err else "", 0, self._size, t0)
+        return err
 
     # -- one runtime call each, recorded as an Attempt -----------------------
 
-    cdef int _register(self, size_t offset, size_t length, unsigned int flags, str step) except? -1:
+    cdef int _register_next(self, unsigned int flags, str step) except -1:
+        # Registers range _nregistered; the count moves before any Python runs.
         cdef RuntimeTable* rt = &self._runtime.table
+        cdef size_t offset = self._nregistered * self._unit
+        cdef size_t length = min(self._unit, self._size - offset)
         cdef void* ptr = self._ptr + offset
         cdef int code
         cdef double t0 = time.perf_counter()
         with nogil:
             code = rt.host_register(rt.ctx, ptr, length, flags)
+            if code == 0:
+                self._nregistered += 1
+            else:
+                rt.get_last_error(rt.ctx)  # same runtime instance, same thread
         self._record(step, code == 0, code, self._name(code), offset, length, t0)
-        if code != 0:
-            self._clear_error()
         return code
 
-    cdef int _unregister(self, size_t offset, size_t length, str step) except? -1:
+    cdef int _unregister_newest(self, str step) except -1:
+        # Unregisters range _nregistered - 1; a failure retains the memory.
         cdef RuntimeTable* rt = &self._runtime.table
+        cdef size_t offset = (self._nregistered - 1) * self._unit
+        cdef size_t length = min(self._unit, self._size - offset)
         cdef void* ptr = self._ptr + offset
         cdef int code
         cdef double t0 = time.perf_counter()
         with nogil:
             code = rt.host_unregister(rt.ctx, ptr)
+            self._nregistered -= 1
+            if code != 0:
+                self._retain = True
+                rt.get_last_error(rt.ctx)
+        if code != 0:
+            self._retained.insert(0, (<intptr_t>ptr, length))
         if step is not None:
             self._record(step, code == 0, code, self._name(code), offset, length, t0)
-        if code != 0:
-            self._clear_error()
         return code
 
     cdef void _clear_error(self) noexcept:
@@ -484,15 +483,19 @@ cdef class StagingBuffer:
             rt.get_last_error(rt.ctx)
 
     cdef void _unmap(self) noexcept:
-        if self._ptr != NULL and self._map_size:
+        cdef char* ptr = self._ptr
+        cdef size_t length = self._map_size
+        if ptr != NULL and length and not self._retain:
+            self._map_size = 0
+            self._ptr = NULL
             with nogil:
-                munmap(self._ptr, self._map_size)
-        self._ptr = NULL
-        self._map_size = 0
+                munmap(ptr, length)
 
-    def _record(self, step, ok, code, name, offset, size, t0):
-        self._attempts.append(Attempt(step, bool(ok), code, name, offset, size,
+    cdef int _record(self, str step, bint ok, int code, str name, size_t offset,
+                     size_t size, double t0) except -1:
+        self._attempts.append(Attempt(step, ok, code, name, offset, size,
                                       time.perf_counter() - t0))
+        return 0
 
     def _name(self, int code):
         return self._runtime.error_name(code) if code else ""
@@ -511,64 +514,66 @@ cdef class StagingBuffer:
                 "allow_pageable=True accepts unpinned memory, several times slower to copy")
         return f"no staging buffer of {format_size(self._size)}: {steps}; {hint}"
 
-    # -- release: exactly once, by the recorded kind -------------------------
+    # -- release: what is held, exactly once ---------------------------------
 
     cdef object _release(self, bint raise_errors, bint dealloc=False):
-        if self._released or self._kind == KIND_NONE:
-            self._released = True
+        # Every resource is freed before any Python code runs (an exception
+        # there, KeyboardInterrupt included, leaves nothing held).
+        if self._released:
             return None
         self._released = True   # set before any GIL release: one releaser wins
+        cdef RuntimeTable* rt
+        cdef int code = 0
+        cdef list retained = []
+        cdef list codes = []
+        cdef char* ptr = self._ptr
+        if getpid() != self._owner_pid:
+            # The registration belongs to the parent's process; the child only
+            # drops its own copy of the mapping and makes no runtime call.
+            self._nregistered = 0
+            self._host_alloc = False
+            self._ptr = NULL
+        else:
+            while self._nregistered > 0:
+                code = self._unregister_newest(None)
+                if code != 0:
+                    codes.append(code)
+            if self._retain:
+                retained = self._retained
+            elif self._host_alloc:
+                rt = &self._runtime.table
+                with nogil:
+                    code = rt.free_host(rt.ctx, ptr)
+                self._host_alloc = False
+                if code != 0:
+                    self._clear_error()
+                    self._retain = True
+                    retained = [(<intptr_t>ptr, self._size)]
+                    codes.append(code)
+        if self._retain:
+            self._ptr = NULL       # leaked on purpose: never freed while registered
+            self._map_size = 0
+        self._unmap()
+        self._ptr = NULL
         if not dealloc:
             # (In __dealloc__ the weak reference is already gone; a new one
             # to a dying object must not be made.)
             _live.discard(self)
-        if getpid() != self._owner_pid:
-            return self._release_in_fork_child()
-        cdef RuntimeTable* rt = &self._runtime.table
-        cdef int code = 0
-        cdef list retained = []
-        cdef list codes = []
-        if self._kind in (KIND_REGISTERED, KIND_SEGMENTED):
-            for offset, length in reversed(self._segments):
-                code = self._unregister(offset, length, None)
-                if code != 0:
-                    codes.append(code)
-                    retained.append((<intptr_t>self._ptr + offset, length))
-            if retained:
-                return self._leak(retained, codes, raise_errors)
-            self._unmap()
-        elif self._kind == KIND_RUNTIME_PINNED:
-            with nogil:
-                code = rt.free_host(rt.ctx, self._ptr)
-            if code != 0:
-                self._clear_error()
-                return self._leak([(<intptr_t>self._ptr, self._size)], [code], raise_errors)
-            self._ptr = NULL
-        else:
-            self._unmap()
+        if codes:
+            return self._report_leak(retained, codes, raise_errors)
         return None
 
-    cdef object _release_in_fork_child(self):
-        # The registration belongs to the parent's process; the child only
-        # drops its own copy of the mapping and makes no runtime call.
-        if self._kind == KIND_RUNTIME_PINNED:
-            self._ptr = NULL
-        else:
-            self._unmap()
-        return None
-
-    cdef object _leak(self, list retained, list codes, bint raise_errors):
-        # Never free memory that may still be registered.
-        self._ptr = NULL
-        self._map_size = 0
+    cdef object _report_leak(self, list retained, list codes, bint raise_errors):
+        # The runtime torn down at exit (ERROR_RUNTIME_UNLOADING), or the
+        # interpreter finalizing: a release that meets it stays quiet.
         if all(c == ERROR_RUNTIME_UNLOADING for c in codes) or sys.is_finalizing():
-            return None  # interpreter shutdown: the runtime is gone
+            return None
         names = ", ".join(sorted({self._runtime.error_name(c) for c in codes}))
-        message = (f"releasing a {format_size(self._size)} {_KINDS[self._kind].name} staging buffer "
+        kind = _KINDS[self._kind].name if self._kind != KIND_NONE else "partly built"
+        message = (f"releasing a {format_size(self._size)} {kind} staging buffer "
                    f"failed with {names}; its memory is leaked on purpose: "
                    + ", ".join(f"{p:#x}+{format_size(n)}" for p, n in retained))
-        error = StagingError(message, code=codes[-1])
-        error.retained_ranges = tuple(retained)
+        error = ReleaseError(message, code=codes[-1], retained_ranges=retained)
         if raise_errors:
             raise error
         logger.error("%s", message)
@@ -599,7 +604,9 @@ cdef class StagingBuffer:
         return False
 
     def __dealloc__(self):
-        if self._released or self._kind == KIND_NONE:
+        # Not the kind: what is held decides (a buffer whose __init__ was
+        # interrupted holds memory with no kind yet).
+        if self._released:
             return
         try:
             self._release(False, True)
@@ -648,8 +655,11 @@ cdef class StagingBuffer:
 
     @property
     def segments(self):
-        """((offset, size), ...): one entry unless SEGMENTED."""
-        return tuple(self._segments)
+        """((offset, size), ...): one entry unless SEGMENTED (kept after close)."""
+        if self._kind == KIND_NONE:
+            return ()
+        return tuple((i * self._unit, min(self._unit, self._size - i * self._unit))
+                     for i in range(self._nranges))
 
     @property
     def attempts(self):
@@ -676,7 +686,7 @@ cdef class StagingBuffer:
         cdef list out = []
         end = offset + nbytes
         base = <intptr_t>self._ptr
-        for seg_offset, seg_size in self._segments:
+        for seg_offset, seg_size in self.segments:
             lo = max(offset, seg_offset)
             hi = min(end, seg_offset + seg_size)
             if lo < hi:
@@ -711,7 +721,7 @@ def _segment_for_copy_unit(segment_size, copy_unit):
     _int_arg("copy_unit", copy_unit, 1)
     if copy_unit > segment_size:
         raise ValueError(f"copy_unit ({copy_unit}) must not be larger than segment_size ({segment_size})")
-    unit = copy_unit * PAGE // _gcd(copy_unit, PAGE)
+    unit = copy_unit * PAGE // math.gcd(copy_unit, PAGE)
     rounded = segment_size // unit * unit
     if rounded == 0:
         raise ValueError(f"no segment size <= {segment_size} is a multiple of both copy_unit "

@@ -17,7 +17,7 @@ class Kind(enum.Enum):
         return self is not Kind.PAGEABLE
 
 
-# The steps of DESIGN.md, in the order the state machine may enter them.
+# The steps of docs/design.md, in the order the state machine may enter them.
 STEPS = ("allocate", "prefault", "register", "register_segment", "rollback",
          "runtime_alloc", "pageable")
 
@@ -38,14 +38,10 @@ class Attempt(NamedTuple):
     size: int = 0
     seconds: float = 0.0
 
-    def describe(self) -> str:
-        result = "ok" if self.ok else f"failed: {self.name or self.code}"
-        return (f"{self.step:<17} [{self.offset:#x}, +{format_size(self.size)}] "
-                f"{result} ({self.seconds * 1e3:.1f} ms)")
-
 
 class StagingError(RuntimeError):
-    """No staging buffer could be made; ``attempts`` says what was tried."""
+    """No staging buffer could be made; ``attempts`` says what was tried,
+    ``code`` is the last runtime code (0 where no runtime call failed)."""
 
     def __init__(self, message: str, attempts: Tuple[Attempt, ...] = (),
                  code: Optional[int] = None):
@@ -56,17 +52,55 @@ class StagingError(RuntimeError):
             code = codes[-1] if codes else 0
         self.code = code
 
+    def __reduce__(self):
+        # Multi-rank loaders send errors between processes: every attribute
+        # survives pickling (the default would call __init__(message) only).
+        return (type(self), (str(self), self.attempts, self.code))
+
 
 class RollbackError(StagingError):
     """A segmented registration failed and undoing it failed too.
 
     The memory is retained (never freed while it may still be registered);
-    ``retained_ranges`` are the ``(ptr, size)`` ranges still registered.
+    ``retained_ranges`` are the ``(ptr, size)`` ranges still registered,
+    oldest first (ascending address), as in ReleaseError.
     """
 
     def __init__(self, message: str, attempts=(), code=None, retained_ranges=()):
         super().__init__(message, attempts, code)
-        self.retained_ranges = tuple(tuple(r) for r in retained_ranges)
+        self.retained_ranges = tuple((int(p), int(n)) for p, n in retained_ranges)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.attempts, self.code, self.retained_ranges))
+
+
+class ReleaseError(StagingError):
+    """Releasing a buffer failed: the runtime refused to unregister (or to
+    free) its memory, which is leaked on purpose, never freed while it may
+    still be registered.  ``retained_ranges`` are the ``(ptr, size)``
+    ranges left, oldest first (ascending address), as in RollbackError;
+    ``code`` is the runtime's last code.
+    """
+
+    def __init__(self, message: str, attempts=(), code=None, retained_ranges=()):
+        super().__init__(message, attempts, code)
+        self.retained_ranges = tuple((int(p), int(n)) for p, n in retained_ranges)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.attempts, self.code, self.retained_ranges))
+
+
+class RuntimeCallError(RuntimeError):
+    """A runtime call made from Python failed (``Runtime.check``): ``call``
+    names it, ``code`` and ``name`` are the runtime's own.  The pending
+    error was cleared on the same runtime before this was raised."""
+
+    def __init__(self, call: str, code: int, name: str):
+        super().__init__(f"{call} failed with {name} ({code})")
+        self.call, self.code, self.name = call, code, name
+
+    def __reduce__(self):
+        return (type(self), (self.call, self.code, self.name))
 
 
 _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))

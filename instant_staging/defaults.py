@@ -16,7 +16,7 @@ STAGING_SIZE = 2 << 30
 SEGMENT_SIZE = 256 << 20
 
 # Bytes per read and per host-to-device copy: 8 MiB copies already move
-# 54.5 GB/s of the link's ~55 (FIELD notes in docs/design.md).
+# 54.5 GB/s of the link's ~55 (docs/design.md, "Measured").
 CHUNK_SIZE = 8 << 20
 
 # Chunks in flight: the staging buffer of a load holds io_depth * chunk_size.

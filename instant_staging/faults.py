@@ -1,6 +1,6 @@
 """Fault plans: which runtime calls (and loader reads and copies) fail, and how.
 
-A plan is parsed from the spec of DESIGN.md ("Faults"), the value of
+A plan is parsed from the spec of docs/design.md ("Faults"), the value of
 ``INSTANT_STAGING_FAULTS``::
 
     SPEC  := RULE (";" RULE)*
@@ -23,8 +23,8 @@ of each load and ``copy#N`` its N-th piece (the part of one tensor in one
 chunk), both in reading order (file, then offset); ``>SIZE`` compares the
 chunk's or the piece's length.  A load takes them from its staging
 buffer's runtime (a FaultyRuntime's or SimulatedRuntime's plan), else from
-``INSTANT_STAGING_FAULTS``.  Pure Python, so it can be used (and tested)
-without anything compiled.
+``INSTANT_STAGING_FAULTS``.  Python, apart from the error codes it takes
+from ``_runtime`` (the one table of them).
 """
 
 import errno
@@ -33,6 +33,7 @@ import re
 import threading
 from typing import Iterable, NamedTuple, Optional, Tuple
 
+from instant_staging._runtime import ERROR_CODES
 from instant_staging._types import parse_size
 
 __all__ = ["ENV_VAR", "ERROR_CODES", "OPERATIONS", "SHORT_READ", "FaultPlan", "FaultRule", "as_plan"]
@@ -47,15 +48,8 @@ OPERATIONS = ("register", "unregister", "host_alloc", "free_host", "read", "copy
 # are positive, so the code cannot be mistaken for one.
 SHORT_READ = -1
 
-# Error names a rule may use; the codes are CUDA's and HIP's (they agree).
-ERROR_CODES = {
-    "invalid_value": 1,
-    "memory_allocation": 2,
-    "no_device": 100,
-    "already_registered": 712,
-    "not_registered": 713,
-    "not_supported": 801,
-}
+# ERROR_CODES: the error names a rule may use; the codes are CUDA's and
+# HIP's (they agree), tabled once in _runtime.pxd.
 _ERROR_NAMES = {code: name for name, code in ERROR_CODES.items()}
 
 _INT_MAX = (1 << 31) - 1           # codes travel as a C int

@@ -13,14 +13,21 @@ import threading
 
 from ._build_config import BACKEND
 
+# The runtime's own names of the calls the state machine makes (for
+# messages), and the compiled module of each backend: defined here once.
+_BACKENDS = {
+    "cuda": ("instant_staging._cuda", {"register": "cudaHostRegister", "alloc": "cudaHostAlloc"}),
+    "rocm": ("instant_staging._hip", {"register": "hipHostRegister", "alloc": "hipHostMalloc"}),
+}
+API_NAMES = _BACKENDS[BACKEND][1]
+
 _lock = threading.Lock()
 _wrapped = {}
 
 
 def backend_module():
     """The compiled module that fills the runtime table for this build."""
-    return importlib.import_module("instant_staging._cuda" if BACKEND == "cuda"
-                                   else "instant_staging._hip")
+    return importlib.import_module(_BACKENDS[BACKEND][0])
 
 
 def real_runtime():

@@ -1,8 +1,38 @@
-"""Shared test setup: GPU tests skip cleanly on a machine without a device."""
+"""Shared test setup: the sizes and the buffer factory the suites share,
+and GPU tests that skip cleanly on a machine without a device."""
 
 import functools
+import mmap
 
 import pytest
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+PAGE = mmap.PAGESIZE
+SEG = 4 * PAGE                  # small segments: many registrations
+SIZE = 10 * PAGE + 100          # three segments of SEG, the last one short
+
+# The fault spec that makes the SimulatedRuntime reach each kind (by name).
+# Size rules rather than #N rules where threads share one runtime: which
+# call fails must not depend on how they interleave.
+KIND_FAULTS = {
+    "REGISTERED": None,
+    "SEGMENTED": "register#1=invalid_value",
+    "RUNTIME_PINNED": "register=invalid_value",
+    "PAGEABLE": "register=invalid_value;host_alloc=memory_allocation",
+}
+
+
+def make(faults=None, size=SIZE, **kw):
+    """(SimulatedRuntime(faults), StagingBuffer(size) on it); segments of SEG,
+    no prefault threads unless the caller says otherwise."""
+    import instant_staging as ist
+    from instant_staging.testing import SimulatedRuntime
+    rt = SimulatedRuntime(faults=faults)
+    kw.setdefault("segment_size", SEG)
+    kw.setdefault("prefault_threads", 0)
+    return rt, ist.StagingBuffer(size, runtime=rt, **kw)
 
 
 @functools.lru_cache(maxsize=None)

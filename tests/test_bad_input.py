@@ -1,6 +1,6 @@
 """Every rejected value and its message, table-driven.
 
-DESIGN.md "Bad input": a clear error before anything is allocated,
+docs/design.md "Bad input": a clear error before anything is allocated,
 TypeError for a wrong type, ValueError for a wrong value.  Each row asserts
 the exception, a fragment of its message, and that nothing was allocated:
 the SimulatedRuntime saw no call, its live counters are 0, and no
@@ -10,7 +10,6 @@ INSTANT_STAGING_PREFAULT_THREADS), and spans().
 """
 
 import gc
-import mmap
 
 import pytest
 
@@ -18,10 +17,8 @@ import instant_staging as ist
 from instant_staging.testing import FaultPlan, SimulatedRuntime, inject_faults
 
 from _child import run_child
+from conftest import PAGE, SEG, SIZE
 
-PAGE = mmap.PAGESIZE
-SEG = 4 * PAGE
-SIZE = 10 * PAGE + 100          # three segments, the last one short
 BIG = 2 ** 64                   # one past size_t
 
 

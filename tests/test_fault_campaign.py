@@ -29,7 +29,6 @@ or ``long`` (20,000).
 import ctypes
 import logging
 import math
-import mmap
 import os
 import re
 from typing import NamedTuple
@@ -44,8 +43,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,  
 
 import instant_staging as ist  # noqa: E402
 from instant_staging.testing import FaultPlan, SimulatedRuntime  # noqa: E402
+from conftest import PAGE
 
-PAGE = mmap.PAGESIZE
 
 # The profiles live here (tests/conftest.py is shared): "ci" is what plain
 # `pytest` runs, "long" a soak of the grammar and the state machine.
@@ -197,7 +196,7 @@ class Outcome(NamedTuple):
 
 
 def predict(oracle, size, seg, threads, allow_pageable):
-    """What the state machine of DESIGN.md must do under these faults."""
+    """What the state machine of docs/design.md must do under these faults."""
     att = [("allocate", True, 0, 0, size)]
     if threads:
         att.append(("prefault", True, 0, 0, size))
@@ -259,7 +258,7 @@ def predict_release(oracle, outcome):
 # -- checks shared by the tests ------------------------------------------------
 
 def kind_from_attempts(attempts):
-    """The kind the attempts justify, read as DESIGN.md states it."""
+    """The kind the attempts justify, read as docs/design.md states it."""
     steps = [(a.step, a.ok) for a in attempts]
     if ("register", True) in steps:
         return ist.Kind.REGISTERED

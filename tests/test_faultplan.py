@@ -6,10 +6,12 @@ import threading
 
 import pytest
 
+import instant_staging as ist
 from instant_staging.testing import (FaultPlan, FaultRule, FaultyRuntime, SimulatedRuntime,
                                      inject_faults)
 
-GiB = 1 << 30
+from conftest import GiB
+
 
 
 def host_buffer(size):
@@ -276,7 +278,7 @@ def test_calls_after_nth_pass_through():
 
 
 def test_segment_and_rollback_failure_scenario():
-    # DESIGN.md: a segment fails and its rollback fails too.
+    # docs/design.md: a segment fails and its rollback fails too.
     sim = SimulatedRuntime()
     rt = inject_faults(sim, "register#4=invalid_value;unregister#1=invalid_value")
     seg = 4096
@@ -448,3 +450,33 @@ def test_simulated_with_faults_makes_no_reference_cycle():
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+# -- a broken plan fails closed ---------------------------------------------------
+
+class BrokenPlan(FaultPlan):
+    """A plan whose decision raises (a bug in a custom plan)."""
+
+    def decide(self, op, size=0):
+        raise RuntimeError("broken plan")
+
+
+@pytest.mark.parametrize("wrap", ["inject_faults", "simulated"])
+def test_a_plan_that_raises_fails_the_call_instead_of_passing_it_through(wrap, capfd):
+    plan = BrokenPlan.parse("register#99=invalid_value")
+    inner = SimulatedRuntime()
+    rt = inject_faults(inner, plan) if wrap == "inject_faults" else SimulatedRuntime(faults=plan)
+    counted = inner if wrap == "inject_faults" else rt
+    code = rt.host_register(0x10000, 4096)
+    assert code == 999 and rt.error_name(code).endswith("ErrorUnknown")
+    assert rt.get_last_error() == 999 and rt.get_last_error() == 0
+    assert counted.live_registrations == 0          # the real call never happened
+    code, ptr = rt.host_alloc(4096)
+    assert code == 999 and ptr == 0 and counted.live_host_allocs == 0
+    err = capfd.readouterr().err
+    assert "FaultyRuntime.register: internal error, the call fails" in err
+    assert "RuntimeError: broken plan" in err
+    # The state machine sees failures, never a silent success.
+    with pytest.raises(ist.StagingError):
+        ist.StagingBuffer(1 << 20, prefault_threads=0, runtime=rt)
+    assert counted.live_registrations == 0 and counted.live_host_allocs == 0

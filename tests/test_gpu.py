@@ -5,7 +5,7 @@ Issue 2's proof.  Each kind is forced through faults on the real runtime
 a 2 GiB buffer in 256 MiB segments is filled, copied to the device in
 8 MiB chunks split by ``spans()``, read back and compared, and the
 driver's own view of the pointers (``pointer_type``) is checked inside
-every segment and after release.  Also the FIELD_NOTES fact behind
+every segment and after release.  Also the fact of docs/design.md ("Measured") behind
 ``spans()``: one copy across two registrations fails with invalid value
 and copies nothing.  ``pytest -s`` shows the timings.
 """
@@ -18,11 +18,10 @@ import pytest
 import instant_staging as ist
 from instant_staging import real_runtime
 from instant_staging.testing import FaultPlan, inject_faults
+from conftest import GiB, MiB
 
 pytestmark = pytest.mark.gpu
 
-MiB = 1 << 20
-GiB = 1 << 30
 SIZE = 2 * GiB
 SEGMENT = 256 * MiB
 CHUNK = 8 * MiB

@@ -3,7 +3,7 @@
 Every case that used to crash runs in a child process (tests/_child.py), a
 few times over, with a timeout: a crash or a hang is the failure.  Leaks
 are counted (the simulated runtime's live counters, open descriptors,
-RSS).  Faults come from the ``read``/``copy`` rules of DESIGN.md.
+RSS).  Faults come from the ``read``/``copy`` rules of docs/design.md.
 """
 
 import gc

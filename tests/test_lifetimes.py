@@ -10,6 +10,7 @@ asserts on exit status, stdout and an empty stderr.
 import textwrap
 
 from _child import run_child
+from conftest import KIND_FAULTS
 
 
 def script(*parts):
@@ -27,9 +28,7 @@ from instant_staging.testing import SimulatedRuntime
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SEG = 4 * PAGE
 SIZE = 10 * PAGE + 100
-FAULTS = {"REGISTERED": None, "SEGMENTED": "register#1=invalid_value",
-          "RUNTIME_PINNED": "register=invalid_value",
-          "PAGEABLE": "register=invalid_value;host_alloc=memory_allocation"}
+FAULTS = KIND_FAULTS_REPR
 
 def make(kind, **kw):
     rt = SimulatedRuntime(faults=FAULTS[kind], log_limit=None)
@@ -45,7 +44,7 @@ def runtime_ops(rt):
     return [c for c in rt.calls if c[0] in ("host_register", "host_unregister",
                                             "host_alloc", "free_host")]
 KINDS = list(FAULTS)
-"""
+""".replace("KIND_FAULTS_REPR", repr(KIND_FAULTS))
 
 
 KINDS = ["REGISTERED", "SEGMENTED", "RUNTIME_PINNED", "PAGEABLE"]

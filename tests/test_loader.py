@@ -9,7 +9,6 @@ tests also check that no chunk does.  GPU tests are marked ``gpu``.
 
 import gc
 import json
-import mmap
 import os
 import struct
 
@@ -24,8 +23,8 @@ from instant_staging.loader import LoadError, SafetensorsError, VerifyError, ite
 from instant_staging.testing import FaultPlan
 
 from _child import run_child
+from conftest import PAGE
 
-PAGE = mmap.PAGESIZE
 CHUNK = 2 * PAGE              # small: many chunks, tensors spanning chunks
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,

@@ -9,7 +9,6 @@ No assertion here depends on timing.
 """
 
 import json
-import mmap
 import os
 import subprocess
 import sys
@@ -19,23 +18,16 @@ import pytest
 
 import instant_staging as ist
 from instant_staging.testing import SimulatedRuntime
+from _child import PACKAGE_PARENT
+from conftest import KIND_FAULTS, PAGE, SEG, SIZE
 
-PAGE = mmap.PAGESIZE
-SEG = 4 * PAGE
-SIZE = 10 * PAGE + 100          # three segments, the last one short
 HUGE = 2 << 20
 TOO_BIG = 1 << 60               # mmap would fail: a ValueError proves nothing was tried
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(ist.__file__)))
 
-FAULTS = [
-    (None, ist.Kind.REGISTERED),
-    ("register#1=invalid_value", ist.Kind.SEGMENTED),
-    ("register#1=invalid_value;register#3=invalid_value",    # second segment: rollback
-     ist.Kind.RUNTIME_PINNED),
-    ("register=invalid_value", ist.Kind.RUNTIME_PINNED),
-    ("register=invalid_value;host_alloc=memory_allocation", ist.Kind.PAGEABLE),
-]
+FAULTS = [(KIND_FAULTS[kind.name], kind) for kind in ist.Kind]
+FAULTS.insert(2, ("register#1=invalid_value;register#3=invalid_value",   # second segment:
+                  ist.Kind.RUNTIME_PINNED))                               # rollback
 
 
 @pytest.fixture(autouse=True)

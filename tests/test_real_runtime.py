@@ -14,6 +14,7 @@ import pytest
 
 from instant_staging import _build_config
 from instant_staging._runtime import Runtime
+from conftest import PAGE
 
 BACKEND = _build_config.BACKEND
 backend = importlib.import_module(
@@ -31,7 +32,6 @@ HAVE_GPU = _count_code == 0 and _count > 0
 no_gpu = pytest.mark.skipif(HAVE_GPU, reason="a GPU is present: pinning succeeds")
 gpu = pytest.mark.skipif(not HAVE_GPU, reason=f"no GPU (device_count -> {_count_code})")
 
-PAGE = mmap.PAGESIZE
 
 
 def address(buffer):

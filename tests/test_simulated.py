@@ -1,4 +1,4 @@
-"""SimulatedRuntime: the driver semantics of FIELD_NOTES.md, without a GPU."""
+"""SimulatedRuntime: the driver semantics of docs/design.md ("Measured"), without a GPU."""
 
 import ctypes
 import mmap
@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from instant_staging.testing import SimulatedRuntime
+from conftest import PAGE
 
-PAGE = mmap.PAGESIZE
 H2D, D2H = 1, 2
 
 

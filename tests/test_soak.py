@@ -13,14 +13,13 @@ not marked slow, so plain `pytest` runs it.
 import ctypes
 import gc
 import logging
-import mmap
 import os
 
 import instant_staging as ist
 from instant_staging import _staging
 from instant_staging.testing import SimulatedRuntime
+from conftest import PAGE
 
-PAGE = mmap.PAGESIZE
 SIZE = 64 << 10
 SEG = 16 << 10
 CYCLES = 10_000

@@ -2,24 +2,12 @@
 
 import gc
 import logging
-import mmap
 
 import pytest
 
 import instant_staging as ist
 from instant_staging.testing import SimulatedRuntime
-
-PAGE = mmap.PAGESIZE
-SEG = 4 * PAGE
-SIZE = 10 * PAGE + 100          # three segments, the last one short
-
-
-def make(faults=None, size=SIZE, **kw):
-    rt = SimulatedRuntime(faults=faults)
-    kw.setdefault("segment_size", SEG)
-    kw.setdefault("prefault_threads", 0)
-    return rt, ist.StagingBuffer(size, runtime=rt, **kw)
-
+from conftest import PAGE, SEG, SIZE, make
 
 def steps(buf_or_err):
     return [(a.step, a.ok) for a in buf_or_err.attempts]
@@ -293,10 +281,9 @@ def test_size_is_never_rounded():
 # Bad input (arguments, spans, fault specs) is table-driven in test_bad_input.py.
 
 
-def test_repr_and_attempt_describe():
+def test_repr():
     rt, buf = make("register#1=invalid_value")
     assert "SEGMENTED" in repr(buf)
-    assert "failed" in buf.attempts[1].describe()
     buf.close()
     assert "closed" in repr(buf)
 

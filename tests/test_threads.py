@@ -11,7 +11,6 @@ live at the end.  A short switch interval makes the interleavings dense.
 
 import collections
 import gc
-import mmap
 import sys
 import threading
 
@@ -19,9 +18,8 @@ import pytest
 
 import instant_staging as ist
 from instant_staging.testing import SimulatedRuntime
+from conftest import PAGE, SEG
 
-PAGE = mmap.PAGESIZE
-SEG = 4 * PAGE
 THREADS = 8
 
 # One runtime per kind, shared by all threads.  Size rules rather than #N

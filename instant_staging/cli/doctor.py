@@ -4,7 +4,7 @@
 devices, the NVIDIA kernel module (open or proprietary), the kernel, WSL2,
 RLIMIT_MEMLOCK, transparent huge pages, memory and the cgroup limit, and
 gives each a one-line verdict where a known failing condition of
-FIELD_NOTES.md applies.  Every file it reads is a parameter, so tests feed
+docs/design.md ("Measured") applies.  Every file it reads is a parameter, so tests feed
 it fake /proc and /sys content.  It returns a plain dict (what ``--json``
 prints); ``format_text()`` renders it.  Nothing here prints.
 """
@@ -14,7 +14,7 @@ import re
 import resource
 
 from .. import defaults
-from .._types import format_size
+from .._types import RuntimeCallError, format_size
 from .report import version_text
 
 # Twice the default 2 GiB probe buffer: below this a staging buffer plus
@@ -50,21 +50,16 @@ def _check(status, value, summary, verdict=None):
 # -- build and runtime ---------------------------------------------------------
 
 def check_build():
-    from .. import BACKEND
-    try:
-        from .._build_config import TOOLCHAIN
-    except ImportError:
-        TOOLCHAIN = "unknown"
+    from .._build_config import BACKEND, TOOLCHAIN
     return _check("ok", {"backend": BACKEND, "toolchain": TOOLCHAIN},
                   f"{BACKEND} ({TOOLCHAIN})")
 
 
 def _runtime_int(runtime, method):
-    code, value = getattr(runtime, method)()
-    if code:
-        runtime.get_last_error()
-        return None, f"{runtime.error_name(code)} ({code})"
-    return value, ""
+    try:
+        return runtime.check(*getattr(runtime, method)(), call=method), ""
+    except RuntimeCallError as e:
+        return None, f"{e.name} ({e.code})"
 
 
 def check_versions(runtime, backend):
@@ -91,19 +86,17 @@ _NO_REGISTER = re.compile(r"GB10|Tegra|Jetson (Nano|TX)", re.IGNORECASE)
 
 
 def check_devices(runtime):
-    code, count = runtime.device_count()
-    if code:
-        runtime.get_last_error()
-        name = runtime.error_name(code)
-        return _check("warn", {"count": 0, "names": [], "error": name},
-                      f"none: device_count failed with {name} ({code})",
+    try:
+        count = runtime.check(*runtime.device_count(), call="device_count")
+    except RuntimeCallError as e:
+        return _check("warn", {"count": 0, "names": [], "error": e.name}, f"none: {e}",
                       "no usable GPU: probe runs the chain on the SimulatedRuntime")
     names = []
     for device in range(count):
-        name_code, name = runtime.device_name(device)
-        if name_code:
-            runtime.get_last_error()
-        names.append(name if name_code == 0 else f"<{runtime.error_name(name_code)}>")
+        try:
+            names.append(runtime.check(*runtime.device_name(device), call="device_name"))
+        except RuntimeCallError as e:
+            names.append(f"<{e.name}>")
     value = {"count": count, "names": names, "error": ""}
     if count == 0:
         return _check("warn", value, "none", "no GPU visible (CUDA_VISIBLE_DEVICES?)")

@@ -1,7 +1,7 @@
 """load: load safetensors files through a StagingBuffer and report how fast.
 
-``load()`` makes the staging buffer itself (``copy_unit=chunk_size``, so
-that chunk-aligned copies never straddle two registrations), hands it to
+``load()`` makes the staging buffer itself (sized by what the files can
+use; the loader's slots are whole chunks inside each registration), hands it to
 ``instant_staging.loader.load_file`` and returns a plain dict with the
 tensor count, bytes, seconds, GB/s and the staging kind reached.
 ``Progress`` is the progress callback: a bar on a terminal, a line per
@@ -21,8 +21,14 @@ class NoDevice(RuntimeError):
     """torch sees no GPU for a load to one."""
 
 
-def staging_size(chunk_size, io_depth):
-    """The staging bytes a load needs: ``io_depth`` slots of ``chunk_size``."""
+def staging_size(chunk_size, io_depth, data_bytes=None):
+    """The staging bytes a load can use: ``io_depth`` slots of ``chunk_size``,
+    but no more chunks, and no larger ones, than ``data_bytes`` of files
+    hold (so ``--chunk-size 99999GiB`` or ``--io-depth 99999999999`` size
+    the buffer by the files, as the loader sizes its own)."""
+    if data_bytes is not None:
+        chunk_size = max(1, min(chunk_size, data_bytes))
+        io_depth = max(1, min(io_depth, -(-data_bytes // chunk_size)))
     return chunk_size * io_depth
 
 
@@ -123,11 +129,12 @@ def _make_staging(size, chunk_size, allow_pageable, runtime):
     from .._staging import StagingBuffer
     page = mmap.PAGESIZE
     # As the loader does: segments hold at least one chunk, so chunks
-    # larger than the default segment still fit in one registration.
-    segment = max(defaults.SEGMENT_SIZE, -(-chunk_size // page) * page)
+    # larger than the default segment still fit in one registration; the
+    # loader cuts whole chunks inside each registration (no copy_unit).
+    segment = max(defaults.SEGMENT_SIZE, -(-min(chunk_size, size) // page) * page)
     t0 = time.perf_counter()
-    buf = StagingBuffer(size, segment_size=segment, copy_unit=chunk_size,
-                        allow_pageable=allow_pageable, runtime=runtime)
+    buf = StagingBuffer(size, segment_size=segment, allow_pageable=allow_pageable,
+                        runtime=runtime)
     return buf, staging_dict(buf, time.perf_counter() - t0)
 
 
@@ -144,9 +151,12 @@ def load(paths, *, device="cuda:0", chunk_size=defaults.CHUNK_SIZE, io_depth=def
     (SafetensorsError, a ValueError, for a bad file; LoadError, a
     RuntimeError, for a failed read or copy).
     """
+    import os
+
     from .. import loader
-    size = staging_bytes or staging_size(chunk_size, io_depth)
-    if size < chunk_size:
+    data_bytes = sum(os.path.getsize(p) for p in paths)
+    size = staging_bytes or staging_size(chunk_size, io_depth, data_bytes)
+    if size < min(chunk_size, data_bytes):
         raise ValueError(f"the staging buffer ({format_size(size)}) must hold at least one "
                          f"chunk ({format_size(chunk_size)})")
     if _is_cpu(device):

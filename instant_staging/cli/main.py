@@ -50,7 +50,7 @@ def positive_arg(text):
 
 
 def faults_arg(text):
-    """A fault spec (DESIGN.md, "Faults"), parsed now so a bad rule is a usage error."""
+    """A fault spec (docs/design.md, "Faults"), parsed now so a bad rule is a usage error."""
     from ..faults import FaultPlan
     try:
         return FaultPlan.parse(text)
@@ -58,8 +58,16 @@ def faults_arg(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit 2), not the usage
+    block followed by the error: ``--help`` shows the usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="instant-staging",
         description="Pinned host staging buffers: see which path works on this host, and why.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -176,5 +184,16 @@ def main(argv=None):
     # The state machine logs each fallback once; show it, on stderr.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="instant_staging: %(levelname)s: %(message)s")
-    return COMMANDS[args.command](args, parser)
+    try:
+        return COMMANDS[args.command](args, parser)
+    except KeyboardInterrupt:
+        print(f"instant-staging {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:       # never a traceback: one line, or the JSON report
+        if getattr(args, "json", False):
+            print(json.dumps(error_result(args.command, e), indent=2))
+        else:
+            print(f"instant-staging {args.command} failed: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+        return 1
 

@@ -12,10 +12,12 @@ and shape, and reader threads (``_pipeline.pyx``, C, no GIL) read chunks
 of ``chunk_size`` into the staging buffer's slots and copy them out: to a
 GPU through the buffer's runtime table on their own streams, with an event
 per slot so that a slot is refilled only after its copy finished; to the
-CPU with memcpy.  The staging buffer holds ``io_depth`` chunks and is made
-with ``copy_unit=chunk_size``, so no chunk straddles two registrations
-whatever kind the buffer reached; or pass one with ``staging=`` to reuse it
-across loads (its depth is then what fits in it).
+CPU with memcpy.  The staging buffer holds ``io_depth`` chunks; its slots
+are whole chunks inside each registration, so no chunk straddles two
+registrations whatever kind the buffer reached and whatever the chunk size;
+or pass one with ``staging=`` to reuse it across loads (its depth is then
+what fits in it).  A load holds its staging buffer and its files until its
+reader threads are joined (``_load.py``, ``_pipeline.pyx``).
 
 torch is imported only when a load starts: ``import instant_staging``
 works without it.

@@ -41,7 +41,7 @@ class _Checkpoint:
             seen[t.name] = i
 
     def select(self, names):
-        """Keeps only the selected tensors (DESIGN.md's ``names=``): None for
+        """Keeps only the selected tensors (docs/design.md's ``names=``): None for
         all, an iterable of names (unknown ones are a KeyError listing them),
         or a predicate ``name -> bool``.  Only their bytes are read."""
         if names is None:

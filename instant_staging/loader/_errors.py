@@ -12,6 +12,10 @@ class LoadError(RuntimeError):
         self.tensor = tensor
         self.code = code
 
+    def __reduce__(self):
+        # Every attribute survives pickling (multi-rank loads send errors).
+        return (type(self), (str(self), self.path, self.tensor, self.code))
+
 
 class VerifyError(LoadError):
     """verify=True found a tensor whose memory differs from its file bytes."""

@@ -83,6 +83,10 @@ class SafetensorsError(ValueError):
             where += f": tensor {tensor!r}"
         super().__init__(f"{where}: {message}")
 
+    def __reduce__(self):
+        # The reason, not the formatted message: pickling must not prefix twice.
+        return (type(self), (self.reason, self.path, self.tensor))
+
 
 def _path_text(path) -> str:
     path = os.fspath(path)

@@ -1,10 +1,26 @@
-"""The load itself: staging slots, the reader pipeline, the consumer.
+"""The load itself: the plan, the reader pipeline, the consumer.
 
 Each tensor gets its own allocation of the file's dtype and shape, and
 reader threads (``_pipeline.pyx``, C, no GIL) read chunks of ``chunk_size``
 into the staging buffer's slots and copy them out: to a GPU through the
 buffer's runtime table on their own streams, with an event per slot so that
 a slot is refilled only after its copy finished; to the CPU with memcpy.
+
+Who owns what, at each moment:
+
+- the checkpoint's file descriptors belong to the load from ``iter_load``
+  until the generator's ``finally`` (or ``LoadIterator.close()`` for a load
+  that never started) closes them, always after ``Pipeline.close()`` joined
+  the readers, so no reader can ever read a reused descriptor number;
+- the staging buffer is held by the Pipeline from its construction until
+  its threads are joined (``StagingBuffer.close()`` raises meanwhile); a
+  buffer the load made itself is closed right after;
+- tensors not yet yielded are freed after the join; yielded ones are the
+  caller's;
+- ``LoadIterator.close()`` may come from any thread: it cancels and joins
+  the pipeline first (no lock needed), then takes the iterator's lock,
+  which a ``next()`` in another thread releases as soon as it sees the
+  cancel, and closes the generator.
 """
 
 import mmap

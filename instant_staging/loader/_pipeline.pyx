@@ -13,7 +13,7 @@ A *chunk* is a contiguous file range of at most ``chunk_size`` bytes; a
 *piece* is the part of one tensor inside one chunk, so small tensors share
 a chunk and large ones span several.  A ``Plan`` cuts the tensors into
 chunks and pieces; a ``Pipeline`` runs one plan once.  Each thread owns its
-own slots (as in the C program of FIELD_NOTES.md that reached 41 GB/s), so
+own slots (as in the C program of docs/design.md ("Measured") that reached 41 GB/s), so
 no thread waits on another.  Device copies go through the staging
 buffer's runtime table on the thread's own stream (after ``set_device``:
 the current device is per thread); in host mode a piece is a ``memcpy``
@@ -40,7 +40,7 @@ it exits.  In a fork child (where the reader threads do not exist)
 nor joins.  At interpreter exit every running pipeline is cancelled and
 joined before the staging buffers' own atexit release runs.
 
-Faults (DESIGN.md "Faults"): the ``read`` and ``copy`` rules of a
+Faults (docs/design.md "Faults"): the ``read`` and ``copy`` rules of a
 ``FaultPlan`` are resolved when the plan is made, by position, not by
 time: ``read#N`` is the N-th chunk of this plan and ``copy#N`` its N-th
 piece, in reading order (file, then offset), 1-based, whichever thread
@@ -652,9 +652,11 @@ cdef class Pipeline:
 
     cdef _staging_slots(self, Py_ssize_t cap):
         """Whole slots inside each registration, at most ``cap``."""
+        cdef StagingBuffer buf = self.staging
         cdef Py_ssize_t n = 0, k
-        cdef size_t seg_offset, seg_size, i
-        for seg_offset, seg_size in self.staging._segments:
+        cdef size_t r, nreg = buf.n_registrations(), seg_offset = 0, seg_size = 0, i
+        for r in range(nreg):
+            buf.registration(r, &seg_offset, &seg_size)
             n += <Py_ssize_t>min(<size_t>cap, seg_size // self.slot_size)
             if n >= cap:
                 n = cap
@@ -662,17 +664,18 @@ cdef class Pipeline:
         if n == 0:
             self._release_hold()
             raise ValueError(
-                f"the staging buffer ({self.staging.size} bytes in {len(self.staging._segments)} "
-                f"registration(s)) holds no chunk of {self.slot_size} bytes inside one "
-                "registration: pass a larger buffer or a smaller chunk_size")
+                f"the staging buffer ({buf.size} bytes in {nreg} registration(s)) holds no "
+                f"chunk of {self.slot_size} bytes inside one registration: pass a larger "
+                "buffer or a smaller chunk_size")
         self.slot_ptrs = <char**>malloc(n * sizeof(char*))
         if self.slot_ptrs == NULL:
             raise MemoryError()
         k = 0
-        for seg_offset, seg_size in self.staging._segments:
+        for r in range(nreg):
+            buf.registration(r, &seg_offset, &seg_size)
             i = 0
             while k < n and (i + 1) * self.slot_size <= seg_size:
-                self.slot_ptrs[k] = self.staging._ptr + seg_offset + i * self.slot_size
+                self.slot_ptrs[k] = buf.data() + seg_offset + i * self.slot_size
                 k += 1
                 i += 1
         self.n_slots = n

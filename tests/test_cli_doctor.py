@@ -1,0 +1,182 @@
+"""The doctor command: its checks are fed fake /proc and /sys files
+through its Python API, and the command itself runs in a subprocess."""
+
+import pytest
+
+import instant_staging as ist
+from instant_staging.cli import doctor, report
+from instant_staging.testing import SimulatedRuntime
+
+from _cli import cli, cli_json, error_name
+from conftest import gpu_count
+
+
+# -- doctor ------------------------------------------------------------------------------
+
+CHECKS = ["build", "runtime", "driver", "devices", "nvidia_module", "kernel", "wsl",
+          "memlock", "transparent_hugepages", "memory", "cgroup"]
+
+OPEN_MODULE = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  610.43.02  Release "
+               "Build  (dvs-builder@U16-I3-B03-4-3)  Mon Sep 1 00:00:00 UTC 2025\n"
+               "GCC version:  gcc version 13.3.0\n")
+PROPRIETARY = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.129.03  Thu Oct 19 "
+               "18:56:32 UTC 2023\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+MEMINFO = "MemTotal:       {total} kB\nMemFree:         1000 kB\nMemAvailable:   {avail} kB\n"
+
+
+def test_doctor_cli_json_and_text():
+    r = cli_json("doctor")
+    assert r["command"] == "doctor" and r["backend"] == ist.BACKEND
+    assert list(r["checks"]) == CHECKS
+    for name, c in r["checks"].items():
+        assert set(c) == {"status", "value", "summary", "verdict"}, name
+        assert c["status"] in ("ok", "info", "warn", "error")
+        assert isinstance(c["summary"], str) and c["summary"]
+    assert r["checks"]["build"]["value"]["backend"] == ist.BACKEND
+    assert isinstance(r["problems"], list)
+    proc = cli("doctor")
+    assert proc.returncode == 0
+    assert "RLIMIT_MEMLOCK" in proc.stdout and "transparent hugepages" in proc.stdout
+    if gpu_count() == 0:
+        assert r["checks"]["devices"]["status"] == "warn"
+        assert "device_count failed with" in r["checks"]["devices"]["summary"]
+
+
+@pytest.fixture
+def host(tmp_path):
+    """Writes fake /proc and /sys files; returns diagnose()'s keyword arguments."""
+    def make(*, nvidia=None, version="Linux version 6.8.0-45-generic (gcc)", release="6.8.0-45",
+             thp="always madvise [never]", total=64 << 20, avail=48 << 20,
+             self_cgroup="0::/\n", cgroup=None, memlock=(-1, -1)):
+        files = {"proc_version": version, "osrelease": release + "\n", "thp": thp + "\n",
+                 "meminfo": MEMINFO.format(total=total, avail=avail),
+                 "self_cgroup": self_cgroup}
+        if nvidia is not None:
+            files["nvidia_version"] = nvidia
+        kw = {}
+        for key, text in files.items():
+            path = tmp_path / key
+            path.write_text(text)
+            kw[key] = str(path)
+        kw.setdefault("nvidia_version", str(tmp_path / "absent"))
+        root = tmp_path / "cgroup"
+        root.mkdir(exist_ok=True)
+        for rel, text in (cgroup or {}).items():
+            path = root / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        kw["cgroup_root"] = str(root)
+        kw["memlock"] = memlock
+        kw["runtime"] = SimulatedRuntime()
+        return doctor.diagnose(**kw)
+    return make
+
+
+def test_doctor_healthy_host(host):
+    r = host(nvidia=PROPRIETARY, thp="always [madvise] never",
+             cgroup={"cgroup.controllers": "memory\n", "memory.max": "max\n"})
+    c = r["checks"]
+    assert list(c) == CHECKS
+    assert c["runtime"]["value"] == c["driver"]["value"] and c["runtime"]["status"] == "ok"
+    assert c["devices"]["value"] == {"count": 1, "names": ["SimulatedRuntime device"], "error": ""}
+    assert c["nvidia_module"]["value"] == {"present": True, "flavor": "proprietary",
+                                           "version": "535.129.03"}
+    assert c["nvidia_module"]["status"] == "ok"
+    assert c["kernel"] == {"status": "ok", "value": "6.8.0-45", "summary": "6.8.0-45",
+                           "verdict": None}
+    assert c["wsl"]["value"] is False
+    assert c["memlock"]["value"] == {"soft": None, "hard": None}
+    assert c["transparent_hugepages"]["value"] == "madvise"
+    assert c["memory"]["value"] == {"total": 64 << 30, "available": 48 << 30}
+    assert c["cgroup"]["value"] == {"version": 2, "limit": None, "usage": None}
+    assert r["problems"] == []
+    assert doctor.format_text(r)[-1] == "no known failing condition found"
+
+
+def test_doctor_open_module_on_kernel_6_11(host):
+    r = host(nvidia=OPEN_MODULE, release="6.11.0-19-generic")
+    c = r["checks"]
+    assert c["nvidia_module"]["value"] == {"present": True, "flavor": "open",
+                                           "version": "610.43.02"}
+    assert c["nvidia_module"]["status"] == "warn"
+    assert "runtime_alloc fallback handles it" in c["nvidia_module"]["verdict"]
+    assert c["kernel"]["status"] == "warn" and "over 2 GiB" in c["kernel"]["verdict"]
+    assert len(r["problems"]) == 2
+    text = "\n".join(doctor.format_text(r))
+    assert "! nvidia module" in text and "open 610.43.02" in text
+    assert "2 problem(s) found" in text
+
+
+def test_doctor_open_module_elsewhere_and_driver_580(host):
+    r = host(nvidia=OPEN_MODULE.replace("610.43.02", "580.159.04"), release="6.18.1")
+    c = r["checks"]
+    assert c["nvidia_module"]["status"] == "info" and "512 GiB" in c["nvidia_module"]["verdict"]
+    assert c["kernel"]["status"] == "ok" and r["problems"] == []
+
+
+def test_doctor_no_driver(host):
+    r = host()
+    assert r["checks"]["nvidia_module"]["value"] == {"present": False, "flavor": None,
+                                                     "version": None}
+    assert r["checks"]["nvidia_module"]["summary"] == "not loaded (no NVIDIA driver)"
+
+
+def test_doctor_wsl_memlock_thp_memory(host):
+    r = host(version="Linux version 5.15.167.4-microsoft-standard-WSL2",
+             thp="[always] madvise never", memlock=(8 << 20, 8 << 20),
+             total=8 << 20, avail=3 << 20)
+    c = r["checks"]
+    assert c["wsl"]["value"] is True and "allow_pageable" in c["wsl"]["verdict"]
+    assert c["memlock"]["status"] == "warn" and "8 MiB" in c["memlock"]["verdict"]
+    assert c["transparent_hugepages"]["status"] == "warn"
+    assert "compaction" in c["transparent_hugepages"]["verdict"]
+    assert c["memory"]["status"] == "warn"
+    assert [p.split(":")[0] for p in r["problems"]] == [
+        "wsl", "memlock", "transparent_hugepages", "memory"]
+
+
+def test_doctor_cgroup_v2_limit_tightest_ancestor(host):
+    r = host(self_cgroup="0::/kubepods/pod1\n", cgroup={
+        "cgroup.controllers": "memory\n",
+        "kubepods/memory.max": str(3 << 30) + "\n",
+        "kubepods/pod1/memory.max": "max\n",
+        "kubepods/pod1/memory.current": str(1 << 30) + "\n"})
+    c = r["checks"]["cgroup"]
+    assert c["value"] == {"version": 2, "limit": 3 << 30, "usage": 1 << 30}
+    assert c["status"] == "warn" and "OOM" in c["verdict"]
+
+
+def test_doctor_cgroup_v1_and_hybrid(host):
+    # v1 memory controller beside a v2 unified hierarchy, as on many hosts.
+    r = host(self_cgroup="4:memory:/job/7\n0::/\n", cgroup={
+        "memory/memory.limit_in_bytes": "9223372036854771712\n",
+        "memory/job/7/memory.limit_in_bytes": str(64 << 30) + "\n",
+        "memory/job/7/memory.usage_in_bytes": str(2 << 30) + "\n",
+        "unified/memory.max": str(1 << 30) + "\n"})
+    c = r["checks"]["cgroup"]
+    assert c["value"] == {"version": 1, "limit": 64 << 30, "usage": 2 << 30}
+    assert c["status"] == "ok"
+
+
+def test_doctor_without_a_memory_cgroup(host):
+    r = host(self_cgroup="1:name=systemd:/\n", cgroup={})
+    assert r["checks"]["cgroup"]["value"] == {"version": None, "limit": None, "usage": None}
+    assert r["checks"]["cgroup"]["status"] == "info"
+
+
+def test_doctor_runtime_without_devices(host):
+    kw = {}
+    r = doctor.diagnose(runtime=SimulatedRuntime(device_count=0), memlock=(-1, -1),
+                        nvidia_version="/nonexistent", **kw)
+    c = r["checks"]["devices"]
+    assert c["status"] == "warn" and c["value"]["error"] == error_name(100)
+    assert "SimulatedRuntime" in c["verdict"]
+
+
+def test_version_text():
+    assert report.version_text("cuda", 13000) == "13.0"
+    assert report.version_text("cuda", 12040) == "12.4"
+    assert report.version_text("rocm", 50200003) == "5.2.3"
+    assert report.version_text("cuda", 0) == "none"
+    assert doctor.parse_kernel("6.13.2-arch1") == (6, 13)
+    assert doctor.parse_thp("always madvise [never]") == "never"

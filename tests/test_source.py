@@ -1,0 +1,94 @@
+"""The source tree itself: README's Layout lists what exists, and the linters
+(ruff, cython-lint) are clean on instant_staging, tests and benchmarks."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "instant_staging")
+SOURCES = (".py", ".pyx", ".pxd", ".pxi", ".pyi")
+GENERATED = {"_build_config.py"}          # written by setup.py
+NAME = re.compile(r"^[\w.]+/?$")
+
+
+def readme_layout():
+    """{path relative to instant_staging/: listed} from README's Layout block."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    lines = block.splitlines()
+    start = lines.index("instant_staging/")
+    listed, parents = set(), []
+    for line in lines[start + 1:]:
+        indent = len(line) - len(line.lstrip(" "))
+        if indent == 0:
+            break                                # the next top-level entry
+        if indent % 2:
+            continue
+        depth = indent // 2
+        token = line.split()[0]
+        if depth > len(parents) + 1 or not NAME.match(token) or not (
+                token.endswith("/") or token.endswith(SOURCES)):
+            continue                             # a description's continuation
+        parents = parents[:depth - 1]
+        if token.endswith("/"):
+            parents.append(token[:-1])
+            listed.add("/".join(parents))
+        else:
+            listed.add("/".join(parents + [token]))
+    return listed
+
+
+def tree():
+    """Modules and packages under instant_staging/ (sources, not builds)."""
+    found = set()
+    for dirpath, dirnames, filenames in os.walk(PACKAGE):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        rel = os.path.relpath(dirpath, PACKAGE)
+        prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        if prefix:
+            found.add(prefix[:-1])
+        for name in filenames:
+            if name.endswith(SOURCES) and name not in GENERATED:
+                found.add(prefix + name)
+    return found
+
+
+def test_readme_layout_lists_every_module_and_nothing_else():
+    listed, present = readme_layout(), tree()
+    # A package's __init__.py is the package line itself.
+    expected = {p for p in present if not (p.endswith("/__init__.py") or
+                                           (p.endswith(".pyi") and "/" in p))}
+    assert listed - present == set(), "README lists what does not exist"
+    modules = {p for p in expected if p.endswith((".py", ".pyx")) or "." not in p.split("/")[-1]}
+    assert modules - listed == set(), "README's Layout misses these"
+
+
+LINTED = ["instant_staging", "tests", "benchmarks"]
+
+
+def _tool(name):
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed")
+    return path
+
+
+def test_ruff_is_clean():
+    out = subprocess.run([_tool("ruff"), "check", "--no-cache", *LINTED], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_cython_lint_is_clean():
+    files = []
+    for top in LINTED:
+        for dirpath, _, filenames in os.walk(os.path.join(ROOT, top)):
+            files += [os.path.join(dirpath, n) for n in filenames if n.endswith((".pyx", ".pxd", ".pxi"))]
+    out = subprocess.run([_tool("cython-lint"), *sorted(files)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
