@@ -333,8 +333,8 @@ def report_group(everyone, nbytes, kinds):
     if kinds is not None:
         print(f"  staging kinds with --fallback-rank: {list(kinds)}", flush=True)
     problems = [f"rank {r['rank']}: {p}" for r in everyone for p in r["problems"]]
-    print("  bit-exact: " + ("yes (every method, every rank)" if not problems else "NO: " + "; ".join(problems)),
-          flush=True)
+    verdict = "yes (every method, every rank)" if not problems else "NO: " + "; ".join(problems)
+    print("  bit-exact: " + verdict, flush=True)
 
 
 def main(argv=None):

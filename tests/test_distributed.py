@@ -25,10 +25,10 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 dist = pytest.importorskip("torch.distributed")
 
-from _child import PACKAGE_PARENT
-
 from instant_staging.loader import DistributedLoadError, load_file
 from instant_staging.loader import _distributed as D
+
+from _child import PACKAGE_PARENT
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -189,9 +189,8 @@ def free_port():
 
 
 SCENARIOS = ["replicated", "load_file", "names", "predicate", "nothing_on_one_rank", "tiny",
-             "bad_file", "other_layout", "unknown_name", "truncated", "read_fault", "kinds", "staging_unusable",
-             "subgroup", "not_a_group", "dropped",
-             "after_failures", "timeout"]
+             "bad_file", "other_layout", "unknown_name", "truncated", "read_fault", "kinds",
+             "staging_unusable", "subgroup", "not_a_group", "dropped", "after_failures", "timeout"]
 
 
 def run_world(tmp, world):

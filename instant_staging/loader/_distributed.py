@@ -114,7 +114,7 @@ class DistributedLoadIterator(LoadIterator):
             try:
                 self._group.post("ready", (False, f"rank {self._group.rank} closed its iterator "
                                                   "before loading", None))
-            except Exception:  # noqa: BLE001  (a store gone at exit: nobody is waiting)
+            except Exception:  # a store gone at exit: nobody is waiting
                 pass
         super().close()
 
