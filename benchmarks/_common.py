@@ -66,10 +66,10 @@ def pick_runtime(simulate=False):
         why = (f"device_count returned {rt.error_name(code)}" if code
                else "the real runtime sees no device")
         return Setup(SimulatedRuntime(log_limit=0), False, why)
-    code = rt.set_device(0)
-    if code != 0:
-        rt.get_last_error()
-        raise SystemExit(f"set_device(0) failed: {rt.error_name(code)}")
+    try:
+        rt.check(rt.set_device(0), call="set_device(0)")
+    except ist.RuntimeCallError as e:
+        raise SystemExit(str(e)) from None
     return Setup(rt, True)
 
 
@@ -262,7 +262,8 @@ class MemoryProbe:
         memory may not appear in RSS at all; there the system MemFree drop
         is reported and only a doubled peak is flagged.
         """
-        d = lambda a, b: None if a is None or b is None else a - b
+        def d(a, b):
+            return None if a is None or b is None else a - b
         rec = dict(
             size=size,
             rss_delta=d(self.rss1, self.rss0),
@@ -362,8 +363,8 @@ def table(headers, rows):
     """Plain-text table, columns as wide as their widest cell."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(r, widths)))
+    def line(r):
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
     out = [line(cells[0]), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in cells[1:]]
     return "\n".join(out)

@@ -35,10 +35,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402  (also finds an in-place build of the package)
+import _common as C
 
-import instant_staging as ist  # noqa: E402
-from instant_staging.testing import inject_faults  # noqa: E402
+import instant_staging as ist
+from instant_staging.testing import inject_faults
 
 DEFAULT_KINDS = ("registered", "hugepages", "no_prefault", "segmented", "runtime_pinned",
                  "host_alloc", "torch_pinned", "register_untouched")
@@ -88,10 +88,7 @@ def make(kind, size, setup, torch):
         return Made(buf.close, buf.kind.name, buf.attempts,
                     any(a.step == "prefault" and a.ok for a in buf.attempts), own)
     if kind == "host_alloc":
-        code, ptr = rt.host_alloc(size)
-        if code:
-            rt.get_last_error()
-            raise RuntimeError(f"host_alloc: {rt.error_name(code)}")
+        ptr = rt.check(*rt.host_alloc(size), call="host_alloc")
 
         def release():
             code = rt.free_host(ptr)
@@ -110,10 +107,7 @@ def make(kind, size, setup, torch):
         try:
             if kind == "populate_write":
                 C.populate_write(ptr, size, 4)
-            code = rt.host_register(ptr, size)
-            if code:
-                rt.get_last_error()
-                raise RuntimeError(f"host_register: {rt.error_name(code)}")
+            rt.check(rt.host_register(ptr, size), call="host_register")
         except BaseException:
             C.unmap(ptr, size)
             raise

@@ -37,10 +37,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402  (also finds an in-place build of the package)
+import _common as C
 
-import instant_staging as ist  # noqa: E402
-from instant_staging.testing import inject_faults  # noqa: E402
+import instant_staging as ist
+from instant_staging.testing import inject_faults
 
 H2D, D2H = 1, 2
 DEFAULT_KINDS = ("registered", "hugepages", "segmented", "runtime_pinned",
@@ -92,10 +92,7 @@ def make_source(kind, size, setup, torch):
         return Source(buf.ptr, size, buf.close, buf.spans, buf.kind.name,
                       whole_ok=len(buf.segments) == 1)
     if kind == "host_alloc":
-        code, ptr = rt.host_alloc(size)
-        if code:
-            rt.get_last_error()
-            raise RuntimeError(f"host_alloc: {rt.error_name(code)}")
+        ptr = rt.check(*rt.host_alloc(size), call="host_alloc")
         return Source(ptr, size, lambda: rt.free_host(ptr), reached="host_alloc")
     if kind == "torch_pinned":
         holder = [torch.empty(size, dtype=torch.uint8, pin_memory=True)]
@@ -110,27 +107,21 @@ def make_source(kind, size, setup, torch):
     raise ValueError(kind)
 
 
-class CopyError(RuntimeError):
-    pass
-
-
-def _check(rt, code, what):
-    if code:
-        rt.get_last_error()  # leave no stale error behind
-        raise CopyError(f"{what}: {rt.error_name(code)}")
+# A failed copy: Runtime.check() clears the pending error and raises it.
+CopyError = ist.RuntimeCallError
 
 
 def copy_chunked(rt, src, dev, stream, chunk):
     for off in range(0, src.size, chunk):
         for p, n in src.spans(off, min(chunk, src.size - off)):
-            _check(rt, rt.memcpy_async(dev + (p - src.ptr), p, n, H2D, stream),
-                   f"memcpy_async at offset {p - src.ptr}")
-    _check(rt, rt.stream_synchronize(stream), "stream_synchronize")
+            rt.check(rt.memcpy_async(dev + (p - src.ptr), p, n, H2D, stream),
+                     call=f"memcpy_async at offset {p - src.ptr}")
+    rt.check(rt.stream_synchronize(stream), call="stream_synchronize")
 
 
 def copy_whole(rt, src, dev, stream, chunk):
-    _check(rt, rt.memcpy_async(dev, src.ptr, src.size, H2D, stream), "memcpy_async (whole)")
-    _check(rt, rt.stream_synchronize(stream), "stream_synchronize")
+    rt.check(rt.memcpy_async(dev, src.ptr, src.size, H2D, stream), call="memcpy_async (whole)")
+    rt.check(rt.stream_synchronize(stream), call="stream_synchronize")
 
 
 MODES = {"chunked": copy_chunked, "whole": copy_whole}
@@ -147,8 +138,8 @@ def verify(rt, src, dev, stream, seed, chunk=8 * C.MiB):
     addr = ctypes.addressof((ctypes.c_char * n).from_buffer(back))
     bad = []
     for off in sorted(o for o in offsets if 0 <= o <= src.size - n):
-        _check(rt, rt.memcpy_async(addr, dev + off, n, D2H, stream), "read-back")
-        _check(rt, rt.stream_synchronize(stream), "stream_synchronize")
+        rt.check(rt.memcpy_async(addr, dev + off, n, D2H, stream), call="read-back")
+        rt.check(rt.stream_synchronize(stream), call="stream_synchronize")
         if back != bytes(C.expected_byte(off + i, chunk, seed) for i in range(n)):
             bad.append(off)
     return bad
@@ -192,13 +183,11 @@ def run(args, setup):
     rt = setup.runtime
     torch, kinds, skipped = C.torch_for(setup, args.kinds)
     C.warm_up(setup)
-    code, stream = rt.stream_create()
-    _check(rt, code, "stream_create")
+    stream = rt.check(*rt.stream_create(), call="stream_create")
     results = []
     try:
         for size in args.sizes:
-            code, dev = rt.device_malloc(size)
-            _check(rt, code, f"device_malloc({size})")
+            dev = rt.check(*rt.device_malloc(size), call=f"device_malloc({size})")
             try:
                 for i, k in enumerate(kinds):
                     try:

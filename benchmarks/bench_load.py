@@ -38,10 +38,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402  (also finds an in-place build of the package)
+import _common as C
 
-import instant_staging as ist  # noqa: E402
-from instant_staging import loader  # noqa: E402
+import instant_staging as ist
+from instant_staging import loader
 
 TENSOR_BYTES = 64 * C.MiB
 TENSOR_SHAPE = [4096, 8192]                  # bf16: 64 MiB
@@ -234,8 +234,9 @@ def peer_methods(torch, files, device):
                     out[name] = t
             return out
         for backend in ("AIO_BUFFERED", "MMAP"):
+            chosen = getattr(Backend, backend)
             methods.append(Method(f"instanttensor {backend}",
-                                  lambda b=getattr(Backend, backend): it_load(b),
+                                  lambda b=chosen: it_load(b),
                                   note="safe_open, default sizes"))
     except ImportError as e:
         notes.append(f"instanttensor skipped: {e}")
@@ -244,7 +245,7 @@ def peer_methods(torch, files, device):
 
         def fst_load():
             with fastsafe_open(files, device=dev, nogds=True) as f:
-                return {k: f.get_tensor(k) for k in f.keys()}
+                return {k: f.get_tensor(k) for k in f}
         methods.append(Method("fastsafetensors nogds", fst_load, note="fastsafe_open(nogds=True)"))
     except ImportError as e:
         notes.append(f"fastsafetensors skipped: {e}")

@@ -41,10 +41,10 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402,F401  (also finds an in-place build of the package)
+import _common as C  # noqa: F401  (also finds an in-place build of the package)
 
-import instant_staging as ist  # noqa: E402
-from instant_staging._types import parse_size  # noqa: E402
+import instant_staging as ist
+from instant_staging._types import parse_size
 
 MEMORY_UNREGISTERED = 0
 
@@ -67,9 +67,24 @@ def open_fds():
     return len(os.listdir("/proc/self/fd"))
 
 
+def consume(it, got, errors, stop_after, seen):
+    """The consumer thread of one round: collects tensors until cancelled."""
+    from instant_staging.loader import LoadError
+    try:
+        for name, t in it:
+            got[name] = t
+            if len(got) > stop_after:
+                seen.set()
+    except LoadError as e:
+        errors.append(str(e))
+    finally:
+        seen.set()
+
+
 def phase_cancel(path, expected, args, out):
     import torch
-    from instant_staging.loader import LoadError, iter_load, load_file
+
+    from instant_staging.loader import iter_load, load_file
     from instant_staging.runtime import real_runtime
     rt = real_runtime()
     buf = ist.StagingBuffer(args.staging)
@@ -86,18 +101,7 @@ def phase_cancel(path, expected, args, out):
         stop_after = rng.randrange(0, len(expected))
         seen = threading.Event()
 
-        def consume():
-            try:
-                for name, t in it:
-                    got[name] = t
-                    if len(got) > stop_after:
-                        seen.set()
-            except LoadError as e:
-                errors.append(str(e))
-            finally:
-                seen.set()
-
-        consumer = threading.Thread(target=consume)
+        consumer = threading.Thread(target=consume, args=(it, got, errors, stop_after, seen))
         consumer.start()
         seen.wait(60)
         try:

@@ -45,10 +45,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402  (also finds an in-place build of the package)
+import _common as C
 
-import instant_staging as ist  # noqa: E402
-from instant_staging.testing import inject_faults  # noqa: E402
+import instant_staging as ist
+from instant_staging.testing import inject_faults
 
 KINDS = ("registered", "segmented", "runtime_pinned")
 EXPECTED = {"registered": ist.Kind.REGISTERED, "segmented": ist.Kind.SEGMENTED,
@@ -231,10 +231,10 @@ def main(argv=None):
         print(f"no GPU ({setup.why_simulated}); use --simulate for a host-only dry run")
         return 1
     rt = setup.runtime
-    code, device = rt.device_malloc(args.size)
-    if code != 0:
-        rt.get_last_error()
-        raise SystemExit(f"device_malloc of {C.fmt_size(args.size)}: {rt.error_name(code)}")
+    try:
+        device = rt.check(*rt.device_malloc(args.size), call=f"device_malloc of {C.fmt_size(args.size)}")
+    except ist.RuntimeCallError as e:
+        raise SystemExit(str(e)) from None
 
     start = time.monotonic()
     results = []
@@ -260,7 +260,8 @@ def main(argv=None):
 
     rows = []
     for r in results:
-        rows.append([r["kind"], f"{r['cycles']}/{r['cycles_asked']}" + (" (budget)" if r["stopped_by_budget"] else ""),
+        budget = " (budget)" if r["stopped_by_budget"] else ""
+        rows.append([r["kind"], f"{r['cycles']}/{r['cycles_asked']}" + budget,
                      C.fmt(r["create_mean_s"]), C.fmt(r["create_max_s"]),
                      C.fmt(r["release_mean_s"]), C.fmt(r["release_max_s"]),
                      C.fmt_size(r["rss_baseline"]), C.fmt_size(r["rss_end"]),

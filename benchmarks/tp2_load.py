@@ -54,11 +54,11 @@ import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
-import bench_load as B  # noqa: E402  (the shard generator and the checksums)
+import _common as C
+import bench_load as B
 
-import instant_staging as ist  # noqa: E402
-from instant_staging import loader  # noqa: E402
+import instant_staging as ist
+from instant_staging import loader
 
 
 def setup_rank(torch, dist, group_backend=False):

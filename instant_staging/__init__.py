@@ -10,8 +10,16 @@ See docs/design.md for the state machine and the contract.
 
 from ._build_config import BACKEND
 from ._staging import StagingBuffer, auto_prefault_threads
-from ._types import (Attempt, Kind, ReleaseError, RollbackError, RuntimeCallError, StagingError,
-                     format_size, parse_size)
+from ._types import (
+                     Attempt,
+                     Kind,
+                     ReleaseError,
+                     RollbackError,
+                     RuntimeCallError,
+                     StagingError,
+                     format_size,
+                     parse_size,
+)
 from .runtime import default_runtime, real_runtime
 
 __version__ = "0.1.0"

@@ -16,7 +16,7 @@ never that of another libcudart in the process (torch ships its own).
 
 from libc.string cimport strncpy
 
-from instant_staging._runtime cimport Runtime, RuntimeTable
+from instant_staging._runtime cimport Runtime
 
 BACKEND = "cuda"
 
@@ -171,7 +171,6 @@ cdef int _event_record(void* ctx, void* event, void* stream) noexcept nogil:
 
 cdef int _event_synchronize(void* ctx, void* event) noexcept nogil:
     return cudaEventSynchronize(<cudaEvent_t>event)
-
 
 
 cdef class CudaRuntime(Runtime):

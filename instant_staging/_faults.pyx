@@ -21,7 +21,7 @@ from libc.stdint cimport intptr_t
 import sys
 import traceback
 
-from instant_staging._runtime cimport ERROR_UNKNOWN, Runtime, RuntimeTable
+from instant_staging._runtime cimport ERROR_UNKNOWN, Runtime
 
 # Operations a plan can fail, indexing _OP_NAMES.
 cdef enum:
@@ -39,7 +39,6 @@ cdef int internal_error(str where) noexcept:
     sys.stderr.write(f"{where}: internal error, the call fails (ERROR_UNKNOWN)\n")
     traceback.print_exc()
     return ERROR_UNKNOWN
-
 
 
 cdef class FaultyRuntime(Runtime):

@@ -11,9 +11,7 @@ Without a GPU the module still imports; Debian's HIP 5.2 then returns
 101 ``hipErrorInvalidDevice`` from ``hipHostRegister`` and ``hipHostMalloc``.
 """
 
-from libc.string cimport strncpy
-
-from instant_staging._runtime cimport Runtime, RuntimeTable
+from instant_staging._runtime cimport Runtime
 
 BACKEND = "rocm"
 
@@ -204,7 +202,6 @@ cdef int _event_record(void* ctx, void* event, void* stream) noexcept nogil:
 
 cdef int _event_synchronize(void* ctx, void* event) noexcept nogil:
     return hipEventSynchronize(<hipEvent_t>event)
-
 
 
 cdef class HipRuntime(Runtime):

@@ -38,9 +38,10 @@ import collections
 from instant_staging._runtime cimport (
     Runtime, ERROR_INVALID_VALUE, ERROR_MEMORY_ALLOCATION, ERROR_NO_DEVICE,
     ERROR_ALREADY_REGISTERED, ERROR_NOT_REGISTERED, ERROR_INVALID_MEMCPY_DIRECTION,
-    ERROR_INVALID_DEVICE, ERROR_INVALID_HANDLE, ERROR_UNKNOWN, MEMCPY_HOST_TO_DEVICE,
+    ERROR_INVALID_DEVICE, ERROR_INVALID_HANDLE, MEMCPY_HOST_TO_DEVICE,
     MEMCPY_DEVICE_TO_HOST, MEMORY_UNREGISTERED, MEMORY_HOST, MEMORY_DEVICE)
 from instant_staging._faults cimport FaultyRuntime, internal_error
+from instant_staging._build_config import BACKEND
 from instant_staging.faults import as_plan
 
 DEVICE_NAME = "SimulatedRuntime device"
@@ -93,15 +94,6 @@ _TEXT_CACHE = {}
 cdef intptr_t _STREAM_BASE = 0x5157000   # dummy stream handles start here
 
 
-def _build_backend():
-    """"rocm" when this build is the HIP one, else "cuda" (also when unbuilt)."""
-    try:
-        from instant_staging._build_config import BACKEND
-    except Exception:
-        return "cuda"
-    return "rocm" if BACKEND == "rocm" else "cuda"
-
-
 def error_text(str backend, int code):
     """``(name, string)`` of ``code`` as the ``backend`` runtime words it."""
     table = _HIP_ERRORS if backend == "rocm" else _CUDA_ERRORS
@@ -144,7 +136,6 @@ cdef void _remove_range(list starts, dict sizes, intptr_t ptr):
 
 
 @cython.no_gc_clear  # __dealloc__ needs the allocation dicts to free them
-
 cdef class SimulatedRuntime(Runtime):
     """``SimulatedRuntime(faults=None, *, device_count=1, log_limit=10000, backend=None)``
 
@@ -203,7 +194,7 @@ cdef class SimulatedRuntime(Runtime):
             if log_limit < 0:
                 raise ValueError(f"log_limit must be >= 0 or None, got {log_limit}")
         if backend is None:
-            backend = _build_backend()
+            backend = BACKEND     # this build's: its error names by default
         elif backend not in ("cuda", "rocm"):
             raise ValueError(f"backend must be 'cuda' or 'rocm', got {backend!r}")
         self._device_count = device_count

@@ -100,6 +100,10 @@ cdef class StagingBuffer:
     cdef void _unmap(self) noexcept
     cdef int _record(self, str step, bint ok, int code, str name, size_t offset,
                      size_t size, double t0) except -1
+    cdef str _name(self, int code)
+    cdef str _describe(self, int code)
+    cdef str _last_failure(self)
+    cdef str _failure_message(self, bint allow_pageable)
 
     # Release: what is held, exactly once.
     cdef object _release(self, bint raise_errors, bint dealloc=*)

@@ -33,7 +33,6 @@ from cpython.buffer cimport PyBuffer_FillInfo
 from libc.errno cimport errno, ENOMEM
 from libc.stdint cimport intptr_t, uintptr_t
 from libc.stdlib cimport malloc, free
-from libc.string cimport memset
 from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, MAP_PRIVATE,
                          MAP_ANONYMOUS, PROT_READ, PROT_WRITE, MADV_HUGEPAGE)
 from posix.unistd cimport getpid, sysconf, _SC_PAGESIZE
@@ -48,8 +47,8 @@ logger = logging.getLogger("instant_staging")
 
 cdef size_t PAGE = <size_t>sysconf(_SC_PAGESIZE)
 cdef size_t HUGE_PAGE = 2 << 20
-from instant_staging.defaults import (MAX_PREFAULT_THREADS, SEGMENT_SIZE as DEFAULT_SEGMENT_SIZE,
-                                       usable_cpus)
+from instant_staging.defaults import MAX_PREFAULT_THREADS, usable_cpus
+from instant_staging.defaults import SEGMENT_SIZE as DEFAULT_SEGMENT_SIZE
 
 
 _KINDS = {KIND_REGISTERED: Kind.REGISTERED, KIND_SEGMENTED: Kind.SEGMENTED,
@@ -177,7 +176,7 @@ cdef char* _map(size_t size, size_t alignment, size_t* mapped) noexcept nogil:
     if size > <size_t>-1 - (PAGE - 1) - extra:
         # length + extra would wrap around: a tiny mapping, then trimming
         # would unmap whatever lies above it (the interpreter's own memory).
-        errno = ENOMEM
+        errno = ENOMEM  # no-cython-lint (libc's errno, declared global above)
         return NULL
     cdef size_t length = (size + PAGE - 1) // PAGE * PAGE
     cdef void* base = mmap(NULL, length + extra, PROT_READ | PROT_WRITE,
@@ -257,7 +256,8 @@ cdef class StagingBuffer:
             raise ValueError(f"alignment must be a power of two >= the page size ({PAGE}), got {alignment}")
         _int_arg("segment_size", segment_size, 1)
         if segment_size % PAGE:
-            raise ValueError(f"segment_size must be a positive multiple of the page size ({PAGE}), got {segment_size}")
+            raise ValueError(f"segment_size must be a positive multiple of the page size ({PAGE}), "
+                             f"got {segment_size}")
         self._segment_size = segment_size
         if copy_unit is not None:
             self._segment_size = _segment_for_copy_unit(segment_size, copy_unit)
@@ -497,17 +497,17 @@ cdef class StagingBuffer:
                                       time.perf_counter() - t0))
         return 0
 
-    def _name(self, int code):
+    cdef str _name(self, int code):
         return self._runtime.error_name(code) if code else ""
 
-    def _describe(self, int code):
+    cdef str _describe(self, int code):
         return f"{self._runtime.error_name(code)} ({self._runtime.error_string(code)})"
 
-    def _last_failure(self):
+    cdef str _last_failure(self):
         failed = [a for a in self._attempts if not a.ok and a.code]
         return ", ".join(sorted({a.name for a in failed})) or "no runtime error"
 
-    def _failure_message(self, allow_pageable):
+    cdef str _failure_message(self, bint allow_pageable):
         steps = "; ".join(f"{a.step} at {a.offset} failed with {a.name}"
                           for a in self._attempts if not a.ok)
         hint = ("pageable memory could not be allocated either" if allow_pageable else
@@ -531,8 +531,9 @@ cdef class StagingBuffer:
             # The registration belongs to the parent's process; the child only
             # drops its own copy of the mapping and makes no runtime call.
             self._nregistered = 0
-            self._host_alloc = False
-            self._ptr = NULL
+            if self._host_alloc:
+                self._host_alloc = False
+                self._ptr = NULL
         else:
             while self._nregistered > 0:
                 code = self._unregister_newest(None)

@@ -1,7 +1,7 @@
 """The public value types of the state machine: Kind, Attempt and the errors."""
 
 import enum
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 
 class Kind(enum.Enum):
@@ -43,7 +43,7 @@ class StagingError(RuntimeError):
     """No staging buffer could be made; ``attempts`` says what was tried,
     ``code`` is the last runtime code (0 where no runtime call failed)."""
 
-    def __init__(self, message: str, attempts: Tuple[Attempt, ...] = (),
+    def __init__(self, message: str, attempts: tuple[Attempt, ...] = (),
                  code: Optional[int] = None):
         super().__init__(message)
         self.attempts = tuple(attempts)

@@ -11,18 +11,18 @@ import glob
 import os
 import shutil
 import sys
-from typing import List, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 
 class Backend(NamedTuple):
     name: str                      # "cuda" or "rocm"
     source: str                    # the .pyx that fills the runtime table
-    include_dirs: List[str]
-    library_dirs: List[str]
-    libraries: List[str]
-    define_macros: List[Tuple[str, Optional[str]]]
-    extra_link_args: List[str]
-    runtime_library_dirs: List[str]
+    include_dirs: list[str]
+    library_dirs: list[str]
+    libraries: list[str]
+    define_macros: list[tuple[str, Optional[str]]]
+    extra_link_args: list[str]
+    runtime_library_dirs: list[str]
     origin: str                    # where the toolchain was found, for messages
 
 
@@ -66,7 +66,7 @@ def _crt_include(inc: str) -> Optional[str]:
     return None
 
 
-_cuda_skipped: List[str] = []     # why candidates were passed over, for the error
+_cuda_skipped: list[str] = []     # why candidates were passed over, for the error
 
 
 def _cuda_at(home: str, origin: str) -> Optional[Backend]:

@@ -31,7 +31,8 @@ import errno
 import os
 import re
 import threading
-from typing import Iterable, NamedTuple, Optional, Tuple
+from collections.abc import Iterable
+from typing import NamedTuple, Optional
 
 from instant_staging._runtime import ERROR_CODES
 from instant_staging._types import parse_size
@@ -224,7 +225,7 @@ class FaultPlan:
         return cls.parse(spec)
 
     @property
-    def rules(self) -> Tuple[FaultRule, ...]:
+    def rules(self) -> tuple[FaultRule, ...]:
         return self._rules
 
     @property

@@ -45,7 +45,7 @@ def default_runtime():
         return real_runtime()
     with _lock:
         if spec not in _wrapped:
-            from .faults import FaultPlan
             from ._faults import inject_faults
+            from .faults import FaultPlan
             _wrapped[spec] = inject_faults(real_runtime(), FaultPlan.parse(spec))
         return _wrapped[spec]

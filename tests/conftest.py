@@ -35,7 +35,7 @@ def make(faults=None, size=SIZE, **kw):
     return rt, ist.StagingBuffer(size, runtime=rt, **kw)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpu_count():
     """Devices the real runtime of this build sees (0 without a GPU or driver)."""
     try:

@@ -10,7 +10,6 @@ from instant_staging.testing import SimulatedRuntime
 from _cli import cli, cli_json, error_name
 from conftest import gpu_count
 
-
 # -- doctor ------------------------------------------------------------------------------
 
 CHECKS = ["build", "runtime", "driver", "devices", "nvidia_module", "kernel", "wsl",

@@ -11,7 +11,6 @@ from instant_staging.testing import SimulatedRuntime
 
 from _cli import MiB, cli, cli_json, needs_no_gpu
 
-
 # -- load ----------------------------------------------------------------------------------
 
 

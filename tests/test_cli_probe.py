@@ -11,8 +11,7 @@ import instant_staging as ist
 from instant_staging.cli import probe
 from instant_staging.testing import SimulatedRuntime
 
-from _cli import MiB, SMALL, cli, cli_json, error_name, needs_no_gpu, steps
-
+from _cli import SMALL, MiB, cli, cli_json, error_name, needs_no_gpu, steps
 
 # -- probe: every kind, on the simulated runtime --------------------------------
 

@@ -36,15 +36,14 @@ from typing import NamedTuple
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, note, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,  # noqa: E402
-                                 precondition, rule)
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import instant_staging as ist  # noqa: E402
-from instant_staging.testing import FaultPlan, SimulatedRuntime  # noqa: E402
+import instant_staging as ist
+from instant_staging.testing import FaultPlan, SimulatedRuntime
+
 from conftest import PAGE
-
 
 # The profiles live here (tests/conftest.py is shared): "ci" is what plain
 # `pytest` runs, "long" a soak of the grammar and the state machine.
@@ -441,9 +440,8 @@ def test_no_fault_sequence_loses_or_leaks_anything(args, faults, release, span):
             buf.close()                               # idempotent, and no call
         elif release == "with":
             if loud:
-                with pytest.raises(ist.StagingError):
-                    with buf:
-                        pass
+                with pytest.raises(ist.StagingError), buf:
+                    pass
             else:
                 with buf:
                     pass

@@ -7,11 +7,9 @@ import threading
 import pytest
 
 import instant_staging as ist
-from instant_staging.testing import (FaultPlan, FaultRule, FaultyRuntime, SimulatedRuntime,
-                                     inject_faults)
+from instant_staging.testing import FaultPlan, FaultRule, FaultyRuntime, SimulatedRuntime, inject_faults
 
 from conftest import GiB
-
 
 
 def host_buffer(size):
@@ -66,7 +64,8 @@ def test_empty_spec_has_no_rules(spec):
 
 
 @pytest.mark.parametrize("rule, why", [
-    ("regster=1", "unknown operation 'regster' (expected register, unregister, host_alloc, free_host, read, copy)"),
+    ("regster=1", "unknown operation 'regster' (expected register, unregister, host_alloc, "
+                  "free_host, read, copy)"),
     ("register", "missing '=ERROR'"),
     ("register=", "missing error"),
     ("register=bogus", "unknown error 'bogus'"),
@@ -231,7 +230,7 @@ def test_inject_faults_arguments():
 def test_injected_code_pending_then_cleared():
     sim = SimulatedRuntime(backend="cuda")
     rt = inject_faults(sim, "register=invalid_value")
-    keep, ptr = host_buffer(8192)
+    _keep, ptr = host_buffer(8192)
     assert rt.host_register(ptr, 8192) == 1
     # The inner runtime never saw the call.
     assert sim.live_registrations == 0
@@ -259,7 +258,7 @@ def test_get_last_error_also_clears_the_inner_error():
 def test_a_later_real_failure_supersedes_the_injected_one():
     sim = SimulatedRuntime()
     rt = inject_faults(sim, "register=invalid_value")
-    keep, ptr = host_buffer(4096)
+    _keep, ptr = host_buffer(4096)
     assert rt.host_register(ptr, 4096) == 1
     assert rt.host_unregister(ptr) == 713  # passes through and fails for real
     assert rt.get_last_error() == 713
@@ -269,7 +268,7 @@ def test_a_later_real_failure_supersedes_the_injected_one():
 def test_calls_after_nth_pass_through():
     sim = SimulatedRuntime()
     rt = inject_faults(sim, "register#2=invalid_value")
-    keep, ptr = host_buffer(4 * 4096)
+    _keep, ptr = host_buffer(4 * 4096)
     codes = [rt.host_register(ptr + i * 4096, 4096) for i in range(4)]
     assert codes == [0, 1, 0, 0]
     assert rt.get_last_error() == 1
@@ -282,7 +281,7 @@ def test_segment_and_rollback_failure_scenario():
     sim = SimulatedRuntime()
     rt = inject_faults(sim, "register#4=invalid_value;unregister#1=invalid_value")
     seg = 4096
-    keep, ptr = host_buffer(4 * seg)
+    _keep, ptr = host_buffer(4 * seg)
     assert [rt.host_register(ptr + i * seg, seg) for i in range(4)] == [0, 0, 0, 1]
     assert rt.get_last_error() == 1
     # Rollback, newest first: the first unregister is refused, the rest work.
@@ -302,7 +301,7 @@ def test_segment_and_rollback_failure_scenario():
 def test_register_size_boundary(spec, size, code):
     sim = SimulatedRuntime()
     rt = inject_faults(sim, spec)
-    keep, ptr = host_buffer(8192)
+    _keep, ptr = host_buffer(8192)
     assert rt.host_register(ptr, size) == code
     assert sim.live_registrations == (0 if code else 1)
 
@@ -310,7 +309,7 @@ def test_register_size_boundary(spec, size, code):
 def test_unregister_rule_uses_the_recorded_size():
     sim = SimulatedRuntime()
     rt = inject_faults(sim, "unregister>4KiB=not_supported")
-    keep, ptr = host_buffer(3 * 8192)
+    _keep, ptr = host_buffer(3 * 8192)
     big, small, unknown = ptr, ptr + 8192, ptr + 2 * 8192
     assert rt.host_register(big, 8192) == 0
     assert rt.host_register(small, 4096) == 0
@@ -350,7 +349,7 @@ def test_host_alloc_rule():
 
 def test_integer_code_named_by_inner_runtime():
     rt = inject_faults(SimulatedRuntime(backend="cuda"), "register=35")
-    keep, ptr = host_buffer(64)
+    _keep, ptr = host_buffer(64)
     assert rt.host_register(ptr, 64) == 35
     assert rt.error_name(rt.peek_last_error()) == "cudaErrorInsufficientDriver"
     assert rt.error_name(12345) == "cudaErrorUnknown(12345)"
@@ -375,7 +374,7 @@ def test_other_entries_pass_through():
 def test_wrappers_compose():
     sim = SimulatedRuntime()
     rt = inject_faults(inject_faults(sim, "register#2=1"), "register#3=2")
-    keep, ptr = host_buffer(4 * 64)
+    _keep, ptr = host_buffer(4 * 64)
     assert [rt.host_register(ptr + i * 64, 64) for i in range(4)] == [0, 1, 2, 0]
     assert rt.name == "simulated+faults+faults"
     assert sim.live_registrations == 2
@@ -383,7 +382,7 @@ def test_wrappers_compose():
 
 def test_injected_error_is_per_thread():
     rt = inject_faults(SimulatedRuntime(), "register=invalid_value")
-    keep, ptr = host_buffer(64)
+    _keep, ptr = host_buffer(64)
     seen = []
 
     def other():
@@ -408,7 +407,7 @@ def test_wrapper_keeps_inner_alive():
 
 def test_simulated_with_faults():
     sim = SimulatedRuntime(faults="register=invalid_value")
-    keep, ptr = host_buffer(4096)
+    _keep, ptr = host_buffer(4096)
     assert sim.name == "simulated+faults"
     assert str(sim.plan) == "register=invalid_value"
     assert sim.host_register(ptr, 4096) == 1
@@ -428,7 +427,7 @@ def test_simulated_with_plan_object_and_without_faults():
     plan = FaultPlan.parse("unregister#1=not_registered")
     sim = SimulatedRuntime(faults=plan)
     assert sim.plan is plan
-    keep, ptr = host_buffer(64)
+    _keep, ptr = host_buffer(64)
     assert sim.host_register(ptr, 64) == 0
     assert sim.host_unregister(ptr) == 713
     assert sim.live_registrations == 1

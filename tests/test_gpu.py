@@ -18,6 +18,7 @@ import pytest
 import instant_staging as ist
 from instant_staging import real_runtime
 from instant_staging.testing import FaultPlan, inject_faults
+
 from conftest import GiB, MiB
 
 pytestmark = pytest.mark.gpu

@@ -17,13 +17,13 @@ import pytest
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
-import instant_staging as ist  # noqa: E402
-from instant_staging.loader import LoadError, iter_load, load_file  # noqa: E402
-from instant_staging.loader._pipeline import Pipeline, Plan  # noqa: E402
-from instant_staging.testing import FaultPlan, SimulatedRuntime  # noqa: E402
+import instant_staging as ist
+from instant_staging.loader import LoadError, iter_load, load_file
+from instant_staging.loader._pipeline import Pipeline, Plan
+from instant_staging.testing import FaultPlan, SimulatedRuntime
 
-from _child import run_child  # noqa: E402
-from test_loader import CHUNK, SimTarget, assert_same, mixed_tensors, save, sim_load, sim_staging  # noqa: E402
+from _child import run_child
+from test_loader import CHUNK, SimTarget, assert_same, mixed_tensors, save, sim_load, sim_staging
 
 
 def open_fds():
@@ -44,6 +44,7 @@ def test_close_of_a_held_buffer_raises_and_the_load_goes_on(tmp_path):
     rt, buf = sim_staging()
     it = iter_load(path, "cpu", chunk_size=CHUNK, staging=buf)
     got = dict([next(it)])
+    assert rt.live_registrations == 1
     with pytest.raises(BufferError, match="load"):
         buf.close()
     assert not buf.closed
@@ -58,14 +59,22 @@ def test_close_from_another_thread_during_a_load_raises(tmp_path):
     path = save(tmp_path, big_tensors(16))
     rt, buf = sim_staging()
     errors = []
+
+    def close_elsewhere():
+        try:
+            buf.close()
+        except BufferError as e:
+            errors.append(e)
+
     with iter_load(path, "cpu", chunk_size=CHUNK, staging=buf, threads=2) as it:
         next(it)
-        t = threading.Thread(target=lambda: errors.append(pytest.raises(BufferError, buf.close)))
+        t = threading.Thread(target=close_elsewhere)
         t.start()
         t.join()
         list(it)
     assert errors and not buf.closed
     buf.close()
+    assert rt.live_registrations == 0
 
 
 def test_buffer_closed_after_use_was_impossible_to_crash_in_a_child():
@@ -130,7 +139,47 @@ def test_interpreter_exit_while_a_daemon_thread_loads(own):
         assert "Fatal" not in r.stderr and "Segmentation" not in r.stderr
 
 
+def test_ctrl_c_during_a_load_stops_it_and_frees_everything():
+    code = """
+        import os, signal, tempfile, threading, torch
+        from safetensors.torch import save_file
+        import instant_staging as ist
+        from instant_staging.loader import iter_load
+        from instant_staging.testing import SimulatedRuntime
+        d = tempfile.mkdtemp()
+        p = os.path.join(d, "m.safetensors")
+        save_file({f"t{i}": torch.full((1 << 18,), i, dtype=torch.int32) for i in range(64)}, p)
+        rt = SimulatedRuntime()
+        buf = ist.StagingBuffer(1 << 20, runtime=rt, prefault_threads=0)
+        fds = len(os.listdir("/proc/self/fd"))
+        for run in range(5):
+            it = iter_load(p, "cpu", chunk_size=1024, staging=buf, threads=4)
+            try:
+                for i, (name, t) in enumerate(it):
+                    if i == 3:
+                        os.kill(os.getpid(), signal.SIGINT)
+                raise SystemExit("not interrupted")
+            except KeyboardInterrupt:
+                pass
+            del it
+        assert len(os.listdir("/proc/self/fd")) == fds
+        buf.close()                        # no load holds it any more
+        assert rt.live_registrations == 0
+        print("ok")
+    """
+    r = run_child(code, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
 # -- cancel from any thread ------------------------------------------------------
+
+def _consume(it, got, errors):
+    try:
+        for name, t in it:
+            got[name] = t
+    except LoadError as e:
+        errors.append(e)
+
 
 def test_watchdog_cancel_never_delivers_another_files_bytes(tmp_path):
     # Issue 10: close() from another thread closed the fds under running
@@ -144,15 +193,7 @@ def test_watchdog_cancel_never_delivers_another_files_bytes(tmp_path):
     for round_ in range(10):
         it = iter_load(path, "cpu", chunk_size=4096, threads=4, io_depth=8)
         got, errors = {}, []
-
-        def consume():
-            try:
-                for name, t in it:
-                    got[name] = t
-            except LoadError as e:
-                errors.append(e)
-
-        consumer = threading.Thread(target=consume)
+        consumer = threading.Thread(target=_consume, args=(it, got, errors))
         consumer.start()
         time.sleep(0.001 * round_)
         it.close()                                   # the watchdog's cancel
@@ -384,6 +425,7 @@ def test_load_to_a_gpu_without_one_names_no_foreign_knob(tmp_path):
 
 def test_bad_paths_of_every_type_are_safetensors_errors(tmp_path):
     import pathlib
+
     from instant_staging.loader import SafetensorsError
     path = tmp_path / "bad.safetensors"
     path.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00[]")

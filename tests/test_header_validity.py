@@ -19,9 +19,10 @@ import pytest
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as hs  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
 
-from instant_staging.loader import SafetensorsError, load_file  # noqa: E402
+from instant_staging.loader import SafetensorsError, load_file
 
 
 def blob(header, data=b"", length=None):
@@ -50,6 +51,11 @@ def ours(path):
         return None
 
 
+def _head(path):
+    with open(path, "rb") as f:
+        return f.read(300)
+
+
 def raw(t):
     if t.numel() == 0:
         return b""
@@ -61,7 +67,7 @@ def assert_agree(path):
     if expected is None or got is None:
         assert got is None and expected is None, (
             f"safetensors {'accepts' if expected is not None else 'rejects'} "
-            f"but we {'accept' if got is not None else 'reject'}: {open(path, 'rb').read()[:300]!r}")
+            f"but we {'accept' if got is not None else 'reject'}: {_head(path)!r}")
         return False
     assert list(got) == list(expected) or set(got) == set(expected)
     for name, t in expected.items():
@@ -132,6 +138,10 @@ def test_upstream_cases(tmp_path, name):
 
 # -- hostile and serde_json edge cases, each compared with safetensors ---------
 
+# An entry with one extra (ignored) field "x" holding %s.
+EXTRA = '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":%s}}'
+
+
 def _nested(k):
     return '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":%s}}' % ("[" * k + "]" * k)
 
@@ -150,8 +160,10 @@ CASES = {
     "trailing_bytes": blob({"a": T}, D8 + b"\0"),
     "overlap": blob({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
                      "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, D8),
-    "duplicate_name_last_wins": blob('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":%s}' % TJ, D8),
-    "duplicate_name_last_short": blob('{"a":%s,"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}' % TJ, D8),
+    "duplicate_name_last_wins": blob('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
+                                     '"a":%s}' % TJ, D8),
+    "duplicate_name_last_short": blob('{"a":%s,'
+                                      '"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}' % TJ, D8),
     "duplicate_field": blob('{"a":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}}', D8),
     "duplicate_metadata": blob('{"__metadata__":{},"__metadata__":{},"a":%s}' % TJ, D8),
     "duplicate_metadata_null": blob('{"__metadata__":null,"__metadata__":null,"a":%s}' % TJ, D8),
@@ -167,9 +179,10 @@ CASES = {
     "infinity_in_extra": blob('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":-Infinity}}', D8),
     "float_overflow_in_extra": blob('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1e999}}', D8),
     "float_in_extra": blob('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1e300}}', D8),
-    "big_int_in_extra": blob('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":%s}}' % ("9" * 300), D8),
-    "huge_int_in_extra": blob('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":%s}}' % ("9" * 400), D8),
-    "5000_digit_dimension": blob('{"a":{"dtype":"F32","shape":[%s],"data_offsets":[0,8]}}' % ("9" * 5000), D8),
+    "big_int_in_extra": blob(EXTRA % ("9" * 300), D8),
+    "huge_int_in_extra": blob(EXTRA % ("9" * 400), D8),
+    "5000_digit_dimension": blob('{"a":{"dtype":"F32","shape":[%s],"data_offsets":[0,8]}}' % ("9" * 5000),
+                                 D8),
     "float_dimension": blob('{"a":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}}', D8),
     "exp_dimension": blob('{"a":{"dtype":"F32","shape":[2e0],"data_offsets":[0,8]}}', D8),
     "negative_dimension": blob('{"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}', D8),
@@ -185,7 +198,8 @@ CASES = {
     "zero_size_zero_first": blob({"a": {"dtype": "F32", "shape": [0, 2 ** 40, 2 ** 40],
                                         "data_offsets": [0, 0]}}),
     "bits_overflow": blob({"a": {"dtype": "F32", "shape": [2 ** 62], "data_offsets": [0, 0]}}),
-    "zero_size_inside_another": blob({"a": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}, "b": T}, D8),
+    "zero_size_inside_another": blob({"a": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}, "b": T},
+                                     D8),
     "zero_size_at_end": blob({"a": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}, "b": T}, D8),
     "offsets_three": blob({"a": dict(T, data_offsets=[0, 8, 8])}, D8),
     "offsets_float": blob('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8.0]}}', D8),

@@ -13,12 +13,13 @@ and the process's memory checked.
 import logging
 
 import pytest
-from _child import run_child
-from conftest import KIND_FAULTS, MiB
 
 import instant_staging as ist
 from instant_staging import _staging
 from instant_staging.testing import SimulatedRuntime
+
+from _child import run_child
+from conftest import KIND_FAULTS, MiB
 
 SIZE = 32 * MiB + 100            # five segments of 8 MiB, the last one short
 SEG = 8 * MiB
@@ -151,7 +152,8 @@ def test_state_machine_is_not_reachable_from_python():
         for name in ("_run", "_step_allocate", "_step_prefault", "_step_register",
                      "_step_register_segments", "_step_rollback", "_step_runtime_alloc",
                      "_step_pageable", "_register_next", "_unregister_newest", "_release",
-                     "_record", "_unmap", "_clear_error"):
+                     "_record", "_unmap", "_clear_error", "_name", "_describe",
+                     "_last_failure", "_failure_message"):
             assert not hasattr(buf, name), name
         assert rt.live_registrations == 1
     assert rt.live_registrations == 0
@@ -225,7 +227,7 @@ def test_sigint_storm_while_building_leaks_nothing():
     assert out.returncode == 0, out.stderr
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
     assert lines["LIVE"] == "0", out.stdout
-    built, interrupted = map(int, lines["COUNTS"].split())
+    _built, interrupted = map(int, lines["COUNTS"].split())
     assert interrupted > 0, out.stdout           # the storm did reach the constructor
     # One leaked mapping per interrupt would grow by `size` each time.
     assert int(lines["GROWTH"]) < 4 * size, out.stdout

@@ -254,14 +254,25 @@ def test_forked_child_touches_then_releases_without_runtime_calls():
 
 
 def test_fork_child_release_is_not_a_release_for_the_parent():
-    """A buffer the child closes is closed only in the child: the parent's
-    object still reports open and releases with the runtime afterwards."""
+    """A buffer the child closes is closed only in the child (which unmaps
+    its own copy of the memory): the parent's object still reports open and
+    releases with the runtime afterwards."""
     out = run_child(script(PRELUDE, """
+        def mapped(addr):
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                    if lo <= addr < hi:
+                        return True
+            return False
+
         rt, buf = make("REGISTERED")
         pid = os.fork()
         if pid == 0:
+            addr = buf.ptr
+            was_mapped = mapped(addr)
             buf.close()
-            os._exit(0 if buf.closed and buf.ptr == 0 else 3)
+            os._exit(0 if buf.closed and buf.ptr == 0 and was_mapped and not mapped(addr) else 3)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert not buf.closed and rt.live_registrations == 1

@@ -18,6 +18,7 @@ import pytest
 
 import instant_staging as ist
 from instant_staging.testing import SimulatedRuntime
+
 from _child import PACKAGE_PARENT
 from conftest import KIND_FAULTS, PAGE, SEG, SIZE
 
@@ -323,7 +324,7 @@ def test_prefault_that_cannot_start_threads_is_recorded_and_not_fatal(tmp_path):
     if ("prefault", True) in steps:
         pytest.skip("could not make pthread_create fail under RLIMIT_AS on this host")
     assert steps == [("allocate", True), ("prefault", False), ("register", True)]
-    step, ok, code, name, offset, size, seconds = out["attempts"][1]
+    _step, _ok, code, name, offset, size, seconds = out["attempts"][1]
     assert name and code == 0 and seconds >= 0          # errno text, no runtime code
     assert (offset, size) == (0, 64 << 10)
     assert out["kind"] == "REGISTERED" and out["data_ok"]
@@ -377,7 +378,7 @@ def test_bench_alloc_runs_end_to_end(tmp_path):
 
 
 def test_bench_h2d_runs_end_to_end(tmp_path):
-    doc, out = run_bench("bench_h2d", tmp_path)
+    doc, _out = run_bench("bench_h2d", tmp_path)
     check_common(doc, "h2d")
     assert "memcpy_async" in doc["copy_api"]
     by_kind = {e["kind"]: e for e in doc["results"]}

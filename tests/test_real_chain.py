@@ -8,6 +8,7 @@ a GPU these tests skip; tests/test_gpu.py covers that side.
 import pytest
 
 import instant_staging as ist
+
 from conftest import gpu_count
 
 pytestmark = pytest.mark.skipif(gpu_count() > 0, reason="a GPU is present: pinning succeeds")

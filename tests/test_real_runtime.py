@@ -6,7 +6,6 @@ Tests marked ``gpu`` run only where the runtime finds a device.
 """
 
 import ctypes
-import importlib
 import mmap
 import threading
 
@@ -14,11 +13,12 @@ import pytest
 
 from instant_staging import _build_config
 from instant_staging._runtime import Runtime
+from instant_staging.runtime import backend_module
+
 from conftest import PAGE
 
 BACKEND = _build_config.BACKEND
-backend = importlib.import_module(
-    "instant_staging._cuda" if BACKEND == "cuda" else "instant_staging._hip")
+backend = backend_module()
 rt = backend.runtime()
 
 PREFIX = {"cuda": "cuda", "rocm": "hip"}[BACKEND]
@@ -156,7 +156,7 @@ def test_host_alloc_fails_with_ptr_0(size):
 
 @no_gpu
 def test_other_calls_fail_cleanly(host_buffer):
-    ptr, size = host_buffer
+    ptr, _size = host_buffer
     assert rt.host_unregister(ptr) != 0
     assert rt.pointer_type(ptr)[0] != 0
     code, name = rt.device_name(0)
@@ -204,7 +204,7 @@ def pages():
 @pytest.mark.gpu
 @gpu
 def test_register_unregister_and_pointer_type(pages):
-    m, ptr, size = pages
+    _m, ptr, size = pages
     assert rt.pointer_type(ptr) == (0, 0)       # unregistered host memory
     assert rt.host_register(ptr, size, 0) == 0
     try:

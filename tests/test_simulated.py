@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from instant_staging.testing import SimulatedRuntime
+
 from conftest import PAGE
 
 H2D, D2H = 1, 2
@@ -156,7 +157,7 @@ def test_host_alloc_page_aligned_real_memory(sim):
 def test_free_host_unknown_is_invalid_value(sim, host):
     assert sim.free_host(host.ptr) == 1
     assert sim.get_last_error() == 1
-    code, ptr = sim.host_alloc(PAGE)
+    _code, ptr = sim.host_alloc(PAGE)
     assert sim.free_host(ptr + 8) == 1     # interior
     assert sim.free_host(ptr) == 0
     assert sim.free_host(ptr) == 1         # twice
@@ -255,7 +256,7 @@ def test_copy_spanning_two_registrations_fails_and_copies_nothing(sim, host):
     host.fill(b"\x11" * host.size)
     assert sim.host_register(host.ptr, 4 * PAGE) == 0
     assert sim.host_register(host.ptr + 4 * PAGE, 4 * PAGE) == 0
-    code, dev = sim.device_malloc(8 * PAGE)
+    _code, dev = sim.device_malloc(8 * PAGE)
     ctypes.memset(dev, 0x22, 8 * PAGE)
     # One byte over the boundary is enough.
     assert sim.memcpy_async(dev, host.ptr + 2 * PAGE, 2 * PAGE + 1, H2D) == 1
@@ -272,28 +273,28 @@ def test_copy_spanning_two_registrations_fails_and_copies_nothing(sim, host):
 
 def test_copy_from_pageable_memory(sim, host):
     host.fill(b"pageable")
-    code, dev = sim.device_malloc(8)
+    _code, dev = sim.device_malloc(8)
     assert sim.memcpy_async(dev, host.ptr, 8, H2D) == 0
     assert ctypes.string_at(dev, 8) == b"pageable"
 
 
 def test_copy_partly_pageable_partly_registered_fails(sim, host):
     assert sim.host_register(host.ptr + 4 * PAGE, 4 * PAGE) == 0
-    code, dev = sim.device_malloc(16 * PAGE)
+    _code, dev = sim.device_malloc(16 * PAGE)
     assert sim.memcpy_async(dev, host.ptr + 3 * PAGE, 2 * PAGE, H2D) == 1   # runs in
     assert sim.memcpy_async(dev, host.ptr + 7 * PAGE, 2 * PAGE, H2D) == 1   # runs out
     assert sim.memcpy_async(dev, host.ptr, 16 * PAGE, H2D) == 1             # contains it
 
 
 def test_copy_spanning_runtime_allocation_fails(sim):
-    code, ptr = sim.host_alloc(2 * PAGE)
-    code, dev = sim.device_malloc(4 * PAGE)
+    _, ptr = sim.host_alloc(2 * PAGE)
+    _code, dev = sim.device_malloc(4 * PAGE)
     assert sim.memcpy_async(dev, ptr, 2 * PAGE, H2D) == 0
     assert sim.memcpy_async(dev, ptr + PAGE, 2 * PAGE, H2D) == 1
 
 
 def test_copy_device_range_must_lie_in_one_allocation(sim, host):
-    code, dev = sim.device_malloc(PAGE)
+    _code, dev = sim.device_malloc(PAGE)
     assert sim.memcpy_async(dev + 1, host.ptr, PAGE, H2D) == 1
     assert sim.memcpy_async(host.ptr, dev + PAGE, 1, D2H) == 1
     assert sim.memcpy_async(host.ptr + 8, host.ptr, 8, H2D) == 1   # not device memory
@@ -309,7 +310,7 @@ def test_copy_direction_and_streams(sim, host):
     assert sim.memcpy_async(dev, host.ptr, 64, H2D, 0xdead0) == 400
     code, stream = sim.stream_create()
     assert code == 0 and stream
-    code2, stream2 = sim.stream_create()
+    _code2, stream2 = sim.stream_create()
     assert stream2 != stream
     assert sim.memcpy_async(dev, host.ptr, 64, H2D, stream) == 0
     assert sim.stream_synchronize(stream) == 0
@@ -354,7 +355,7 @@ def test_covers(sim, host):
 
 
 def test_call_log(sim, host):
-    code, hptr = sim.host_alloc(PAGE, 2)
+    _, hptr = sim.host_alloc(PAGE, 2)
     sim.host_register(host.ptr, PAGE)
     sim.host_register(host.ptr, PAGE)
     sim.get_last_error()
@@ -373,7 +374,7 @@ def test_call_log(sim, host):
     ]
     sim.clear_log()
     assert sim.calls == []
-    code, dev = sim.device_malloc(16)
+    _code, dev = sim.device_malloc(16)
     sim.memcpy_async(dev, host.ptr, 16, H2D)
     assert sim.calls == [("device_malloc", 16, dev, 0),
                          ("memcpy_async", dev, host.ptr, 16, H2D, 0, 0)]

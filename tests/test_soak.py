@@ -18,6 +18,7 @@ import os
 import instant_staging as ist
 from instant_staging import _staging
 from instant_staging.testing import SimulatedRuntime
+
 from conftest import PAGE
 
 SIZE = 64 << 10

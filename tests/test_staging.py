@@ -7,7 +7,9 @@ import pytest
 
 import instant_staging as ist
 from instant_staging.testing import SimulatedRuntime
+
 from conftest import PAGE, SEG, SIZE, make
+
 
 def steps(buf_or_err):
     return [(a.step, a.ok) for a in buf_or_err.attempts]
@@ -49,7 +51,7 @@ def test_segmented_retry_after_whole_registration_fails():
 
 
 def test_segmentation_skipped_when_buffer_fits_one_segment():
-    rt, buf = make("register=invalid_value", size=SEG)
+    _rt, buf = make("register=invalid_value", size=SEG)
     assert buf.kind is ist.Kind.RUNTIME_PINNED
     assert [a.step for a in buf.attempts] == ["allocate", "register", "runtime_alloc"]
 
@@ -248,7 +250,7 @@ def test_copy_unit_rounds_segments_so_chunks_never_straddle():
                    copy_unit=unit)
     assert buf.segment_size == 6 * PAGE
     assert buf.kind is ist.Kind.SEGMENTED
-    code, dev = rt.device_malloc(buf.size)
+    _code, dev = rt.device_malloc(buf.size)
     for offset in range(0, buf.size, unit):
         n = min(unit, buf.size - offset)
         assert len(buf.spans(offset, n)) == 1
@@ -260,7 +262,7 @@ def test_copy_unit_rounds_segments_so_chunks_never_straddle():
 def test_prefault_and_hugepages_do_not_change_the_outcome():
     outcomes = []
     for threads, huge in ((0, False), (4, False), (0, True), (3, True)):
-        rt, buf = make("register#1=invalid_value", prefault_threads=threads, hugepages=huge)
+        _rt, buf = make("register#1=invalid_value", prefault_threads=threads, hugepages=huge)
         memoryview(buf)[:] = b"\x5a" * SIZE
         outcomes.append((buf.kind, [a.step for a in buf.attempts if a.step != "prefault"],
                          buf.segments, bytes(memoryview(buf)) == b"\x5a" * SIZE))
@@ -282,7 +284,7 @@ def test_size_is_never_rounded():
 
 
 def test_repr():
-    rt, buf = make("register#1=invalid_value")
+    _rt, buf = make("register#1=invalid_value")
     assert "SEGMENTED" in repr(buf)
     buf.close()
     assert "closed" in repr(buf)

@@ -18,6 +18,7 @@ import pytest
 
 import instant_staging as ist
 from instant_staging.testing import SimulatedRuntime
+
 from conftest import PAGE, SEG
 
 THREADS = 8
@@ -47,7 +48,7 @@ def run_threads(target, n=THREADS, args=()):
     def guarded(i):
         try:
             target(i, *args)
-        except BaseException as e:       # noqa: B902 -- reported to the test
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]

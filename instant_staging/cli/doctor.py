@@ -330,7 +330,7 @@ def diagnose(*, runtime=None, memlock=None, nvidia_version=PATHS["nvidia_version
              self_cgroup=PATHS["self_cgroup"], cgroup_root=PATHS["cgroup_root"]):
     """Every check as ``{name: {status, value, summary, verdict}}`` plus the
     list of warnings.  ``runtime`` defaults to the real one (no faults)."""
-    from .. import BACKEND
+    from .._build_config import BACKEND
     checks = {"build": check_build()}
     rt, reason = _runtime_or_reason(runtime)
     if rt is None:

@@ -17,7 +17,6 @@ from .. import defaults
 from .._types import StagingError, format_size, parse_size
 from .report import attempt_dict, describe_attempt, emit, error_result
 
-
 # -- argument types: a bad value is an argparse error (exit code 2) --------------
 
 def size_arg(text):

@@ -110,8 +110,8 @@ def _real_with_faults(real, plan, info):
     if plan is not None:
         from .._faults import inject_faults
         return inject_faults(real, plan)
-    from ..runtime import default_runtime
     from ..faults import FaultPlan
+    from ..runtime import default_runtime
     try:
         env = FaultPlan.from_env()
         runtime = default_runtime()
@@ -274,14 +274,15 @@ def probe(size=defaults.STAGING_SIZE, *, segment_size=defaults.SEGMENT_SIZE, cop
     Raises UsageError for arguments refused before anything is allocated
     and ValueError for a malformed fault spec.
     """
-    from .. import BACKEND
+    from .._build_config import BACKEND
     if chunk_size <= 0:
         raise UsageError(f"chunk_size must be > 0, got {chunk_size}")
     runtime, info = select_runtime(simulate=simulate, faults=faults,
                                    require_gpu=require_gpu, real_runtime=real_runtime)
     result = {"command": "probe", "backend": BACKEND, "simulated": info["simulated"],
               "runtime": runtime.name if runtime is not None else None,
-              "runtime_version": None, "driver_version": None, "gpu": info["gpu"], "faults": info["faults"], "faults_from": info["faults_from"],
+              "runtime_version": None, "driver_version": None, "gpu": info["gpu"],
+              "faults": info["faults"], "faults_from": info["faults_from"],
               "size": size, "segment_size": segment_size, "copy_unit": copy_unit,
               "chunk_size": chunk_size, "ok": False, "kind": None, "pinned": False,
               "segments": [], "attempts": [], "create_seconds": None, "error": None,

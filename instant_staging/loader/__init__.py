@@ -23,11 +23,21 @@ torch is imported only when a load starts: ``import instant_staging``
 works without it.
 """
 
-from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE, IO_DEPTH as DEFAULT_IO_DEPTH
+from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
+from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
+from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
 from ._header import SafetensorsError
 from ._load import LoadIterator, iter_load, load_file
-from ._distributed import DistributedLoadError
 
-__all__ = ["DistributedLoadError", "LoadError", "LoadIterator", "SafetensorsError", "VerifyError",
-           "iter_load", "load_file", "DEFAULT_CHUNK_SIZE", "DEFAULT_IO_DEPTH"]
+__all__ = [
+           "DEFAULT_CHUNK_SIZE",
+           "DEFAULT_IO_DEPTH",
+           "DistributedLoadError",
+           "LoadError",
+           "LoadIterator",
+           "SafetensorsError",
+           "VerifyError",
+           "iter_load",
+           "load_file",
+]

@@ -28,7 +28,7 @@ class _Checkpoint:
     def _open(self, path):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self.fds.append(fd)
-        self.paths.append(path)
+        self.paths.append(os.fsdecode(path))     # messages and errors name a str
         self.headers.append(read_header(fd, path))
 
     def _check_duplicates(self):
@@ -62,6 +62,10 @@ class _Checkpoint:
         self.total_bytes = sum(t.nbytes for _, t in self.entries)
 
     def close(self):
+        """Closes the descriptors (idempotent).  Only the code that joined
+        the load's reader threads calls it: a descriptor number closed under
+        a running reader could be reused by the next open() and the reader
+        would copy another file's bytes."""
         fds, self.fds = self.fds, []
         for fd in fds:
             os.close(fd)

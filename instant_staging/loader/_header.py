@@ -41,7 +41,7 @@ import math
 import os
 import re
 import struct
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional
 
 # The JSON header may not exceed this (the safetensors package's own limit).
 MAX_HEADER_BYTES = 100_000_000
@@ -98,7 +98,7 @@ class TensorEntry(NamedTuple):
 
     name: str
     dtype: str
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     begin: int
     end: int
 
@@ -113,8 +113,8 @@ class Header(NamedTuple):
     path: str
     file_size: int
     data_start: int
-    tensors: List[TensorEntry]
-    metadata: Dict[str, str]
+    tensors: list[TensorEntry]
+    metadata: dict[str, str]
 
 
 def read_header(fd: int, path) -> Header:
@@ -256,7 +256,7 @@ def _kind(value) -> str:
 
 # -- the entries -------------------------------------------------------------
 
-def _metadata(value, path) -> Optional[Dict[str, str]]:
+def _metadata(value, path) -> Optional[dict[str, str]]:
     if value is None:
         return None
     if not isinstance(value, _Pairs) or not all(isinstance(v, str) for _, v in value):
@@ -347,7 +347,7 @@ def _check_torch(t, path):
                                "needs an even last dimension", path, t.name)
 
 
-def torch_shape(entry: TensorEntry) -> Tuple[int, ...]:
+def torch_shape(entry: TensorEntry) -> tuple[int, ...]:
     """The shape of ``entry``'s torch tensor: the file's, except F4, which
     torch packs two to a byte (float4_e2m1fn_x2) along the last dimension."""
     if entry.dtype == "F4":

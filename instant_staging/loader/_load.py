@@ -30,11 +30,13 @@ import threading
 import traceback
 
 from .._types import format_size
-from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE, IO_DEPTH as DEFAULT_IO_DEPTH
-from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS, SEGMENT_SIZE, usable_cpus
+from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
+from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
+from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS
+from ..defaults import SEGMENT_SIZE, usable_cpus
 from ._checkpoint import _Checkpoint, _paths
 from ._errors import LoadError, VerifyError
-from ._target import _TorchTarget, _import_torch
+from ._target import _import_torch, _TorchTarget
 
 # How often the consumer wakes to report progress while no tensor finishes.
 _POLL_SECONDS = 0.05
@@ -109,7 +111,7 @@ class _LoadState:
     iterator both point here (never at each other), so dropping the
     iterator frees the load at once."""
 
-    __slots__ = ("pipe", "staging_kind", "threads", "finished", "cancelled")
+    __slots__ = ("cancelled", "finished", "pipe", "staging_kind", "threads")
 
     def __init__(self):
         self.pipe = None
@@ -367,8 +369,8 @@ def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
 
 
 def _error(pipe, plan, checkpoint, runtime):
-    from ._pipeline import CANCELLED, END_OF_FILE, READ_ERROR, RUNTIME_ERROR
     from ..faults import ERROR_CODES
+    from ._pipeline import CANCELLED, END_OF_FILE, READ_ERROR, RUNTIME_ERROR
     kind, code, call, chunk, offset = pipe.error()
     if kind == CANCELLED:
         return LoadError("the load was cancelled (its iterator was closed from another "
