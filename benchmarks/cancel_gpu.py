@@ -23,9 +23,11 @@ Phases (each on the real driver, device cuda:0):
            "Fatal"/"terminate"/"Segmentation" on stderr, "released" printed.
 
     python benchmarks/cancel_gpu.py [--size 1GiB] [--rounds 20] [--exits 5]
-        [--staging 256MiB] [--chunk-size 8MiB] [--json PATH]
+        [--staging 256MiB] [--chunk-size 8MiB] [--json PATH] [--simulate]
 
-Exit status 0 when every check passed, 1 otherwise.
+Exit status 0 when every check passed, 1 otherwise.  --simulate runs the
+same phases on the SimulatedRuntime, loading to the CPU (the script's
+logic, without a GPU).
 """
 
 import argparse
@@ -63,6 +65,12 @@ def make_file(directory, size):
     return path, tensors
 
 
+def memory_type(rt, ptr):
+    """What the driver says ``ptr`` is: 0 unregistered, 1 pinned host."""
+    code, kind = rt.pointer_type(ptr)
+    return kind if code == 0 else f"error {code}"
+
+
 def open_fds():
     return len(os.listdir("/proc/self/fd"))
 
@@ -85,18 +93,26 @@ def phase_cancel(path, expected, args, out):
     import torch
 
     from instant_staging.loader import iter_load, load_file
-    from instant_staging.runtime import real_runtime
-    rt = real_runtime()
-    buf = ist.StagingBuffer(args.staging)
+    rt = runtime(args)
+    buf = ist.StagingBuffer(args.staging, runtime=rt)
     starts = [buf.ptr + off for off, _ in buf.segments]
     all_starts = list(starts)
-    torch.cuda.synchronize()
-    base_mem, base_fds = torch.cuda.memory_allocated(), open_fds()
+    gpu = not args.simulate
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize()
+
+    def allocated():
+        return torch.cuda.memory_allocated() if gpu else 0
+
+    sync()
+    base_mem, base_fds = allocated(), open_fds()
     failures, cancelled, finished = [], 0, 0
     rng = random.Random(1)
     t0 = time.perf_counter()
     for r in range(args.rounds):
-        it = iter_load(path, "cuda:0", staging=buf, chunk_size=args.chunk_size)
+        it = iter_load(path, args.device, staging=buf, chunk_size=args.chunk_size)
         got, errors = {}, []
         stop_after = rng.randrange(0, len(expected))
         seen = threading.Event()
@@ -113,7 +129,7 @@ def phase_cancel(path, expected, args, out):
         if buf.closed:
             if errors or len(got) != len(expected):
                 failures.append(f"round {r}: close() succeeded during an unfinished load")
-            buf = ist.StagingBuffer(args.staging)
+            buf = ist.StagingBuffer(args.staging, runtime=rt)
             starts = [buf.ptr + off for off, _ in buf.segments]
             all_starts += starts
         if consumer.is_alive():
@@ -125,27 +141,27 @@ def phase_cancel(path, expected, args, out):
                 failures.append(f"round {r}: {errors[0]}")
         else:
             finished += 1
-        torch.cuda.synchronize()
+        sync()
         for name, t in got.items():
             if not torch.equal(t.cpu().view(torch.int16), expected[name].view(torch.int16)):
                 failures.append(f"round {r}: {name} differs from the file")
         got.clear()
         del it
         gc.collect()
-        if torch.cuda.memory_allocated() != base_mem:
-            failures.append(f"round {r}: {torch.cuda.memory_allocated() - base_mem} bytes of "
+        if allocated() != base_mem:
+            failures.append(f"round {r}: {allocated() - base_mem} bytes of "
                             "GPU memory left allocated")
-    full = load_file(path, "cuda:0", staging=buf, chunk_size=args.chunk_size)
-    torch.cuda.synchronize()
+    full = load_file(path, args.device, staging=buf, chunk_size=args.chunk_size)
+    sync()
     bad = [n for n, t in full.items()
            if not torch.equal(t.cpu().view(torch.int16), expected[n].view(torch.int16))]
     if bad:
         failures.append(f"reused buffer: {len(bad)} tensors differ after the cancels")
     del full
     gc.collect()
-    registered = [rt.pointer_type(p) for p in starts]
+    registered = [memory_type(rt, p) for p in starts]
     buf.close()
-    after = [rt.pointer_type(p) for p in all_starts]
+    after = [memory_type(rt, p) for p in all_starts]
     if any(a != MEMORY_UNREGISTERED for a in after):
         failures.append(f"after close the driver still reports {after} at the segment starts")
     if open_fds() != base_fds:
@@ -166,21 +182,23 @@ def last():                       # registered first: runs after instant_staging
         print("no buffer", flush=True)
         return
     types = [state["rt"].pointer_type(p) for p in state["starts"]]
-    print("released" if buf.closed and all(t == 0 for t in types) else f"NOT released {types}",
-          flush=True)
+    ok = buf.closed and all(code == 0 and kind == 0 for code, kind in types)
+    print("released" if ok else f"NOT released {types}", flush=True)
 atexit.register(last)
 import torch
 import instant_staging as ist
 from instant_staging.loader import iter_load
 from instant_staging.runtime import real_runtime
+from instant_staging.testing import SimulatedRuntime
 path, own, chunk, staging = sys.argv[1], sys.argv[2] == "own", int(sys.argv[3]), int(sys.argv[4])
-rt = real_runtime()
-buf = None if own else ist.StagingBuffer(staging)
+device = sys.argv[5]
+rt = real_runtime() if device != "cpu" else SimulatedRuntime()
+buf = None if own else ist.StagingBuffer(staging, runtime=rt)
 if buf is not None:
     state.update(buf=buf, rt=rt, starts=[buf.ptr + o for o, _ in buf.segments])
 started = threading.Event()
 def load():
-    for name, t in iter_load(path, "cuda:0", staging=buf, chunk_size=chunk):
+    for name, t in iter_load(path, device, staging=buf, chunk_size=chunk):
         started.set()
 threading.Thread(target=load, daemon=True).start()
 started.wait(60)
@@ -193,18 +211,31 @@ def phase_exit(path, args, out):
     for i in range(args.exits + 1):
         own = i == args.exits                       # the last run: the loader's own buffer
         t0 = time.perf_counter()
+        env = dict(os.environ)           # the child imports this same instant_staging
+        parent = os.path.dirname(os.path.dirname(os.path.abspath(ist.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (parent, env.get("PYTHONPATH", "")) if p)
         r = subprocess.run([sys.executable, "-c", textwrap.dedent(EXIT_CHILD), path,
-                            "own" if own else "user", str(args.chunk_size), str(args.staging)],
-                           capture_output=True, text=True, timeout=300)
+                            "own" if own else "user", str(args.chunk_size), str(args.staging),
+                            args.device],
+                           capture_output=True, text=True, timeout=300, env=env, check=False)
         bad = [w for w in ("Fatal", "terminate", "Segmentation", "Traceback") if w in r.stderr]
         ok = r.returncode == 0 and not bad and "exiting mid-load" in r.stdout and (
-            own or "released" in r.stdout.split("exiting mid-load")[-1])
+            own or r.stdout.strip().splitlines()[-1] == "released")
         runs.append({"own_buffer": own, "returncode": r.returncode, "stdout": r.stdout.strip(),
                      "stderr_tail": r.stderr[-500:], "seconds": time.perf_counter() - t0, "ok": ok})
         if not ok:
             failures.append(runs[-1])
     out["exit"] = {"runs": runs, "failures": len(failures)}
     return not failures
+
+
+def runtime(args):
+    """The real runtime, or the SimulatedRuntime with --simulate."""
+    if args.simulate:
+        from instant_staging.testing import SimulatedRuntime
+        return SimulatedRuntime()
+    from instant_staging.runtime import real_runtime
+    return real_runtime()
 
 
 def main():
@@ -215,12 +246,15 @@ def main():
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--exits", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--simulate", action="store_true")
     args = p.parse_args()
+    args.device = "cpu" if args.simulate else "cuda:0"
     import torch
-    if not torch.cuda.is_available():
+    if not args.simulate and not torch.cuda.is_available():
         print("cancel_gpu: no GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 1
-    out = {"device": torch.cuda.get_device_name(0), "size": args.size, "staging": args.staging,
+    name = "SIMULATED (cpu)" if args.simulate else torch.cuda.get_device_name(0)
+    out = {"device": name, "size": args.size, "staging": args.staging,
            "chunk_size": args.chunk_size}
     with tempfile.TemporaryDirectory() as d:
         path, expected = make_file(d, args.size)

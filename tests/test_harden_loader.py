@@ -456,3 +456,28 @@ def test_repeated_cancelled_loads_leak_nothing(tmp_path):
     gc.collect()
     assert open_fds() == fds
     assert rss() - base < 64 << 20
+
+
+CANCEL_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "benchmarks", "cancel_gpu.py")
+
+
+def _run_cancel_script(*extra):
+    import subprocess
+    return subprocess.run([sys.executable, CANCEL_SCRIPT, "--size", "32MiB", "--staging", "4MiB",
+                           "--chunk-size", "256KiB", "--rounds", "6", "--exits", "2", *extra],
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_cancel_script_on_the_simulated_runtime():
+    # benchmarks/cancel_gpu.py's logic, on this host: what the GPU run checks.
+    r = _run_cancel_script("--simulate")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_cancel_and_exit_through_a_user_buffer_on_the_gpu(gpu):
+    # The GPU proof, small: cancelled mid-way, interpreter exit mid-load,
+    # nothing left registered.
+    r = _run_cancel_script()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

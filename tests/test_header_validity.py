@@ -18,11 +18,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
+safe_open = pytest.importorskip("safetensors").safe_open
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from instant_staging.loader import SafetensorsError, load_file
+from instant_staging.loader._header import read_header
 
 
 def blob(header, data=b"", length=None):
@@ -69,7 +71,13 @@ def assert_agree(path):
             f"safetensors {'accepts' if expected is not None else 'rejects'} "
             f"but we {'accept' if got is not None else 'reject'}: {_head(path)!r}")
         return False
-    assert list(got) == list(expected) or set(got) == set(expected)
+    assert set(got) == set(expected)
+    with safe_open(path, framework="pt") as f:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert read_header(fd, path).metadata == f.metadata()
+        finally:
+            os.close(fd)
     for name, t in expected.items():
         assert got[name].dtype == t.dtype and tuple(got[name].shape) == tuple(t.shape), name
         assert raw(got[name]) == raw(t), name

@@ -1,20 +1,24 @@
-"""load: load safetensors files through a StagingBuffer and report how fast.
+"""load: load safetensors checkpoints through a StagingBuffer and report how fast.
 
-``load()`` makes the staging buffer itself (sized by what the files can
-use; the loader's slots are whole chunks inside each registration), hands it to
-``instant_staging.loader.load_file`` and returns a plain dict with the
-tensor count, bytes, seconds, GB/s and the staging kind reached.
+``sources()`` turns the command's SOURCE arguments (files, a directory, an
+index.json) into a ``load_file`` source.  ``load()`` makes the staging
+buffer itself (sized by what the files can use; the loader's slots are
+whole chunks inside each registration, so any chunk size works), hands it
+to ``instant_staging.loader.iter_load`` and returns a plain dict with the
+tensor count, the bytes read, seconds (torch imported before the clock
+starts), GB/s and the staging kind reached.
 ``Progress`` is the progress callback: a bar on a terminal, a line per
 tenth otherwise.  Nothing here prints to stdout.
 """
 
 import mmap
-import threading
+import os
 import time
 
 from .. import defaults
-from .._types import format_size
-from .report import attempt_dict
+from .._types import StagingError, format_size
+from ..loader._progress import Progress  # noqa: F401  (the CLI's progress, one implementation)
+from .report import attempt_dict, describe_attempt, error_result
 
 
 class NoDevice(RuntimeError):
@@ -30,69 +34,6 @@ def staging_size(chunk_size, io_depth, data_bytes=None):
         chunk_size = max(1, min(chunk_size, data_bytes))
         io_depth = max(1, min(io_depth, -(-data_bytes // chunk_size)))
     return chunk_size * io_depth
-
-
-class Progress:
-    """``progress(done_bytes, total_bytes)`` for the loader; thread-safe.
-
-    ``bar=True`` redraws one line in place (a terminal); otherwise a plain
-    line is written at each tenth, and nothing when ``quiet``.
-    """
-
-    WIDTH = 30
-
-    def __init__(self, stream, *, bar, quiet=False, interval=0.1):
-        self._stream = stream
-        self._bar = bar
-        self._quiet = quiet and not bar
-        self._interval = interval
-        self._lock = threading.Lock()
-        self._start = time.perf_counter()
-        self._last_draw = 0.0
-        self._last_tenth = 0
-        self._drawn = False
-
-    def __call__(self, done, total):
-        if self._quiet:
-            return
-        with self._lock:
-            if self._bar:
-                self._draw_bar(done, total)
-            else:
-                self._plain(done, total)
-
-    def _rate(self, done):
-        return done / max(time.perf_counter() - self._start, 1e-9) / 1e9
-
-    def _draw_bar(self, done, total):
-        now = time.perf_counter()
-        if done < total and now - self._last_draw < self._interval:
-            return  # redraw at most every `interval` seconds
-        self._last_draw = now
-        frac = done / total if total else 1.0
-        filled = int(frac * self.WIDTH)
-        self._stream.write(f"\r[{'#' * filled}{' ' * (self.WIDTH - filled)}] {frac:4.0%} "
-                           f"{format_size(done)} / {format_size(total)} "
-                           f"{self._rate(done):.1f} GB/s ")
-        self._stream.flush()
-        self._drawn = True
-
-    def _plain(self, done, total):
-        tenth = int(10 * done / total) if total else 10
-        if tenth <= self._last_tenth:
-            return
-        self._last_tenth = tenth
-        self._stream.write(f"loaded {tenth * 10}%: {format_size(done)} of "
-                           f"{format_size(total)}, {self._rate(done):.1f} GB/s\n")
-        self._stream.flush()
-
-    def close(self):
-        """Ends the bar's line."""
-        with self._lock:
-            if self._drawn:
-                self._stream.write("\n")
-                self._stream.flush()
-                self._drawn = False
 
 
 def _check_device(device):
@@ -142,55 +83,105 @@ def _is_cpu(device):
     return str(device).split(":")[0] == "cpu"
 
 
-def load(paths, *, device="cuda:0", chunk_size=defaults.CHUNK_SIZE, io_depth=defaults.IO_DEPTH, threads=None,
-         verify=False, staging_bytes=None, allow_pageable=False, runtime=None,
-         progress=None):
-    """Loads ``paths``; returns the result dict (the tensors are dropped).
+def sources(args):
+    """What ``load SOURCE...`` loads: one SOURCE as given (a file, a
+    directory or an index.json: resolved here so that a missing file or a bad
+    index is a usage error), several as the list of the shards each names.
+    Raises OSError, ValueError or TypeError with the message to show."""
+    from ..loader._source import resolve
+    shards = []
+    for arg in args:
+        paths = resolve(arg).paths
+        for path in paths:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no such file: {path}")
+            if any(os.path.samefile(path, p) for p in shards):
+                raise ValueError(f"{path} is given twice (SOURCE {arg} names it again)")
+            shards.append(path)
+    return args[0] if len(args) == 1 else shards
+
+
+def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
+         io_depth=defaults.IO_DEPTH, threads=None, verify=False, staging_bytes=None,
+         allow_pageable=False, runtime=None, progress=None):
+    """Loads ``source`` (as ``load_file``'s); returns the result dict (each
+    tensor is dropped as it arrives).  ``bytes`` are the bytes read from the
+    files; the time excludes importing torch and making the staging buffer.
 
     Raises ImportError (no torch), NoDevice, StagingError, and whatever the loader raises
     (SafetensorsError, a ValueError, for a bad file; LoadError, a
     RuntimeError, for a failed read or copy).
     """
-    import os
-
     from .. import loader
-    data_bytes = sum(os.path.getsize(p) for p in paths)
+    from ..loader._source import resolve
+    from ..loader._target import _import_torch
+    if not isinstance(source, (str, bytes, os.PathLike)):
+        source = list(source)
+    files = [str(p) for p in resolve(source).paths]
+    data_bytes = sum(os.path.getsize(p) for p in files)
     size = staging_bytes or staging_size(chunk_size, io_depth, data_bytes)
     if size < min(chunk_size, data_bytes):
         raise ValueError(f"the staging buffer ({format_size(size)}) must hold at least one "
                          f"chunk ({format_size(chunk_size)})")
+    _import_torch()              # not part of the load's time
     if _is_cpu(device):
         buf, staging = None, _host_staging(size)
     else:
         _check_device(device)
         buf, staging = _make_staging(size, chunk_size, allow_pageable, runtime)
+    failed = None
     try:
         t0 = time.perf_counter()
-        tensors = loader.load_file(list(paths), device, chunk_size=chunk_size,
-                                   io_depth=io_depth, threads=threads, staging=buf,
-                                   verify=verify, progress=progress)
+        count = 0
+        with loader.iter_load(source, device, dtype=dtype, chunk_size=chunk_size,
+                              io_depth=io_depth, threads=threads, staging=buf,
+                              verify=verify, progress=progress) as it:
+            for _ in it:
+                count += 1
+            nbytes = it.total_bytes
         _synchronize(device)
         seconds = time.perf_counter() - t0
+    except (OSError, ValueError, RuntimeError) as e:
+        # A bad file (SafetensorsError), a failed read or copy (LoadError),
+        # torch's own: the run failed; its report keeps the staging attempts.
+        failed = e
     finally:
         if buf is not None:
-            buf.close()
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return {"command": "load", "ok": True, "files": [str(p) for p in paths],
-            "device": str(device), "tensors": len(tensors), "bytes": nbytes,
+            try:
+                buf.close()
+            except StagingError as e:          # ReleaseError: memory retained
+                failed = failed or e
+    if failed is not None:
+        return {"command": "load", "ok": False, "files": files, "device": str(device),
+                "dtype": None if dtype is None else str(dtype), "chunk_size": chunk_size,
+                "io_depth": io_depth, "threads": threads, "staging": staging,
+                "error": error_result("load", failed)["error"]}
+    return {"command": "load", "ok": True, "files": files,
+            "device": str(device), "dtype": None if dtype is None else str(dtype),
+            "tensors": count, "bytes": nbytes,
             "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / 1e9,
             "chunk_size": chunk_size, "io_depth": io_depth, "threads": threads,
             "verified": bool(verify), "staging": staging}
 
 
 def format_text(result):
+    if not result["ok"]:
+        s = result["staging"]
+        lines = [f"load failed: {result['error']['type']}: {result['error']['message']}"]
+        if s["kind"] != "HOST":
+            lines.append(f"staging: {s['kind']}, {format_size(s['size'])}, made in "
+                         f"{s['seconds']:.3f} s")
+            lines += ["  " + describe_attempt(a) for a in s["attempts"]]
+        return lines
     s = result["staging"]
     if s["kind"] == "HOST":
         pinned = " (ordinary memory: a load to the CPU needs no pinning)"
     else:
         pinned = "" if s["pinned"] else " (NOT pinned: several times slower)"
     segments = f" (segments of {format_size(s['segment_size'])})" if s["segment_size"] else ""
+    as_dtype = f" as {result['dtype']}" if result.get("dtype") else ""
     return [f"{result['tensors']} tensors, {format_size(result['bytes'])} to "
-            f"{result['device']} in {result['seconds']:.3f} s: {result['gbps']:.2f} GB/s"
+            f"{result['device']}{as_dtype} in {result['seconds']:.3f} s: {result['gbps']:.2f} GB/s"
             + (", verified" if result["verified"] else ""),
             f"staging: {s['kind']}{pinned}, {format_size(s['size'])}{segments}, "
             f"made in {s['seconds']:.3f} s"]

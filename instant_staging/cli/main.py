@@ -10,12 +10,23 @@ without a GPU), 2 bad arguments.
 import argparse
 import json
 import logging
-import os
 import sys
 
 from .. import defaults
 from .._types import StagingError, format_size, parse_size
+from ..loader._header import SafetensorsError
+from ..loader._options import (
+    DTYPE_ALIASES,
+    ENV_CHUNK_SIZE,
+    ENV_IO_DEPTH,
+    ENV_THREADS,
+    knobs,
+)
 from .report import attempt_dict, describe_attempt, emit, error_result
+
+# What --dtype accepts (the loader converts floating tensors only).
+FLOAT_NAMES = frozenset(("float16", "bfloat16", "float32", "float64"))
+
 
 # -- argument types: a bad value is an argparse error (exit code 2) --------------
 
@@ -46,6 +57,15 @@ def positive_arg(text):
     if value == 0:
         raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
     return value
+
+
+def dtype_arg(text):
+    """A floating dtype's name, checked without importing torch."""
+    name = DTYPE_ALIASES.get(text.lower(), text.lower())
+    if name not in FLOAT_NAMES:
+        raise argparse.ArgumentTypeError(f"not a floating dtype: {text!r} (one of "
+                                         f"{', '.join(sorted(FLOAT_NAMES))})")
+    return name
 
 
 def faults_arg(text):
@@ -101,16 +121,22 @@ def build_parser():
     d = commands.add_parser("doctor", help="what on this host decides whether pinning works")
     d.add_argument("--json", action="store_true", help="print one JSON object")
 
-    ld = commands.add_parser("load", help="load safetensors files through a staging buffer")
-    ld.add_argument("files", nargs="+", metavar="FILE")
+    ld = commands.add_parser("load", help="load safetensors checkpoints through a staging buffer")
+    ld.add_argument("sources", nargs="+", metavar="SOURCE",
+                    help="a .safetensors file (or several), a checkpoint directory, "
+                    "or a model.safetensors.index.json")
     ld.add_argument("--device", default="cuda:0")
-    ld.add_argument("--chunk-size", type=size_arg, default=defaults.CHUNK_SIZE,
-                    help=f"default {format_size(defaults.CHUNK_SIZE)}")
-    ld.add_argument("--io-depth", type=positive_arg, default=defaults.IO_DEPTH,
-                    help=f"default {defaults.IO_DEPTH}")
-    ld.add_argument("--threads", type=positive_arg, default=None, help="default: the loader's")
+    ld.add_argument("--dtype", type=dtype_arg, default=None,
+                    help="convert floating tensors to this dtype on the device "
+                    "(bfloat16, float16, float32, float64; bf16, fp16, ...)")
+    ld.add_argument("--chunk-size", type=size_arg, default=None,
+                    help=f"default ${ENV_CHUNK_SIZE}, else {format_size(defaults.CHUNK_SIZE)}")
+    ld.add_argument("--io-depth", type=positive_arg, default=None,
+                    help=f"default ${ENV_IO_DEPTH}, else {defaults.IO_DEPTH}")
+    ld.add_argument("--threads", type=positive_arg, default=None,
+                    help=f"default ${ENV_THREADS}, else the loader's")
     ld.add_argument("--staging-size", type=size_arg, default=None,
-                    help="staging buffer size (default: io-depth x chunk-size)")
+                    help="staging buffer size (default: io-depth x chunk-size, no more than the files hold)")
     ld.add_argument("--allow-pageable", action="store_true",
                     help="accept unpinned staging memory when nothing can be pinned")
     ld.add_argument("--verify", action="store_true", help="check every tensor after loading")
@@ -143,16 +169,24 @@ def run_doctor(args, parser):
 
 def run_load(args, parser):
     from . import load as load_cmd
-    for path in args.files:
-        if not os.path.isfile(path):
-            parser.error(f"no such file: {path}")
-    if args.staging_size is not None and args.staging_size < args.chunk_size:
+    try:
+        try:
+            source = load_cmd.sources(args.sources)
+        except SafetensorsError:
+            # a malformed index is a bad file, not a usage error: the load
+            # reports it (exit 1)
+            source = args.sources[0] if len(args.sources) == 1 else list(args.sources)
+        chunk_size, io_depth, threads = knobs(args.chunk_size, args.io_depth, args.threads)
+    except (OSError, ValueError, TypeError) as e:
+        # a missing file or directory, a bad index, a bad INSTANT_STAGING_* value
+        parser.error(str(e))
+    if args.staging_size is not None and args.staging_size < chunk_size:
         parser.error("--staging-size must hold at least one chunk of --chunk-size")
     tty = sys.stderr.isatty()
     progress = load_cmd.Progress(sys.stderr, bar=tty, quiet=args.json)
     try:
-        result = load_cmd.load(args.files, device=args.device, chunk_size=args.chunk_size,
-                               io_depth=args.io_depth, threads=args.threads,
+        result = load_cmd.load(source, device=args.device, dtype=args.dtype, chunk_size=chunk_size,
+                               io_depth=io_depth, threads=threads,
                                verify=args.verify, staging_bytes=args.staging_size,
                                allow_pageable=args.allow_pageable, progress=progress)
     except (ImportError, StagingError, OSError, ValueError, RuntimeError) as e:
@@ -169,6 +203,12 @@ def run_load(args, parser):
             print("\n".join(lines), file=sys.stderr)
         return 1
     progress.close()
+    if not result["ok"]:
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print("\n".join(load_cmd.format_text(result)), file=sys.stderr)
+        return 1
     emit(args.json, result, load_cmd.format_text(result))
     return 0
 

@@ -1,9 +1,17 @@
 """A buffered safetensors loader that stages file chunks through a StagingBuffer.
 
-    from instant_staging.loader import load_file, iter_load
-    tensors = load_file(["model-1.safetensors", "model-2.safetensors"], "cuda:0")
+    from instant_staging.loader import load_file, iter_load, safe_open
+    tensors = load_file("model_dir", "cuda:0", dtype=torch.bfloat16)
     for name, tensor in iter_load("model.safetensors", "cuda:0"):
         ...
+    with safe_open("model.safetensors", framework="pt", device="cuda:0") as f:
+        shard = f.get_slice("lm_head.weight")[: vocab // 2]
+
+A drop-in for ``safetensors.torch.load_file`` and ``safetensors.safe_open``
+(DESIGN.md, "The loader"): ``source`` is a file, a list of files, a
+directory or an index.json (``_source.py``); ``dtype``, ``names``, the
+environment knobs (``_options.py``) and ``progress`` (``_progress.py``) as
+documented on ``load_file``.
 
 Every header is parsed and validated first (``SafetensorsError``, a
 ``ValueError``, naming the file and the tensor), before anything is
@@ -29,6 +37,7 @@ from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
 from ._header import SafetensorsError
 from ._load import LoadIterator, iter_load, load_file
+from ._safe_open import safe_open
 
 __all__ = [
            "DEFAULT_CHUNK_SIZE",
@@ -40,4 +49,5 @@ __all__ = [
            "VerifyError",
            "iter_load",
            "load_file",
+           "safe_open",
 ]

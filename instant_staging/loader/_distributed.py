@@ -354,19 +354,19 @@ def _check_group(process_group):
     return dist
 
 
-def iter_load_group(prepare, process_group, options):
+def iter_load_group(prepare, process_group):
     """``iter_load`` under a process group.
 
     ``prepare()`` checks the arguments and returns ``(checkpoint, target,
-    dtypes, faults)`` as the plain loader does (or raises); ``options`` are
+    dtypes, options)`` as the plain loader does (or raises); ``options`` are
     the load's keyword arguments (staging, chunk_size, io_depth, threads,
-    verify, progress).
+    verify, progress, faults).
     """
     dist = _check_group(process_group)
     group = _Group(dist, process_group, timeout_from_env())
     checkpoint = local = None
     try:
-        checkpoint, target, dtypes, faults = prepare()
+        checkpoint, target, dtypes, options = prepare()
         if target.device.type == "cpu" and group.backend == "nccl":
             raise ValueError("an NCCL process group exchanges GPU tensors: load to this rank's "
                              "GPU, or use a gloo group for device='cpu'")
@@ -390,7 +390,7 @@ def iter_load_group(prepare, process_group, options):
         raise
     n = len(_all_entries(checkpoint))
     wanted = [_unpack(v[3], n) for v in values]
-    return DistributedLoadIterator(group, wanted, checkpoint, target, dtypes, faults=faults, **options)
+    return DistributedLoadIterator(group, wanted, checkpoint, target, dtypes, **options)
 
 
 def _all_entries(checkpoint):

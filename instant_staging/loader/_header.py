@@ -58,6 +58,9 @@ DTYPE_BITS = {
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
 }
 
+# Bytes per element of the dtypes whose elements are whole bytes (all but F4).
+DTYPE_SIZES = {name: bits // 8 for name, bits in DTYPE_BITS.items() if bits % 8 == 0}
+
 # serde_json's recursion limit, as safetensors 0.8 meets it: 127 levels of
 # arrays and objects (the root counts) parse, 128 do not.
 MAX_DEPTH = 127
@@ -108,13 +111,15 @@ class TensorEntry(NamedTuple):
 
 
 class Header(NamedTuple):
-    """A parsed file: its tensors in data order, and its metadata."""
+    """A parsed file: its tensors in data order, and its metadata (None when
+    the header has no ``__metadata__`` or it is null, as safetensors'
+    ``metadata()`` returns)."""
 
     path: str
     file_size: int
     data_start: int
     tensors: list[TensorEntry]
-    metadata: dict[str, str]
+    metadata: Optional[dict[str, str]]
 
 
 def read_header(fd: int, path) -> Header:
@@ -125,6 +130,10 @@ def read_header(fd: int, path) -> Header:
         raise SafetensorsError(f"file of {size} bytes is too short for the 8-byte header length", path)
     (length,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, path))
     if length > MAX_HEADER_BYTES:
+        if os.pread(fd, 1, 0) in (b"{", b"["):
+            raise SafetensorsError("this is a JSON file (a model.safetensors.index.json?), not a "
+                                   "safetensors file: pass the index or its directory as the "
+                                   "source, not as a shard", path)
         raise SafetensorsError(f"header length {length} exceeds the limit of {MAX_HEADER_BYTES} bytes", path)
     if 8 + length > size:
         raise SafetensorsError(f"header length {length} goes beyond the end of the file "
@@ -160,7 +169,7 @@ def parse_header(raw: bytes, path, file_size: int) -> Header:
            for name, dtype, shape, b, e in tensors]
     for t in out:
         _check_torch(t, path)
-    return Header(path, file_size, data_start, out, metadata or {})
+    return Header(path, file_size, data_start, out, metadata)
 
 
 def _pread_exact(fd, n, offset, path) -> bytes:

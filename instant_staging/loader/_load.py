@@ -28,15 +28,24 @@ import os
 import sys
 import threading
 import traceback
+from typing import TYPE_CHECKING, Optional
 
 from .._types import format_size
-from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
-from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
+from ..defaults import CHUNK_SIZE, IO_DEPTH, SEGMENT_SIZE, usable_cpus
 from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS
-from ..defaults import SEGMENT_SIZE, usable_cpus
-from ._checkpoint import _Checkpoint, _paths
+from . import _progress
+from ._checkpoint import _Checkpoint
 from ._errors import LoadError, VerifyError
+from ._options import knobs, torch_dtype
+from ._source import resolve
 from ._target import _import_torch, _TorchTarget
+from ._typing import Device, DType, Names, ProgressArg, Source
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+    from .._staging import StagingBuffer
 
 # How often the consumer wakes to report progress while no tensor finishes.
 _POLL_SECONDS = 0.05
@@ -133,9 +142,8 @@ class LoadIterator:
     ``LoadError`` (the reader threads are the parent's).
     """
 
-    def __init__(self, checkpoint, target, dtypes, *, staging=None, chunk_size=DEFAULT_CHUNK_SIZE,
-                 io_depth=DEFAULT_IO_DEPTH, threads=None, verify=False, progress=None,
-                 faults=None):
+    def __init__(self, checkpoint, target, dtypes, *, staging=None, chunk_size=CHUNK_SIZE,
+                 io_depth=IO_DEPTH, threads=None, verify=False, progress=None, faults=None):
         self._state = _LoadState()
         self._lock = threading.RLock()     # one next() or close() at a time
         self._pid = os.getpid()
@@ -161,10 +169,10 @@ class LoadIterator:
         """Reader threads of this load, once it started."""
         return self._state.threads
 
-    def __iter__(self):
+    def __iter__(self) -> "LoadIterator":
         return self
 
-    def __next__(self):
+    def __next__(self) -> tuple[str, "torch.Tensor"]:
         if os.getpid() != self._pid:
             raise LoadError(f"this load was started by process {self._pid}; a forked child "
                             "cannot continue it (its reader threads exist only in the parent)")
@@ -202,7 +210,7 @@ class LoadIterator:
             self._generator.close()
         self._checkpoint.close()
 
-    def __enter__(self):
+    def __enter__(self) -> "LoadIterator":
         return self
 
     def __exit__(self, *exc):
@@ -216,48 +224,61 @@ class LoadIterator:
             pass
 
 
-def iter_load(paths, device="cpu", *, names=None, process_group=None,
-              chunk_size=DEFAULT_CHUNK_SIZE, io_depth=DEFAULT_IO_DEPTH, threads=None,
-              staging=None, verify=False, progress=None):
+def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, names: Names = None,
+              process_group: Optional["ProcessGroup"] = None, chunk_size: Optional[int] = None,
+              io_depth: Optional[int] = None, threads: Optional[int] = None,
+              staging: Optional["StagingBuffer"] = None, verify: bool = False,
+              progress: ProgressArg = None) -> "LoadIterator":
     """Loads safetensors file(s), yielding ``(name, tensor)`` as each finishes.
 
     Headers are parsed and validated when this is called; the load runs
     while the iterator is consumed.  Arguments are those of ``load_file``.
     """
     def prepare():
-        _check_args(chunk_size, io_depth, threads)
+        knobs_ = knobs(chunk_size, io_depth, threads)
+        _check_args(*knobs_)
         if staging is not None:
             _check_staging(staging)
+        options = dict(zip(("chunk_size", "io_depth", "threads"), knobs_), staging=staging,
+                       verify=verify, progress=_progress.resolve(progress))
         if sys.byteorder != "little":
             raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
         torch = _import_torch()
-        checkpoint = _Checkpoint(_paths(paths))
+        src = resolve(source)
+        checkpoint = _Checkpoint(src.paths)
         try:
+            src.check(checkpoint)
             checkpoint.select(names)
-            target = _TorchTarget(torch, device)
+            target = _TorchTarget(torch, device, torch_dtype(torch, dtype))
             dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-            faults = _fault_plan(staging)
+            options["faults"] = _fault_plan(staging)
         except BaseException:
             checkpoint.close()
             raise
-        return checkpoint, target, dtypes, faults
+        return checkpoint, target, dtypes, options
 
-    options = dict(staging=staging, chunk_size=chunk_size, io_depth=io_depth, threads=threads,
-                   verify=verify, progress=progress)
     if process_group is not None:
         from ._distributed import iter_load_group
-        return iter_load_group(prepare, process_group, options)
-    checkpoint, target, dtypes, faults = prepare()
-    return LoadIterator(checkpoint, target, dtypes, faults=faults, **options)
+        return iter_load_group(prepare, process_group)
+    checkpoint, target, dtypes, options = prepare()
+    return LoadIterator(checkpoint, target, dtypes, **options)
 
 
-def load_file(paths, device="cpu", *, names=None, process_group=None,
-              chunk_size=DEFAULT_CHUNK_SIZE, io_depth=DEFAULT_IO_DEPTH, threads=None,
-              staging=None, verify=False, progress=None):
+def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, names: Names = None,
+              process_group: Optional["ProcessGroup"] = None, chunk_size: Optional[int] = None,
+              io_depth: Optional[int] = None, threads: Optional[int] = None,
+              staging: Optional["StagingBuffer"] = None, verify: bool = False,
+              progress: ProgressArg = None) -> dict[str, "torch.Tensor"]:
     """Loads safetensors file(s) into ``{name: tensor}`` on ``device``.
 
-    paths       one path or a list of shards (a name in two shards is an error)
+    source      a .safetensors path; a list of them (a name in two shards is an
+                error); a directory (the shards its model.safetensors.index.json
+                lists, else every *.safetensors in it, sorted); or an
+                *.safetensors.index.json path
     device      "cpu" (as safetensors), "cuda:N", a torch.device or an int
+    dtype       None keeps the file's dtypes; a floating torch dtype (or its name)
+                converts floating tensors on the device after the copy, as
+                transformers does; integer and bool tensors are kept
     names       None for all; an iterable of tensor names (unknown ones are a
                 KeyError, raised before anything is allocated); or a callable
                 name -> bool.  Only the selected tensors' bytes are read.
@@ -266,9 +287,12 @@ def load_file(paths, device="cpu", *, names=None, process_group=None,
                 and the ranks exchange them over the group, so each byte is read
                 from the host once (loader/_distributed.py); names= may differ
                 per rank.  A failure on one rank raises on every rank.
-    chunk_size  bytes per read and per copy (8 MiB)
+    chunk_size  bytes per read and per copy (None: $INSTANT_STAGING_CHUNK_SIZE,
+                e.g. 8MiB, else 8 MiB)
     io_depth    chunks in flight: the staging buffer holds io_depth * chunk_size
-    threads     reader threads (None: one per CPU, at most 16; never more than slots)
+                (None: $INSTANT_STAGING_IO_DEPTH, else 16)
+    threads     reader threads (None: $INSTANT_STAGING_THREADS, else one per CPU,
+                at most 16; never more than slots)
     staging     a StagingBuffer to reuse instead of making one per load; every
                 whole chunk inside one of its registrations is a slot (one load
                 at a time per buffer)
@@ -277,16 +301,17 @@ def load_file(paths, device="cpu", *, names=None, process_group=None,
                 the tensor's memory on the device; a difference raises VerifyError.
                 It checks the copy path (slot reuse, spans, copies), not that the
                 file is the one intended: safetensors carries no checksum.
-    progress    progress(done_bytes, total_bytes), called from this thread
+    progress    progress(done_bytes, total_bytes), called from this thread; or
+                True: a tqdm bar (a plain line per 10% without tqdm or a terminal)
 
-    Tensors have the file's dtype and shape and each owns its memory.  A
-    read or copy that fails raises LoadError after waiting for the copies
-    in flight and freeing every tensor of the load; the staging buffer
-    stays reusable.
+    Tensors have the file's shape (and dtype, unless ``dtype``) and each owns
+    its memory.  A read or copy that fails raises LoadError after waiting for
+    the copies in flight and freeing every tensor of the load; the staging
+    buffer stays reusable.
     """
-    with iter_load(paths, device, names=names, process_group=process_group, chunk_size=chunk_size,
-                   io_depth=io_depth, threads=threads, staging=staging, verify=verify,
-                   progress=progress) as it:
+    with iter_load(source, device, dtype=dtype, names=names, process_group=process_group,
+                   chunk_size=chunk_size, io_depth=io_depth, threads=threads, staging=staging,
+                   verify=verify, progress=progress) as it:
         loaded = dict(it)
         return {name: loaded[name] for name in it.names}
 

@@ -30,10 +30,13 @@ def _import_torch():
 class _TorchTarget:
     """Allocates one torch tensor per file tensor on ``device``."""
 
-    def __init__(self, torch, device):
+    def __init__(self, torch, device, dtype=None):
         from ._pipeline import DEVICE, HOST
         self.torch = torch
         self.device = _resolve_device(torch, device)
+        # dtype=: floating tensors are converted on the device once loaded
+        # (as transformers does); integer and bool tensors keep theirs.
+        self.dtype = dtype
         self.mode = HOST if self.device.type == "cpu" else DEVICE
         self.index = self.device.index or 0
 
@@ -71,6 +74,8 @@ class _TorchTarget:
             self.torch.cuda.current_stream(self.device).synchronize()
 
     def result(self, handle):
+        if self.dtype is not None and handle.is_floating_point() and handle.dtype != self.dtype:
+            return handle.to(self.dtype)
         return handle
 
     def equal(self, handle, offset, data):

@@ -1,0 +1,73 @@
+"""The loader's knobs: arguments, else the environment, else the defaults.
+
+``chunk_size``, ``io_depth`` and ``threads`` left at None come from
+``INSTANT_STAGING_CHUNK_SIZE`` (bytes, or a size such as ``8MiB``),
+``INSTANT_STAGING_IO_DEPTH`` and ``INSTANT_STAGING_THREADS`` (integers >= 1)
+where set, else from ``instant_staging/defaults.py`` (threads: one per
+usable CPU, at most ``MAX_THREADS``).  A variable's value is checked as the
+argument would be; a bad one is a ValueError naming the variable, raised
+before anything is allocated.  An empty variable counts as unset.
+
+``dtype`` is None (the file's dtype) or a floating torch dtype (or its
+name: ``"bfloat16"``, ``"bf16"``, ...); anything else is an error before
+anything is allocated.
+"""
+
+import os
+
+from .._types import parse_size
+from ..defaults import CHUNK_SIZE, IO_DEPTH
+
+ENV_CHUNK_SIZE = "INSTANT_STAGING_CHUNK_SIZE"
+ENV_IO_DEPTH = "INSTANT_STAGING_IO_DEPTH"
+ENV_THREADS = "INSTANT_STAGING_THREADS"
+
+# Short names people type for the common floating dtypes (CLI --dtype too).
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
+                 "fp32": "float32", "f32": "float32", "float": "float32",
+                 "fp64": "float64", "f64": "float64", "double": "float64"}
+
+
+def _env_int(name, parse):
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = parse(raw)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < 1:
+        raise ValueError(f"{name}={raw!r}: must be " + (
+            "a size of at least 1 byte (e.g. 8MiB)" if parse is parse_size else "an integer >= 1"))
+    return value
+
+
+def knobs(chunk_size, io_depth, threads):
+    """``(chunk_size, io_depth, threads)`` with None filled from the
+    environment, then the defaults (threads may stay None: the loader's own)."""
+    if chunk_size is None:
+        chunk_size = _env_int(ENV_CHUNK_SIZE, parse_size) or CHUNK_SIZE
+    if io_depth is None:
+        io_depth = _env_int(ENV_IO_DEPTH, lambda s: int(s, 10)) or IO_DEPTH
+    if threads is None:
+        threads = _env_int(ENV_THREADS, lambda s: int(s, 10))
+    return chunk_size, io_depth, threads
+
+
+def torch_dtype(torch, dtype):
+    """None, or the floating torch dtype ``dtype`` names."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        name = DTYPE_ALIASES.get(dtype.lower(), dtype)
+        value = getattr(torch, name, None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(  # a str, the right type, naming no dtype
+                f"dtype {dtype!r} is not a torch dtype (e.g. torch.bfloat16 or 'bfloat16')")
+        dtype = value
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be None or a torch.dtype, not {type(dtype).__name__}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype (floating tensors are converted to it, "
+                         f"integer and bool tensors are kept), not {dtype}")
+    return dtype

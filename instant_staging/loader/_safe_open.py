@@ -1,0 +1,272 @@
+"""``safe_open``: safetensors' lazy reader, through the staging pipeline.
+
+    with safe_open("model.safetensors", framework="pt", device="cuda:0") as f:
+        f.keys(); f.metadata(); f.get_tensor(name)
+        s = f.get_slice(name); s.get_shape(); s.get_dtype(); s[0:128, :]
+
+Returns what ``safetensors.safe_open(..., framework="pt")`` returns for the
+same calls: ``keys()`` sorted, ``offset_keys()`` in file order,
+``metadata()`` the header's ``__metadata__`` (None without one), tensors
+equal bit for bit with the same shape, dtype, device and strides (a slice
+on the CPU is a view, as safetensors' view of its mmap; on a GPU it is what
+``.to(device)`` of that view gives).  An index is checked as torch checks it
+(the same IndexError/ValueError/TypeError), on a meta tensor, before
+anything is read.
+
+Only what is asked is read, through the same reader threads and staging
+slots as ``load_file``: ``get_tensor`` that tensor's bytes; ``slice[...]``
+only the rows of dimension 0 the index needs (an int or a slice, any
+positive step, on dimension 0); the index is then applied on the device to
+those rows, so a slice of a later dimension reads the rows it covers and
+narrows there.  Other index forms (lists, tensors, masks, a leading
+Ellipsis) read the whole tensor and index it on the device.
+
+The file stays open (one descriptor) until ``close()`` or the end of the
+``with`` block; a GPU handle keeps one pinned staging buffer for its reads,
+made at the first read and freed at close.  Reads through one handle are
+serialised (one staging buffer); use one handle per thread for parallel
+reads.  A missing name is a KeyError; a use after close a ValueError.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from ._checkpoint import _Checkpoint
+from ._header import DTYPE_SIZES, TensorEntry
+from ._load import LoadIterator, _check_args, _fault_plan, _own_staging
+from ._options import knobs
+from ._target import _import_torch, _TorchTarget
+from ._typing import Device, PathLike
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Self
+
+# safetensors' names for torch (safetensors accepts the same three).
+FRAMEWORKS = ("pt", "torch", "pytorch")
+_PAGE = 4096
+
+
+class _View:
+    """The part of a safe_open checkpoint one read loads; the load closes
+    its checkpoint when done, and this one owns nothing (the descriptors
+    are the safe_open's, closed by ``safe_open.close()``)."""
+
+    def __init__(self, checkpoint, entries):
+        self.paths, self.fds = checkpoint.paths, checkpoint.fds
+        self.entries = [(0, e) for e in sorted(entries, key=lambda e: (e.begin, e.end))]
+        self.total_bytes = sum(e.nbytes for e in entries)
+
+    def close(self):
+        pass
+
+
+class safe_open:
+    """``safetensors.safe_open(filename, framework="pt", device=...)`` read
+    through instant_staging (see the module docstring)."""
+
+    def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu"):
+        if not isinstance(framework, str):
+            raise TypeError(f"framework must be a string such as 'pt', not {type(framework).__name__}")
+        if framework.lower() not in FRAMEWORKS:
+            raise ValueError(f"framework {framework!r} is not supported: instant_staging.loader.safe_open "
+                             "returns torch tensors (framework='pt'); use safetensors.safe_open for others")
+        self._torch = torch = _import_torch()
+        self._target = _TorchTarget(torch, device)
+        self._chunk_size, self._io_depth, self._threads = knobs(None, None, None)
+        _check_args(self._chunk_size, self._io_depth, self._threads)
+        self._lock = threading.Lock()
+        self._staging = None
+        checkpoint = _Checkpoint([filename])
+        self._checkpoint: _Checkpoint | None = checkpoint
+        header = checkpoint.headers[0]
+        self._entries = {t.name: t for t in header.tensors}
+        self._order = [t.name for t in header.tensors]
+        self._metadata = header.metadata
+        self._path = checkpoint.paths[0]
+
+    # -- what safetensors' handle offers ---------------------------------------
+
+    def keys(self) -> list[str]:
+        """The tensor names, sorted (as safetensors)."""
+        self._check_open()
+        return sorted(self._entries)
+
+    def offset_keys(self) -> list[str]:
+        """The tensor names in the order of their data in the file."""
+        self._check_open()
+        return list(self._order)
+
+    def metadata(self) -> dict[str, str] | None:
+        """The header's ``__metadata__`` (None when the file has none)."""
+        self._check_open()
+        return None if self._metadata is None else dict(self._metadata)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor, reading only its bytes."""
+        entry = self._entry(name)
+        return self._read([entry])[0]
+
+    def get_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor, keyed by name in file order, in one pass over the file."""
+        self._check_open()
+        entries = [self._entries[n] for n in self._order]
+        return dict(zip(self._order, self._read(entries)))
+
+    def get_slice(self, name: str) -> _Slice:
+        """A lazy view: ``get_shape()``, ``get_dtype()``, and indexing reads."""
+        return _Slice(self, self._entry(name))
+
+    def close(self) -> None:
+        """Closes the file and frees the staging buffer; idempotent."""
+        with self._lock:
+            checkpoint, self._checkpoint = self._checkpoint, None
+            staging, self._staging = self._staging, None
+        if checkpoint is not None:
+            checkpoint.close()
+        if staging is not None:
+            staging.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # a finaliser never raises
+            pass
+
+    def __repr__(self):
+        state = "closed" if self._checkpoint is None else f"{len(self._entries)} tensors"
+        return f"<instant_staging safe_open {self._path!r} on {self._target.device}, {state}>"
+
+    # -- reading ---------------------------------------------------------------
+
+    def _check_open(self):
+        if getattr(self, "_checkpoint", None) is None:
+            raise ValueError(f"safe_open of {getattr(self, '_path', '?')} is closed")
+
+    def _entry(self, name):
+        self._check_open()
+        if not isinstance(name, str):
+            raise TypeError(f"tensor name must be a str, not {type(name).__name__}")
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"{self._path} does not contain tensor {name!r}") from None
+
+    def _read(self, entries):
+        """Loads ``entries`` (TensorEntry, possibly row ranges of one) onto
+        the device; returns their tensors in the order given."""
+        target = self._target
+        with self._lock:
+            self._check_open()
+            dtypes = {e: target.check(e, self._path) for e in entries}
+            view = _View(self._checkpoint, entries)
+            chunk_size, io_depth = self._chunk_size, self._io_depth
+            staging = None
+            if target.mode == _host_mode():
+                # The pipeline's own slots per read, no larger than the read needs.
+                chunk_size = max(_PAGE, min(chunk_size, -(-view.total_bytes // _PAGE) * _PAGE))
+                io_depth = max(1, min(io_depth, -(-view.total_bytes // chunk_size)))
+            else:
+                if self._staging is None:
+                    self._staging = _own_staging(io_depth * chunk_size, chunk_size)
+                staging = self._staging
+            with LoadIterator(view, target, [dtypes[e] for _, e in view.entries], staging=staging,
+                              chunk_size=chunk_size, io_depth=io_depth, threads=self._threads,
+                              faults=_fault_plan(staging)) as it:
+                # Yielded in completion order; one read holds each name once.
+                loaded = dict(it)
+        return [loaded[e.name] for e in entries]
+
+
+def _host_mode():
+    from ._pipeline import HOST
+    return HOST
+
+
+class _Slice:
+    """``safe_open.get_slice(name)``: shape and dtype now, bytes when indexed."""
+
+    def __init__(self, handle, entry: TensorEntry):
+        self._handle = handle
+        self._entry = entry
+
+    def get_shape(self) -> list[int]:
+        return list(self._entry.shape)
+
+    def get_dtype(self) -> str:
+        return self._entry.dtype
+
+    def __getitem__(self, index) -> torch.Tensor:
+        handle, entry = self._handle, self._entry
+        torch = handle._torch
+        dtype = handle._target.check(entry, handle._path)
+        # torch's own checks and errors, before anything is read.
+        torch.empty(entry.shape, dtype=dtype, device="meta")[index]
+        rows = _rows(index, entry.shape)
+        if rows is None:
+            part, shifted = entry, index
+        else:
+            lo, hi, shifted = rows
+            row_bytes = DTYPE_SIZES[entry.dtype]
+            for d in entry.shape[1:]:
+                row_bytes *= d
+            part = TensorEntry(entry.name, entry.dtype, (hi - lo,) + tuple(entry.shape[1:]),
+                               entry.begin + lo * row_bytes, entry.begin + hi * row_bytes)
+        covering = handle._read([part])[0]
+        try:
+            return _like_safetensors(torch, covering[shifted], covering, handle._target.device)
+        except BaseException:
+            # e.g. a tensor index out of bounds (the meta check cannot see
+            # its values): the rows read do not outlive the error
+            covering = None
+            raise
+
+
+def _rows(index, shape):
+    """``(lo, hi, shifted)``: the rows [lo, hi) of dimension 0 that ``index``
+    reads and the index rewritten for a tensor of just those rows; None
+    where the whole tensor is read (an index form other than an int or a
+    slice on dimension 0)."""
+    if not shape:
+        return None
+    items = index if isinstance(index, tuple) else (index,)
+    k = next((i for i, item in enumerate(items) if item is not None), None)
+    if k is None:
+        return None
+    item = items[k]
+    n = shape[0]
+    if isinstance(item, bool) or not isinstance(item, (int, slice)):
+        return None
+    if isinstance(item, int):
+        row = item + n if item < 0 else item      # in bounds: the meta check passed
+        lo, hi, new = row, row + 1, 0
+    else:
+        start, stop, step = item.indices(n)       # step > 0: the meta check passed
+        picked = range(start, stop, step)
+        if len(picked) == 0:
+            lo = hi = 0
+            new = slice(0, 0, 1)
+        else:
+            lo, hi = picked[0], picked[-1] + 1
+            new = slice(0, hi - lo, step)
+    return lo, hi, items[:k] + (new,) + items[k + 1:]
+
+
+def _like_safetensors(torch, result, base, device):
+    """What safetensors returns for ``result``, a view of the rows read:
+    on the CPU that view; on a GPU, ``.to(device)`` of a CPU view (the same
+    strides where it is dense, else contiguous), which owns its memory."""
+    if device.type == "cpu":
+        return result
+    if result.numel() == base.numel() and result.data_ptr() == base.data_ptr() \
+            and result.is_contiguous() and result.shape == base.shape:
+        return base
+    return result.clone(memory_format=torch.preserve_format)
