@@ -95,6 +95,11 @@ def main(spec_path, rank):
                             progress=lambda done, total, calls=calls: calls.append((done, total)))
             out[name] = dict(ok=True, equal=equal(got, everything), owns=owns_memory(got),
                              progress=calls)
+        elif name == "dtype_and_directory":   # dtype= and a directory source under a group
+            got = load_file(os.path.dirname(shards[0]), dtype=torch.float32, process_group=pg,
+                            chunk_size=chunk)
+            want = {k: v.float() if v.is_floating_point() else v for k, v in everything.items()}
+            out[name] = dict(ok=True, equal=equal(got, want), owns=owns_memory(got))
         elif name == "names":
             # Each rank its own third, all ranks the norms, ranks 0 and 1 the embeddings.
             mine = {k for i, k in enumerate(sorted(everything)) if i % world == rank}

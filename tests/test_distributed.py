@@ -165,8 +165,9 @@ def make_files(d):
          "lm_head.weight": rand(torch.bfloat16, (100, 64), 6)},
     ]
     files = {"shards": []}
+    os.makedirs(os.path.join(d, "model"))        # a directory of the shards alone
     for i, tensors in enumerate(shards):
-        path = os.path.join(d, f"model-{i}.safetensors")
+        path = os.path.join(d, "model", f"model-{i}.safetensors")
         st.save_file(tensors, path)
         files["shards"].append(path)
     for key, tensors in (("tiny", {"x": torch.tensor([1, 2, 3], dtype=torch.uint8)}),
@@ -188,7 +189,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-SCENARIOS = ["replicated", "load_file", "names", "predicate", "nothing_on_one_rank", "tiny",
+SCENARIOS = ["replicated", "load_file", "dtype_and_directory", "names", "predicate", "nothing_on_one_rank", "tiny",
              "bad_file", "other_layout", "unknown_name", "truncated", "read_fault", "kinds",
              "staging_unusable", "subgroup", "not_a_group", "dropped", "after_failures", "timeout"]
 
@@ -255,6 +256,10 @@ def test_replicated(world):
     for rec, share in zip(recs, shares):      # progress: this rank's reads, ending complete
         done = [d for d, _ in rec["progress"]]
         assert done == sorted(done) and rec["progress"][-1] == [share, share]
+
+
+def test_dtype_and_directory(world):
+    assert_all_equal(scenario(world, "dtype_and_directory"))
 
 
 def test_per_rank_names(world):
