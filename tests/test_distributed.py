@@ -189,8 +189,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-SCENARIOS = ["replicated", "load_file", "dtype_and_directory", "names", "predicate", "nothing_on_one_rank", "tiny",
-             "bad_file", "other_layout", "unknown_name", "truncated", "read_fault", "kinds",
+SCENARIOS = ["replicated", "load_file", "dtype_and_directory", "names", "predicate",
+             "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "unknown_name", "truncated", "read_fault", "kinds",
              "staging_unusable", "subgroup", "not_a_group", "dropped", "after_failures", "timeout"]
 
 
