@@ -190,8 +190,9 @@ def free_port():
 
 
 SCENARIOS = ["replicated", "load_file", "dtype_and_directory", "names", "predicate",
-             "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "unknown_name", "truncated", "read_fault", "kinds",
-             "staging_unusable", "subgroup", "not_a_group", "dropped", "after_failures", "timeout"]
+             "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "unknown_name",
+             "truncated", "read_fault", "kinds", "staging_unusable", "subgroup", "not_a_group",
+             "dropped", "after_failures", "timeout"]
 
 
 def run_world(tmp, world):
