@@ -45,6 +45,12 @@ MAX_THREADS = 16
 # io_depth=None is SLOTS_PER_THREAD per thread of the load.
 IO_DEPTH = SLOTS_PER_THREAD * MAX_THREADS
 
+# A load under a process group: how long a rank waits for the others at
+# each agreement before it names the ranks that never came (hung or died).
+# Generous: the ranks' shares are balanced, so a healthy rank is late by
+# seconds, but a cold read of a large checkpoint takes minutes.
+DISTRIBUTED_TIMEOUT = 600.0
+
 # Step 2: at most this many prefault threads (a sanity bound on the knob).
 MAX_PREFAULT_THREADS = 1024
 

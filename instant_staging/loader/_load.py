@@ -43,6 +43,7 @@ from ._typing import Device, DType, Names, ProgressArg, Source
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed import ProcessGroup
 
     from .._staging import StagingBuffer
 
@@ -164,11 +165,15 @@ class LoadIterator:
         self._lock = threading.RLock()     # one next() or close() at a time
         self._pid = os.getpid()
         self._checkpoint = checkpoint
-        self._generator = _load(self._state, checkpoint, target, dtypes, staging=staging,
-                                chunk_size=chunk_size, io_depth=io_depth, threads=threads,
-                                verify=verify, progress=progress, faults=faults)
+        self._generator = self._generate(self._state, checkpoint, target, dtypes, staging=staging,
+                                         chunk_size=chunk_size, io_depth=io_depth, threads=threads,
+                                         verify=verify, progress=progress, faults=faults)
         self.names = [t.name for _, t in checkpoint.entries]
         self.total_bytes = checkpoint.total_bytes
+
+    def _generate(self, state, checkpoint, target, dtypes, **options):
+        """The generator of the load (a process group's iterator has its own)."""
+        return _load(state, checkpoint, target, dtypes, **options)
 
     @property
     def staging_kind(self):
@@ -237,43 +242,50 @@ class LoadIterator:
 
 
 def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, names: Names = None,
-              chunk_size: Optional[int] = None, io_depth: Optional[int] = None,
-              threads: Optional[int] = None, staging: Optional["StagingBuffer"] = None,
-              verify: bool = False, progress: ProgressArg = None) -> "LoadIterator":
+              process_group: Optional["ProcessGroup"] = None, chunk_size: Optional[int] = None,
+              io_depth: Optional[int] = None, threads: Optional[int] = None,
+              staging: Optional["StagingBuffer"] = None, verify: bool = False,
+              progress: ProgressArg = None) -> "LoadIterator":
     """Loads safetensors file(s), yielding ``(name, tensor)`` as each finishes.
 
     Headers are parsed and validated when this is called; the load runs
     while the iterator is consumed.  Arguments are those of ``load_file``.
     """
-    chunk_size, io_depth, threads = knobs(chunk_size, io_depth, threads)
-    _check_args(chunk_size, io_depth, threads)
-    if staging is not None:
-        _check_staging(staging)
-    progress = _progress.resolve(progress)
-    if sys.byteorder != "little":
-        raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
-    torch = _import_torch()
-    dtype = torch_dtype(torch, dtype)
-    src = resolve(source)
-    checkpoint = _Checkpoint(src.paths)
-    try:
-        src.check(checkpoint)
-        checkpoint.select(names)
-        target = _TorchTarget(torch, device, dtype)
-        dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-        faults = _fault_plan(staging)
-    except BaseException:
-        checkpoint.close()
-        raise
-    return LoadIterator(checkpoint, target, dtypes, staging=staging, chunk_size=chunk_size,
-                        io_depth=io_depth, threads=threads, verify=verify, progress=progress,
-                        faults=faults)
+    def prepare():
+        knobs_ = knobs(chunk_size, io_depth, threads)
+        _check_args(*knobs_)
+        if staging is not None:
+            _check_staging(staging)
+        options = dict(zip(("chunk_size", "io_depth", "threads"), knobs_), staging=staging,
+                       verify=verify, progress=_progress.resolve(progress))
+        if sys.byteorder != "little":
+            raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
+        torch = _import_torch()
+        src = resolve(source)
+        checkpoint = _Checkpoint(src.paths)
+        try:
+            src.check(checkpoint)
+            checkpoint.select(names)
+            target = _TorchTarget(torch, device, torch_dtype(torch, dtype))
+            dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
+            options["faults"] = _fault_plan(staging)
+        except BaseException:
+            checkpoint.close()
+            raise
+        return checkpoint, target, dtypes, options
+
+    if process_group is not None:
+        from ._distributed import iter_load_group
+        return iter_load_group(prepare, process_group)
+    checkpoint, target, dtypes, options = prepare()
+    return LoadIterator(checkpoint, target, dtypes, **options)
 
 
 def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, names: Names = None,
-              chunk_size: Optional[int] = None, io_depth: Optional[int] = None,
-              threads: Optional[int] = None, staging: Optional["StagingBuffer"] = None,
-              verify: bool = False, progress: ProgressArg = None) -> dict[str, "torch.Tensor"]:
+              process_group: Optional["ProcessGroup"] = None, chunk_size: Optional[int] = None,
+              io_depth: Optional[int] = None, threads: Optional[int] = None,
+              staging: Optional["StagingBuffer"] = None, verify: bool = False,
+              progress: ProgressArg = None) -> dict[str, "torch.Tensor"]:
     """Loads safetensors file(s) into ``{name: tensor}`` on ``device``.
 
     source      a .safetensors path; a list of them (a name in two shards is an
@@ -287,6 +299,11 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     names       None for all; an iterable of tensor names (unknown ones are a
                 KeyError, raised before anything is allocated); or a callable
                 name -> bool.  Only the selected tensors' bytes are read.
+    process_group  a torch.distributed group whose every rank makes this call
+                with the same checkpoint: each rank reads about 1/N of the bytes
+                and the ranks exchange them over the group, so each byte is read
+                from the host once (loader/_distributed.py); names= may differ
+                per rank.  A failure on one rank raises on every rank.
     chunk_size  bytes per read and per copy (None: $INSTANT_STAGING_CHUNK_SIZE,
                 e.g. 8MiB, else 4 MiB)
     io_depth    chunks in flight, i.e. slots (None: $INSTANT_STAGING_IO_DEPTH, else
@@ -310,9 +327,9 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     the copies in flight and freeing every tensor of the load; the staging
     buffer stays reusable.
     """
-    with iter_load(source, device, dtype=dtype, names=names, chunk_size=chunk_size,
-                   io_depth=io_depth, threads=threads, staging=staging, verify=verify,
-                   progress=progress) as it:
+    with iter_load(source, device, dtype=dtype, names=names, process_group=process_group,
+                   chunk_size=chunk_size, io_depth=io_depth, threads=threads, staging=staging,
+                   verify=verify, progress=progress) as it:
         loaded = dict(it)
         return {name: loaded[name] for name in it.names}
 
