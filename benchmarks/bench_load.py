@@ -1,31 +1,43 @@
 #!/usr/bin/env python3
 """Loading safetensors checkpoints: instant_staging.loader against its peers.
 
-One process, one run, the same files for everyone.  For each size (default
-4 GiB and 16 GiB) a checkpoint of 64 MiB bf16 tensors is generated once
-(reused when present, with per-tensor checksums beside it), read once so
-the page cache is hot, then each method loads it --repeat times (best and
-median reported):
+One process, one run, the same files for everyone.  Layouts (--layouts):
 
-  instant_staging        load_file defaults (16 x 8 MiB slots, own buffer per load)
-  instant_staging iter   iter_load defaults; also time to the first tensor
-  is 2GiB <KIND>         load_file with one reused 2 GiB buffer (256 x 8 MiB) forced
-                         into each kind: REGISTERED, SEGMENTED, RUNTIME_PINNED, PAGEABLE
+  dense    Llama-3-8B names and shapes: 291 bf16 tensors in 4 shards, 16.06 GB
+           (1 GiB embeddings and lm_head, 112 MiB MLP, 32/8 MiB attention, 8 KiB norms)
+  moe      one MoE-like shard of 1,188 bf16 tensors, 3.6 GB (12 layers x 32
+           experts x 3 matrices of 3 MiB, 512 KiB routers, 4 KiB norms)
+  uniform  the older single file of 64 MiB tensors (--uniform-size, 4 GiB)
+
+Files are generated once (random bytes) and reused.  Each method loads a
+layout --repeat times with the page cache hot (best and median), then, for
+the layouts in --cold, once more per method after posix_fadvise(DONTNEED)
+on every file (the files are fdatasync'ed first so the cache can drop them):
+
+  instant_staging        iter_load defaults (also its time to the first tensor)
+  read ceiling           16 threads x 8 MiB preads of the same files, no copies
+                         (the loader's own C threads, SKIP_COPY): the host's
+                         parallel-read rate, hot and cold
   safetensors            safetensors.torch.load_file(device=...)
-  instanttensor AIO_BUFFERED / MMAP
-  fastsafetensors nogds  fastsafe_open(nogds=True)
+  instanttensor          InstantTensor safe_open(...) defaults, tensors() iterated
+  fastsafetensors nogds  fastsafe_open(nogds=True), get_tensor per name
+  runai streamer         Run:ai SafetensorsStreamer (CPU tensors) + .to(device)
   pinned copy ceiling    one pinned 2 GiB torch tensor copied to the device
-                         until the checkpoint's size is covered (no file I/O)
+                         until the layout's size is covered (no file I/O)
+  is 2GiB <KIND>         (--only) load_file with one reused 2 GiB buffer forced into
+                         REGISTERED, SEGMENTED, RUNTIME_PINNED or PAGEABLE
 
-Every result is checked bit-exact against the checksums (two int64 sums of
-each tensor's 32-bit words, one weighted by position, computed on the
-device).  Peak host memory is the RSS high-water mark of the load above
-the RSS before it (/proc/self/clear_refs resets it per run).  Peers that
-do not import are skipped with a note.  Without a GPU everything runs on
-the CPU (device cpu), says so, and skips the GPU-only peers.
+Every result is compared bit for bit (as raw bytes) with safetensors' own
+load of the same files onto the same device.  Time to first tensor is when
+a streaming method hands out its first tensor (load_file-style methods:
+their whole time).  Peak host memory is the RSS high-water mark of the
+load above the RSS before it (/proc/self/clear_refs resets it per run).
+Peers that do not import are skipped with a note.  Without a GPU
+everything runs on the CPU and the GPU-only peers are skipped; --quick
+makes every layout 64 times smaller in each matrix dimension (a smoke test).
 
-    python benchmarks/bench_load.py [--sizes 4GiB,16GiB] [--dir DIR] [--repeat 3]
-        [--device cuda:0] [--json PATH] [--only NAME,...] [-v]
+    python benchmarks/bench_load.py [--layouts dense,moe] [--cold dense,moe]
+        [--dir DIR] [--repeat 3] [--device cuda:0] [--json PATH] [--only NAME,...]
 """
 
 import argparse
@@ -43,10 +55,9 @@ import _common as C
 import instant_staging as ist
 from instant_staging import loader
 
-TENSOR_BYTES = 64 * C.MiB
-TENSOR_SHAPE = [4096, 8192]                  # bf16: 64 MiB
 STAGING_BYTES = 256 * loader.DEFAULT_CHUNK_SIZE   # InstantTensor's 2 GiB per rank
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".bench")
+CEILING_THREADS, CEILING_CHUNK = 16, 8 * C.MiB
 
 # Each kind forced on the real runtime, as INSTANT_STAGING_FAULTS would.
 FORCED = [
@@ -58,137 +69,234 @@ FORCED = [
 ]
 
 
-# -- the checkpoint ------------------------------------------------------------
+# -- the layouts ---------------------------------------------------------------
 
-def generate(path, size, seed=1234):
-    """Writes a safetensors file of size // 64 MiB bf16 tensors of random bits
-    (each tensor distinct) and returns their checksums."""
-    import numpy as np
-    count = size // TENSOR_BYTES
-    if count < 1:
-        raise SystemExit(f"sizes must be at least {C.fmt_size(TENSOR_BYTES)}")
-    header = {f"layers.{i}.weight": {"dtype": "BF16", "shape": TENSOR_SHAPE,
-                                     "data_offsets": [i * TENSOR_BYTES, (i + 1) * TENSOR_BYTES]}
-              for i in range(count)}
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    base = np.random.default_rng(seed).integers(-(1 << 63), (1 << 63) - 1, TENSOR_BYTES // 8,
-                                                dtype=np.int64, endpoint=True)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for i in range(count):
-            f.write((base ^ np.int64(((i + 1) * 0x2545F4914F6CDD1D) % (1 << 63))).data)
-    os.replace(tmp, path)
+def dense_layout(scale=1):
+    """Llama-3-8B: [(file name, [(tensor name, shape), ...]), ...] in 4 shards."""
+    V, H, I, KV, L = 128256 // scale, 4096 // scale, 14336 // scale, 1024 // scale, 32
+    tensors = [("model.embed_tokens.weight", [V, H])]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        tensors += [(p + "self_attn.q_proj.weight", [H, H]), (p + "self_attn.k_proj.weight", [KV, H]),
+                    (p + "self_attn.v_proj.weight", [KV, H]), (p + "self_attn.o_proj.weight", [H, H]),
+                    (p + "mlp.gate_proj.weight", [I, H]), (p + "mlp.up_proj.weight", [I, H]),
+                    (p + "mlp.down_proj.weight", [H, I]), (p + "input_layernorm.weight", [H]),
+                    (p + "post_attention_layernorm.weight", [H])]
+    tensors += [("model.norm.weight", [H]), ("lm_head.weight", [V, H])]
+    total = sum(_nbytes(s) for _, s in tensors)
+    shards, cur, size = [], [], 0
+    for t in tensors:       # in order, about a quarter each, as transformers shards
+        cur.append(t)
+        size += _nbytes(t[1])
+        if size >= total / 4 * (len(shards) + 1) and len(shards) < 3:
+            shards.append(cur)
+            cur = []
+    shards.append(cur)
+    return [(f"model-{i + 1:05d}-of-00004.safetensors", sorted(s)) for i, s in enumerate(shards)]
+
+
+def moe_layout(scale=1):
+    """One MoE-like shard: 12 layers x (32 experts x 3 matrices, router, 2 norms)."""
+    H, F, E, R, L = 2048 // scale, 768 // scale, 32, 128, 12
+    tensors = []
+    for i in range(L):
+        p = f"model.layers.{i}."
+        for e in range(E):
+            q = p + f"mlp.experts.{e}."
+            tensors += [(q + "gate_proj.weight", [F, H]), (q + "up_proj.weight", [F, H]),
+                        (q + "down_proj.weight", [H, F])]
+        tensors += [(p + "mlp.gate.weight", [R, H]), (p + "input_layernorm.weight", [H]),
+                    (p + "post_attention_layernorm.weight", [H])]
+    return [("model-moe.safetensors", sorted(tensors))]
+
+
+def uniform_layout(size):
+    count = max(1, size // (64 * C.MiB))
+    return [(f"bench-{size // C.MiB}MiB.safetensors",
+             [(f"layers.{i}.weight", [4096, 8192]) for i in range(count)])]
+
+
+def _nbytes(shape):
+    n = 2   # bf16
+    for d in shape:
+        n *= d
+    return n
+
+
+def generate(directory, files, pool_bytes=64 * C.MiB):
+    """Writes each file of ``files`` (bf16, random bytes) unless it is there
+    with the right size; returns the paths.  Tensor k's bytes are the random
+    pool read cyclically from an offset of its own, so no two are equal."""
+    paths, pool = [], None
+    for fname, tensors in files:
+        path = os.path.join(directory, fname)
+        paths.append(path)
+        header, offset = {}, 0
+        for name, shape in tensors:
+            header[name] = {"dtype": "BF16", "shape": shape,
+                            "data_offsets": [offset, offset + _nbytes(shape)]}
+            offset += _nbytes(shape)
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        size = 8 + len(raw) + offset
+        if os.path.exists(path) and os.path.getsize(path) == size:
+            continue
+        if pool is None:
+            pool = memoryview(os.urandom(pool_bytes) * 2)   # cyclic reads without wrapping
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for k, (_, shape) in enumerate(tensors):
+                left, start = _nbytes(shape), (k * 1000003 * 2) % pool_bytes
+                while left:
+                    n = min(left, pool_bytes)
+                    f.write(pool[start:start + n])
+                    left -= n
+        os.replace(tmp, path)
+    return paths
+
+
+def flush(paths):
+    """fdatasync: POSIX_FADV_DONTNEED drops clean pages only."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+
+def drop_cache(paths):
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm(paths):
+    """Reads every file once so every method meets a hot page cache."""
+    buf = bytearray(64 * C.MiB)
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
 
 
 class Checker:
-    """Per-tensor checksums on the device, and the comparison of results."""
+    """Bit-exact comparison with safetensors' own load (on the same device)."""
 
-    def __init__(self, torch, device):
-        self.torch, self.device = torch, device
-        self._weights = {}
+    def __init__(self, torch, device, paths):
+        from safetensors.torch import load_file as st_load
+        self.torch = torch
+        self.reference = {}
+        for path in paths:
+            self.reference.update(st_load(path, device=str(device)))
 
-    def sums(self, t):
-        torch = self.torch
-        x = t.reshape(-1).view(torch.int32).to(torch.int64)
-        n = x.numel()
-        if n not in self._weights:
-            self._weights[n] = torch.arange(n, device=t.device, dtype=torch.int64) % 65521 + 1
-        return [int(x.sum()), int((x * self._weights[n]).sum())]
-
-    def reference(self, path):
-        """The checksums of ``path`` from plain file reads (not from a loader
-        under test), computed once and kept beside it."""
-        side = path + ".sums.json"
-        st = os.stat(path)
-        try:
-            with open(side) as f:
-                doc = json.load(f)
-            if doc["size"] == st.st_size and doc["mtime_ns"] == st.st_mtime_ns:
-                return doc["sums"]
-        except (OSError, ValueError, KeyError):
-            pass
-        C.progress(f"  checksums of {os.path.basename(path)} (once)")
-        sums = {}
-        with open(path, "rb", buffering=0) as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            for name, entry in header.items():
-                begin, end = entry["data_offsets"]
-                data = bytearray(end - begin)
-                f.seek(8 + n + begin)
-                f.readinto(data)
-                sums[name] = self.sums(self.torch.frombuffer(data, dtype=self.torch.uint8)
-                                       .to(self.device))
-        with open(side, "w") as f:
-            json.dump({"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sums": sums}, f)
-        return sums
-
-    def verify(self, result, reference):
+    def verify(self, result):
         """'ok' or what is wrong."""
-        if set(result) != set(reference):
-            return f"names differ ({len(result)} vs {len(reference)})"
+        torch, ref = self.torch, self.reference
+        if set(result) != set(ref):
+            return f"names differ ({len(result)} vs {len(ref)})"
         for name, t in result.items():
-            if t.device.type != self.device.type or t.dtype != self.torch.bfloat16:
-                return f"{name}: {t.dtype} on {t.device}"
-            if self.sums(t) != reference[name]:
-                return f"{name}: checksum differs"
+            r = ref[name]
+            if t.device != r.device or t.dtype != r.dtype or t.shape != r.shape:
+                return f"{name}: {t.dtype} {tuple(t.shape)} on {t.device}"
+            if not torch.equal(t.reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8)):
+                return f"{name}: bytes differ"
         return "ok"
-
-
-def warm(path):
-    """Reads the file once so every method meets a hot page cache."""
-    buf = bytearray(64 * C.MiB)
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
 
 
 # -- the methods -------------------------------------------------------------
 
 class Method:
-    """One way to load: ``run()`` returns {name: tensor} (or None for the
-    ceiling); ``setup``/``teardown`` bracket its repeats, untimed."""
+    """One way to load: ``run(files, mark)`` returns {name: tensor} (None for
+    a ceiling) and calls ``mark()`` when its first tensor is ready;
+    ``setup``/``teardown`` bracket its repeats, untimed."""
 
-    def __init__(self, name, run, setup=None, teardown=None, kind="", note="", ttft=False):
-        self.name, self.run, self.kind, self.note, self.ttft = name, run, kind, note, ttft
-        self.setup = setup or (lambda: None)
+    def __init__(self, name, run, setup=None, teardown=None, kind="", note="", peer=False):
+        self.name, self.run, self.kind, self.note, self.peer = name, run, kind, note, peer
+        self.setup = setup or (lambda files: None)
         self.teardown = teardown or (lambda: None)
 
 
-def our_methods(torch, files, device):
+def our_methods(torch, device, only):
     dev = str(device)
-    out = [Method("instant_staging", lambda: loader.load_file(files, dev),
-                  kind="(own)", note="load_file defaults: 16 x 8 MiB, a buffer per load")]
 
-    def iterate():
-        t0 = time.perf_counter()
+    def iterate(files, mark):
         with loader.iter_load(files, dev) as it:
-            name, first = next(it)
-            iterate.ttft = time.perf_counter() - t0
-            result = {name: first}
-            result.update(it)
+            result = {}
+            for name, t in it:
+                if not result:
+                    mark()
+                result[name] = t
         kind = it.staging_kind
         method.kind = kind.name if kind else "ordinary memory"
         method.note = f"iter_load defaults, {it.threads} reader threads"
         return result
-    method = Method("instant_staging iter", iterate, ttft=iterate)
-    out.append(method)
-    if device.type == "cpu":
-        return out
-    for kind, faults, kw in FORCED:
-        out.append(_forced(kind, faults, kw, files, dev))
+    method = Method("instant_staging", iterate)
+
+    def hugepages(files, mark):
+        old = os.environ.get("INSTANT_STAGING_HUGEPAGES")
+        os.environ["INSTANT_STAGING_HUGEPAGES"] = "1"
+        try:
+            return loader.load_file(files, dev)
+        finally:
+            if old is None:
+                del os.environ["INSTANT_STAGING_HUGEPAGES"]
+            else:
+                os.environ["INSTANT_STAGING_HUGEPAGES"] = old
+    out = [method, _read_ceiling()]
+    if device.type == "cuda":
+        out.append(Method("instant_staging hugepages", hugepages, kind="REGISTERED",
+                          note="load_file defaults, INSTANT_STAGING_HUGEPAGES=1"))
+    if device.type == "cuda" and only:
+        out += [_forced(kind, faults, kw, dev) for kind, faults, kw in FORCED]
     return out
 
 
-def _forced(kind, faults, kw, files, dev):
+def _read_ceiling():
+    """16 threads x 8 MiB preads of the whole files into the slots of one
+    staging buffer (made once, untimed): the loader's own reader threads
+    with the copies left out."""
+    from instant_staging.loader._pipeline import SKIP_COPY, Pipeline, Plan
+    holder = {}
+
+    def setup(files):
+        holder["buf"] = ist.StagingBuffer(CEILING_THREADS * CEILING_CHUNK, allow_pageable=True)
+
+    def run(files, mark):
+        fds = [os.open(f, os.O_RDONLY) for f in files]
+        try:
+            plan = Plan([(fd, 0, os.fstat(fd).st_size) for fd in fds], CEILING_CHUNK)
+            pipe = Pipeline(plan, threads=CEILING_THREADS, staging=holder["buf"], skip=SKIP_COPY)
+            try:
+                pipe.start([0] * len(fds))
+                while not pipe.wait(1.0)[2]:
+                    pass
+                if pipe.error():
+                    raise OSError(f"read ceiling: {pipe.error()}")
+            finally:
+                pipe.close()
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def teardown():
+        buf = holder.pop("buf", None)
+        if buf is not None:
+            buf.close()
+    return Method("read ceiling", run, setup, teardown, kind="(no copy)",
+                  note=f"{CEILING_THREADS} threads x {C.fmt_size(CEILING_CHUNK)} preads, whole files")
+
+
+def _forced(kind, faults, kw, dev):
     from instant_staging.testing import inject_faults
     holder = {}
 
-    def setup():
+    def setup(files):
         runtime = inject_faults(ist.real_runtime(), faults) if faults else ist.real_runtime()
         t0 = time.perf_counter()
         buf = ist.StagingBuffer(STAGING_BYTES, runtime=runtime,
@@ -205,51 +313,76 @@ def _forced(kind, faults, kw, files, dev):
             buf.close()
 
     method = Method(f"is 2GiB {kind.name}",
-                    lambda: loader.load_file(files, dev, staging=holder["buf"]),
+                    lambda files, mark: loader.load_file(files, dev, staging=holder["buf"]),
                     setup, teardown, kind=kind.name)
     return method
 
 
-def peer_methods(torch, files, device):
+def peer_methods(torch, device):
     """(methods, notes): every peer that imports; a note for each that does not."""
     methods, notes = [], []
     dev = str(device)
     try:
         from safetensors.torch import load_file as st_load
-        methods.append(Method("safetensors", lambda: _merge(st_load(f, device=dev) for f in files),
+
+        def st_run(files, mark):
+            return _merge(st_load(f, device=dev) for f in files)
+        methods.append(Method("safetensors", st_run,
                               note=("load_file(device='cpu') maps the file: no copy"
-                                    if device.type == "cpu" else "load_file(device=...)")))
+                                    if device.type == "cpu" else "load_file(device=...)"), peer=True))
     except ImportError as e:
         notes.append(f"safetensors skipped: {e}")
     if device.type == "cpu":
-        notes.append("instanttensor, fastsafetensors and the pinned ceiling skipped: no GPU")
+        notes.append("instanttensor, fastsafetensors, runai streamer and the pinned ceiling "
+                     "skipped: no GPU")
         return methods, notes
     try:
-        from instanttensor import Backend, safe_open
+        from instanttensor import safe_open
 
-        def it_load(backend):
+        def it_load(files, mark):
             out = {}
-            with safe_open(files, framework="pt", device=device.index, backend=backend) as f:
+            with safe_open(files, framework="pt", device=device.index) as f:
                 for name, t in f.tensors():
+                    if not out:
+                        mark()
                     out[name] = t
             return out
-        for backend in ("AIO_BUFFERED", "MMAP"):
-            chosen = getattr(Backend, backend)
-            methods.append(Method(f"instanttensor {backend}",
-                                  lambda b=chosen: it_load(b),
-                                  note="safe_open, default sizes"))
+        methods.append(Method("instanttensor", it_load, note="safe_open defaults, tensors()",
+                              peer=True))
     except ImportError as e:
         notes.append(f"instanttensor skipped: {e}")
     try:
         from fastsafetensors import fastsafe_open
 
-        def fst_load():
+        def fst_load(files, mark):
+            out = {}
             with fastsafe_open(files, device=dev, nogds=True) as f:
-                return {k: f.get_tensor(k) for k in f}
-        methods.append(Method("fastsafetensors nogds", fst_load, note="fastsafe_open(nogds=True)"))
+                for k in f:
+                    out[k] = f.get_tensor(k)
+                    if len(out) == 1:
+                        mark()
+            return out
+        methods.append(Method("fastsafetensors nogds", fst_load, note="fastsafe_open(nogds=True)",
+                              peer=True))
     except ImportError as e:
         notes.append(f"fastsafetensors skipped: {e}")
-    methods.append(_ceiling(torch, files, device))
+    try:
+        from runai_model_streamer import SafetensorsStreamer
+
+        def runai_load(files, mark):
+            out = {}
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_files(files)
+                for name, t in streamer.get_tensors():
+                    out[name] = t.to(dev)
+                    if len(out) == 1:
+                        mark()
+            return out
+        methods.append(Method("runai streamer", runai_load,
+                              note="SafetensorsStreamer to CPU tensors, then .to(device)", peer=True))
+    except ImportError as e:
+        notes.append(f"runai streamer skipped: {e}")
+    methods.append(_copy_ceiling(torch, device))
     return methods, notes
 
 
@@ -260,26 +393,25 @@ def _merge(dicts):
     return out
 
 
-def _ceiling(torch, files, device):
-    total = sum(os.path.getsize(f) for f in files)
+def _copy_ceiling(torch, device):
     holder = {}
 
-    def setup():
+    def setup(files):
+        holder["total"] = sum(os.path.getsize(f) for f in files)
         holder["src"] = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
         holder["src"].fill_(7)
         holder["dst"] = torch.empty(STAGING_BYTES, dtype=torch.uint8, device=device)
 
-    def run():
-        src, dst = holder["src"], holder["dst"]
+    def run(files, mark):
+        src, dst, total = holder["src"], holder["dst"], holder["total"]
         for off in range(0, total, STAGING_BYTES):
             n = min(STAGING_BYTES, total - off)
             dst[:n].copy_(src[:n], non_blocking=True)
-        return None
 
     def teardown():
         holder.clear()
 
-    return Method("pinned copy ceiling", run, setup, teardown,
+    return Method("pinned copy ceiling", run, setup, teardown, kind="(no I/O)",
                   note=f"pinned 2 GiB torch tensor -> {device}, no file I/O")
 
 
@@ -290,34 +422,37 @@ def sync(torch, device):
         torch.cuda.synchronize(device)
 
 
-def measure(method, torch, device, checker, reference, repeat, budget):
+def measure(method, files, torch, device, checker, repeat, budget, cold):
     """Runs ``method`` up to ``repeat`` times; returns its record."""
-    rec = dict(method=method.name, kind=method.kind, note=method.note, times=[], ttft=[],
-               peak_rss=[], verified=[], error=None)
+    rec = {"method": method.name, "kind": method.kind, "note": method.note, "peer": method.peer,
+               "cache": "cold" if cold else "hot", "times": [], "ttft": [], "peak_rss": [], "verified": [],
+               "error": None}
     try:
-        method.setup()
+        method.setup(files)
         rec["note"] = method.note
         for i in range(repeat):
             gc.collect()
             sync(torch, device)
+            if cold:
+                drop_cache(files)
             rss0 = C._status_kib("VmRSS")
             peak_ok = C.reset_peak_rss()
+            first = []
             t0 = time.perf_counter()
-            result = method.run()
+            result = method.run(files, lambda first=first: first.append(time.perf_counter()))
             sync(torch, device)
-            seconds = time.perf_counter() - t0
+            t1 = time.perf_counter()
             hwm = C._status_kib("VmHWM")
-            rec["times"].append(seconds)
+            rec["times"].append(t1 - t0)
+            rec["ttft"].append((first[0] if first else t1) - t0)
             rec["peak_rss"].append(hwm - rss0 if peak_ok and hwm and rss0 else None)
-            if method.ttft:
-                rec["ttft"].append(method.ttft.ttft)
             rec["kind"], rec["note"] = method.kind, method.note
             if result is not None:
-                rec["verified"].append(checker.verify(result, reference))
+                rec["verified"].append(checker.verify(result))
             del result
             _free(torch, device)
-            if seconds * (i + 2) > budget:
-                rec["note"] += f"; stopped after {i + 1} run(s): over the {budget:.0f} s budget"
+            if (t1 - t0) * (i + 2) > budget:
+                rec["note"] += f"; {i + 1} run(s): over the {budget:.0f} s budget"
                 break
     except Exception as e:      # a peer failing must not end the comparison
         rec["error"] = f"{type(e).__name__}: {e}"
@@ -345,7 +480,6 @@ def summarize(rec, nbytes):
     rec["gbps_best"] = nbytes / rec["best"] / 1e9 if times else None
     rec["gbps_median"] = nbytes / rec["median"] / 1e9 if times else None
     rec["ttft_best"] = min(rec["ttft"]) if rec["ttft"] else None
-    rec["ttft_median"] = statistics.median(rec["ttft"]) if rec["ttft"] else None
     peaks = [p for p in rec["peak_rss"] if p is not None]
     rec["peak_rss_max"] = max(peaks) if peaks else None
     checks = set(rec["verified"])
@@ -353,16 +487,40 @@ def summarize(rec, nbytes):
     return rec
 
 
-def row(size, rec):
+def compare(results):
+    """Adds, per layout and cache: our speed over the best peer's, and over
+    the read ceiling."""
+    for layout in {r["layout"] for r in results}:
+        for cache in ("hot", "cold"):
+            rs = [r for r in results if r["layout"] == layout and r["cache"] == cache
+                  and r["gbps_best"] and not r["error"]]
+            peers = [r for r in rs if r["peer"]]
+            ours = [r for r in rs if r["method"] == "instant_staging"]
+            ceiling = [r for r in rs if r["method"] == "read ceiling"]
+            for r in ours:
+                if peers:
+                    best = max(peers, key=lambda p: p["gbps_best"])
+                    r["vs_best_peer"] = r["gbps_best"] / best["gbps_best"]
+                    r["best_peer"] = best["method"]
+                if ceiling:
+                    r["vs_read_ceiling"] = r["gbps_best"] / ceiling[0]["gbps_best"]
+
+
+def row(rec):
     if rec["error"]:
-        return [C.fmt_size(size), rec["method"], rec["kind"], "-", "-", "-", "-", "-",
+        return [rec["layout"], rec["cache"], rec["method"], rec["kind"], "-", "-", "-", "-", "-",
                 "ERROR: " + rec["error"][:60]]
     exact = {None: "n/a", True: "yes", False: "NO: " + "; ".join(
         sorted(v for v in set(rec["verified"]) if v != "ok"))[:60]}[rec["bit_exact"]]
-    return [C.fmt_size(size), rec["method"], rec["kind"], C.fmt(rec["best"]),
-            C.fmt(rec["median"]), C.fmt(rec["gbps_best"], ".1f"),
+    extra = []
+    if "vs_best_peer" in rec:
+        extra.append(f"{rec['vs_best_peer']:.1f}x {rec['best_peer']}")
+    if "vs_read_ceiling" in rec:
+        extra.append(f"{100 * rec['vs_read_ceiling']:.0f}% of reads")
+    return [rec["layout"], rec["cache"], rec["method"], rec["kind"], C.fmt(rec["best"]),
+            C.fmt(rec["gbps_best"], ".2f"), C.fmt(rec["gbps_median"], ".2f"),
             C.fmt(rec["ttft_best"] and rec["ttft_best"] * 1e3, ".1f"),
-            C.fmt_size(rec["peak_rss_max"]), exact]
+            C.fmt_size(rec["peak_rss_max"]), exact + ("; " + ", ".join(extra) if extra else "")]
 
 
 # -- main ----------------------------------------------------------------------
@@ -376,28 +534,52 @@ def pick_device(torch, wanted):
 
 
 def environment(torch, device):
-    env = dict(python=sys.version.split()[0], torch=torch.__version__, device=str(device),
-               cpus=len(os.sched_getaffinity(0)), backend=ist.BACKEND,
-               faults_env=os.environ.get("INSTANT_STAGING_FAULTS"))
+    env = {"python": sys.version.split()[0], "torch": torch.__version__, "device": str(device),
+               "cpus": len(os.sched_getaffinity(0)), "backend": ist.BACKEND,
+               "faults_env": os.environ.get("INSTANT_STAGING_FAULTS")}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-    for mod in ("safetensors", "instanttensor", "fastsafetensors"):
+    for mod, dist in (("safetensors", "safetensors"), ("instanttensor", "instanttensor"),
+                      ("fastsafetensors", "fastsafetensors"),
+                      ("runai_model_streamer", "runai-model-streamer")):
         try:
-            env[mod] = __import__(mod).__version__
+            from importlib.metadata import version
+            env[mod] = version(dist)
         except Exception:
             env[mod] = None
     return env
 
 
+def layouts(names, scale, uniform_size):
+    out = []
+    for name in names:
+        if name == "dense":
+            out.append(("dense", dense_layout(scale)))
+        elif name == "moe":
+            out.append(("moe", moe_layout(scale)))
+        elif name == "uniform":
+            out.append(("uniform", uniform_layout(uniform_size // scale)))
+        else:
+            raise SystemExit(f"unknown layout {name!r} (dense, moe, uniform)")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="4GiB,16GiB", help="checkpoint sizes (64 MiB tensors)")
+    ap.add_argument("--layouts", default="dense,moe", help="dense, moe, uniform")
+    ap.add_argument("--cold", default="dense,moe", help="layouts also measured cold ('' for none)")
+    ap.add_argument("--cold-only", default=None,
+                    help="comma-separated method name prefixes measured cold (default: all)")
+    ap.add_argument("--skip-hot", action="store_true", help="only the cold runs")
+    ap.add_argument("--uniform-size", default="4GiB")
     ap.add_argument("--dir", default=DEFAULT_DIR, help="where checkpoints live (local disk)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default=None, help="default: cuda if torch sees one, else cpu")
-    ap.add_argument("--budget", type=float, default=60.0,
-                    help="seconds one method may take over its repeats for one size")
+    ap.add_argument("--budget", type=float, default=30.0,
+                    help="seconds one method may take over its repeats for one layout")
     ap.add_argument("--only", default=None, help="comma-separated method name prefixes")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: layouts 64x smaller per dimension, one repeat")
     ap.add_argument("--json", default=None)
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -405,47 +587,68 @@ def main(argv=None):
     import torch
     started = time.perf_counter()
     device, why_cpu = pick_device(torch, args.device)
+    scale = 64 if args.quick else 1
+    repeat = 1 if args.quick else args.repeat
     print("=" * 78)
     print(f"bench_load -- device {device}" + (f" (NO GPU: {why_cpu}; CPU copies only)" if why_cpu else ""))
     print("=" * 78, flush=True)
     os.makedirs(args.dir, exist_ok=True)
-    checker = Checker(torch, device)
-    doc = dict(environment=environment(torch, device), sizes=[], results=[], notes=[])
-    rows = []
-    for size in C.parse_sizes(args.sizes):
-        path = os.path.join(args.dir, f"bench-{size // C.MiB}MiB.safetensors")
-        if not os.path.exists(path) or os.path.getsize(path) < size:
-            C.progress(f"generating {path}")
-            t0 = time.perf_counter()
-            generate(path, size)
-            doc["notes"].append(f"generated {path} in {time.perf_counter() - t0:.1f} s")
-        files = [path]
-        nbytes = os.path.getsize(path)
-        warm(path)
-        reference = checker.reference(path)
-        _free(torch, device)
-        methods = our_methods(torch, files, device)
-        peers, notes = peer_methods(torch, files, device)
+    doc = {"environment": environment(torch, device), "layouts": {}, "results": [], "notes": []}
+    cold_layouts = [c for c in args.cold.split(",") if c]
+
+    def wanted(m, prefixes):
+        return not prefixes or any(m.name.startswith(p) for p in prefixes.split(","))
+    for name, files in layouts([n for n in args.layouts.split(",") if n], scale,
+                               C.parse_sizes(args.uniform_size)[0]):
+        t0 = time.perf_counter()
+        paths = generate(args.dir, files)
+        nbytes = sum(os.path.getsize(p) for p in paths)
+        ntensors = sum(len(t) for _, t in files)
+        doc["layouts"][name] = {"files": len(paths), "tensors": ntensors, "bytes": nbytes,
+                                    "generate_s": time.perf_counter() - t0}
+        C.progress(f"{name}: {len(paths)} file(s), {ntensors} tensors, {nbytes / 1e9:.2f} GB "
+                   f"({time.perf_counter() - t0:.1f} s)")
+        warm(paths)
+        checker = Checker(torch, device, paths)
+        methods = our_methods(torch, device, args.only)
+        peers, notes = peer_methods(torch, device)
         doc["notes"] += [n for n in notes if n not in doc["notes"]]
-        for method in methods + peers:
-            if args.only and not any(method.name.startswith(p) for p in args.only.split(",")):
-                continue
-            C.progress(f"  {C.fmt_size(size)} {method.name}")
-            rec = summarize(measure(method, torch, device, checker, reference, args.repeat,
-                                    args.budget), nbytes)
-            rec["size"] = nbytes
+        methods = [m for m in methods + peers if wanted(m, args.only)]
+        for method in [] if args.skip_hot else methods:
+            C.progress(f"  {name} hot {method.name}")
+            rec = summarize(measure(method, paths, torch, device, checker, repeat, args.budget,
+                                    False), nbytes)
+            rec["layout"] = name
             doc["results"].append(rec)
-            rows.append(row(size, rec))
-        doc["sizes"].append(nbytes)
-    print(C.table(["size", "method", "kind", "best s", "median s", "GB/s best", "TTFT ms",
-                   "peak RSS", "bit-exact"], rows))
+        if name in cold_layouts:
+            t0 = time.perf_counter()
+            flush(paths)
+            doc["layouts"][name]["flush_s"] = time.perf_counter() - t0
+            for method in methods:
+                if (method.name in ("pinned copy ceiling", "instant_staging hugepages")
+                        or not wanted(method, args.cold_only)):
+                    continue
+                C.progress(f"  {name} cold {method.name}")
+                rec = summarize(measure(method, paths, torch, device, checker, 1, args.budget,
+                                        True), nbytes)
+                rec["layout"] = name
+                doc["results"].append(rec)
+        del checker
+        _free(torch, device)
+    compare(doc["results"])
+    print(C.table(["layout", "cache", "method", "kind", "best s", "GB/s best", "GB/s median",
+                   "TTFT ms", "peak RSS", "bit-exact; vs best peer; vs reads"],
+                  [row(r) for r in doc["results"]]))
+    for name, lay in doc["layouts"].items():
+        print(f"layout {name}: {lay['files']} file(s), {lay['tensors']} tensors, "
+              f"{lay['bytes'] / 1e9:.2f} GB")
     for note in doc["notes"]:
         print("note:", note)
     doc["seconds"] = time.perf_counter() - started
     print(f"total {doc['seconds']:.0f} s")
     C.write_json(args.json, doc)
     bad = [r for r in doc["results"] if r["bit_exact"] is False
-           or (r["error"] and r["method"].startswith(("instant_staging", "is ")))]
+           or (r["error"] and r["method"].startswith(("instant_staging", "is ", "read ")))]
     return 1 if bad else 0
 
 

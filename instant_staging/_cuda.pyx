@@ -64,6 +64,7 @@ cdef extern from "cuda_runtime_api.h" nogil:
     cudaError_t cudaDeviceSynchronize()
     ctypedef void* cudaEvent_t
     unsigned int cudaEventDisableTiming
+    unsigned int cudaEventBlockingSync
     cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags)
     cudaError_t cudaEventDestroy(cudaEvent_t event)
     cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
@@ -159,9 +160,19 @@ cdef int _stream_synchronize(void* ctx, void* stream) noexcept nogil:
 cdef int _device_synchronize(void* ctx) noexcept nogil:
     return cudaDeviceSynchronize()
 
+# No timing: recording a timed event costs more, and slots only need ordering.
+cdef unsigned int _event_flags = cudaEventDisableTiming
+
+
+def _set_event_blocking_sync(bint on):
+    """benchmarks/profile_load.py: events made from now on put a waiting
+    thread to sleep (cudaEventBlockingSync) instead of letting it spin."""
+    global _event_flags
+    _event_flags = cudaEventDisableTiming | (cudaEventBlockingSync if on else 0)
+
+
 cdef int _event_create(void* ctx, void** event) noexcept nogil:
-    # No timing: recording a timed event costs more, and slots only need ordering.
-    return cudaEventCreateWithFlags(<cudaEvent_t*>event, cudaEventDisableTiming)
+    return cudaEventCreateWithFlags(<cudaEvent_t*>event, _event_flags)
 
 cdef int _event_destroy(void* ctx, void* event) noexcept nogil:
     return cudaEventDestroy(<cudaEvent_t>event)

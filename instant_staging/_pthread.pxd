@@ -21,4 +21,5 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_cond_init(pthread_cond_t* c, void* attr)
     int pthread_cond_destroy(pthread_cond_t* c)
     int pthread_cond_broadcast(pthread_cond_t* c)
+    int pthread_cond_wait(pthread_cond_t* c, pthread_mutex_t* m)
     int pthread_cond_timedwait(pthread_cond_t* c, pthread_mutex_t* m, const timespec* t)

@@ -15,12 +15,20 @@ STAGING_SIZE = 2 << 30
 # registration becomes eight of these.
 SEGMENT_SIZE = 256 << 20
 
-# Bytes per read and per host-to-device copy: 8 MiB copies already move
-# 54.5 GB/s of the link's ~55 (docs/design.md, "Measured").
-CHUNK_SIZE = 8 << 20
+# Bytes per read and per host-to-device copy.  4 MiB copies still move
+# the link's ~55 GB/s, and with two slots per thread (below) the H200 host
+# loaded fastest at 4 MiB on both realistic layouts (benchmarks/
+# profile_load.py, 2026-11-30, page cache hot, GB/s with 16 threads, chunk /
+# slots: Llama-3-8B 4 MiB/32 52.1, 8 MiB/16 50.4, 2 MiB/32 50.2, 8 MiB/32
+# 37.4; MoE shard of 1,188 tensors 48.0, 46.0, 46.5, 36.1).
+CHUNK_SIZE = 4 << 20
 
-# Chunks in flight: the staging buffer of a load holds io_depth * chunk_size.
-IO_DEPTH = 16
+# Slots per reader thread: two let a thread read its next chunk while the
+# previous one is still being copied (one slot serialised them: 8 MiB/16
+# slots/16 threads 50.4 GB/s vs 4 MiB/32/16 52.1); more were slower at any
+# chunk size (4 MiB with 8 threads: 2 slots 47.6, 4 slots 36.5, 8 slots
+# 26.8 GB/s): slots a thread refills rarely only add bytes in flight.
+SLOTS_PER_THREAD = 2
 
 # Slots one reader thread cycles through at most: a thread waits only for
 # its oldest copy, so a few in flight keep the link busy; the bound keeps a
@@ -31,6 +39,17 @@ MAX_SLOTS_PER_THREAD = 64
 # Reader threads: more stopped paying off on the H200 host (16 threads
 # 41 GB/s, 32 threads 39 GB/s).
 MAX_THREADS = 16
+
+# Chunks in flight when the reader threads are MAX_THREADS: the staging
+# buffer of a load holds io_depth * chunk_size (128 MiB).  load_file's
+# io_depth=None is SLOTS_PER_THREAD per thread of the load.
+IO_DEPTH = SLOTS_PER_THREAD * MAX_THREADS
+
+# A load under a process group: how long a rank waits for the others at
+# each agreement before it names the ranks that never came (hung or died).
+# Generous: the ranks' shares are balanced, so a healthy rank is late by
+# seconds, but a cold read of a large checkpoint takes minutes.
+DISTRIBUTED_TIMEOUT = 600.0
 
 # Step 2: at most this many prefault threads (a sanity bound on the knob).
 MAX_PREFAULT_THREADS = 1024

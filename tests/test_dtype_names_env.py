@@ -108,7 +108,9 @@ def clean_env(monkeypatch):
 
 def test_knobs_from_environment(clean_env):
     from instant_staging import defaults
-    assert knobs(None, None, None) == (defaults.CHUNK_SIZE, defaults.IO_DEPTH, None)
+    # io_depth stays None: the load gives each reader thread
+    # defaults.SLOTS_PER_THREAD slots (defaults.IO_DEPTH with 16 threads).
+    assert knobs(None, None, None) == (defaults.CHUNK_SIZE, None, None)
     clean_env.setenv("INSTANT_STAGING_CHUNK_SIZE", "64KiB")
     clean_env.setenv("INSTANT_STAGING_IO_DEPTH", "3")
     clean_env.setenv("INSTANT_STAGING_THREADS", "2")

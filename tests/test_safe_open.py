@@ -7,6 +7,7 @@ as safetensors' view of its mmap).  Errors for bad indices are torch's own,
 raised before anything is read.  Only the rows a slice needs are read.
 """
 
+import contextlib
 import warnings
 
 import pytest
@@ -112,7 +113,8 @@ def test_slice_like_safetensors(checkpoint, name, index):
 def test_bad_index_is_torchs_error_before_reading(checkpoint, index, monkeypatch):
     path, _ = checkpoint
     reads = []
-    monkeypatch.setattr(_safe_open, "_load", lambda *a, **k: reads.append(a) or iter(()))
+    monkeypatch.setattr(_safe_open, "LoadIterator",
+                        lambda *a, **k: reads.append(a) or contextlib.nullcontext(iter(())))
     with st_safe_open(str(path), framework="pt") as g, pytest.raises(Exception) as ref:
         g.get_slice("w3")[index]
     with safe_open(path, framework="pt") as f, pytest.raises(type(ref.value)) as got:
@@ -152,12 +154,12 @@ def test_slice_edge_tensors(checkpoint, name, index):
 def reads_of(monkeypatch):
     """The byte ranges each safe_open read asks the pipeline for."""
     seen = []
-    real = _safe_open._load
+    real = _safe_open.LoadIterator
 
     def spy(view, *args, **kwargs):
         seen.append([(e.begin, e.end) for _, e in view.entries])
         return real(view, *args, **kwargs)
-    monkeypatch.setattr(_safe_open, "_load", spy)
+    monkeypatch.setattr(_safe_open, "LoadIterator", spy)
     return seen
 
 

@@ -119,6 +119,9 @@ def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
         source = list(source)
     files = [str(p) for p in resolve(source).paths]
     data_bytes = sum(os.path.getsize(p) for p in files)
+    if io_depth is None:     # as the loader: SLOTS_PER_THREAD per reader thread
+        io_depth = defaults.SLOTS_PER_THREAD * (threads or min(defaults.MAX_THREADS,
+                                                               defaults.usable_cpus()))
     size = staging_bytes or staging_size(chunk_size, io_depth, data_bytes)
     if size < min(chunk_size, data_bytes):
         raise ValueError(f"the staging buffer ({format_size(size)}) must hold at least one "

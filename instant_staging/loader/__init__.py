@@ -33,6 +33,7 @@ works without it.
 
 from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
 from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
+from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
 from ._header import SafetensorsError
 from ._load import LoadIterator, iter_load, load_file
@@ -41,6 +42,7 @@ from ._safe_open import safe_open
 __all__ = [
            "DEFAULT_CHUNK_SIZE",
            "DEFAULT_IO_DEPTH",
+           "DistributedLoadError",
            "LoadError",
            "LoadIterator",
            "SafetensorsError",

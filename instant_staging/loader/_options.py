@@ -16,7 +16,7 @@ anything is allocated.
 import os
 
 from .._types import parse_size
-from ..defaults import CHUNK_SIZE, IO_DEPTH
+from ..defaults import CHUNK_SIZE
 
 ENV_CHUNK_SIZE = "INSTANT_STAGING_CHUNK_SIZE"
 ENV_IO_DEPTH = "INSTANT_STAGING_IO_DEPTH"
@@ -48,7 +48,9 @@ def knobs(chunk_size, io_depth, threads):
     if chunk_size is None:
         chunk_size = _env_int(ENV_CHUNK_SIZE, parse_size) or CHUNK_SIZE
     if io_depth is None:
-        io_depth = _env_int(ENV_IO_DEPTH, lambda s: int(s, 10)) or IO_DEPTH
+        # None stays None: the loader gives each reader thread
+        # defaults.SLOTS_PER_THREAD slots (IO_DEPTH with 16 threads).
+        io_depth = _env_int(ENV_IO_DEPTH, lambda s: int(s, 10))
     if threads is None:
         threads = _env_int(ENV_THREADS, lambda s: int(s, 10))
     return chunk_size, io_depth, threads

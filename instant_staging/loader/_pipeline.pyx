@@ -77,7 +77,8 @@ cdef extern from "<unistd.h>" nogil:
 from instant_staging._pthread cimport (
     pthread_t, pthread_mutex_t, pthread_cond_t, pthread_create, pthread_join,
     pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_lock, pthread_mutex_unlock,
-    pthread_cond_init, pthread_cond_destroy, pthread_cond_broadcast, pthread_cond_timedwait)
+    pthread_cond_init, pthread_cond_destroy, pthread_cond_broadcast, pthread_cond_wait,
+    pthread_cond_timedwait)
 
 cdef extern from "<pthread.h>" nogil:
     pthread_t pthread_self()
@@ -97,6 +98,13 @@ cdef enum:
     ERR_THREAD = 4     # no reader thread could be started; code is the errno
     ERR_CANCELLED = 5  # cancel() (another thread, or interpreter exit)
 
+# benchmarks/profile_load.py takes the pipeline apart: SKIP_READ copies
+# whatever the slot holds (the copy side alone), SKIP_COPY only reads (the
+# read side alone: the host's parallel-read ceiling).
+cdef enum:
+    SKIP_READ_BIT = 1
+    SKIP_COPY_BIT = 2
+
 # A read fault that makes the file end where the chunk begins
 # (faults.SHORT_READ; errno values are positive).
 cdef int FAULT_SHORT = -1
@@ -104,6 +112,7 @@ cdef int FAULT_SHORT = -1
 # The same, for Python callers.
 HOST, DEVICE = MODE_HOST, MODE_DEVICE
 READ_ERROR, END_OF_FILE, RUNTIME_ERROR, CANCELLED = ERR_READ, ERR_EOF, ERR_RUNTIME, ERR_CANCELLED
+SKIP_READ, SKIP_COPY = SKIP_READ_BIT, SKIP_COPY_BIT
 
 # Which runtime call failed (error()[2]).
 CALLS = ("", "set_device", "stream_create", "event_create", "memcpy_async",
@@ -138,6 +147,8 @@ cdef struct Shared:
     Py_ssize_t next_chunk
     Piece* pieces
     intptr_t* dsts          # per tensor: where its bytes go
+    Py_ssize_t n_ready      # dsts[0:n_ready] are known (provide() adds more)
+    int skip                # SKIP_* bits (benchmarks)
     size_t* remaining       # per tensor: bytes not yet copied
     Py_ssize_t* done        # tensors in the order they completed
     Py_ssize_t n_done
@@ -209,6 +220,22 @@ cdef void _complete(Shared* sh, Py_ssize_t c) noexcept nogil:
     if finished:
         pthread_cond_broadcast(&sh.cond)
     pthread_mutex_unlock(&sh.lock)
+
+
+cdef int _await_dsts(Shared* sh, Py_ssize_t c) noexcept nogil:
+    """Waits until every tensor of chunk c has its destination; -1 once
+    the load stops instead.  Destinations come in tensor order, while the
+    consumer allocates (``provide``), so reading never waits for them."""
+    cdef Chunk* ch = &sh.chunks[c]
+    cdef Py_ssize_t last = sh.pieces[ch.first_piece + ch.n_pieces - 1].tensor
+    cdef int rc = 0
+    pthread_mutex_lock(&sh.lock)
+    while sh.n_ready <= last and not sh.stop:
+        pthread_cond_wait(&sh.cond, &sh.lock)
+    if sh.n_ready <= last:
+        rc = -1
+    pthread_mutex_unlock(&sh.lock)
+    return rc
 
 
 # -- one reader thread -----------------------------------------------------
@@ -320,7 +347,14 @@ cdef void _run(Worker* w) noexcept nogil:
             return
         s = turn % w.n_slots
         turn += 1
-        if _wait_slot(w, s) != 0 or _read_chunk(sh, c, w.slots[s]) != 0:
+        if _wait_slot(w, s) != 0:
+            return
+        if not (sh.skip & SKIP_READ_BIT) and _read_chunk(sh, c, w.slots[s]) != 0:
+            return
+        if sh.skip & SKIP_COPY_BIT:
+            _complete(sh, c)
+            continue
+        if _await_dsts(sh, c) != 0:
             return
         if sh.mode == MODE_HOST:
             if _copy_host(sh, c, w.slots[s]) != 0:
@@ -546,19 +580,24 @@ atexit.register(_stop_all_at_exit)
 cdef class Pipeline:
     """Runs a Plan once: reader threads copy its tensors out of slots.
 
-    Pipeline(plan, *, threads, staging=None, depth=None, device=None)
+    Pipeline(plan, *, threads, staging=None, depth=None, device=None, skip=0)
 
     staging  a StagingBuffer whose registrations give the slots (whole
              slots inside each registration); held until the threads are
              joined.  Required with ``device``.
     depth    without ``staging`` (host mode only): this many slots of
-             ordinary memory owned by the pipeline.
+             ordinary memory owned by the pipeline; with it, at most this
+             many of its slots (None: all, up to MAX_SLOTS_PER_THREAD per
+             thread).
     device   None: pieces are memcpy'd to host addresses; an int: copied to
              that device through ``staging.runtime``.
     threads  reader threads wanted (fewer when there are fewer slots or
              chunks).
+    skip     benchmarks only: SKIP_READ and/or SKIP_COPY leave that side out.
 
-    ``start(dsts)`` launches the threads (``dsts[i]``: where tensor i goes);
+    ``start(dsts)`` launches the threads (``dsts[i]``: where tensor i goes;
+    with ``more=True`` only the first tensors' destinations, the rest
+    following through ``provide(dsts)`` while the threads already read);
     ``wait()`` reports progress; ``cancel()`` asks them to stop; ``close()``
     stops, joins and releases the staging buffer (idempotent, any thread).
     """
@@ -590,20 +629,27 @@ cdef class Pipeline:
         self.pid = getpid()
 
     def __init__(self, Plan plan not None, *, threads, StagingBuffer staging=None,
-                 depth=None, device=None):
+                 depth=None, device=None, int skip=0):
         if self.plan is not None:
             raise RuntimeError("Pipeline.__init__ may run only once")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        if skip & ~(SKIP_READ_BIT | SKIP_COPY_BIT):
+            raise ValueError(f"skip must be a combination of SKIP_READ and SKIP_COPY, got {skip}")
+        self.sh.skip = skip
         if device is not None and staging is None:
             raise ValueError("device copies need a staging buffer (its runtime copies)")
         if staging is None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
             raise ValueError(f"without a staging buffer, depth must be an int >= 1, got {depth!r}")
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+            raise ValueError(f"depth must be None or an int >= 1, got {depth!r}")
         self.plan = plan
         self.slot_size = max(plan.max_chunk, 1)
         # A thread gains nothing from more slots than MAX_SLOTS_PER_THREAD,
         # and the load from more than one per chunk.
         cdef Py_ssize_t cap = max(1, min(plan.n_chunks, min(threads, 1 << 20) * MAX_SLOTS_PER_THREAD))
+        if depth is not None:
+            cap = min(cap, depth)
         if device is not None:
             if not _has_copy_entries(&staging._runtime.table):
                 raise RuntimeError(f"runtime {staging._runtime.name!r} lacks the stream, event or "
@@ -618,7 +664,7 @@ cdef class Pipeline:
             self._hold(staging)
             self._staging_slots(cap)
         else:
-            self._own_slots(min(depth, cap))
+            self._own_slots(cap)
         pthread_mutex_init(&self.sh.lock, NULL)
         pthread_cond_init(&self.sh.cond, NULL)
         pthread_mutex_init(&self.join_lock, NULL)
@@ -744,21 +790,26 @@ cdef class Pipeline:
     def slot_bytes(self):
         return self.slot_size
 
-    def start(self, dsts):
+    def start(self, dsts, *, bint more=False):
         """Starts the reader threads (fewer if the system refuses some);
-        ``dsts[i]`` is the address tensor i of the plan is copied to."""
+        ``dsts[i]`` is the address tensor i of the plan is copied to.  With
+        ``more=True``, ``dsts`` may cover only the first tensors and
+        ``provide()`` gives the others' in order; a thread whose chunk needs
+        one not given yet waits for it (or for the load to stop)."""
         cdef int t, rc = 0
         cdef Py_ssize_t i
         if self.started or self.plan is None:
             raise RuntimeError("a Pipeline runs once")
         if self.closed:
             return      # cancelled before it started: wait() reports CANCELLED
-        if len(dsts) != self.plan.n_tensors:
+        if len(dsts) > self.plan.n_tensors or (not more and len(dsts) != self.plan.n_tensors):
             raise ValueError(f"{len(dsts)} destinations for {self.plan.n_tensors} tensors")
         if getpid() != self.pid:
             raise RuntimeError("a Pipeline made before fork() cannot start in the child")
-        for i in range(self.plan.n_tensors):
+        for i in range(len(dsts)):
             self.sh.dsts[i] = <intptr_t>dsts[i]
+        self.sh.n_ready = len(dsts)
+        for i in range(self.plan.n_tensors):
             self.sh.remaining[i] = self.plan.sizes[i]
             if self.plan.sizes[i] == 0:      # nothing to copy: done from the start
                 self.sh.done[self.sh.n_done] = i
@@ -783,6 +834,25 @@ cdef class Pipeline:
             pthread_mutex_unlock(&self.join_lock)
         if self.started == 0:
             _fail(&self.sh, ERR_THREAD, rc, CALL_NONE, -1, 0)
+
+    def provide(self, dsts):
+        """The destinations of the next tensors after those already given
+        (``start(..., more=True)``).  Only the thread that started the load."""
+        cdef Py_ssize_t n = len(dsts), i, first
+        if not self.sync_init or self.plan is None:
+            raise RuntimeError("Pipeline was not initialised")
+        if self.closed:
+            return      # cancelled: nothing reads them any more
+        first = self.sh.n_ready      # only this thread writes n_ready
+        if first + n > self.plan.n_tensors:
+            raise ValueError(f"{first + n} destinations for {self.plan.n_tensors} tensors")
+        for i in range(n):
+            self.sh.dsts[first + i] = <intptr_t>dsts[i]
+        with nogil:
+            pthread_mutex_lock(&self.sh.lock)
+            self.sh.n_ready = first + n
+            pthread_cond_broadcast(&self.sh.cond)
+            pthread_mutex_unlock(&self.sh.lock)
 
     def wait(self, double timeout):
         """Waits up to ``timeout`` seconds for a tensor to finish.
