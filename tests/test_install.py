@@ -221,3 +221,19 @@ def test_import_warns_when_the_asked_backend_is_not_this_build():
     assert "--no-cache-dir" in child.stderr
     same = run_child("import instant_staging", env={"INSTANT_STAGING_BACKEND": ist.BACKEND})
     assert same.returncode == 0 and "RuntimeWarning" not in same.stderr
+
+
+def test_every_package_is_listed_for_the_wheel():
+    """pyproject's explicit package list names every package of the tree
+    (a package left out would be missing from wheels and sdists)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pyproject = os.path.join(root, "pyproject.toml")
+    tomllib = pytest.importorskip("tomllib")
+    if not os.path.isfile(pyproject):
+        pytest.skip("no source tree")
+    with open(pyproject, "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {os.path.relpath(d, root).replace(os.sep, ".")
+             for d, _, files in os.walk(os.path.join(root, "instant_staging"))
+             if "__init__.py" in files}
+    assert listed == found
