@@ -19,7 +19,8 @@ def cli(*args, env=None, timeout=120):
     e["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, e.get("PYTHONPATH", "")) if p)
     e.pop("INSTANT_STAGING_FAULTS", None)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "instant_staging", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "instant_staging", *args], cwd=PACKAGE_PARENT,
+                          capture_output=True,
                           text=True, timeout=timeout, env=e)
 
 

@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
+from _child import PACKAGE_PARENT
+
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = ("INSTANT_STAGING_FAULTS", "INSTANT_STAGING_CHUNK_SIZE", "INSTANT_STAGING_IO_DEPTH",
        "INSTANT_STAGING_THREADS")
 
