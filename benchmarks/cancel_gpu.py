@@ -217,7 +217,8 @@ def phase_exit(path, args, out):
         r = subprocess.run([sys.executable, "-c", textwrap.dedent(EXIT_CHILD), path,
                             "own" if own else "user", str(args.chunk_size), str(args.staging),
                             args.device],
-                           capture_output=True, text=True, timeout=300, env=env, check=False)
+                           capture_output=True, text=True, timeout=300, env=env, check=False,
+                           cwd=parent)   # never a checkout's unbuilt sources first
         bad = [w for w in ("Fatal", "terminate", "Segmentation", "Traceback") if w in r.stderr]
         ok = r.returncode == 0 and not bad and "exiting mid-load" in r.stdout and (
             own or r.stdout.strip().splitlines()[-1] == "released")

@@ -348,7 +348,7 @@ def test_short_read_and_copy_faults(tmp_path):
     with pytest.raises(LoadError, match="truncated") as info:
         sim_load(path, buf, faults="read#3=short")
     assert info.value.code == 0
-    with pytest.raises(LoadError, match="memcpy_async failed with cudaErrorInvalidValue") as info:
+    with pytest.raises(LoadError, match=r"memcpy_async failed with (cuda|hip)ErrorInvalidValue") as info:
         sim_load(path, buf, faults="copy#5=invalid_value")
     assert info.value.code == 1
     with pytest.raises(LoadError, match="memcpy_async") as info:

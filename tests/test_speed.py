@@ -21,6 +21,8 @@ from instant_staging.loader import _checkpoint, _load, load_file
 from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 from instant_staging.testing import SimulatedRuntime
 
+from _child import PACKAGE_PARENT
+
 PAGE = mmap.PAGESIZE
 CHUNK = 2 * PAGE
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,7 +203,7 @@ def test_depth_caps_the_slots_of_a_staging_buffer():
 # -- the benchmarks' quick mode -------------------------------------------------
 
 def test_bench_load_and_profile_quick(tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": PACKAGE_PARENT, "CUDA_VISIBLE_DEVICES": ""}
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_load.py"),
                         "--quick", "--dir", str(tmp_path), "--json", str(out)],
