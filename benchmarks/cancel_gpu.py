@@ -75,6 +75,17 @@ def open_fds():
     return len(os.listdir("/proc/self/fd"))
 
 
+def differing(got, expected):
+    """Names of the loaded tensors whose bytes differ from the file's.
+
+    A function, so that no loop variable of the caller keeps the last
+    tensor alive (GPU memory is compared with the baseline afterwards).
+    """
+    import torch
+    return [name for name, t in got.items()
+            if not torch.equal(t.cpu().view(torch.int16), expected[name].view(torch.int16))]
+
+
 def consume(it, got, errors, stop_after, seen):
     """The consumer thread of one round: collects tensors until cancelled."""
     from instant_staging.loader import LoadError
@@ -142,9 +153,8 @@ def phase_cancel(path, expected, args, out):
         else:
             finished += 1
         sync()
-        for name, t in got.items():
-            if not torch.equal(t.cpu().view(torch.int16), expected[name].view(torch.int16)):
-                failures.append(f"round {r}: {name} differs from the file")
+        failures += [f"round {r}: {name} differs from the file"
+                     for name in differing(got, expected)]
         got.clear()
         del it
         gc.collect()
@@ -153,8 +163,7 @@ def phase_cancel(path, expected, args, out):
                             "GPU memory left allocated")
     full = load_file(path, args.device, staging=buf, chunk_size=args.chunk_size)
     sync()
-    bad = [n for n, t in full.items()
-           if not torch.equal(t.cpu().view(torch.int16), expected[n].view(torch.int16))]
+    bad = differing(full, expected)
     if bad:
         failures.append(f"reused buffer: {len(bad)} tensors differ after the cancels")
     del full
@@ -217,8 +226,7 @@ def phase_exit(path, args, out):
         r = subprocess.run([sys.executable, "-c", textwrap.dedent(EXIT_CHILD), path,
                             "own" if own else "user", str(args.chunk_size), str(args.staging),
                             args.device],
-                           capture_output=True, text=True, timeout=300, env=env, check=False,
-                           cwd=parent)   # never a checkout's unbuilt sources first
+                           capture_output=True, text=True, timeout=300, env=env, check=False)
         bad = [w for w in ("Fatal", "terminate", "Segmentation", "Traceback") if w in r.stderr]
         ok = r.returncode == 0 and not bad and "exiting mid-load" in r.stdout and (
             own or r.stdout.strip().splitlines()[-1] == "released")

@@ -18,6 +18,24 @@ import instant_staging
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(instant_staging.__file__)))
 
 
+def child_env(env=None):
+    """os.environ for a child: the package under test first on PYTHONPATH,
+    no INSTANT_STAGING_* knob or fault plan of the parent's, then ``env``."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("INSTANT_STAGING_")}
+    environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (PACKAGE_PARENT, environ.get("PYTHONPATH", "")) if p)
+    environ.update(env or {})
+    return environ
+
+
+def run_script(path, *args, timeout=300, env=None):
+    """subprocess.CompletedProcess of ``python path args`` (a benchmark
+    script), importing the package under test, run in an empty directory."""
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run([sys.executable, path, *args], cwd=cwd, env=child_env(env),
+                              capture_output=True, text=True, timeout=timeout, check=False)
+
+
 def run_child(code, *, timeout=120, env=None):
     """subprocess.CompletedProcess of ``python -c code`` (text, captured)."""
     child_env = dict(os.environ)

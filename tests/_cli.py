@@ -3,7 +3,6 @@ subprocess that imports the instant_staging these tests imported (the
 source tree when built in place, site-packages under tox)."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import pytest
 
 from instant_staging.testing import SimulatedRuntime
 
-from _child import PACKAGE_PARENT
+from _child import PACKAGE_PARENT, child_env
 from conftest import gpu_count
 
 MiB = 1 << 20
@@ -27,13 +26,11 @@ def error_name(code):
     return SimulatedRuntime().error_name(code)
 
 
-def cli(*args, env=None):
-    """Runs ``python -m instant_staging ARGS``; the CompletedProcess."""
-    environ = {k: v for k, v in os.environ.items() if k != "INSTANT_STAGING_FAULTS"}
-    environ["PYTHONPATH"] = PACKAGE_PARENT + os.pathsep + environ.get("PYTHONPATH", "")
-    environ.update(env or {})
+def cli(*args, env=None, timeout=300):
+    """Runs ``python -m instant_staging ARGS`` in the package's parent (never
+    the unbuilt sources of the checkout); the CompletedProcess."""
     return subprocess.run([sys.executable, "-m", "instant_staging", *args], cwd=PACKAGE_PARENT,
-                          env=environ, capture_output=True, text=True, timeout=300)
+                          env=child_env(env), capture_output=True, text=True, timeout=timeout)
 
 
 def cli_json(*args, env=None, code=0):

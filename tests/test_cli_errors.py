@@ -2,26 +2,13 @@
 exit 2, a failed run exit 1 with its report (JSON with --json)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from _child import PACKAGE_PARENT
+from _cli import cli
 
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
-
-
-def cli(*args, env=None, timeout=120):
-    import os
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, e.get("PYTHONPATH", "")) if p)
-    e.pop("INSTANT_STAGING_FAULTS", None)
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "instant_staging", *args], cwd=PACKAGE_PARENT,
-                          capture_output=True,
-                          text=True, timeout=timeout, env=e)
 
 
 def no_traceback(proc):

@@ -4,27 +4,19 @@ exit 2, a bad file exit 1, never a traceback."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from _child import PACKAGE_PARENT
+import _cli
 
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
-ENV = ("INSTANT_STAGING_FAULTS", "INSTANT_STAGING_CHUNK_SIZE", "INSTANT_STAGING_IO_DEPTH",
-       "INSTANT_STAGING_THREADS")
 
 
 def cli(*args, env=None):
-    environ = {k: v for k, v in os.environ.items() if k not in ENV}
-    environ["PYTHONPATH"] = PACKAGE_PARENT + os.pathsep + environ.get("PYTHONPATH", "")
-    environ.update(env or {})
-    return subprocess.run([sys.executable, "-m", "instant_staging", "load", *args],
-                          cwd=PACKAGE_PARENT, env=environ, capture_output=True, text=True,
-                          timeout=300, check=False)
+    """``python -m instant_staging load ARGS`` against the package under test."""
+    return _cli.cli("load", *args, env=env)
 
 
 def cli_json(*args, env=None, code=0):

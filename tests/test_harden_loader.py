@@ -463,10 +463,9 @@ CANCEL_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 
 def _run_cancel_script(*extra):
-    import subprocess
-    return subprocess.run([sys.executable, CANCEL_SCRIPT, "--size", "32MiB", "--staging", "4MiB",
-                           "--chunk-size", "256KiB", "--rounds", "6", "--exits", "2", *extra],
-                          capture_output=True, text=True, timeout=600, check=False)
+    from _child import run_script
+    return run_script(CANCEL_SCRIPT, "--size", "32MiB", "--staging", "4MiB", "--chunk-size",
+                      "256KiB", "--rounds", "6", "--exits", "2", *extra, timeout=600)
 
 
 def test_cancel_script_on_the_simulated_runtime():

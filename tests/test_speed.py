@@ -7,8 +7,6 @@ benchmarks/ on the GPU, never here."""
 import json
 import mmap
 import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +19,7 @@ from instant_staging.loader import _checkpoint, _load, load_file
 from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 from instant_staging.testing import SimulatedRuntime
 
-from _child import PACKAGE_PARENT
+from _child import run_script
 
 PAGE = mmap.PAGESIZE
 CHUNK = 2 * PAGE
@@ -203,11 +201,10 @@ def test_depth_caps_the_slots_of_a_staging_buffer():
 # -- the benchmarks' quick mode -------------------------------------------------
 
 def test_bench_load_and_profile_quick(tmp_path):
-    env = {**os.environ, "PYTHONPATH": PACKAGE_PARENT, "CUDA_VISIBLE_DEVICES": ""}
+    env = {"CUDA_VISIBLE_DEVICES": ""}
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_load.py"),
-                        "--quick", "--dir", str(tmp_path), "--json", str(out)],
-                       capture_output=True, text=True, timeout=300, env=env, check=False)
+    r = run_script(os.path.join(ROOT, "benchmarks", "bench_load.py"),
+                   "--quick", "--dir", str(tmp_path), "--json", str(out), env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())
     ours = [x for x in doc["results"] if x["method"] == "instant_staging"]
@@ -215,10 +212,9 @@ def test_bench_load_and_profile_quick(tmp_path):
         ("dense", "hot"), ("dense", "cold"), ("moe", "hot"), ("moe", "cold")}
     assert all(x["bit_exact"] is True and x["gbps_best"] > 0 for x in ours)
     assert doc["layouts"]["dense"]["tensors"] == 291 and doc["layouts"]["moe"]["tensors"] == 1188
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "profile_load.py"),
-                        "--quick", "--dir", str(tmp_path), "--layouts", "moe", "--repeat", "1",
-                        "--threads", "2", "--chunks", "1MiB", "--json", str(tmp_path / "p.json")],
-                       capture_output=True, text=True, timeout=300, env=env, check=False)
+    r = run_script(os.path.join(ROOT, "benchmarks", "profile_load.py"),
+                   "--quick", "--dir", str(tmp_path), "--layouts", "moe", "--repeat", "1",
+                   "--threads", "2", "--chunks", "1MiB", "--json", str(tmp_path / "p.json"), env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     sections = {x["section"] for x in json.loads((tmp_path / "p.json").read_text())["results"]}
     assert {"phases", "reads", "host"} <= sections
