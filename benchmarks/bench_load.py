@@ -357,7 +357,7 @@ def peer_methods(torch, device):
         def fst_load(files, mark):
             out = {}
             with fastsafe_open(files, device=dev, nogds=True) as f:
-                for k in f:
+                for k in f.keys():  # noqa: SIM118 (fastsafe_open is not iterable)
                     out[k] = f.get_tensor(k)
                     if len(out) == 1:
                         mark()
