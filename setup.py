@@ -11,8 +11,8 @@ what the build used, without any path of the build machine.
 """
 
 import hashlib
-import importlib.util
 import os
+import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext as _build_ext
@@ -20,16 +20,11 @@ from setuptools.command.build_ext import build_ext as _build_ext
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _load_backends():
-    # Loaded by path: the package itself cannot be imported before it is built.
-    path = os.path.join(HERE, "instant_staging", "backends.py")
-    spec = importlib.util.spec_from_file_location("_ist_backends", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# One loader of backends.py, shared with the in-tree build backend.
+sys.path.insert(0, os.path.join(HERE, "_build_backend"))
+from instant_staging_build import load_backends  # noqa: E402
 
-
-backends = _load_backends()
+backends = load_backends()
 try:
     BACKEND = backends.find_backend()
     BACKEND_ERROR = None

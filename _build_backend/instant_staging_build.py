@@ -23,15 +23,24 @@ from setuptools.build_meta import (
     prepare_metadata_for_build_wheel,
 )
 
-__all__ = ["build_editable", "build_sdist", "build_wheel", "get_requires_for_build_editable",
-           "get_requires_for_build_sdist", "get_requires_for_build_wheel",
-           "prepare_metadata_for_build_editable", "prepare_metadata_for_build_wheel"]
+__all__ = [
+    "build_editable",
+    "build_sdist",
+    "build_wheel",
+    "get_requires_for_build_editable",
+    "get_requires_for_build_sdist",
+    "get_requires_for_build_wheel",
+    "load_backends",
+    "prepare_metadata_for_build_editable",
+    "prepare_metadata_for_build_wheel",
+]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _backends():
-    # By path: the package cannot be imported before it is built.
+def load_backends():
+    """instant_staging/backends.py, loaded by path (the package cannot be
+    imported before it is built); setup.py uses this too."""
     path = os.path.join(_ROOT, "instant_staging", "backends.py")
     spec = importlib.util.spec_from_file_location("_instant_staging_backends", path)
     module = importlib.util.module_from_spec(spec)
@@ -40,7 +49,7 @@ def _backends():
 
 
 def _runtime_wheels():
-    extra = _backends().build_requirements()
+    extra = load_backends().build_requirements()
     if extra:
         print("instant_staging: no CUDA toolkit found: adding PyPI's CUDA runtime to the "
               "build requirements: " + " ".join(extra), flush=True)
