@@ -33,6 +33,7 @@ import _common as C
 import bench_load as B
 
 from instant_staging import loader
+from instant_staging.defaults import reader_threads
 from instant_staging.loader import _load as L
 from instant_staging.loader._checkpoint import _Checkpoint
 from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
@@ -113,7 +114,7 @@ def section_phases(torch, name, paths, device, repeat, out):
         buf = L._own_staging(depth * plan.max_chunk, plan.max_chunk) if gpu else None
         t["staging"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        pipe = Pipeline(plan, threads=L._default_threads(), staging=buf, depth=depth,
+        pipe = Pipeline(plan, threads=reader_threads(), staging=buf, depth=depth,
                         device=target.index if gpu else None)
         target.before_copies()
         t["pipeline"] = time.perf_counter() - t1

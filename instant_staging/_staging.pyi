@@ -7,7 +7,7 @@ from typing_extensions import Self
 from ._runtime import Runtime
 from ._types import Attempt, Kind
 
-def auto_prefault_threads(size: int) -> int: ...
+def auto_prefault_threads(size: int, *, bytes_per_thread: int = ..., max_threads: int = ...) -> int: ...
 
 class StagingBuffer:
     """A pinned host staging buffer that falls back instead of failing."""

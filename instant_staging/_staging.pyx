@@ -76,12 +76,14 @@ def _check_flags(name, value):
         raise ValueError(f"{name} must fit in 32 bits, got {value:#x}")
 
 
-def auto_prefault_threads(size_t size):
+def auto_prefault_threads(size_t size, *, size_t bytes_per_thread=32 << 20,
+                          int max_threads=16):
     """How many threads prefault `size` bytes when prefault_threads=None.
 
     INSTANT_STAGING_PREFAULT_THREADS overrides (an int in [0, 1024]; 0
-    disables).  Otherwise one thread per 32 MiB, at most 16 (where the H200
-    host stopped gaining) and at most the CPUs this process may run on; and
+    disables).  Otherwise one thread per `bytes_per_thread`, at most
+    `max_threads` (16: where the H200 host stopped gaining) and at most the
+    CPUs this process may run on; and
     none where that comes to fewer than two: on the H200 host one thread
     writing each page took 1.12 s for 2 GiB where the registration faulting
     the pages itself took 0.70 s, two threads 0.62 s (docs/design.md, "Measured").
@@ -96,7 +98,7 @@ def auto_prefault_threads(size_t size):
             raise ValueError(f"INSTANT_STAGING_PREFAULT_THREADS must be an int in "
                              f"[0, {MAX_PREFAULT_THREADS}], got {env!r}")
         return threads
-    threads = min(16, usable_cpus(), size // (32 << 20))
+    threads = min(max_threads, usable_cpus(), size // max(bytes_per_thread, 1))
     return threads if threads >= 2 else 0
 
 

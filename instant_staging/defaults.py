@@ -5,6 +5,7 @@ none of them writes the numbers again.  Measurements are from the H200 host
 described in docs/design.md ("Measured").
 """
 
+import mmap
 import os
 
 # A typical tensor-parallel rank's staging buffer (the change request's
@@ -61,3 +62,23 @@ def usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def reader_threads(threads=None) -> int:
+    """A load's reader threads: ``threads``, else one per usable CPU, at
+    most MAX_THREADS."""
+    return threads or max(1, min(MAX_THREADS, usable_cpus()))
+
+
+def io_depth_for(io_depth, threads) -> int:
+    """A load's slots: ``io_depth``, else SLOTS_PER_THREAD per reader thread."""
+    return io_depth if io_depth is not None else SLOTS_PER_THREAD * reader_threads(threads)
+
+
+def staging_segment_size(slot_bytes) -> int:
+    """The segment size of a load's own staging buffer: SEGMENT_SIZE, or one
+    slot rounded up to the page where a slot is larger, so that every
+    registration holds at least one whole slot (the loader cuts slots
+    inside registrations, never across them)."""
+    page = mmap.PAGESIZE
+    return max(SEGMENT_SIZE, -(-slot_bytes // page) * page)

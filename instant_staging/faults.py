@@ -37,7 +37,8 @@ from typing import NamedTuple, Optional
 from instant_staging._runtime import ERROR_CODES
 from instant_staging._types import parse_size
 
-__all__ = ["ENV_VAR", "ERROR_CODES", "OPERATIONS", "SHORT_READ", "FaultPlan", "FaultRule", "as_plan"]
+__all__ = ["ENV_VAR", "ERROR_CODES", "ERROR_NAMES", "OPERATIONS", "SHORT_READ", "FaultPlan",
+           "FaultRule", "as_plan"]
 
 ENV_VAR = "INSTANT_STAGING_FAULTS"
 
@@ -51,7 +52,7 @@ SHORT_READ = -1
 
 # ERROR_CODES: the error names a rule may use; the codes are CUDA's and
 # HIP's (they agree), tabled once in _runtime.pxd.
-_ERROR_NAMES = {code: name for name, code in ERROR_CODES.items()}
+ERROR_NAMES = {code: name for name, code in ERROR_CODES.items()}
 
 _INT_MAX = (1 << 31) - 1           # codes travel as a C int
 _OP_RE = re.compile(r"[A-Za-z_]*")
@@ -95,7 +96,7 @@ class FaultRule(NamedTuple):
         if self.op == "read":
             error = "short" if self.code == SHORT_READ else errno.errorcode.get(self.code, str(self.code))
         else:
-            error = _ERROR_NAMES.get(self.code, str(self.code))
+            error = ERROR_NAMES.get(self.code, str(self.code))
         if self.when == "#":
             return f"{self.op}#{self.value}={error}"
         if self.when:

@@ -156,6 +156,16 @@ def test_auto_threads_small_sizes(cpus):
     assert all(c == 0 or c >= 2 for c in counts)        # never exactly one
 
 
+def test_auto_threads_rate_and_cap(cpus, monkeypatch):
+    # The loader's own buffer: one thread per 4 MiB, up to its reader threads.
+    cpus(64)
+    assert ist.auto_prefault_threads(128 << 20, bytes_per_thread=4 << 20) == 16
+    assert ist.auto_prefault_threads(128 << 20, bytes_per_thread=4 << 20, max_threads=8) == 8
+    assert ist.auto_prefault_threads(4 << 20, bytes_per_thread=4 << 20) == 0   # never one
+    monkeypatch.setenv("INSTANT_STAGING_PREFAULT_THREADS", "3")
+    assert ist.auto_prefault_threads(128 << 20, bytes_per_thread=4 << 20) == 3  # the user's
+
+
 def test_auto_threads_without_sched_getaffinity(monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity")
     monkeypatch.setattr(os, "cpu_count", lambda: 4)

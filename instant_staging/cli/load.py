@@ -11,7 +11,6 @@ starts), GB/s and the staging kind reached.
 tenth otherwise.  Nothing here prints to stdout.
 """
 
-import mmap
 import os
 import time
 
@@ -68,11 +67,8 @@ def _host_staging(size):
 
 def _make_staging(size, chunk_size, allow_pageable, runtime):
     from .._staging import StagingBuffer
-    page = mmap.PAGESIZE
-    # As the loader does: segments hold at least one chunk, so chunks
-    # larger than the default segment still fit in one registration; the
-    # loader cuts whole chunks inside each registration (no copy_unit).
-    segment = max(defaults.SEGMENT_SIZE, -(-min(chunk_size, size) // page) * page)
+    # As the loader's own buffer: every registration holds a whole chunk.
+    segment = defaults.staging_segment_size(min(chunk_size, size))
     t0 = time.perf_counter()
     buf = StagingBuffer(size, segment_size=segment, allow_pageable=allow_pageable,
                         runtime=runtime)
@@ -119,9 +115,7 @@ def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
         source = list(source)
     files = [str(p) for p in resolve(source).paths]
     data_bytes = sum(os.path.getsize(p) for p in files)
-    if io_depth is None:     # as the loader: SLOTS_PER_THREAD per reader thread
-        io_depth = defaults.SLOTS_PER_THREAD * (threads or min(defaults.MAX_THREADS,
-                                                               defaults.usable_cpus()))
+    io_depth = defaults.io_depth_for(io_depth, threads)     # as the loader
     size = staging_bytes or staging_size(chunk_size, io_depth, data_bytes)
     if size < min(chunk_size, data_bytes):
         raise ValueError(f"the staging buffer ({format_size(size)}) must hold at least one "

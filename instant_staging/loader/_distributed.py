@@ -62,7 +62,7 @@ import pickle
 import traceback
 from types import SimpleNamespace
 
-from ..defaults import DISTRIBUTED_TIMEOUT
+from ..defaults import DISTRIBUTED_TIMEOUT, io_depth_for, reader_threads
 from ._errors import LoadError
 from ._load import LoadIterator
 
@@ -451,9 +451,8 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
                                everything[u.entry][1].begin + u.end) for u in items],
                              chunk_size, faults=faults)
             if read_plan.n_chunks:
-                threads = threads or L._default_threads()
-                if io_depth is None:      # as the plain load: SLOTS_PER_THREAD per thread
-                    io_depth = L.SLOTS_PER_THREAD * threads
+                threads = reader_threads(threads)
+                io_depth = io_depth_for(io_depth, threads)
                 depth = min(io_depth, read_plan.n_chunks)
                 owned = staging is None and device is not None
                 buf = L._own_staging(depth * read_plan.max_chunk, read_plan.max_chunk) if owned else staging

@@ -23,7 +23,6 @@ Who owns what, at each moment:
   cancel, and closes the generator.
 """
 
-import mmap
 import os
 import sys
 import threading
@@ -31,8 +30,7 @@ import traceback
 from typing import TYPE_CHECKING, Optional
 
 from .._types import format_size
-from ..defaults import CHUNK_SIZE, SEGMENT_SIZE, SLOTS_PER_THREAD, usable_cpus
-from ..defaults import MAX_THREADS as MAX_DEFAULT_THREADS
+from ..defaults import CHUNK_SIZE, io_depth_for, reader_threads, staging_segment_size
 from . import _progress
 from ._checkpoint import _Checkpoint
 from ._errors import LoadError, VerifyError
@@ -66,8 +64,7 @@ def _own_staging(size, slot_bytes):
     """
     from .._staging import StagingBuffer
     from .._types import StagingError
-    page = mmap.PAGESIZE
-    segment = max(SEGMENT_SIZE, -(-slot_bytes // page) * page)
+    segment = staging_segment_size(slot_bytes)
     try:
         # Prefault with the load's thread count rather than one thread per
         # 32 MiB (4 for 128 MiB): making the buffer is on every load's
@@ -92,29 +89,22 @@ def _check_staging(staging):
 
 def _prefault_threads(size):
     from .._staging import auto_prefault_threads
-    if os.environ.get("INSTANT_STAGING_PREFAULT_THREADS", "").strip():
-        return auto_prefault_threads(size)     # the user's choice
-    threads = min(_default_threads(), size // (4 << 20))
-    return threads if threads >= 2 else 0      # as auto_prefault_threads: one thread loses
+    # One thread per 4 MiB (a slot), up to the load's reader threads;
+    # INSTANT_STAGING_PREFAULT_THREADS still decides where it is set.
+    return auto_prefault_threads(size, bytes_per_thread=4 << 20, max_threads=reader_threads())
 
 
 def _check_args(chunk_size, io_depth, threads):
-    for name, value in (("chunk_size", chunk_size), ("io_depth", io_depth)):
-        if name == "io_depth" and value is None:
-            continue        # SLOTS_PER_THREAD per reader thread
+    # io_depth and threads may stay None (defaults.io_depth_for, reader_threads).
+    for name, value, optional in (("chunk_size", chunk_size, False), ("io_depth", io_depth, True),
+                                  ("threads", threads, True)):
+        if value is None and optional:
+            continue
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+            raise TypeError(f"{name} must be an int{' or None' if optional else ''}, "
+                            f"not {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int):
-            raise TypeError(f"threads must be an int or None, not {type(threads).__name__}")
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-
-
-def _default_threads():
-    return max(1, min(MAX_DEFAULT_THREADS, usable_cpus()))
 
 
 def _fault_plan(staging):
@@ -350,9 +340,8 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
     try:
         plan = Plan([(checkpoint.fds[i], t.begin, t.end) for i, t in entries], chunk_size,
                     faults=faults if faults is not None else _fault_plan(staging))
-        threads = threads or _default_threads()
-        if io_depth is None:
-            io_depth = SLOTS_PER_THREAD * threads
+        threads = reader_threads(threads)
+        io_depth = io_depth_for(io_depth, threads)
         # No load uses more slots than it has chunks (io_depth=10**11 is fine).
         depth = min(io_depth, max(plan.n_chunks, 1))
         if owned:
@@ -430,7 +419,7 @@ def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
 
 
 def _error(pipe, plan, checkpoint, runtime):
-    from ..faults import ERROR_CODES
+    from ..faults import ERROR_NAMES
     from ._pipeline import CANCELLED, END_OF_FILE, READ_ERROR, RUNTIME_ERROR
     kind, code, call, chunk, offset = pipe.error()
     if kind == CANCELLED:
@@ -454,7 +443,7 @@ def _error(pipe, plan, checkpoint, runtime):
         if runtime is not None:
             name, text = runtime.error_name(code), f" ({runtime.error_string(code)})"
         else:
-            name = {c: n for n, c in ERROR_CODES.items()}.get(code, f"error {code}")
+            name = ERROR_NAMES.get(code, f"error {code}")
             text = ""
         return LoadError(f"{where}{call} failed with {name}{text}", path, tensor, code)
     return LoadError(f"could not start reader threads: {os.strerror(code)}", code=code)

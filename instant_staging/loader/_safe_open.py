@@ -33,10 +33,10 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from ..defaults import SLOTS_PER_THREAD
+from ..defaults import io_depth_for
 from ._checkpoint import _Checkpoint
 from ._header import DTYPE_SIZES, TensorEntry
-from ._load import LoadIterator, _check_args, _default_threads, _fault_plan, _own_staging
+from ._load import LoadIterator, _check_args, _fault_plan, _own_staging
 from ._options import knobs
 from ._target import _import_torch, _TorchTarget
 from ._typing import Device, PathLike
@@ -170,8 +170,7 @@ class safe_open:
             dtypes = {e: target.check(e, self._path) for e in entries}
             view = _View(self._checkpoint, entries)
             chunk_size, io_depth = self._chunk_size, self._io_depth
-            if io_depth is None:    # as the loader: SLOTS_PER_THREAD per reader thread
-                io_depth = SLOTS_PER_THREAD * (self._threads or _default_threads())
+            io_depth = io_depth_for(io_depth, self._threads)
             staging = None
             if target.mode == _host_mode():
                 # The pipeline's own slots per read, no larger than the read needs.
