@@ -46,6 +46,16 @@ MAX_THREADS = 16
 # io_depth=None is SLOTS_PER_THREAD per thread of the load.
 IO_DEPTH = SLOTS_PER_THREAD * MAX_THREADS
 
+# A load that made its own staging buffer keeps it for the next load to the
+# same device (loader/_staging_pool.py): making and releasing 128 MiB cost
+# 21-28 ms a load on the H200 host.  INSTANT_STAGING_KEEP_STAGING=0 turns
+# it off; empty_cache() releases what is kept.
+KEEP_STAGING = True
+
+# The largest buffer kept: twice a default load's (IO_DEPTH * CHUNK_SIZE),
+# so an unusual chunk_size does not leave gigabytes pinned after its load.
+KEEP_STAGING_MAX = 2 * IO_DEPTH * CHUNK_SIZE
+
 # A load under a process group: how long a rank waits for the others at
 # each agreement before it names the ranks that never came (hung or died).
 # Generous: the ranks' shares are balanced, so a healthy rank is late by

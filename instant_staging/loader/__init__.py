@@ -24,8 +24,10 @@ CPU with memcpy.  The staging buffer holds ``io_depth`` chunks; its slots
 are whole chunks inside each registration, so no chunk straddles two
 registrations whatever kind the buffer reached and whatever the chunk size;
 or pass one with ``staging=`` to reuse it across loads (its depth is then
-what fits in it).  A load holds its staging buffer and its files until its
-reader threads are joined (``_load.py``, ``_pipeline.pyx``).
+what fits in it).  A load that made its own buffer keeps it for the next
+load to the same device (``_staging_pool.py``; ``empty_cache()`` releases
+it, ``INSTANT_STAGING_KEEP_STAGING=0`` turns keeping off).  A load holds
+its staging buffer and its files until its reader threads are joined (``_load.py``, ``_pipeline.pyx``).
 
 torch is imported only when a load starts: ``import instant_staging``
 works without it.
@@ -38,6 +40,7 @@ from ._errors import LoadError, VerifyError
 from ._header import SafetensorsError
 from ._load import LoadIterator, iter_load, load_file
 from ._safe_open import safe_open
+from ._staging_pool import empty_cache
 
 __all__ = [
            "DEFAULT_CHUNK_SIZE",
@@ -47,6 +50,7 @@ __all__ = [
            "LoadIterator",
            "SafetensorsError",
            "VerifyError",
+           "empty_cache",
            "iter_load",
            "load_file",
            "safe_open",

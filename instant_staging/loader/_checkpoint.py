@@ -7,6 +7,7 @@ code that owns the load once its reader threads have stopped.
 
 import os
 
+from . import _gc
 from ._header import SafetensorsError, read_header
 
 
@@ -16,8 +17,9 @@ class _Checkpoint:
     def __init__(self, paths):
         self.paths, self.fds, self.headers = [], [], []
         try:
-            for path in paths:
-                self._open(os.fspath(path))
+            with _gc.paused():
+                for path in paths:
+                    self._open(os.fspath(path))
             self.entries = [(i, t) for i, h in enumerate(self.headers) for t in h.tensors]
             self._check_duplicates()
         except BaseException:

@@ -63,6 +63,7 @@ import traceback
 from types import SimpleNamespace
 
 from ..defaults import DISTRIBUTED_TIMEOUT, io_depth_for, reader_threads
+from . import _staging_pool
 from ._errors import LoadError
 from ._load import LoadIterator
 
@@ -455,7 +456,8 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
                 io_depth = io_depth_for(io_depth, threads)
                 depth = min(io_depth, read_plan.n_chunks)
                 owned = staging is None and device is not None
-                buf = L._own_staging(depth * read_plan.max_chunk, read_plan.max_chunk) if owned else staging
+                buf = (L._own_staging(device, depth * read_plan.max_chunk, read_plan.max_chunk)
+                       if owned else staging)
                 pipe = Pipeline(read_plan, threads=threads, staging=buf,
                                 depth=depth, device=device)
                 state.pipe = pipe
@@ -537,7 +539,7 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
             pipe.close()
         tensors.clear()
         if owned and buf is not None:
-            buf.close()
+            _staging_pool.give(device, buf)
         checkpoint.close()
 
 

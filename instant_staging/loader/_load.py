@@ -14,7 +14,8 @@ Who owns what, at each moment:
   the readers, so no reader can ever read a reused descriptor number;
 - the staging buffer is held by the Pipeline from its construction until
   its threads are joined (``StagingBuffer.close()`` raises meanwhile); a
-  buffer the load made itself is closed right after;
+  buffer the load made itself (or took from an earlier load) then goes
+  back to ``_staging_pool``, which keeps it for the next load or closes it;
 - tensors not yet yielded are freed after the join; yielded ones are the
   caller's;
 - ``LoadIterator.close()`` may come from any thread: it cancels and joins
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Optional
 
 from .._types import format_size
 from ..defaults import CHUNK_SIZE, io_depth_for, reader_threads, staging_segment_size
-from . import _progress
+from . import _gc, _progress, _staging_pool
 from ._checkpoint import _Checkpoint
 from ._errors import LoadError, VerifyError
 from ._options import knobs, torch_dtype
@@ -56,19 +57,26 @@ _BATCH = 32
 
 # -- arguments and the staging buffer -----------------------------------------
 
-def _own_staging(size, slot_bytes):
-    """A pinned staging buffer of ``size`` bytes for one load to a GPU.
+def _own_staging(device, size, slot_bytes):
+    """A pinned staging buffer of at least ``size`` bytes for one load to
+    ``device``: the one an earlier load kept (``_staging_pool.py``), else a
+    new one.  Hand it back with ``_staging_pool.give(device, buf)``.
 
     No ``copy_unit``: the pipeline cuts whole slots inside each
     registration, so any chunk size works; segments are at least one slot.
     """
+    segment = staging_segment_size(slot_bytes)
+    return _staging_pool.take(device, size, segment, lambda: _make_staging(size, segment))
+
+
+def _make_staging(size, segment):
     from .._staging import StagingBuffer
     from .._types import StagingError
-    segment = staging_segment_size(slot_bytes)
     try:
         # Prefault with the load's thread count rather than one thread per
-        # 32 MiB (4 for 128 MiB): making the buffer is on every load's
-        # critical path, 26-33 ms of a 140 ms MoE load on the H200 host.
+        # 32 MiB (4 for 128 MiB): making the buffer is on the critical path
+        # of a load that keeps none, 26-33 ms of a 140 ms MoE load on the
+        # H200 host.
         return StagingBuffer(size, segment_size=segment, prefault_threads=_prefault_threads(size))
     except StagingError as e:
         # Its message suggests StagingBuffer's own knobs; load_file's are these.
@@ -345,7 +353,7 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
         # No load uses more slots than it has chunks (io_depth=10**11 is fine).
         depth = min(io_depth, max(plan.n_chunks, 1))
         if owned:
-            buf = _own_staging(depth * plan.max_chunk, plan.max_chunk)
+            buf = _own_staging(device, depth * plan.max_chunk, plan.max_chunk)
         # Holds buf from here until its threads are joined (pipe.close()).
         pipe = Pipeline(plan, threads=threads, staging=buf, depth=depth, device=device)
         state.pipe = pipe
@@ -366,7 +374,7 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
             pipe.close()           # stop, join: no copy in flight into what we free next
         handles.clear()
         if owned and buf is not None:
-            buf.close()
+            _staging_pool.give(device, buf)     # kept for the next load, or closed
         checkpoint.close()         # only now: no reader can use a reused fd number
 
 
@@ -381,11 +389,12 @@ def _start(pipe, handles, target, entries, dtypes):
     block handed out here was freed by work that has finished.)"""
     n = len(entries)
     first = min(n, _FIRST_BATCH)
-    pipe.start([_allocate(handles, target, entries[k][1], dtypes[k]) for k in range(first)],
-               more=True)
-    for i in range(first, n, _BATCH):
-        pipe.provide([_allocate(handles, target, entries[k][1], dtypes[k])
-                      for k in range(i, min(n, i + _BATCH))])
+    with _gc.paused():
+        pipe.start([_allocate(handles, target, entries[k][1], dtypes[k]) for k in range(first)],
+                   more=True)
+        for i in range(first, n, _BATCH):
+            pipe.provide([_allocate(handles, target, entries[k][1], dtypes[k])
+                          for k in range(i, min(n, i + _BATCH))])
 
 
 def _allocate(handles, target, entry, dtype):

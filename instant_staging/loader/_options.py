@@ -8,6 +8,9 @@ usable CPU, at most ``MAX_THREADS``).  A variable's value is checked as the
 argument would be; a bad one is a ValueError naming the variable, raised
 before anything is allocated.  An empty variable counts as unset.
 
+``INSTANT_STAGING_KEEP_STAGING=0`` releases a load's own staging buffer
+when the load ends instead of keeping it for the next (``_staging_pool.py``).
+
 ``dtype`` is None (the file's dtype) or a floating torch dtype (or its
 name: ``"bfloat16"``, ``"bf16"``, ...); anything else is an error before
 anything is allocated.
@@ -16,11 +19,12 @@ anything is allocated.
 import os
 
 from .._types import parse_size
-from ..defaults import CHUNK_SIZE
+from ..defaults import CHUNK_SIZE, KEEP_STAGING
 
 ENV_CHUNK_SIZE = "INSTANT_STAGING_CHUNK_SIZE"
 ENV_IO_DEPTH = "INSTANT_STAGING_IO_DEPTH"
 ENV_THREADS = "INSTANT_STAGING_THREADS"
+ENV_KEEP_STAGING = "INSTANT_STAGING_KEEP_STAGING"
 
 # Short names people type for the common floating dtypes (CLI --dtype too).
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
@@ -53,7 +57,19 @@ def knobs(chunk_size, io_depth, threads):
         io_depth = _env_int(ENV_IO_DEPTH, lambda s: int(s, 10))
     if threads is None:
         threads = _env_int(ENV_THREADS, lambda s: int(s, 10))
+    keep_staging()      # a bad value fails here, before anything is allocated
     return chunk_size, io_depth, threads
+
+
+def keep_staging() -> bool:
+    """Whether a load keeps the staging buffer it made for the next load:
+    ``INSTANT_STAGING_KEEP_STAGING`` (1 or 0) where set, else KEEP_STAGING."""
+    raw = os.environ.get(ENV_KEEP_STAGING, "").strip()
+    if not raw:
+        return KEEP_STAGING
+    if raw not in ("0", "1"):
+        raise ValueError(f"{ENV_KEEP_STAGING}={raw!r}: must be 1 (keep) or 0 (release after each load)")
+    return raw == "1"
 
 
 def torch_dtype(torch, dtype):

@@ -34,6 +34,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from ..defaults import io_depth_for
+from . import _staging_pool
 from ._checkpoint import _Checkpoint
 from ._header import DTYPE_SIZES, TensorEntry
 from ._load import LoadIterator, _check_args, _fault_plan, _own_staging
@@ -121,14 +122,15 @@ class safe_open:
         return _Slice(self, self._entry(name))
 
     def close(self) -> None:
-        """Closes the file and frees the staging buffer; idempotent."""
+        """Closes the file and gives back the staging buffer (kept for a later
+        load, as load_file's); idempotent."""
         with self._lock:
             checkpoint, self._checkpoint = self._checkpoint, None
             staging, self._staging = self._staging, None
         if checkpoint is not None:
             checkpoint.close()
         if staging is not None:
-            staging.close()
+            _staging_pool.give(self._target.index, staging)   # kept for a later load, or closed
 
     def __enter__(self) -> Self:
         return self
@@ -178,7 +180,7 @@ class safe_open:
                 io_depth = max(1, min(io_depth, -(-view.total_bytes // chunk_size)))
             else:
                 if self._staging is None:
-                    self._staging = _own_staging(io_depth * chunk_size, chunk_size)
+                    self._staging = _own_staging(target.index, io_depth * chunk_size, chunk_size)
                 staging = self._staging
             with LoadIterator(view, target, [dtypes[e] for _, e in view.entries], staging=staging,
                               chunk_size=chunk_size, io_depth=io_depth, threads=self._threads,
