@@ -386,7 +386,25 @@ def test_fault_plan_counts_read_and_copy_by_position():
     with pytest.raises(ValueError, match="read error"):
         FaultPlan.parse("read#1=ENOTANERRNO")
     p = Plan([(0, 0, 50), (0, 50, 300)], 100, faults=plan)
-    assert p.n_chunks == 3
+    assert p.n_chunks == 4      # [0, 50), then the 250-byte tensor from its start
+
+
+@pytest.mark.parametrize("sizes,chunk,chunks,pieces", [
+    ([3] * 10, 4, 10, 10),              # MoE experts: one chunk, one copy each
+    ([1] * 8, 4, 2, 8),                 # small ones share chunks while they fit
+    ([1, 1, 3, 1, 1], 4, 3, 5),         # [1, 1] [3, 1] [1]: the 3 starts a chunk
+    ([10, 1, 1], 4, 3, 5),              # 10 = 4 + 4 + 2, its tail shares with both 1s
+    ([1, 10], 4, 4, 4),                 # the large tensor starts a chunk too
+    ([4, 4, 0, 4], 4, 3, 3),            # exact fits; an empty tensor has no piece
+])
+def test_tensors_that_fit_a_chunk_are_never_split(sizes, chunk, chunks, pieces):
+    ranges, pos = [], 0
+    for n in sizes:
+        ranges.append((0, pos, pos + n))
+        pos += n
+    p = Plan(ranges, chunk)
+    assert (p.n_chunks, p.n_pieces) == (chunks, pieces)
+    assert p.max_chunk <= chunk and p.total_bytes == sum(sizes)
 
 
 # -- torch interop -------------------------------------------------------------------

@@ -447,7 +447,10 @@ cdef class Plan:
             self._faults(faults)
 
     cdef _cut(self, list ranges, size_t chunk_size):
-        """Cuts the tensors into chunks of at most chunk_size and their pieces."""
+        """Cuts the tensors into chunks of at most chunk_size and their pieces.
+
+        Consecutive tensors of one file share a chunk while they fit whole;
+        a larger tensor fills whole chunks, and its tail may share the next."""
         cdef Py_ssize_t n = len(ranges), i, bound = 0, nc = 0, np_ = 0
         cdef int64_t b, e, pos, start = 0
         cdef size_t length = 0, take
@@ -465,6 +468,14 @@ cdef class Plan:
             fd, b, e = ranges[i]
             self.sizes[i] = <size_t>(e - b)
             pos = b
+            if open_ and <size_t>(e - b) > chunk_size - length:
+                # A tensor that does not fit in what is left of the open chunk
+                # starts the next one: a tensor of at most chunk_size is then
+                # one piece, one copy (a MoE shard's 3 MiB experts were ~2,000
+                # pieces of 4 MiB chunks, the copies ceiling 50.9 GB/s against
+                # 54.2 for the dense layout's large pieces).
+                nc += 1
+                open_ = False
             while pos < e:
                 if open_ and (fd != cur_fd or pos != start + <int64_t>length or length == chunk_size):
                     nc += 1
