@@ -160,6 +160,28 @@ def section_phases(torch, name, paths, device, repeat, out):
     C.progress(f"  {name} phases: " + ", ".join(
         f"{k} {v * 1e3:.1f} ms" if isinstance(v, float) and not k.endswith("gbps") else f"{k} {v:.4g}"
         for k, v in bestrow.items() if v is not None))
+    # Allocating the tensors alone (no threads running), torch's cache empty:
+    # per tensor, and after reserve() (one block, then cut).
+    for label, reserve in (("allocate_alone", False), ("allocate_alone_reserved", True)):
+        ck = _Checkpoint(paths)
+        target = _TorchTarget(torch, device)
+        dtypes = [target.check(e, paths[i]) for i, e in ck.entries]
+        times = []
+        for _ in range(repeat):
+            B._free(torch, device)
+            handles = []
+            t1 = time.perf_counter()
+            if reserve:
+                target.reserve([e for _, e in ck.entries])
+            for (_, e), d in zip(ck.entries, dtypes):
+                L._allocate(handles, target, e, d)
+            B.sync(torch, device)
+            times.append(time.perf_counter() - t1)
+            handles.clear()
+        ck.close()
+        out.append({"section": "phases", "layout": name, "what": label, "seconds": min(times)})
+        C.progress(f"  {name} {label}: {min(times) * 1e3:.1f} ms")
+    B._free(torch, device)
     loader.empty_cache()
     # The same through load_file, for the consumer's share.
     tl = best(lambda: loader.load_file(paths, str(device)), repeat)
@@ -264,6 +286,8 @@ def main(argv=None):
     ap.add_argument("--chunks", default="2MiB,4MiB,8MiB")
     ap.add_argument("--depths", default="16,32,64")
     ap.add_argument("--threads", default="8,12,16")
+    ap.add_argument("--settings", default="8MiB/16/16,4MiB/16/8,2MiB/16/8,4MiB/32/16,8MiB/32/16,4MiB/64/16",
+                    help="load_file section: chunk/io_depth/threads, comma-separated")
     ap.add_argument("--quick", action="store_true", help="tiny layouts, CPU allowed")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -274,6 +298,8 @@ def main(argv=None):
     chunks = C.parse_sizes(args.chunks)
     depths = [int(x) for x in args.depths.split(",")]
     threads_list = [int(x) for x in args.threads.split(",")]
+    settings = [(C.parse_sizes(c)[0], int(d), int(t))
+                for c, d, t in (x.split("/") for x in args.settings.split(","))]
     os.makedirs(args.dir, exist_ok=True)
     out = []
     t_start = time.perf_counter()
@@ -310,9 +336,7 @@ def main(argv=None):
                 f.close()
                 B._free(torch, device)
         if gpu and "load_file" in sections:
-            section_load_file(torch, name, paths, device, args.repeat, out,
-                              [(8 * MiB, 16, 16), (4 * MiB, 16, 8), (2 * MiB, 16, 8),
-                               (4 * MiB, 32, 16), (8 * MiB, 32, 16), (4 * MiB, 64, 16)])
+            section_load_file(torch, name, paths, device, args.repeat, out, settings)
         if "host" in sections:
             section_host(torch, name, paths, args.repeat, out)
     print(f"profile total {time.perf_counter() - t_start:.0f} s")

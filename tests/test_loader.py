@@ -140,6 +140,9 @@ class SimTarget:
         block = SimBlock(self.rt, entry.nbytes)
         return (block, entry, dtype), block.ptr
 
+    def reserve(self, entries):
+        pass
+
     def before_copies(self):
         pass
 
@@ -607,3 +610,21 @@ def test_gpu_default_staging_and_failure_frees(tmp_path):
         list(it)
     gc.collect()
     assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.gpu
+def test_gpu_large_tensors_are_cut_from_one_reserved_block(tmp_path):
+    # _TorchTarget.reserve: one cudaMalloc for every tensor above torch's
+    # small pool, instead of one per tensor or 20 MiB segment.
+    tensors = {f"expert.{i}": random_tensor(torch.bfloat16, [768, 2048], i) for i in range(40)}
+    tensors["norm"] = random_tensor(torch.float32, [1024], 99)
+    path = save(tmp_path, tensors)
+    gc.collect()
+    torch.cuda.empty_cache()
+    stats = torch.cuda.memory_stats()
+    before = stats.get("segment.large_pool.current", 0)
+    loaded = load_file(path, "cuda:0")
+    assert torch.cuda.memory_stats()["segment.large_pool.current"] - before == 1
+    assert_same({n: t.cpu() for n, t in loaded.items()}, tensors)
+    ptrs = sorted(t.data_ptr() for n, t in loaded.items() if n != "norm")
+    assert ptrs[-1] - ptrs[0] == 39 * (3 << 20)      # one block, cut in order

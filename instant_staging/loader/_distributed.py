@@ -464,6 +464,7 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
                 state.threads = pipe.n_threads
                 runtime = buf.runtime if buf is not None else None
             state.staging_kind = kind = buf.kind if buf is not None else None
+            target.reserve([t for i, t in everything if (i, t.name) in mine])
             for k, (i, t) in enumerate(everything):
                 if (i, t.name) in mine:
                     tensors[k] = target.allocate(t, mine[i, t.name])[0]

@@ -389,6 +389,7 @@ def _start(pipe, handles, target, entries, dtypes):
     block handed out here was freed by work that has finished.)"""
     n = len(entries)
     first = min(n, _FIRST_BATCH)
+    target.reserve([e for _, e in entries])
     with _gc.paused():
         pipe.start([_allocate(handles, target, entries[k][1], dtypes[k]) for k in range(first)],
                    more=True)
