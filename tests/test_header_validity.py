@@ -306,13 +306,16 @@ def valid_file(draw):
     return entries, data
 
 
-def encode(entries, metadata=None, lead="", pad=True, order=None):
+def encode(entries, metadata=None, lead="", pad=True, order=None, compact=False):
+    """compact: as safetensors writes it (no spaces, UTF-8 names), the form
+    _header._canonical reads without the JSON parser."""
     obj = {}
     if metadata is not None:
         obj["__metadata__"] = metadata
     for name, dtype, shape, b, e in (entries if order is None else [entries[i] for i in order]):
         obj[name] = {"dtype": dtype, "shape": shape, "data_offsets": [b, e]}
-    text = lead + json.dumps(obj)
+    text = lead + (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) if compact
+                   else json.dumps(obj))
     header = text.encode("utf-8", "surrogatepass")
     if pad:
         header += b" " * (-len(header) % 8)
@@ -326,8 +329,8 @@ MUTATIONS = ["none", "length+k", "length-k", "shuffle", "trailing", "truncate", 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(spec=valid_file(), mutation=hs.sampled_from(MUTATIONS), k=hs.integers(1, 9),
-       seed=hs.randoms(use_true_random=False))
-def test_differential_against_safetensors(tmp_path_factory, spec, mutation, k, seed):
+       seed=hs.randoms(use_true_random=False), compact=hs.booleans())
+def test_differential_against_safetensors(tmp_path_factory, spec, mutation, k, seed, compact):
     entries, data = spec
     entries = [list(e) for e in entries]
     lead, metadata, order, extra = "", None, None, b""
@@ -347,7 +350,8 @@ def test_differential_against_safetensors(tmp_path_factory, spec, mutation, k, s
         lead = seed.choice([" ", "\n", "\t", "\r", "\x0b", "\x0c"]) * k
     elif mutation == "nesting" and entries:
         depth = seed.choice([100, 125, 126, 127, 1000, 10_000])
-        header = encode(entries, pad=False)[:-1] + b',"z":' + b"[" * depth + b"]" * depth + b"}"
+        header = (encode(entries, pad=False, compact=compact)[:-1] + b',"z":'
+                  + b"[" * depth + b"]" * depth + b"}")
         path = write(tmp_path_factory.mktemp("n"), struct.pack("<Q", len(header)) + header + data)
         assert_agree(path)
         return
@@ -364,7 +368,8 @@ def test_differential_against_safetensors(tmp_path_factory, spec, mutation, k, s
         entries[i][3] += seed.choice([-1, 1]) if entries[i][3] else 1
         entries[i][4] += seed.choice([0, 1])
     elif mutation == "duplicate" and entries:
-        header = encode(entries, pad=False)[:-1] + b"," + json.dumps(entries[0][0]).encode() + b":" \
+        header = encode(entries, pad=False, compact=compact)[:-1] + b"," \
+            + json.dumps(entries[0][0]).encode() + b":" \
             + json.dumps({"dtype": entries[0][1], "shape": entries[0][2],
                           "data_offsets": entries[0][3:5]}).encode() + b"}"
         path = write(tmp_path_factory.mktemp("d"), struct.pack("<Q", len(header)) + header + data)
@@ -378,8 +383,70 @@ def test_differential_against_safetensors(tmp_path_factory, spec, mutation, k, s
             e[3] += k
             e[4] += k
         data = data + bytes(k)
-    header = encode(entries, metadata=metadata, lead=lead, order=order)
+    header = encode(entries, metadata=metadata, lead=lead, order=order, compact=compact)
     length = max(0, len(header) + length_delta)
     body = struct.pack("<Q", length) + header + data + extra
     path = write(tmp_path_factory.mktemp("h"), body)
     assert_agree(path)
+
+
+# -- the canonical form: read by _canonical, decided as by the JSON parser ---------
+
+def _both_paths(text):
+    """(_canonical's reading, _parse's reading or its error), comparable."""
+    from instant_staging.loader import _header as H
+    fast = H._canonical(text)
+    try:
+        exact = H._parse(text, text.encode("utf-8", "surrogatepass"), "x")
+    except SafetensorsError as e:
+        exact = e
+    return fast, exact
+
+
+def test_files_safetensors_writes_take_the_canonical_path(tmp_path):
+    from instant_staging.loader import _header as H
+    tensors = {"b": torch.zeros(2, 3), "a.weight": torch.ones(4, dtype=torch.bfloat16),
+               "\u00e9\u4e2d": torch.zeros(1, dtype=torch.int64), "scalar": torch.tensor(1.0),
+               "empty": torch.zeros(0, 5)}
+    for metadata in (None, {"format": "pt", "k": "v w"}):
+        path = str(tmp_path / "m.safetensors")
+        st.save_file(tensors, path, metadata=metadata)
+        with open(path, "rb") as f:
+            raw = f.read()
+        text = raw[8:8 + struct.unpack("<Q", raw[:8])[0]].decode()
+        fast, exact = _both_paths(text)
+        assert fast is not None, text
+        assert fast[0] == exact[0] and sorted(fast[1]) == sorted(exact[1])
+        assert H.read_header(os.open(path, os.O_RDONLY), path).metadata == metadata
+
+
+@pytest.mark.parametrize("text", [
+    '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+    '{"__metadata__":{"a":"b"},"__metadata__":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+    '{"a":{"dtype":"F31","shape":[1],"data_offsets":[0,4]}}',
+    '{"a":{"dtype":"F32","shape":[01],"data_offsets":[0,4]}}',
+    '{"a":{"dtype":"F32","shape":[18446744073709551616],"data_offsets":[0,4]}}',
+    '{"a":{"shape":[1],"dtype":"F32","data_offsets":[0,4]}}',
+    '{"a\\u0041":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+    '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}} x',
+    ' {"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+    '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},}',
+    '{"__metadata__":{"a":1},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+    '{"__metadata__":{"a":"b"}}x',
+    '{}',
+])
+def test_anything_else_takes_the_full_parser(text):
+    fast, _ = _both_paths(text)
+    assert fast is None
+
+
+@pytest.mark.parametrize("text", [
+    '{"__metadata__":{}}',
+    '{"__metadata__":{"a":"b","a":"c"},"x":{"dtype":"U8","shape":[],"data_offsets":[0,1]}}',
+    '{"x":{"dtype":"F4","shape":[9223372036854775808,2],"data_offsets":[0,1]}}   ',
+    '{"\u00e9 \x7f":{"dtype":"BOOL","shape":[0,3],"data_offsets":[0,0]}}',
+])
+def test_canonical_reading_equals_the_parser(text):
+    fast, exact = _both_paths(text)
+    assert fast is not None and not isinstance(exact, Exception)
+    assert fast[0] == exact[0] and fast[1] == exact[1]
