@@ -42,13 +42,14 @@ from instant_staging.testing import inject_faults
 
 DEFAULT_KINDS = ("registered", "hugepages", "no_prefault", "segmented", "runtime_pinned",
                  "host_alloc", "torch_pinned", "register_untouched")
-EXTRA_KINDS = ("populate_write",)
+EXTRA_KINDS = ("populate_write", "runtime_pinned_hugepages")
 DESCRIPTIONS = {
     "registered": "StagingBuffer default",
     "hugepages": "StagingBuffer hugepages=True",
     "no_prefault": "StagingBuffer prefault_threads=0",
     "segmented": "StagingBuffer, whole register refused",
     "runtime_pinned": "StagingBuffer, every register refused",
+    "runtime_pinned_hugepages": "the same, hugepages=True",
     "host_alloc": "cudaHostAlloc (runtime table)",
     "torch_pinned": "torch.empty(pin_memory=True)",
     "register_untouched": "mmap + 1 register, untouched",
@@ -56,8 +57,10 @@ DESCRIPTIONS = {
 }
 EXPECTED_KIND = {"registered": ist.Kind.REGISTERED, "hugepages": ist.Kind.REGISTERED,
                  "no_prefault": ist.Kind.REGISTERED, "segmented": ist.Kind.SEGMENTED,
-                 "runtime_pinned": ist.Kind.RUNTIME_PINNED}
-FAULTS = {"segmented": "register#1=invalid_value", "runtime_pinned": "register=invalid_value"}
+                 "runtime_pinned": ist.Kind.RUNTIME_PINNED,
+                 "runtime_pinned_hugepages": ist.Kind.RUNTIME_PINNED}
+FAULTS = {"segmented": "register#1=invalid_value", "runtime_pinned": "register=invalid_value",
+          "runtime_pinned_hugepages": "register=invalid_value"}
 
 
 class Made:
@@ -76,7 +79,7 @@ def make(kind, size, setup, torch):
     """Allocates `size` bytes the way `kind` says; returns a Made."""
     rt = setup.runtime
     if kind in EXPECTED_KIND:
-        kw = dict(hugepages=kind == "hugepages")
+        kw = dict(hugepages=kind in ("hugepages", "runtime_pinned_hugepages"))
         if kind == "no_prefault":
             kw["prefault_threads"] = 0
         # A fresh plan each run: '#1' counts the calls of one plan.
@@ -323,6 +326,11 @@ def evaluate(results, setup):
         T.check("2 GiB RUNTIME_PINNED fallback <= 1.10x cudaHostAlloc", x <= FALLBACK_RATIO, x,
                 f"{x:.3f}x (target <= {FALLBACK_RATIO:.2f}; {rp2:.3f} s vs {ha2:.3f} s; "
                 f"{fallback_breakdown(results, g2)})")
+    rph2 = lookup(results, "runtime_pinned_hugepages", g2)
+    if rph2 is not None and ha2 is not None:
+        x = rph2 / ha2
+        T.check("2 GiB RUNTIME_PINNED fallback, hugepages=True, <= 1.10x cudaHostAlloc",
+                x <= FALLBACK_RATIO, x, f"{x:.3f}x ({rph2:.3f} s vs {ha2:.3f} s)")
     reg8 = lookup(results, "registered", g8)
     if reg8 is None or reg2 is None:
         T.check("8 GiB no worse than linear", None, None, "needs registered at 2 GiB and 8 GiB")

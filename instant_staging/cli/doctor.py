@@ -14,6 +14,7 @@ import re
 import resource
 
 from .. import defaults
+from .._hugepages import parse_thp
 from .._types import RuntimeCallError, format_size
 from .report import MIN_DRIVER, driver_problem, version_text
 
@@ -200,12 +201,6 @@ def check_memlock(memlock=None):
                       "(RDMA, some container runtimes) large pins fail; raise it "
                       "(ulimit -l unlimited, docker --ulimit memlock=-1)")
     return _check("ok", value, summary)
-
-
-def parse_thp(text):
-    """'always [madvise] never' -> 'madvise'; None when unreadable."""
-    match = re.search(r"\[(\w+)\]", text or "")
-    return match.group(1) if match else None
 
 
 def check_thp(thp_path):

@@ -77,7 +77,8 @@ def _make_staging(size, segment):
         # 32 MiB (4 for 128 MiB): making the buffer is on the critical path
         # of a load that keeps none, 26-33 ms of a 140 ms MoE load on the
         # H200 host.
-        return StagingBuffer(size, segment_size=segment, prefault_threads=_prefault_threads(size))
+        return StagingBuffer(size, segment_size=segment, prefault_threads=_prefault_threads(size),
+                             hugepages=_hugepages(size))
     except StagingError as e:
         # Its message suggests StagingBuffer's own knobs; load_file's are these.
         raise StagingError(
@@ -85,6 +86,15 @@ def _make_staging(size, segment):
             + "; ".join(f"{a.step} failed with {a.name or 'an error'}" for a in e.attempts if not a.ok)
             + "): pass staging=StagingBuffer(size, allow_pageable=True) to load through "
             "unpinned memory, or a smaller chunk_size / io_depth", e.attempts) from None
+
+
+def _hugepages(size):
+    """INSTANT_STAGING_HUGEPAGES where set (None: StagingBuffer reads it);
+    else huge pages when the host holds them free (``_hugepages.py``)."""
+    if os.environ.get("INSTANT_STAGING_HUGEPAGES", "").strip():
+        return None
+    from .._hugepages import huge_pages_free
+    return huge_pages_free(size)
 
 
 def _check_staging(staging):
