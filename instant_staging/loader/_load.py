@@ -400,12 +400,16 @@ def _start(pipe, handles, target, entries, dtypes):
     n = len(entries)
     first = min(n, _FIRST_BATCH)
     target.reserve([e for _, e in entries])
-    with _gc.paused():
-        pipe.start([_allocate(handles, target, entries[k][1], dtypes[k]) for k in range(first)],
-                   more=True)
-        for i in range(first, n, _BATCH):
-            pipe.provide([_allocate(handles, target, entries[k][1], dtypes[k])
-                          for k in range(i, min(n, i + _BATCH))])
+    try:
+        with _gc.paused():
+            pipe.start([_allocate(handles, target, entries[k][1], dtypes[k]) for k in range(first)],
+                       more=True)
+            for i in range(first, n, _BATCH):
+                if not pipe.provide([_allocate(handles, target, entries[k][1], dtypes[k])
+                                     for k in range(i, min(n, i + _BATCH))]):
+                    break       # cancelled: _drive reports it
+    finally:
+        pipe.done_providing()
 
 
 def _allocate(handles, target, entry, dtype):

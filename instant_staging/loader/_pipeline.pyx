@@ -54,6 +54,7 @@ fails that piece's copy with the runtime code, in host mode too.
 cimport cython
 
 import atexit
+import time
 import weakref
 
 from libc.stdint cimport intptr_t, int64_t
@@ -547,6 +548,10 @@ cdef class Plan:
 
 # -- running pipelines, for the exit hook ------------------------------------
 
+# How long the exit hook lets a consumer thread run to its next provide()
+# (a batch of allocations takes about a millisecond).
+_PARK_WAIT = 2.0
+
 _running = weakref.WeakSet()
 
 # Set by the exit hook: from then on a consumer thread other than the one
@@ -575,11 +580,21 @@ def _stop_all_at_exit():
     global _exiting, _exit_thread
     _exit_thread = pthread_self()
     _exiting = True
-    for pipe in list(_running):
+    pipes = list(_running)
+    for pipe in pipes:
         try:
             pipe.close()
         except BaseException:
             pass
+    # A consumer still allocating its tensors (torch calls, the GIL released
+    # inside them) is let run to its next provide(), where it parks: caught
+    # inside a torch call by the finalization, it would abort the process
+    # (1 exit in 20 mid-load did, benchmarks/cancel_gpu.py --simulate).
+    deadline = time.monotonic() + _PARK_WAIT
+    while any((<Pipeline>p).providing and not (<Pipeline>p).parked for p in pipes):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.001)
 
 
 atexit.register(_stop_all_at_exit)
@@ -632,6 +647,8 @@ cdef class Pipeline:
     cdef Runtime runtime
     cdef StagingBuffer staging
     cdef bint holding
+    cdef readonly bint providing    # the consumer still allocates tensors for provide()
+    cdef readonly bint parked       # ... and was parked there at interpreter exit
     cdef int pid
     cdef object __weakref__
 
@@ -825,6 +842,7 @@ cdef class Pipeline:
             if self.plan.sizes[i] == 0:      # nothing to copy: done from the start
                 self.sh.done[self.sh.n_done] = i
                 self.sh.n_done += 1
+        self.providing = more and len(dsts) < self.plan.n_tensors
         _running.add(self)
         with nogil:
             pthread_mutex_lock(&self.join_lock)
@@ -848,12 +866,19 @@ cdef class Pipeline:
 
     def provide(self, dsts):
         """The destinations of the next tensors after those already given
-        (``start(..., more=True)``).  Only the thread that started the load."""
+        (``start(..., more=True)``).  Only the thread that started the load.
+        Returns False once the load is closed (allocate no more): then
+        nothing reads them.  At interpreter exit it parks the calling thread
+        (see ``_park_if_exiting``) instead of returning."""
         cdef Py_ssize_t n = len(dsts), i, first
         if not self.sync_init or self.plan is None:
             raise RuntimeError("Pipeline was not initialised")
+        if _exiting and not pthread_equal(pthread_self(), _exit_thread):
+            self.parked = True          # the exit hook waits for this
+            with nogil:
+                _park_if_exiting()
         if self.closed:
-            return      # cancelled: nothing reads them any more
+            return False
         first = self.sh.n_ready      # only this thread writes n_ready
         if first + n > self.plan.n_tensors:
             raise ValueError(f"{first + n} destinations for {self.plan.n_tensors} tensors")
@@ -864,6 +889,13 @@ cdef class Pipeline:
             self.sh.n_ready = first + n
             pthread_cond_broadcast(&self.sh.cond)
             pthread_mutex_unlock(&self.sh.lock)
+        if first + n == self.plan.n_tensors:
+            self.providing = False
+        return True
+
+    def done_providing(self):
+        """The consumer gives no more destinations (it stopped early)."""
+        self.providing = False
 
     def wait(self, double timeout):
         """Waits up to ``timeout`` seconds for a tensor to finish.
