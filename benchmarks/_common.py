@@ -195,6 +195,23 @@ def _status_kib(field, path="/proc/self/status"):
     return None
 
 
+def huge_bytes(ptr, path="/proc/self/smaps"):
+    """AnonHugePages of the mapping holding address ``ptr`` (bytes), or None."""
+    try:
+        with open(path) as f:
+            inside = False
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and ":" not in head:      # a mapping's first line
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= ptr < hi
+                elif inside and head == "AnonHugePages:":
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def mem_free():
     """System-wide free memory in bytes (driver allocations show here, not in RSS)."""
     return _status_kib("MemFree", "/proc/meminfo")

@@ -239,6 +239,10 @@ def our_methods(torch, device, only):
         kind = it.staging_kind
         method.kind = kind.name if kind else "ordinary memory"
         method.note = f"iter_load defaults, {it.threads} reader threads"
+        for buf in loader._staging_pool.kept().values():
+            huge = C.huge_bytes(buf.ptr)
+            if huge is not None:
+                method.note += f", staging {C.fmt_size(buf.size)} with {C.fmt_size(huge)} in huge pages"
         return result
     # Its first run makes the staging buffer (nothing kept before it: "first"
     # in the table); the later runs take the one the first kept.
