@@ -206,9 +206,18 @@ buf = None if own else ist.StagingBuffer(staging, runtime=rt)
 if buf is not None:
     state.update(buf=buf, rt=rt, starts=[buf.ptr + o for o, _ in buf.segments])
 started = threading.Event()
+kept = []
 def load():
+    # The tensors stay referenced and the thread waits after the load: a
+    # daemon thread caught by the finalization inside a torch call (a
+    # tensor freed as the loop rebinds ``t``) makes torch abort the process
+    # ("terminate called without an active exception", 1 exit in 100), which
+    # is CPython's daemon-thread exit, not the loader's; the loader's own
+    # calls park at exit (loader/_pipeline.pyx).
     for name, t in iter_load(path, device, staging=buf, chunk_size=chunk):
+        kept.append(t)
         started.set()
+    threading.Event().wait()
 threading.Thread(target=load, daemon=True).start()
 started.wait(60)
 print("exiting mid-load", flush=True)

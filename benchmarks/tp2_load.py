@@ -87,7 +87,7 @@ def shard(args, rank, world, checker, dist):
     if not os.path.exists(path) or os.path.getsize(path) < args.size:
         C.progress(f"rank {rank}: generating {path}")
         B.generate(path, args.size, seed=1000 + rank)
-    B.warm(path)
+    B.warm([path])
     reference = checker.reference(path)
     dist.barrier()
     return path, reference
@@ -224,8 +224,7 @@ def compare_group(args, torch, dist):
         paths = write_llama(args.dir, args.scale)
     dist.barrier()
     paths = write_llama(args.dir, args.scale) if rank != 0 else paths
-    for p in paths:
-        B.warm(p)
+    B.warm(paths)
     nbytes = sum(os.path.getsize(p) for p in paths)
     half = paths[: len(paths) // 2] if rank % 2 == 0 else paths[len(paths) // 2:]
     pg = dist.group.WORLD
@@ -271,6 +270,9 @@ def compare_group(args, torch, dist):
     if args.fallback_rank is not None:
         if rank == args.fallback_rank:
             os.environ["INSTANT_STAGING_FAULTS"] = "register=invalid_value"
+        # A kept staging buffer would serve this load without a registration
+        # to refuse: every rank makes its buffer again, as a first load does.
+        loader.empty_cache()
         B._free(torch, device)
         dist.barrier()
         t0 = time.perf_counter()
@@ -283,6 +285,9 @@ def compare_group(args, torch, dist):
         check = same(result, reference)
         if check != "ok":
             problems.append(f"fallback: {check}")
+        if kinds[args.fallback_rank] != "RUNTIME_PINNED":
+            problems.append(f"fallback: rank {args.fallback_rank} reached {kinds[args.fallback_rank]}, "
+                            "not RUNTIME_PINNED")
         del result
     rec = dict(rank=rank, device=dev, bytes=nbytes, times=times, kinds=kinds, problems=problems)
     everyone = [None] * world
