@@ -239,15 +239,20 @@ def our_methods(torch, device, only):
         kind = it.staging_kind
         method.kind = kind.name if kind else "ordinary memory"
         method.note = f"iter_load defaults, {it.threads} reader threads"
-        for buf in loader._staging_pool.kept().values():
-            huge = C.huge_bytes(buf.ptr)
-            if huge is not None:
-                method.note += f", staging {C.fmt_size(buf.size)} with {C.fmt_size(huge)} in huge pages"
         return result
+    def kept_note():
+        # After the runs, outside the timed region: parsing /proc/self/smaps
+        # of a torch process takes milliseconds.
+        notes = [f"; staging {C.fmt_size(buf.size)} with {C.fmt_size(huge)} in huge pages"
+                 for buf in loader._staging_pool.kept().values()
+                 if (huge := C.huge_bytes(buf.ptr)) is not None]
+        loader.empty_cache()
+        return "".join(notes)
+
     # Its first run makes the staging buffer (nothing kept before it: "first"
     # in the table); the later runs take the one the first kept.
     method = Method("instant_staging", iterate, setup=lambda files: loader.empty_cache(),
-                    teardown=loader.empty_cache)
+                    teardown=kept_note)
 
     def with_env(name, value):
         def run(files, mark):
@@ -478,7 +483,7 @@ def measure(method, files, torch, device, checker, repeat, budget, cold):
         _free(torch, device)
     finally:
         try:
-            method.teardown()
+            rec["note"] += method.teardown() or ""      # a teardown may add to the note
         except Exception as e:
             rec["error"] = rec["error"] or f"teardown: {e}"
         _free(torch, device)
