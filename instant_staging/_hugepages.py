@@ -14,6 +14,8 @@ Every input is a parameter, so each decision is testable on any host.
 import mmap
 import re
 
+from ._types import read_text as _read
+
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 BUDDYINFO = "/proc/buddyinfo"
 
@@ -59,11 +61,3 @@ def huge_pages_free(nbytes, *, thp=None, buddyinfo=None, page_size=mmap.PAGESIZE
         return False
     need = -(-nbytes // HUGE_PAGE)
     return free_huge_blocks(_read(BUDDYINFO) if buddyinfo is None else buddyinfo) >= FREE_MARGIN * need
-
-
-def _read(path):
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return None

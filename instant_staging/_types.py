@@ -138,3 +138,13 @@ def parse_size(text) -> int:
     if result != value * scale or result < 0:
         raise ValueError(f"not a whole, non-negative number of bytes: {text!r}")
     return result
+
+
+def read_text(path):
+    """The text of a host file (``/proc``, ``/sys``), or None when it cannot
+    be read."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None

@@ -16,6 +16,7 @@ import resource
 from .. import defaults
 from .._hugepages import parse_thp
 from .._types import RuntimeCallError, format_size
+from .._types import read_text as _read
 from .report import MIN_DRIVER, driver_problem, version_text
 
 # Twice the default 2 GiB probe buffer: below this a staging buffer plus
@@ -33,14 +34,6 @@ PATHS = {
     "cgroup_root": "/sys/fs/cgroup",
 }
 
-
-def _read(path):
-    """The file's text, or None when it cannot be read."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return None
 
 
 def _check(status, value, summary, verdict=None):
