@@ -587,9 +587,10 @@ def _stop_all_at_exit():
         except BaseException:
             pass
     # A consumer still allocating its tensors (torch calls, the GIL released
-    # inside them) is let run to its next provide(), where it parks: caught
-    # inside a torch call by the finalization, it would abort the process
-    # (1 exit in 20 mid-load did, benchmarks/cancel_gpu.py --simulate).
+    # inside them) is let run to its next provide(), where it parks: a
+    # daemon thread caught inside a torch call by the finalization makes
+    # torch abort the process ("terminate called without an active
+    # exception", seen when cancel_gpu.py's own exit child freed tensors).
     deadline = time.monotonic() + _PARK_WAIT
     while any((<Pipeline>p).providing and not (<Pipeline>p).parked for p in pipes):
         if time.monotonic() > deadline:

@@ -78,7 +78,7 @@ def empty_cache() -> None:
 
 
 def kept() -> dict:
-    """``{device: StagingBuffer}`` kept now (for tests and ``doctor``)."""
+    """``{device: StagingBuffer}`` kept now (for tests and benchmarks)."""
     with _lock:
         return dict(_kept)
 
