@@ -281,6 +281,19 @@ def our_methods(torch, device, only):
     return out
 
 
+def run_to_end(pipe, dsts, what="pipeline"):
+    """Starts a Pipeline with ``dsts``, waits for every thread to exit,
+    raises its error; closes it in any case."""
+    try:
+        pipe.start(dsts)
+        while not pipe.wait(1.0)[2]:
+            pass
+        if pipe.error():
+            raise RuntimeError(f"{what}: {pipe.error()}")
+    finally:
+        pipe.close()
+
+
 def _read_ceiling():
     """16 threads x 8 MiB preads of the whole files into the slots of one
     staging buffer (made once, untimed): the loader's own reader threads
@@ -296,14 +309,7 @@ def _read_ceiling():
         try:
             plan = Plan([(fd, 0, os.fstat(fd).st_size) for fd in fds], CEILING_CHUNK)
             pipe = Pipeline(plan, threads=CEILING_THREADS, staging=holder["buf"], skip=SKIP_COPY)
-            try:
-                pipe.start([0] * len(fds))
-                while not pipe.wait(1.0)[2]:
-                    pass
-                if pipe.error():
-                    raise OSError(f"read ceiling: {pipe.error()}")
-            finally:
-                pipe.close()
+            run_to_end(pipe, [0] * len(fds), "read ceiling")
         finally:
             for fd in fds:
                 os.close(fd)

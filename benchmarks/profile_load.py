@@ -77,21 +77,9 @@ class Files:
         self.ck.close()
 
 
-def finish(pipe):
-    """Waits for every thread to exit, raises the pipeline's error, closes it."""
-    try:
-        while not pipe.wait(1.0)[2]:
-            pass
-        if pipe.error():
-            raise RuntimeError(f"pipeline error {pipe.error()}")
-    finally:
-        pipe.close()
-
-
 def run_pipe(plan, dsts, threads, staging=None, depth=None, device=None, skip=0):
     pipe = Pipeline(plan, threads=threads, staging=staging, depth=depth, device=device, skip=skip)
-    pipe.start(dsts)
-    finish(pipe)
+    B.run_to_end(pipe, dsts)
     return pipe
 
 
