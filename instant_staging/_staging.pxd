@@ -65,6 +65,7 @@ cdef class StagingBuffer:
     cdef int _holds                  # running loads using it (loader/_pipeline.pyx)
     cdef bint _released
     cdef int _owner_pid              # pinning does not survive fork
+    cdef int _threads                # page workers: prefault, and the release of the mapping
     cdef Runtime _runtime
     cdef list _attempts              # [Attempt, ...]
     cdef object __weakref__

@@ -34,7 +34,8 @@ from libc.errno cimport errno, ENOMEM
 from libc.stdint cimport intptr_t, uintptr_t
 from libc.stdlib cimport malloc, free
 from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, MAP_PRIVATE,
-                         MAP_ANONYMOUS, PROT_READ, PROT_WRITE, MADV_HUGEPAGE)
+                         MAP_ANONYMOUS, PROT_READ, PROT_WRITE, MADV_DONTNEED,
+                         MADV_HUGEPAGE)
 from posix.unistd cimport getpid, sysconf, _SC_PAGESIZE
 
 from instant_staging._runtime cimport ERROR_RUNTIME_UNLOADING, Runtime, RuntimeTable
@@ -113,34 +114,53 @@ def _hugepages_default():
                      f"got {env!r}")
 
 
-# -- step 2: the prefault workers (plain C threads, no GIL) ------------------
+# -- step 2 and release: page workers (plain C threads, no GIL) ------------
 
 from instant_staging._pthread cimport pthread_t, pthread_create, pthread_join
 
-cdef struct TouchRange:
+# Release drops the pages with threads only where each gets this much: on
+# fewer bytes one munmap is as fast as starting the threads.
+cdef size_t DROP_BYTES_PER_THREAD = 32 << 20
+
+cdef struct PageRange:
     char* start
     size_t length
-    size_t stride
+
+ctypedef void* (*PageWork)(void*) noexcept nogil
 
 
 cdef void* _touch_pages(void* arg) noexcept nogil:
     # One write per page makes the kernel allocate it now, in this thread,
     # instead of one page at a time inside the driver's registration.
-    cdef TouchRange* r = <TouchRange*>arg
+    cdef PageRange* r = <PageRange*>arg
     cdef volatile char* p = r.start
     cdef size_t i = 0
     while i < r.length:
         p[i] = 0
-        i += r.stride
+        i += PAGE
     return NULL
 
 
-cdef int _prefault(char* ptr, size_t size, int threads) noexcept nogil:
-    """Touches every page with `threads` threads; returns 0 or an errno."""
-    cdef TouchRange* ranges = <TouchRange*>malloc(threads * sizeof(TouchRange))
+cdef void* _drop_pages(void* arg) noexcept nogil:
+    # Frees this range's pages now, in this thread; the munmap that follows
+    # finds them gone.  One thread freeing 2 GiB of 4 KiB pages took 0.11 s
+    # on the H200 host (FIELD_NOTES.md), as long as the threads took to
+    # fault them in: a refused registration paid both before cudaHostAlloc.
+    cdef PageRange* r = <PageRange*>arg
+    madvise(r.start, r.length, MADV_DONTNEED)
+    return NULL
+
+
+cdef int _in_threads(char* ptr, size_t size, int threads, size_t grain,
+                     PageWork work) noexcept nogil:
+    """Runs ``work`` on ``threads`` adjacent ranges of [ptr, ptr + size), cut
+    at multiples of ``grain`` from ptr, and joins them; returns 0 or the errno
+    of the pthread_create that failed (the ranges not started are left
+    undone: each caller's next step covers them)."""
+    cdef PageRange* ranges = <PageRange*>malloc(threads * sizeof(PageRange))
     cdef pthread_t* ids = <pthread_t*>malloc(threads * sizeof(pthread_t))
-    cdef size_t pages = (size + PAGE - 1) // PAGE
-    cdef size_t per = (pages + threads - 1) // threads
+    cdef size_t grains = (size + grain - 1) // grain
+    cdef size_t per = (grains + threads - 1) // threads
     cdef int i, started = 0, rc = 0
     cdef size_t first
     if ranges == NULL or ids == NULL:
@@ -149,20 +169,34 @@ cdef int _prefault(char* ptr, size_t size, int threads) noexcept nogil:
         return 12  # ENOMEM
     for i in range(threads):
         first = i * per
-        if first >= pages:
+        if first >= grains:
             break
-        ranges[i].start = ptr + first * PAGE
-        ranges[i].length = min(per, pages - first) * PAGE  # within the mapping
-        ranges[i].stride = PAGE
-        rc = pthread_create(&ids[i], NULL, _touch_pages, &ranges[i])
+        ranges[i].start = ptr + first * grain
+        ranges[i].length = min(per * grain, size - first * grain)  # within the mapping
+        rc = pthread_create(&ids[i], NULL, work, &ranges[i])
         if rc != 0:
-            break  # the pages left are faulted by registration, as without prefault
+            break
         started += 1
     for i in range(started):
         pthread_join(ids[i], NULL)
     free(ranges)
     free(ids)
     return rc
+
+
+cdef int _prefault(char* ptr, size_t size, int threads) noexcept nogil:
+    """Touches every page with `threads` threads; returns 0 or an errno (the
+    pages left are faulted by registration, as without prefault)."""
+    return _in_threads(ptr, size, threads, PAGE, _touch_pages)
+
+
+cdef void _unmap_range(char* ptr, size_t length, int threads) noexcept nogil:
+    """munmap, its pages first freed by up to `threads` threads.  The ranges
+    are cut at 2 MiB so that no huge page is split to be freed."""
+    threads = min(<size_t>threads, length // DROP_BYTES_PER_THREAD)
+    if threads >= 2:
+        _in_threads(ptr, length, threads, HUGE_PAGE, _drop_pages)
+    munmap(ptr, length)
 
 
 # -- ordinary memory ---------------------------------------------------------
@@ -282,6 +316,7 @@ cdef class StagingBuffer:
         if hugepages:
             alignment = max(alignment, HUGE_PAGE)
         self._runtime = runtime
+        self._threads = threads
         self._attempts = []
         self._retained = []
         try:
@@ -488,11 +523,14 @@ cdef class StagingBuffer:
     cdef void _unmap(self) noexcept:
         cdef char* ptr = self._ptr
         cdef size_t length = self._map_size
+        # The prefault's threads free the pages too (not in a fork child,
+        # which only drops its copy of the mapping).
+        cdef int threads = self._threads if getpid() == self._owner_pid else 0
         if ptr != NULL and length and not self._retain:
             self._map_size = 0
             self._ptr = NULL
             with nogil:
-                munmap(ptr, length)
+                _unmap_range(ptr, length, threads)
 
     cdef int _record(self, str step, bint ok, int code, str name, size_t offset,
                      size_t size, double t0) except -1:
