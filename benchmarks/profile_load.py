@@ -109,7 +109,7 @@ def section_phases(torch, name, paths, device, repeat, out):
         t["pipeline"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         handles = []
-        L._start(pipe, handles, target, ck.entries, dtypes, depth * plan.max_chunk)
+        L._start(pipe, handles, target, ck.entries, dtypes)
         t["allocate_while_running"] = time.perf_counter() - t1
         first = None
         while True:

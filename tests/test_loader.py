@@ -137,18 +137,11 @@ class SimTarget:
         return self.torch_target.check(entry, path)
 
     def allocate(self, entry, dtype):
-        self.allocated = getattr(self, "allocated", 0) + 1
         block = SimBlock(self.rt, entry.nbytes)
         return (block, entry, dtype), block.ptr
 
-    def reservations(self, entries, first):
-        # The torch target's blocks, each recorded with how many tensors
-        # had been allocated when it was reserved.
-        self.blocks, self.allocated = [], 0
-        return _target._pieces(entries, first)
-
-    def reserve_block(self, nbytes):
-        self.blocks.append((nbytes, self.allocated))
+    def reserve(self, entries):
+        pass
 
     def before_copies(self):
         pass
@@ -582,51 +575,6 @@ def test_import_without_torch():
     assert result.returncode == 0, result.stderr
 
 
-# -- torch's blocks, reserved ahead of the copies -------------------------------
-
-def _entries(*sizes):
-    from instant_staging.loader._header import TensorEntry
-    return [TensorEntry(f"t{i}", "U8", (n,), 0, n) for i, n in enumerate(sizes)]
-
-
-def test_reserved_blocks_double_and_never_split_a_tensor():
-    MiB, small = 1 << 20, 4096
-    entries = _entries(small, 3 * MiB, 3 * MiB, small, 3 * MiB, 3 * MiB, 3 * MiB, 1 * MiB,
-                       3 * MiB, 2 * MiB + 1, 3 * MiB, 3 * MiB, 3 * MiB, small)
-    blocks = _target._pieces(entries, 4 * MiB)
-    # The keys are each block's first tensor; the small ones (torch's small
-    # pool, <= 1 MiB) take no part; a block is at least twice the last.
-    assert list(blocks) == [1, 4, 9]
-    assert blocks[1] == 6 * MiB                          # >= 4 MiB
-    assert blocks[4] == 12 * MiB                         # >= 12 MiB; the 1 MiB one is small
-    assert blocks[9] == (2 * MiB + 512) + 9 * MiB        # the rest (rounded), short of 24 MiB
-    assert sum(blocks.values()) == _target._large_bytes(entries)
-    assert _target._pieces(entries, 1 << 40) == {1: _target._large_bytes(entries)}
-    assert _target._pieces(_entries(small, 0, MiB), 1) == {}
-
-
-def test_each_block_is_reserved_before_its_first_tensor(tmp_path):
-    # Large tensors (above torch's small pool) in reading order, between
-    # small ones; the simulated target records what was allocated before
-    # each block.
-    tensors = {f"a{i:02d}": random_tensor(torch.float32, [(3 << 20) // 8 + i], i) for i in range(10)}
-    tensors.update({f"a{i:02d}n": random_tensor(torch.float32, [7], 50 + i) for i in range(10)})
-    path = save(tmp_path, tensors)
-    checkpoint = _checkpoint._Checkpoint([path])
-    order = [t.name for _, t in checkpoint.entries]
-    checkpoint.close()
-    rt, staging = sim_staging()
-    target = SimTarget(rt)
-    with staging:
-        assert_same(sim_load(path, staging, target=target), tensors)
-    first = 4 * CHUNK                       # io_depth=4 slots of one chunk
-    expected = _target._pieces(_entries(*(tensors[n].nbytes for n in order)), first)
-    assert len(expected) >= 3
-    assert target.blocks == [(nbytes, index) for index, nbytes in expected.items()]
-    gc.collect()
-    assert rt.live_device_allocs == 0
-
-
 # -- on a real GPU ------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -665,25 +613,18 @@ def test_gpu_default_staging_and_failure_frees(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("count", [40, 200])
-def test_gpu_large_tensors_are_cut_from_the_reserved_blocks(tmp_path, count):
-    # _TorchTarget.reservations: one cudaMalloc per block of _target._pieces
-    # (one for 40 tensors of 3 MiB, inside the first block; three for 200),
-    # instead of one per tensor or 20 MiB segment.
-    tensors = {f"expert.{i:03d}": random_tensor(torch.bfloat16, [768, 2048], i) for i in range(count)}
+def test_gpu_large_tensors_are_cut_from_one_reserved_block(tmp_path):
+    # _TorchTarget.reserve: one cudaMalloc for every tensor above torch's
+    # small pool, instead of one per tensor or 20 MiB segment.
+    tensors = {f"expert.{i}": random_tensor(torch.bfloat16, [768, 2048], i) for i in range(40)}
     tensors["norm"] = random_tensor(torch.float32, [1024], 99)
     path = save(tmp_path, tensors)
     gc.collect()
     torch.cuda.empty_cache()
-    before = torch.cuda.memory_stats().get("segment.large_pool.current", 0)
-    loaded = load_file(path, "cuda:0", chunk_size=4 << 20, io_depth=48, threads=8)
-    # The first block holds the slots' bytes: 48 chunks, the longest of
-    # them the last expert and the norm.
-    blocks = _target._pieces(_entries(*[3 << 20] * count), 48 * ((3 << 20) + 4096))
-    assert len(blocks) == (1 if count == 40 else 3)
-    assert torch.cuda.memory_stats()["segment.large_pool.current"] - before == len(blocks)
+    stats = torch.cuda.memory_stats()
+    before = stats.get("segment.large_pool.current", 0)
+    loaded = load_file(path, "cuda:0")
+    assert torch.cuda.memory_stats()["segment.large_pool.current"] - before == 1
     assert_same({n: t.cpu() for n, t in loaded.items()}, tensors)
-    ptrs = [loaded[f"expert.{i:03d}"].data_ptr() for i in range(count)]
-    ends = list(blocks)[1:] + [count]
-    for start, end in zip(blocks, ends):          # each block cut in order
-        assert ptrs[end - 1] - ptrs[start] == (end - 1 - start) * (3 << 20)
+    ptrs = sorted(t.data_ptr() for n, t in loaded.items() if n != "norm")
+    assert ptrs[-1] - ptrs[0] == 39 * (3 << 20)      # one block, cut in order

@@ -77,31 +77,23 @@ class _TorchTarget:
 
     def reserve(self, entries):
         """Makes torch's caching allocator hold one free block as large as
-        the large tensors of ``entries`` together, so that allocating them
-        cuts that block instead of calling cudaMalloc per tensor (or per
-        20 MiB segment).  Nothing happens where torch does not cache
-        (PYTORCH_NO_CUDA_MEMORY_CACHING, another allocator backend)."""
-        if self._caches():
-            self.reserve_block(_large_bytes(entries))
+        the load's large tensors together, so that allocating them cuts
+        that block instead of calling cudaMalloc per tensor (or per 20 MiB
+        segment) while the reader threads issue their copies.
 
-    def reservations(self, entries, first):
-        """``{i: nbytes}``: reserve (as ``reserve``) a block of ``nbytes``
-        just before allocating ``entries[i]``; see ``_pieces``.  Empty where
-        ``reserve`` would do nothing."""
-        return _pieces(entries, first) if self._caches() else {}
-
-    def _caches(self):
-        return self.device.type != "cpu" and _caching(self.torch)
-
-    def reserve_block(self, nbytes):
-        """A block of ``nbytes`` made and freed at once, on the current
-        stream, with no work queued: the tensors allocated next take it.
-        Nothing happens where it does not fit (the tensors may still fit in
+        A block freed at once, on the current stream, with no work queued:
+        the tensors allocated next take it.  Nothing happens where torch
+        does not cache (PYTORCH_NO_CUDA_MEMORY_CACHING, another allocator
+        backend) or the block does not fit (the tensors may still fit in
         blocks torch already holds)."""
-        if not nbytes:
+        if self.device.type == "cpu" or not _caching(self.torch):
+            return
+        total = sum(-(-e.nbytes // _BLOCK_ROUND) * _BLOCK_ROUND
+                    for e in entries if e.nbytes > _SMALL_POOL_MAX)
+        if not total:
             return
         try:
-            block = self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+            block = self.torch.empty(total, dtype=self.torch.uint8, device=self.device)
         except self.torch.cuda.OutOfMemoryError:
             return
         del block
@@ -123,42 +115,6 @@ class _TorchTarget:
         flat = handle.reshape(-1).view(torch.uint8)
         expected = torch.frombuffer(data, dtype=torch.uint8).to(self.device)
         return torch.equal(flat[offset:offset + len(data)], expected)
-
-
-def _rounded(nbytes):
-    return -(-nbytes // _BLOCK_ROUND) * _BLOCK_ROUND
-
-
-def _large_bytes(entries):
-    """What the tensors of ``entries`` above torch's small pool take of a block."""
-    return sum(_rounded(e.nbytes) for e in entries if e.nbytes > _SMALL_POOL_MAX)
-
-
-def _pieces(entries, first):
-    """The large tensors of ``entries``, in order, as blocks to reserve:
-    ``{index of a block's first tensor: its bytes}``, the first block at
-    least ``first`` bytes, each next one at least twice the one before.
-
-    One block for a whole load made its first copy wait for the cudaMalloc
-    of all of it (~4 ms for a 3.6 GB MoE shard on the H200 host: cudaMalloc
-    ran at ~900 GB/s there, the copies at 55).  Blocks that double, the
-    first as large as the staging slots (what the readers hold before any
-    copy), let the copies start after a small cudaMalloc: each next block
-    is reserved while the one before is copied, in about an eighth of that
-    copy's time.  A tensor never straddles two blocks."""
-    out, start, size, goal = {}, None, 0, max(first, 1)
-    for i, e in enumerate(entries):
-        if e.nbytes <= _SMALL_POOL_MAX:
-            continue
-        if start is None:
-            start = i
-        size += _rounded(e.nbytes)
-        if size >= goal:
-            out[start] = size
-            start, size, goal = None, 0, 2 * size
-    if start is not None:
-        out[start] = size
-    return out
 
 
 def _caching(torch):
