@@ -298,6 +298,10 @@ def _check_tree(obj, path, strings=True):
 
     Level by level, pushing only containers: a 1,188-tensor header took 6.6
     ms to parse with every value pushed, 3 ms of it here."""
+    if not isinstance(obj, list):       # a scalar root: no containers to walk
+        if strings and isinstance(obj, str):
+            _check_strings([obj], path)
+        return
     level, depth = [obj], 1
     while level:
         if depth > MAX_DEPTH and any(isinstance(v, list) for v in level):
