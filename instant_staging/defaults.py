@@ -46,6 +46,20 @@ MAX_THREADS = 16
 # io_depth=None is SLOTS_PER_THREAD per thread of the load.
 IO_DEPTH = SLOTS_PER_THREAD * MAX_THREADS
 
+# A checkpoint not in the page cache is read from disk (load_file and
+# iter_load with every knob left unset, loader/_checkpoint.py's resident()):
+# in larger reads by fewer threads, in a staging buffer of the same 128 MiB.
+# Cold MoE shard on the H200 host's virtio disk, GB/s (two rounds): 16
+# threads x 4 MiB 1.36 / 1.60, x 8 MiB 1.43 / 1.58, x 16 MiB 2.08 / 2.01;
+# 4 threads x 16 MiB 1.92 / 2.02; one thread of 64 MiB reads 1.87 / 1.71;
+# an mmap read in order (safetensors' way) 2.02 / 1.86.  Hot, 16 threads
+# of 4 MiB stay the defaults above.
+COLD_CHUNK_SIZE = 16 << 20
+COLD_THREADS = 4
+# Pages sampled (one byte each, without waiting for the disk) to tell a
+# cold checkpoint: cold when fewer than half are resident.
+COLD_SAMPLES = 8
+
 # A load that made its own staging buffer keeps it for the next load to the
 # same device (loader/_staging_pool.py): making and releasing 128 MiB cost
 # 21-28 ms a load on the H200 host.  INSTANT_STAGING_KEEP_STAGING=0 turns

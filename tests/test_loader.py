@@ -425,6 +425,78 @@ def test_staging_too_small_or_closed(tmp_path):
         load_file(path, "cpu", chunk_size=CHUNK, staging=buf)
 
 
+# -- a checkpoint the page cache lacks: the cold knobs ----------------------------
+
+def _drop_from_cache(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _cold_file(tmp_path):
+    # 8 MiB: the samples lie beyond the readahead of the header's read.
+    tensors = {f"t{i:02d}": random_tensor(torch.float32, [(64 << 10) + i], i) for i in range(32)}
+    path = save(tmp_path, tensors)
+    checkpoint = _checkpoint._Checkpoint([path])
+    try:
+        if checkpoint.resident() != 1.0:
+            pytest.skip("this file system cannot tell resident pages (no RWF_NOWAIT)")
+        _drop_from_cache(path)
+        if checkpoint.resident() >= 0.5:
+            pytest.skip("the page cache keeps this file (tmpfs?): nothing to drop")
+    finally:
+        checkpoint.close()
+    _drop_from_cache(path)      # a sample's read may have started readahead
+    return path, tensors
+
+
+def test_resident_tells_a_hot_checkpoint_from_a_cold_one(tmp_path):
+    path, _ = _cold_file(tmp_path)
+    checkpoint = _checkpoint._Checkpoint([path])
+    try:
+        assert checkpoint.resident() < 0.5
+        assert _load._for_cache(checkpoint) == {"chunk_size": ist.defaults.COLD_CHUNK_SIZE,
+                                                "io_depth": None,
+                                                "threads": ist.defaults.COLD_THREADS}
+        load_file(path)                          # reading it brings it in
+        assert checkpoint.resident() == 1.0 and _load._for_cache(checkpoint) == {}
+    finally:
+        checkpoint.close()
+
+
+def test_resident_cannot_tell_without_rwf_nowait(tmp_path, monkeypatch):
+    path = save(tmp_path, {"a": torch.zeros(8)})
+    monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
+    checkpoint = _checkpoint._Checkpoint([path])
+    try:
+        assert checkpoint.resident() is None and _load._for_cache(checkpoint) == {}
+    finally:
+        checkpoint.close()
+
+
+@pytest.mark.parametrize("knob", [None, "threads", "env"])
+def test_a_cold_load_uses_the_cold_knobs_unless_one_is_set(tmp_path, monkeypatch, knob):
+    path, tensors = _cold_file(tmp_path)
+    for name in ("INSTANT_STAGING_CHUNK_SIZE", "INSTANT_STAGING_IO_DEPTH", "INSTANT_STAGING_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    # Cold chunks this file has several of, so that the threads are not
+    # cut to its chunk count.
+    monkeypatch.setattr(_load, "COLD_CHUNK_SIZE", 256 << 10)
+    kwargs = {}
+    if knob == "threads":
+        kwargs["threads"] = 3
+    elif knob == "env":
+        monkeypatch.setenv("INSTANT_STAGING_IO_DEPTH", "6")
+    with iter_load(path, **kwargs) as it:
+        assert_same(dict(it), tensors)
+        expected = {None: ist.defaults.COLD_THREADS, "threads": 3,
+                    "env": min(ist.defaults.reader_threads(), 6)}[knob]     # <= its slots
+        assert it.threads == expected
+
+
 # -- the staging buffer: every kind, reuse, odd segments -----------------------
 
 @pytest.mark.parametrize("kind", list(KINDS), ids=lambda k: k.name)

@@ -7,6 +7,7 @@ code that owns the load once its reader threads have stopped.
 
 import os
 
+from ..defaults import COLD_SAMPLES
 from . import _gc
 from ._header import SafetensorsError, read_header
 
@@ -62,6 +63,32 @@ class _Checkpoint:
                                + (" ..." if len(unknown) > 20 else ""))
         self.entries = [(i, t) for i, t in self.entries if t.name in keep]
         self.total_bytes = sum(t.nbytes for _, t in self.entries)
+
+    def resident(self, samples=COLD_SAMPLES):
+        """The fraction of ``samples`` pages, spread evenly over the selected
+        tensors' bytes, that the page cache holds; None where the kernel or
+        the file system cannot tell without reading (no RWF_NOWAIT).  Each
+        sample is a one-byte read that never waits for the disk."""
+        nowait = getattr(os, "RWF_NOWAIT", None)
+        ranges = [(self.fds[i], t.begin, t.nbytes) for i, t in self.entries if t.nbytes]
+        if nowait is None or not ranges:
+            return None
+        total = sum(n for _, _, n in ranges)
+        targets = iter(total * (2 * k + 1) // (2 * samples) for k in range(samples))
+        byte, hits, tried, base = bytearray(1), 0, 0, 0
+        target = next(targets)
+        for fd, begin, nbytes in ranges:
+            while target is not None and target < base + nbytes:
+                try:
+                    hits += os.preadv(fd, [byte], begin + target - base, nowait) == 1
+                except BlockingIOError:
+                    pass                # not resident
+                except OSError:
+                    return None         # EOPNOTSUPP, EINVAL: this file system cannot say
+                tried += 1
+                target = next(targets, None)
+            base += nbytes
+        return hits / tried if tried else None
 
     def close(self):
         """Closes the descriptors (idempotent).  Only the code that joined

@@ -31,11 +31,18 @@ import traceback
 from typing import TYPE_CHECKING, Optional
 
 from .._types import format_size
-from ..defaults import CHUNK_SIZE, io_depth_for, reader_threads, staging_segment_size
+from ..defaults import (
+    CHUNK_SIZE,
+    COLD_CHUNK_SIZE,
+    COLD_THREADS,
+    io_depth_for,
+    reader_threads,
+    staging_segment_size,
+)
 from . import _gc, _progress, _staging_pool
 from ._checkpoint import _Checkpoint
 from ._errors import LoadError, VerifyError
-from ._options import knobs, torch_dtype
+from ._options import knobs, left_unset, torch_dtype
 from ._source import resolve
 from ._target import _import_torch, _TorchTarget
 from ._typing import Device, DType, Names, ProgressArg, Source
@@ -95,6 +102,16 @@ def _hugepages(size):
         return None
     from .._hugepages import huge_pages_free
     return huge_pages_free(size)
+
+
+def _for_cache(checkpoint):
+    """The knobs for a checkpoint the page cache mostly lacks (read from
+    disk: larger reads, fewer threads; ``defaults.COLD_CHUNK_SIZE``); none
+    for one it holds, or where that cannot be told."""
+    resident = checkpoint.resident()
+    if resident is None or resident >= 0.5:
+        return {}
+    return {"chunk_size": COLD_CHUNK_SIZE, "io_depth": None, "threads": COLD_THREADS}
 
 
 def _check_staging(staging):
@@ -274,6 +291,8 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
         try:
             src.check(checkpoint)
             checkpoint.select(names)
+            if process_group is None and left_unset(chunk_size, io_depth, threads):
+                options.update(_for_cache(checkpoint))
             target = _TorchTarget(torch, device, torch_dtype(torch, dtype))
             dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
             options["faults"] = _fault_plan(staging)

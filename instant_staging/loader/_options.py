@@ -4,7 +4,9 @@
 ``INSTANT_STAGING_CHUNK_SIZE`` (bytes, or a size such as ``8MiB``),
 ``INSTANT_STAGING_IO_DEPTH`` and ``INSTANT_STAGING_THREADS`` (integers >= 1)
 where set, else from ``instant_staging/defaults.py`` (threads: one per
-usable CPU, at most ``MAX_THREADS``).  A variable's value is checked as the
+usable CPU, at most ``MAX_THREADS``).  Where all three are left unset, a
+load whose checkpoint is not in the page cache uses the cold defaults
+(``COLD_CHUNK_SIZE``, ``COLD_THREADS``) instead.  A variable's value is checked as the
 argument would be; a bad one is a ValueError naming the variable, raised
 before anything is allocated.  An empty variable counts as unset.
 
@@ -59,6 +61,14 @@ def knobs(chunk_size, io_depth, threads):
         threads = _env_int(ENV_THREADS, lambda s: int(s, 10))
     keep_staging()      # a bad value fails here, before anything is allocated
     return chunk_size, io_depth, threads
+
+
+def left_unset(chunk_size, io_depth, threads) -> bool:
+    """Whether the caller left every knob to the loader: no argument and no
+    variable, so that the loader may choose them for the checkpoint."""
+    return (chunk_size is None and io_depth is None and threads is None
+            and not any(os.environ.get(name, "").strip()
+                        for name in (ENV_CHUNK_SIZE, ENV_IO_DEPTH, ENV_THREADS)))
 
 
 def keep_staging() -> bool:
