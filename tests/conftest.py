@@ -3,6 +3,8 @@ and GPU tests that skip cleanly on a machine without a device."""
 
 import functools
 import mmap
+import os
+import time
 
 import pytest
 
@@ -61,3 +63,32 @@ def gpu():
     if gpu_count() == 0:
         pytest.skip("needs a GPU")
     return gpu_count()
+
+
+def _drop(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def drop_from_page_cache(path):
+    """Makes the safetensors file ``path`` cold, as _Checkpoint.resident()
+    sees it; skips the test where the file system cannot drop it (tmpfs) or
+    cannot tell (no RWF_NOWAIT)."""
+    from instant_staging.loader._checkpoint import _Checkpoint
+    checkpoint = _Checkpoint([path])
+    try:
+        if checkpoint.resident() is None:
+            pytest.skip("this file system cannot tell resident pages (no RWF_NOWAIT)")
+        _drop(path)
+        if checkpoint.resident() >= 0.5:
+            pytest.skip("the page cache keeps this file (tmpfs?): nothing to drop")
+    finally:
+        checkpoint.close()
+    # The samples' reads start readahead; pages still under I/O are not
+    # dropped, so let it finish first.
+    time.sleep(0.2)
+    _drop(path)

@@ -10,6 +10,7 @@ from instant_staging.cli import load as load_cmd
 from instant_staging.testing import SimulatedRuntime
 
 from _cli import MiB, cli, cli_json, needs_no_gpu
+from conftest import drop_from_page_cache
 
 # -- load ----------------------------------------------------------------------------------
 
@@ -133,3 +134,18 @@ def test_load_staging_error_reports_the_attempts(monkeypatch, weights):
         load_cmd.load([weights[0]], chunk_size=1 * MiB, io_depth=4, runtime=rt)
     assert [a.step for a in info.value.attempts][-1] == "runtime_alloc"
     assert rt.live_registrations == 0 and rt.live_host_allocs == 0
+
+
+def test_load_reads_a_cold_checkpoint_with_the_cold_defaults(tmp_path):
+    # As load_file: every knob left unset, a checkpoint the page cache lacks.
+    import torch
+    from safetensors.torch import save_file
+    path = str(tmp_path / "m.safetensors")
+    save_file({f"t{i:02d}": torch.full([64 << 10], float(i)) for i in range(32)}, path)
+    hot = cli_json("load", path, "--device", "cpu")
+    assert (hot["chunk_size"], hot["threads"]) == (ist.defaults.CHUNK_SIZE, None)
+    drop_from_page_cache(path)
+    cold = cli_json("load", path, "--device", "cpu")
+    assert cold["ok"] and cold["tensors"] == 32
+    assert (cold["chunk_size"], cold["threads"]) == (ist.defaults.COLD_CHUNK_SIZE,
+                                                     ist.defaults.COLD_THREADS)

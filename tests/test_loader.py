@@ -31,7 +31,7 @@ from instant_staging.loader import (
 from instant_staging.testing import FaultPlan
 
 from _child import run_child
-from conftest import PAGE
+from conftest import PAGE, drop_from_page_cache
 
 CHUNK = 2 * PAGE              # small: many chunks, tensors spanning chunks
 
@@ -427,29 +427,11 @@ def test_staging_too_small_or_closed(tmp_path):
 
 # -- a checkpoint the page cache lacks: the cold knobs ----------------------------
 
-def _drop_from_cache(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _cold_file(tmp_path):
     # 8 MiB: the samples lie beyond the readahead of the header's read.
     tensors = {f"t{i:02d}": random_tensor(torch.float32, [(64 << 10) + i], i) for i in range(32)}
     path = save(tmp_path, tensors)
-    checkpoint = _checkpoint._Checkpoint([path])
-    try:
-        if checkpoint.resident() != 1.0:
-            pytest.skip("this file system cannot tell resident pages (no RWF_NOWAIT)")
-        _drop_from_cache(path)
-        if checkpoint.resident() >= 0.5:
-            pytest.skip("the page cache keeps this file (tmpfs?): nothing to drop")
-    finally:
-        checkpoint.close()
-    _drop_from_cache(path)      # a sample's read may have started readahead
+    drop_from_page_cache(path)
     return path, tensors
 
 

@@ -97,6 +97,23 @@ def sources(args):
     return args[0] if len(args) == 1 else shards
 
 
+def cold_knobs(source):
+    """The loader's knobs for ``source`` where the page cache lacks it
+    (``loader._load._for_cache``), else {}; {} too where its headers cannot
+    be read (the load reports that)."""
+    from ..loader._checkpoint import _Checkpoint
+    from ..loader._load import _for_cache
+    from ..loader._source import resolve
+    try:
+        checkpoint = _Checkpoint(resolve(source).paths)
+    except (OSError, ValueError):
+        return {}
+    try:
+        return _for_cache(checkpoint)
+    finally:
+        checkpoint.close()
+
+
 def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
          io_depth=defaults.IO_DEPTH, threads=None, verify=False, staging_bytes=None,
          allow_pageable=False, runtime=None, progress=None):

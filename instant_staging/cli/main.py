@@ -22,6 +22,7 @@ from ..loader._options import (
     ENV_IO_DEPTH,
     ENV_THREADS,
     knobs,
+    left_unset,
 )
 from .report import attempt_dict, describe_attempt, emit, error_result
 
@@ -190,6 +191,12 @@ def run_load(args, parser):
             # reports it (exit 1)
             source = args.sources[0] if len(args.sources) == 1 else list(args.sources)
         chunk_size, io_depth, threads = knobs(args.chunk_size, args.io_depth, args.threads)
+        if left_unset(args.chunk_size, args.io_depth, args.threads):
+            # As load_file: a checkpoint read from disk gets the cold defaults.
+            cold = load_cmd.cold_knobs(source)
+            chunk_size = cold.get("chunk_size", chunk_size)
+            io_depth = cold.get("io_depth", io_depth)
+            threads = cold.get("threads", threads)
     except (OSError, ValueError, TypeError) as e:
         # a missing file or directory, a bad index, a bad INSTANT_STAGING_* value
         parser.error(str(e))

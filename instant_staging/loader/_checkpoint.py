@@ -68,7 +68,8 @@ class _Checkpoint:
         """The fraction of ``samples`` pages, spread evenly over the selected
         tensors' bytes, that the page cache holds; None where the kernel or
         the file system cannot tell without reading (no RWF_NOWAIT).  Each
-        sample is a one-byte read that never waits for the disk."""
+        sample is a one-byte read that never waits for the disk (on a page
+        not cached it starts that page's readahead, as any read would)."""
         nowait = getattr(os, "RWF_NOWAIT", None)
         ranges = [(self.fds[i], t.begin, t.nbytes) for i, t in self.entries if t.nbytes]
         if nowait is None or not ranges:
