@@ -12,6 +12,7 @@ Every input is a parameter, so each decision is testable on any host.
 """
 
 import mmap
+import os
 import re
 
 from ._types import read_text as _read
@@ -27,6 +28,23 @@ _HUGE_ORDER = 9
 # its page cache holding the checkpoints, had 117 such blocks free in its
 # Normal zone: a 128 MiB buffer needs 64.)
 FREE_MARGIN = 2
+
+
+ENV = "INSTANT_STAGING_HUGEPAGES"
+
+
+def env_setting():
+    """INSTANT_STAGING_HUGEPAGES as a bool, None where unset or empty; a
+    value that is neither is a ValueError.  Where set it decides, for
+    ``StagingBuffer(hugepages=None)`` and for the loader's own buffer."""
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    if not raw:
+        return None
+    raise ValueError(f"{ENV} must be 1/true/yes/on or 0/false/no/off, got {raw!r}")
 
 
 def parse_thp(text):

@@ -40,6 +40,7 @@ from posix.unistd cimport getpid, sysconf, _SC_PAGESIZE
 
 from instant_staging._runtime cimport ERROR_RUNTIME_UNLOADING, Runtime, RuntimeTable
 
+from instant_staging._hugepages import env_setting
 from instant_staging._types import (Attempt, Kind, ReleaseError, RollbackError,
                                     StagingError, format_size)
 from instant_staging.runtime import API_NAMES
@@ -104,14 +105,8 @@ def auto_prefault_threads(size_t size, *, size_t bytes_per_thread=32 << 20,
 
 
 def _hugepages_default():
-    """INSTANT_STAGING_HUGEPAGES as a bool; a value that is neither is an error."""
-    env = os.environ.get("INSTANT_STAGING_HUGEPAGES", "").strip().lower()
-    if env in ("1", "true", "yes", "on"):
-        return True
-    if env in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError(f"INSTANT_STAGING_HUGEPAGES must be 1/true/yes/on or 0/false/no/off, "
-                     f"got {env!r}")
+    """INSTANT_STAGING_HUGEPAGES where set, else off (opt-in: docs/design.md)."""
+    return bool(env_setting())
 
 
 # -- step 2 and release: page workers (plain C threads, no GIL) ------------

@@ -56,6 +56,9 @@ def test_loader_own_buffer_follows_the_variable_where_set(monkeypatch):
     monkeypatch.setattr(hp, "huge_pages_free", lambda n: "probed")
     monkeypatch.delenv("INSTANT_STAGING_HUGEPAGES", raising=False)
     assert _load._hugepages(1 << 20) == "probed"
-    for value in ("1", "0", "off"):
+    for value, on in (("1", True), ("0", False), ("off", False), (" YES ", True)):
         monkeypatch.setenv("INSTANT_STAGING_HUGEPAGES", value)
-        assert _load._hugepages(1 << 20) is None        # StagingBuffer reads it
+        assert _load._hugepages(1 << 20) is on          # the variable decides
+    monkeypatch.setenv("INSTANT_STAGING_HUGEPAGES", "2")
+    with pytest.raises(ValueError, match="INSTANT_STAGING_HUGEPAGES"):
+        _load._hugepages(1 << 20)

@@ -96,12 +96,11 @@ def _make_staging(size, segment):
 
 
 def _hugepages(size):
-    """INSTANT_STAGING_HUGEPAGES where set (None: StagingBuffer reads it);
-    else huge pages when the host holds them free (``_hugepages.py``)."""
-    if os.environ.get("INSTANT_STAGING_HUGEPAGES", "").strip():
-        return None
-    from .._hugepages import huge_pages_free
-    return huge_pages_free(size)
+    """INSTANT_STAGING_HUGEPAGES where set; else huge pages when the host
+    holds them free (``_hugepages.py``)."""
+    from .._hugepages import env_setting, huge_pages_free
+    setting = env_setting()
+    return huge_pages_free(size) if setting is None else setting
 
 
 def _for_cache(checkpoint):
