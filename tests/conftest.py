@@ -4,7 +4,6 @@ and GPU tests that skip cleanly on a machine without a device."""
 import functools
 import mmap
 import os
-import time
 
 import pytest
 
@@ -74,21 +73,40 @@ def _drop(path):
         os.close(fd)
 
 
+def _cached_fraction(path):
+    """The fraction of ``path``'s pages in the page cache, by mincore(2):
+    unlike a read, it starts no readahead."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        pages = -(-len(m) // PAGE)
+        vec = (ctypes.c_ubyte * pages)()
+        anchor = ctypes.c_char.from_buffer(m)
+        try:
+            if libc.mincore(ctypes.addressof(anchor), len(m), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            del anchor
+        return sum(v & 1 for v in vec) / pages
+    finally:
+        m.close()
+
+
 def drop_from_page_cache(path):
     """Makes the safetensors file ``path`` cold, as _Checkpoint.resident()
-    sees it; skips the test where the file system cannot drop it (tmpfs) or
-    cannot tell (no RWF_NOWAIT)."""
+    sees it; skips the test where the file system cannot tell (no
+    RWF_NOWAIT) or cannot drop it (tmpfs).  The check after dropping is
+    mincore's: a sampling read would start readahead and warm the file."""
     from instant_staging.loader._checkpoint import _Checkpoint
     checkpoint = _Checkpoint([path])
     try:
-        if checkpoint.resident() is None:
+        if checkpoint.resident() != 1.0:        # hot: no sample reads the disk
             pytest.skip("this file system cannot tell resident pages (no RWF_NOWAIT)")
-        _drop(path)
-        if checkpoint.resident() >= 0.5:
-            pytest.skip("the page cache keeps this file (tmpfs?): nothing to drop")
     finally:
         checkpoint.close()
-    # The samples' reads start readahead; pages still under I/O are not
-    # dropped, so let it finish first.
-    time.sleep(0.2)
     _drop(path)
+    if _cached_fraction(path) > 0.1:
+        pytest.skip("the page cache keeps this file (tmpfs?): nothing to drop")

@@ -439,7 +439,8 @@ def test_resident_tells_a_hot_checkpoint_from_a_cold_one(tmp_path):
     path, _ = _cold_file(tmp_path)
     checkpoint = _checkpoint._Checkpoint([path])
     try:
-        assert checkpoint.resident() < 0.5
+        # One probe only: its sample reads start readahead, so a second
+        # one may find those pages cached.
         assert _load._for_cache(checkpoint) == {"chunk_size": ist.defaults.COLD_CHUNK_SIZE,
                                                 "io_depth": None,
                                                 "threads": ist.defaults.COLD_THREADS}
