@@ -231,6 +231,39 @@ def test_allocation_failure_is_still_a_staging_error():
 # -- huge pages: opt-in ------------------------------------------------------
 
 
+def rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+
+
+@pytest.mark.parametrize("threads, hugepages", [(0, False), (1, False), (4, False), (4, True)])
+@pytest.mark.parametrize("kind_faults", [None, "register=invalid_value"])
+def test_release_frees_every_page(threads, hugepages, kind_faults):
+    """The threads that faulted the pages free them again (MADV_DONTNEED in
+    2 MiB-aligned ranges, then munmap): a released buffer, and the mapping a
+    refused registration abandons before cudaHostAlloc, leave nothing
+    resident, whatever the thread count."""
+    size = 256 << 20
+    rt = SimulatedRuntime(faults=kind_faults)
+    before = rss()
+    buf = ist.StagingBuffer(size, runtime=rt, prefault_threads=threads, hugepages=hugepages)
+    if kind_faults is None:
+        view = memoryview(buf)
+        for offset in range(0, size, PAGE):       # resident, whatever prefaulted
+            view[offset] = 1
+        view.release()
+        assert rss() - before >= size * 0.9
+    else:
+        # Steps 1-2 mapped and faulted it; step 6 let it go before host_alloc
+        # (the simulated host_alloc's memory is not touched yet).
+        assert buf.kind is ist.Kind.RUNTIME_PINNED
+        assert rss() - before < size * 0.1
+    buf.close()
+    assert rss() - before < size * 0.1
+
+
 def vma_flags(ptr):
     """The VmFlags of the mapping holding `ptr` ('hg': MADV_HUGEPAGE)."""
     inside = False
