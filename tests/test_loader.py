@@ -435,15 +435,17 @@ def _cold_file(tmp_path):
     return path, tensors
 
 
-def test_resident_tells_a_hot_checkpoint_from_a_cold_one(tmp_path):
+def test_resident_tells_a_hot_checkpoint_from_a_cold_one(tmp_path, caplog):
     path, _ = _cold_file(tmp_path)
     checkpoint = _checkpoint._Checkpoint([path])
     try:
         # One probe only: its sample reads start readahead, so a second
         # one may find those pages cached.
-        assert _load._for_cache(checkpoint) == {"chunk_size": ist.defaults.COLD_CHUNK_SIZE,
-                                                "io_depth": None,
-                                                "threads": ist.defaults.COLD_THREADS}
+        with caplog.at_level("INFO", logger="instant_staging"):
+            assert _load._for_cache(checkpoint) == {"chunk_size": ist.defaults.COLD_CHUNK_SIZE,
+                                                    "io_depth": None,
+                                                    "threads": ist.defaults.COLD_THREADS}
+        assert "reading it from disk in 16 MiB pieces with 4 threads" in caplog.text
         load_file(path)                          # reading it brings it in
         assert checkpoint.resident() == 1.0 and _load._for_cache(checkpoint) == {}
     finally:

@@ -24,6 +24,7 @@ Who owns what, at each moment:
   cancel, and closes the generator.
 """
 
+import logging
 import os
 import sys
 import threading
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from .._staging import StagingBuffer
+
+log = logging.getLogger("instant_staging")
 
 # How often the consumer wakes to report progress while no tensor finishes.
 _POLL_SECONDS = 0.05
@@ -110,6 +113,10 @@ def _for_cache(checkpoint):
     resident = checkpoint.resident()
     if resident is None or resident >= 0.5:
         return {}
+    log.info("%.0f%% of the sampled pages of the checkpoint are in the page cache: reading it "
+             "from disk in %s pieces with %d threads (chunk_size=, io_depth=, threads= or "
+             "INSTANT_STAGING_* choose otherwise)", 100 * resident, format_size(COLD_CHUNK_SIZE),
+             COLD_THREADS)
     return {"chunk_size": COLD_CHUNK_SIZE, "io_depth": None, "threads": COLD_THREADS}
 
 
