@@ -4,7 +4,9 @@ instant_staging as the tests (the built tree or the installed wheel).
 The child runs in an empty directory, with the package's parent first on
 PYTHONPATH: from the repository root a bare ``import instant_staging``
 would otherwise find the unbuilt sources when the tests run against an
-installed wheel (tox).
+installed wheel (tox).  That directory is also its TMPDIR, so whatever the
+child makes with ``tempfile`` (checkpoints of up to 64 MiB) goes with it:
+left in /tmp, they had filled this host's disk over many runs (61 GB).
 """
 
 import os
@@ -32,7 +34,8 @@ def run_script(path, *args, timeout=300, env=None):
     """subprocess.CompletedProcess of ``python path args`` (a benchmark
     script), importing the package under test, run in an empty directory."""
     with tempfile.TemporaryDirectory() as cwd:
-        return subprocess.run([sys.executable, path, *args], cwd=cwd, env=child_env(env),
+        return subprocess.run([sys.executable, path, *args], cwd=cwd,
+                              env={**child_env(env), "TMPDIR": cwd},
                               capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -44,4 +47,5 @@ def run_child(code, *, timeout=120, env=None):
         p for p in (PACKAGE_PARENT, child_env.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory() as cwd:
         return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd,
-                              env=child_env, capture_output=True, text=True, timeout=timeout)
+                              env={**child_env, "TMPDIR": cwd}, capture_output=True, text=True,
+                              timeout=timeout)
