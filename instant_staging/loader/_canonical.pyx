@@ -158,10 +158,7 @@ def read(bytes raw, dict dtypes):
     c.end = len(raw)
     while c.end > 0 and c.s[c.end - 1] == c' ':
         c.end -= 1
-    if not _char(&c, c'{'):
-        return None
     metadata = None
-    c.pos = 0
     if _literal(&c, b'{"__metadata__":', 16):
         metadata = _metadata(&c)
         if metadata is None:
@@ -170,8 +167,8 @@ def read(bytes raw, dict dtypes):
             return (metadata, []) if c.pos == c.end else None
         if not _char(&c, c','):
             return None
-    else:
-        c.pos = 1
+    elif not _char(&c, c'{'):
+        return None
     entries, names = [], set()
     while True:
         entry = _entry(&c, dtypes)
