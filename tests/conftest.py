@@ -64,6 +64,12 @@ def gpu():
     return gpu_count()
 
 
+
+def rss():
+    """Resident bytes of this process, from /proc/self/statm."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
 def _drop(path):
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -23,6 +23,7 @@ from instant_staging.loader._pipeline import Pipeline, Plan
 from instant_staging.testing import FaultPlan, SimulatedRuntime
 
 from _child import run_child
+from conftest import rss
 from test_loader import CHUNK, SimTarget, assert_same, mixed_tensors, save, sim_load, sim_staging
 
 
@@ -455,10 +456,6 @@ def test_bad_paths_of_every_type_are_safetensors_errors(tmp_path):
 @pytest.mark.skipif(sys.platform != "linux", reason="RSS from /proc")
 def test_repeated_cancelled_loads_leak_nothing(tmp_path):
     path = save(tmp_path, big_tensors(32, numel=32 << 10, seed=7))
-
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def one():
         it = iter_load(path, "cpu", chunk_size=8192, threads=3)

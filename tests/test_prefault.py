@@ -20,7 +20,7 @@ import instant_staging as ist
 from instant_staging.testing import SimulatedRuntime
 
 from _child import PACKAGE_PARENT
-from conftest import KIND_FAULTS, PAGE, SEG, SIZE
+from conftest import KIND_FAULTS, PAGE, SEG, SIZE, rss
 
 HUGE = 2 << 20
 TOO_BIG = 1 << 60               # mmap would fail: a ValueError proves nothing was tried
@@ -229,13 +229,6 @@ def test_allocation_failure_is_still_a_staging_error():
 
 
 # -- huge pages: opt-in ------------------------------------------------------
-
-
-def rss():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
 
 
 @pytest.mark.parametrize("threads, hugepages", [(0, False), (1, False), (4, False), (4, True)])

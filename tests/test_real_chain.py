@@ -9,7 +9,7 @@ import pytest
 
 import instant_staging as ist
 
-from conftest import gpu_count
+from conftest import gpu_count, rss
 
 pytestmark = pytest.mark.skipif(gpu_count() > 0, reason="a GPU is present: pinning succeeds")
 
@@ -17,14 +17,9 @@ SIZE = 64 << 20
 SEG = 16 << 20
 
 
-def rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
 def test_whole_chain_fails_cleanly_with_the_runtimes_names():
     rt = ist.real_runtime()
-    before = rss_bytes()
+    before = rss()
     with pytest.raises(ist.StagingError) as info:
         # Prefaulted, so a leaked mapping would show in the resident size.
         ist.StagingBuffer(SIZE, segment_size=SEG, prefault_threads=2)
@@ -36,7 +31,7 @@ def test_whole_chain_fails_cleanly_with_the_runtimes_names():
     prefix = "hipError" if ist.BACKEND == "rocm" else "cudaError"
     assert all(a.name == rt.error_name(err.code) and a.name.startswith(prefix) for a in failed)
     assert failed[0].name in str(err) and "allow_pageable" in str(err)
-    assert rss_bytes() - before < SIZE // 4          # the ordinary memory was freed
+    assert rss() - before < SIZE // 4          # the ordinary memory was freed
 
 
 def test_allow_pageable_still_returns_a_usable_buffer():

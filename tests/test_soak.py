@@ -19,7 +19,7 @@ import instant_staging as ist
 from instant_staging import _staging
 from instant_staging.testing import SimulatedRuntime
 
-from conftest import PAGE
+from conftest import rss
 
 SIZE = 64 << 10
 SEG = 16 << 10
@@ -45,12 +45,6 @@ PATHS = [
 # Under AddressSanitizer (tools/asan_check.sh) freed memory sits in ASan's
 # quarantine and shadow memory grows: RSS says nothing there.
 UNDER_ASAN = "asan" in os.environ.get("LD_PRELOAD", "")
-
-
-def rss():
-    """Resident bytes of this process, from /proc/self/statm."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
 
 
 def cycle(i, fill):
