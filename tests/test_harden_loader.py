@@ -107,6 +107,39 @@ def test_buffer_closed_after_use_was_impossible_to_crash_in_a_child():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
+def test_interpreter_exit_while_a_daemon_thread_still_allocates():
+    # The exit hook lets a consumer that is still allocating its tensors run
+    # to its next provide() and waits until it parks there (``parked``), up
+    # to _PARK_WAIT.  Here that wait is 60 s: an exit that took it would mean
+    # the consumer parked without saying so.
+    code = """
+        import os, tempfile, threading, time, torch
+        from safetensors.torch import save_file
+        from instant_staging.loader import _load, _pipeline, iter_load
+        _pipeline._PARK_WAIT = 60.0
+        p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+        save_file({f"t{i:04d}": torch.full((16,), i, dtype=torch.int32) for i in range(2000)}, p)
+        allocating = threading.Event()
+        allocate = _load._allocate
+        def slow_allocate(*args):
+            allocating.set()
+            time.sleep(0.005)          # 2,000 tensors: 10 s of allocating
+            return allocate(*args)
+        _load._allocate = slow_allocate
+        def load():
+            for _ in iter_load(p, "cpu", threads=2):
+                pass
+        threading.Thread(target=load, daemon=True).start()
+        allocating.wait(30)
+        time.sleep(0.05)
+        print("exiting", time.monotonic(), flush=True)
+    """
+    t0 = time.monotonic()
+    r = run_child(code, timeout=120)
+    assert r.returncode == 0 and "exiting" in r.stdout, (r.returncode, r.stderr[-2000:])
+    assert time.monotonic() - t0 < 30, "the exit hook waited for a consumer that had parked"
+
+
 @pytest.mark.parametrize("own", [False, True], ids=["user_buffer", "own_slots"])
 def test_interpreter_exit_while_a_daemon_thread_loads(own):
     # Issue 10: the atexit hook released a buffer under running readers
