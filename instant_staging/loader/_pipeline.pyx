@@ -560,14 +560,17 @@ cdef bint _exiting = False
 cdef pthread_t _exit_thread
 
 
-cdef void _park_if_exiting() noexcept nogil:
+cdef void _park_if_exiting(bint* parked=NULL) noexcept nogil:
     # At exit only daemon threads are left besides the main thread; one
     # that resumed would race the interpreter's finalization through
     # Python and torch code (torch aborts the process when a daemon thread
     # is caught inside one of its calls: "terminate called without an
     # active exception", 4 of 8 runs here).  Parked without the GIL it is
-    # simply dropped with the process.
+    # simply dropped with the process.  ``parked`` (where given) is set
+    # first: the exit hook waits for it.
     if _exiting and not pthread_equal(pthread_self(), _exit_thread):
+        if parked != NULL:
+            parked[0] = True
         while True:
             sleep(3600)
 
@@ -874,10 +877,8 @@ cdef class Pipeline:
         cdef Py_ssize_t n = len(dsts), i, first
         if not self.sync_init or self.plan is None:
             raise RuntimeError("Pipeline was not initialised")
-        if _exiting and not pthread_equal(pthread_self(), _exit_thread):
-            self.parked = True          # the exit hook waits for this
-            with nogil:
-                _park_if_exiting()
+        with nogil:
+            _park_if_exiting(&self.parked)
         if self.closed:
             return False
         first = self.sh.n_ready      # only this thread writes n_ready
