@@ -104,11 +104,6 @@ def auto_prefault_threads(size_t size, *, size_t bytes_per_thread=32 << 20,
     return threads if threads >= 2 else 0
 
 
-def _hugepages_default():
-    """INSTANT_STAGING_HUGEPAGES where set, else off (opt-in: docs/design.md)."""
-    return bool(env_setting())
-
-
 # -- step 2 and release: page workers (plain C threads, no GIL) ------------
 
 from instant_staging._pthread cimport pthread_t, pthread_create, pthread_join
@@ -302,7 +297,8 @@ cdef class StagingBuffer:
                 raise ValueError(f"prefault_threads must be <= {MAX_PREFAULT_THREADS}, "
                                  f"got {prefault_threads}")
         if hugepages is None:
-            hugepages = _hugepages_default()
+            # INSTANT_STAGING_HUGEPAGES where set, else off (opt-in: docs/design.md).
+            hugepages = bool(env_setting())
         if runtime is None:
             from instant_staging.runtime import default_runtime
             runtime = default_runtime()
