@@ -89,7 +89,8 @@ def run_pipe(plan, dsts, threads, staging=None, depth=None, device=None, skip=0)
 
 
 def section_phases(torch, name, paths, device, repeat, out):
-    """One default load, step by step (what _load does, timed)."""
+    """One default load, step by step (what _load does, timed; the staging
+    buffer here in this thread, where a load makes it beside the blocks)."""
     rows = []
     for _ in range(repeat):
         t = {}
@@ -99,8 +100,13 @@ def section_phases(torch, name, paths, device, repeat, out):
         dtypes = [target.check(e, paths[i]) for i, e in ck.entries]
         t["headers"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        plan = Plan([(ck.fds[i], e.begin, e.end) for i, e in ck.entries], loader.DEFAULT_CHUNK_SIZE)
+        start = L._plan(ck, target, dtypes, loader.DEFAULT_CHUNK_SIZE, None, True)
+        plan = start.plan
         t["plan"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        target.before_copies()
+        blocks = target.allocate_blocks(start.runs, ck.entries, dtypes)
+        t["blocks"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         depth = min(loader.DEFAULT_IO_DEPTH, plan.n_chunks)
         gpu = device.type == "cuda"
@@ -110,11 +116,11 @@ def section_phases(torch, name, paths, device, repeat, out):
         t1 = time.perf_counter()
         pipe = Pipeline(plan, threads=reader_threads(), staging=buf, depth=depth,
                         device=target.index if gpu else None)
-        target.before_copies()
         t["pipeline"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         handles = []
-        L._start(pipe, handles, target, ck.entries, dtypes)
+        L._start(pipe, handles, target, ck.entries, dtypes, start.runs, blocks)
+        del blocks
         t["allocate_while_running"] = time.perf_counter() - t1
         first = None
         while True:

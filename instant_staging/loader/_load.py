@@ -1,10 +1,18 @@
 """The load itself: the plan, the reader pipeline, the consumer.
 
-Each tensor gets its own allocation of the file's dtype and shape, and
-reader threads (``_pipeline.pyx``, C, no GIL) read chunks of ``chunk_size``
+On a GPU, tensors lying back to back in a file share one device block
+and are handed out as views of it (``_blocks.py``; ``views=False``: each
+its own allocation, as everywhere else), and reader threads (``_pipeline.pyx``, C, no GIL) read chunks of ``chunk_size``
 into the staging buffer's slots and copy them out: to a GPU through the
 buffer's runtime table on their own streams, with an event per slot so that
 a slot is refilled only after its copy finished; to the CPU with memcpy.
+
+A first load in a fresh process pays CUDA's start, its staging buffer and
+its device memory: the buffer is made in a thread of its own
+(``_StagingStart``) once the headers are checked and the device is known
+to be there, while this thread starts torch's CUDA, allocates the blocks
+and starts the readers' plan; the readers copy only once the buffer is
+made (its registration done: no copy from an unregistered range).
 
 Who owns what, at each moment:
 
@@ -12,6 +20,10 @@ Who owns what, at each moment:
   until the generator's ``finally`` (or ``LoadIterator.close()`` for a load
   that never started) closes them, always after ``Pipeline.close()`` joined
   the readers, so no reader can ever read a reused descriptor number;
+- a staging buffer being made belongs to the load's ``_StagingStart``
+  (its thread, then the start itself) until the load takes it; a load
+  that ends before that (an error, a close, Ctrl-C) joins the thread and
+  gives the buffer to ``_staging_pool`` (a forked child drops its copy);
 - the staging buffer is held by the Pipeline from its construction until
   its threads are joined (``StagingBuffer.close()`` raises meanwhile); a
   buffer the load made itself (or took from an earlier load) then goes
@@ -29,6 +41,7 @@ import os
 import sys
 import threading
 import traceback
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Optional
 
 from .._types import format_size
@@ -40,7 +53,7 @@ from ..defaults import (
     reader_threads,
     staging_segment_size,
 )
-from . import _gc, _progress, _staging_pool
+from . import _blocks, _gc, _progress, _staging_pool
 from ._checkpoint import _Checkpoint
 from ._errors import LoadError, VerifyError
 from ._options import knobs, left_unset, torch_dtype
@@ -77,6 +90,54 @@ def _own_staging(device, size, slot_bytes):
     """
     segment = staging_segment_size(slot_bytes)
     return _staging_pool.take(device, size, segment, lambda: _make_staging(size, segment))
+
+
+class _StagingStart:
+    """A load's own staging buffer, made by a thread of its own
+    (``_own_staging``) while the load goes on: 128 MiB take 6-13 ms to
+    prefault and register on the H200 host, and in a fresh process their
+    registration waits for CUDA's context as torch's start does.
+
+    ``take()`` waits for it and hands it over (or raises its error);
+    ``abandon()``, for a load that ends before taking it, waits for it and
+    gives it to ``_staging_pool``.  Exactly one of the two is called."""
+
+    def __init__(self, device, size, slot_bytes):
+        self._device, self._pid = device, os.getpid()
+        self._buf = self._error = None
+        self._thread = threading.Thread(target=self._make, args=(device, size, slot_bytes),
+                                        name="instant_staging-staging")
+        try:
+            self._thread.start()
+        except RuntimeError:            # no thread to be had: make it here
+            self._thread = None
+            self._make(device, size, slot_bytes)
+
+    def _make(self, device, size, slot_bytes):
+        try:
+            self._buf = _own_staging(device, size, slot_bytes)
+        except BaseException as e:      # raised by take(), in the load's thread
+            self._error = e
+
+    def _join(self):
+        # In a forked child the thread is not there: join() returns at once.
+        if self._thread is not None:
+            self._thread.join()
+
+    def take(self):
+        self._join()
+        buf, error, self._buf, self._error = self._buf, self._error, None, None
+        if error is not None:
+            raise error
+        return buf
+
+    def abandon(self):
+        self._join()
+        buf, self._buf, self._error = self._buf, None, None
+        if buf is not None and os.getpid() == self._pid:
+            _staging_pool.give(self._device, buf)
+        # (a forked child's copy goes with the object: StagingBuffer's
+        # release in a child only drops the child's mapping)
 
 
 def _make_staging(size, segment):
@@ -168,9 +229,10 @@ class _LoadState:
     iterator both point here (never at each other), so dropping the
     iterator frees the load at once."""
 
-    __slots__ = ("cancelled", "finished", "pipe", "staging_kind", "threads")
+    __slots__ = ("cancelled", "finished", "pipe", "staging_kind", "start", "threads")
 
-    def __init__(self):
+    def __init__(self, start=None):
+        self.start = start      # a _Start until the generator takes its parts
         self.pipe = None
         self.staging_kind = None
         self.threads = None
@@ -191,8 +253,9 @@ class LoadIterator:
     """
 
     def __init__(self, checkpoint, target, dtypes, *, staging=None, chunk_size=CHUNK_SIZE,
-                 io_depth=None, threads=None, verify=False, progress=None, faults=None):
-        self._state = _LoadState()
+                 io_depth=None, threads=None, verify=False, progress=None, faults=None,
+                 start=None):
+        self._state = _LoadState(start)
         self._lock = threading.RLock()     # one next() or close() at a time
         self._pid = os.getpid()
         self._checkpoint = checkpoint
@@ -246,6 +309,7 @@ class LoadIterator:
                 # generator sees the cancel and cleans up as it unwinds.
                 return
             self._generator.close()      # frees the tensors and the load's buffer
+            _abandon(state)              # (a generator that never ran took nothing)
             self._checkpoint.close()     # (the generator's finally did, if it ran)
 
     def _close_in_fork_child(self):
@@ -256,6 +320,7 @@ class LoadIterator:
             self._state.pipe.close()
         if not self._generator.gi_running:
             self._generator.close()
+        _abandon(self._state)
         self._checkpoint.close()
 
     def __enter__(self) -> "LoadIterator":
@@ -276,13 +341,16 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
               process_group: Optional["ProcessGroup"] = None, chunk_size: Optional[int] = None,
               io_depth: Optional[int] = None, threads: Optional[int] = None,
               staging: Optional["StagingBuffer"] = None, verify: bool = False,
-              progress: ProgressArg = None) -> "LoadIterator":
+              progress: ProgressArg = None, views: bool = True) -> "LoadIterator":
     """Loads safetensors file(s), yielding ``(name, tensor)`` as each finishes.
 
     Headers are parsed and validated when this is called; the load runs
     while the iterator is consumed.  Arguments are those of ``load_file``.
     """
-    def prepare():
+    if not isinstance(views, bool):
+        raise TypeError(f"views must be a bool, not {type(views).__name__}")
+
+    def prepare(single=False):
         knobs_ = knobs(chunk_size, io_depth, threads)
         _check_args(*knobs_)
         if staging is not None:
@@ -294,15 +362,23 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
         torch = _import_torch()
         src = resolve(source)
         checkpoint = _Checkpoint(src.paths)
+        start = None
         try:
             src.check(checkpoint)
             checkpoint.select(names)
-            if process_group is None and left_unset(chunk_size, io_depth, threads):
+            if single and left_unset(chunk_size, io_depth, threads):
                 options.update(_for_cache(checkpoint))
-            target = _TorchTarget(torch, device, torch_dtype(torch, dtype))
+            target = _TorchTarget(torch, device, torch_dtype(torch, dtype), open=False)
             dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
             options["faults"] = _fault_plan(staging)
+            if single:
+                start = options["start"] = _plan(checkpoint, target, dtypes, options["chunk_size"],
+                                                 options["faults"], views)
+            target.open()       # in a fresh process: CUDA's start
+            if start is not None:
+                start.staging = _begin_staging(target, start.plan, options)
         except BaseException:
+            _abandon(SimpleNamespace(start=start))
             checkpoint.close()
             raise
         return checkpoint, target, dtypes, options
@@ -310,7 +386,7 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     if process_group is not None:
         from ._distributed import iter_load_group
         return iter_load_group(prepare, process_group)
-    checkpoint, target, dtypes, options = prepare()
+    checkpoint, target, dtypes, options = prepare(single=True)
     return LoadIterator(checkpoint, target, dtypes, **options)
 
 
@@ -318,7 +394,7 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
               process_group: Optional["ProcessGroup"] = None, chunk_size: Optional[int] = None,
               io_depth: Optional[int] = None, threads: Optional[int] = None,
               staging: Optional["StagingBuffer"] = None, verify: bool = False,
-              progress: ProgressArg = None) -> dict[str, "torch.Tensor"]:
+              progress: ProgressArg = None, views: bool = True) -> dict[str, "torch.Tensor"]:
     """Loads safetensors file(s) into ``{name: tensor}`` on ``device``.
 
     source      a .safetensors path; a list of them (a name in two shards is an
@@ -354,48 +430,103 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
                 file is the one intended: safetensors carries no checksum.
     progress    progress(done_bytes, total_bytes), called from this thread; or
                 True: a tqdm bar (a plain line per 10% without tqdm or a terminal)
+    views       on a GPU, tensors that lie back to back in a file share one
+                device block and are views of it (one copy per chunk however
+                many tensors it holds); a view keeps its whole block alive.
+                False: each tensor owns its memory, as on the CPU, for tensors
+                that dtype= converts, and under a process group (loader/_blocks.py)
 
-    Tensors have the file's shape (and dtype, unless ``dtype``) and each owns
-    its memory.  A read or copy that fails raises LoadError after waiting for
+    Tensors have the file's shape (and dtype, unless ``dtype``).  A read or copy that fails raises LoadError after waiting for
     the copies in flight and freeing every tensor of the load; the staging
     buffer stays reusable.
     """
     with iter_load(source, device, dtype=dtype, names=names, process_group=process_group,
                    chunk_size=chunk_size, io_depth=io_depth, threads=threads, staging=staging,
-                   verify=verify, progress=progress) as it:
+                   verify=verify, progress=progress, views=views) as it:
         loaded = dict(it)
         return {name: loaded[name] for name in it.names}
 
 
 # -- the load itself ---------------------------------------------------------
 
+class _Start:
+    """What ``iter_load`` prepared for a load of its own: the plan, its runs
+    (``_blocks.py``) and the staging buffer being made (or None)."""
+
+    __slots__ = ("plan", "runs", "staging")
+
+    def __init__(self, plan, run_list):
+        self.plan, self.runs, self.staging = plan, run_list, None
+
+
+def _plan(checkpoint, target, dtypes, chunk_size, faults, views):
+    """The load's ``_Start``: which tensors share a block, and the chunks."""
+    from ._pipeline import Plan
+    entries = checkpoint.entries
+    joins = [views and target.joins(d, t.nbytes, views) for (_, t), d in zip(entries, dtypes)]
+    run_list = _blocks.runs(entries, joins)
+    plan = Plan([(checkpoint.fds[i], t.begin, t.end) for i, t in entries], chunk_size,
+                faults=faults, packed=_blocks.packed(run_list))
+    return _Start(plan, run_list)
+
+
+def _depth(plan, io_depth, threads):
+    # No load uses more slots than it has chunks (io_depth=10**11 is fine).
+    return min(io_depth_for(io_depth, threads), max(plan.n_chunks, 1))
+
+
+def _begin_staging(target, plan, options):
+    """Starts making the load's own staging buffer (a GPU load given none)."""
+    from ._pipeline import DEVICE
+    if options["staging"] is not None or target.mode != DEVICE:
+        return None
+    depth = _depth(plan, options["io_depth"], reader_threads(options["threads"]))
+    slot = max(plan.max_chunk, 1)
+    return _StagingStart(target.index, depth * slot, slot)
+
+
+def _abandon(state):
+    """Gives back what a load's ``_Start`` still holds (nothing once taken)."""
+    start, state.start = state.start, None
+    if start is not None and start.staging is not None:
+        start.staging.abandon()
+
+
 def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, threads,
           verify, progress, faults):
     """The generator behind LoadIterator; ``state`` receives the pipeline,
     the staging kind and the thread count."""
-    from ._pipeline import DEVICE, Pipeline, Plan
+    from ._pipeline import DEVICE, Pipeline
     entries = checkpoint.entries
     device = target.index if target.mode == DEVICE else None
     owned = staging is None and device is not None
     buf = None if owned else staging
     handles = []
     pipe = None
+    start = state.start             # this generator's: taken, or abandoned below
     try:
-        plan = Plan([(checkpoint.fds[i], t.begin, t.end) for i, t in entries], chunk_size,
-                    faults=faults if faults is not None else _fault_plan(staging))
+        if start is None:           # a LoadIterator made without iter_load
+            start = state.start = _plan(checkpoint, target, dtypes, chunk_size,
+                                        faults if faults is not None else _fault_plan(staging), False)
+        plan, run_list = start.plan, start.runs
         threads = reader_threads(threads)
-        io_depth = io_depth_for(io_depth, threads)
-        # No load uses more slots than it has chunks (io_depth=10**11 is fine).
-        depth = min(io_depth, max(plan.n_chunks, 1))
+        depth = _depth(plan, io_depth, threads)
+        # torch's CUDA (in a fresh process, its start) and the tensors'
+        # blocks, while the staging buffer is made.
+        target.before_copies()
+        blocks = (target.allocate_blocks(run_list, entries, dtypes)
+                  if any(r.block for r in run_list) else {})
         if owned:
-            buf = _own_staging(device, depth * plan.max_chunk, plan.max_chunk)
+            making, start.staging = start.staging, None
+            buf = (making.take() if making is not None else
+                   _own_staging(device, depth * max(plan.max_chunk, 1), max(plan.max_chunk, 1)))
         # Holds buf from here until its threads are joined (pipe.close()).
         pipe = Pipeline(plan, threads=threads, staging=buf, depth=depth, device=device)
         state.pipe = pipe
         state.staging_kind = buf.kind if buf is not None else None
         state.threads = pipe.n_threads
-        target.before_copies()
-        _start(pipe, handles, target, entries, dtypes)
+        _start(pipe, handles, target, entries, dtypes, run_list, blocks)
+        del blocks                  # the views hold them now
         runtime = buf.runtime if buf is not None else None
         yield from _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime)
         state.finished = True
@@ -408,34 +539,44 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
         if pipe is not None:
             pipe.close()           # stop, join: no copy in flight into what we free next
         handles.clear()
+        _abandon(state)            # a buffer still being made when the load failed
         if owned and buf is not None:
             _staging_pool.give(device, buf)     # kept for the next load, or closed
         checkpoint.close()         # only now: no reader can use a reused fd number
 
 
-def _start(pipe, handles, target, entries, dtypes):
-    """Starts the pipeline, then allocates the tensors (in reading order)
-    while the threads already read, handing them over in batches: a thread
-    waits only for the tensors of its own chunk.  1,188 tensors of a MoE
-    shard took 26 ms to allocate on the H200 host, a third of the 76 ms
-    their bytes take to load; before, every byte waited for the last
-    allocation.  The threads also fill their slots while torch reserves the
-    tensors' block (``reserve``: one cudaMalloc of the load's size, ~4 ms
-    for 3.6 GB there).
+def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
+    """Starts the pipeline, then hands it every tensor's address in reading
+    order: views of a block at once (``blocks``: allocated before), tensors
+    of their own as they are allocated, while the threads already read, in
+    batches: a thread waits only for the tensors of its own chunk.  1,188
+    tensors of a MoE shard took 26 ms to allocate one by one on the H200
+    host, a third of the 76 ms their bytes take to load; before, every byte
+    waited for the last allocation.  The threads also fill their slots
+    while torch reserves those tensors' memory (``reserve``: one cudaMalloc
+    of their size, ~4 ms for 3.6 GB there).
 
     (``before_copies`` ran first: allocating queues no GPU work, so every
     block handed out here was freed by work that has finished.)"""
-    n, i = len(entries), 0
     try:
         with _gc.paused():
             pipe.start([], more=True)
-            target.reserve([e for _, e in entries])
-            while i < n:
-                end = min(n, i + (_FIRST_BATCH if i == 0 else _BATCH))
-                if not pipe.provide([_allocate(handles, target, entries[k][1], dtypes[k])
-                                     for k in range(i, end)]):
-                    break       # cancelled: _drive reports it
-                i = end
+            target.reserve([entries[k][1] for r, run in enumerate(run_list) if r not in blocks
+                            for k in range(run.first, run.stop)])
+            ptrs, batch = [], _FIRST_BATCH
+            for r, run in enumerate(run_list):
+                block = blocks.get(r)
+                if block is not None:
+                    for handle, ptr in target.place(run, block, entries, dtypes):
+                        handles.append(handle)
+                        ptrs.append(ptr)
+                else:
+                    ptrs.extend(_allocate(handles, target, entries[k][1], dtypes[k])
+                                for k in range(run.first, run.stop))
+                if len(ptrs) >= batch or r == len(run_list) - 1:
+                    if not pipe.provide(ptrs):
+                        break       # cancelled: _drive reports it
+                    ptrs, batch = [], _BATCH
     finally:
         pipe.done_providing()
 
@@ -459,7 +600,7 @@ def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
             progress(done, total)
             reported = done
         for i in finished:
-            handle, handles[i] = handles[i], None   # the consumer's from now on
+            handle, handles[i] = target.tensor(handles[i]), None   # the consumer's from now on
             if verify:
                 _verify(checkpoint, i, target, handle)
             left -= 1

@@ -287,16 +287,43 @@ cdef int _read_chunk(Shared* sh, Py_ssize_t c, char* slot) noexcept nogil:
     return 0
 
 
+cdef Py_ssize_t _next_copy(Shared* sh, Chunk* ch, Py_ssize_t i, size_t* src, char** dst,
+                           size_t* nbytes) noexcept nogil:
+    """Pieces i, i + 1, ... of chunk ``ch`` as one copy while each piece's
+    destination follows the previous one's (the tensors of one device block,
+    ``loader/_blocks.py``: a chunk of 4 MiB holding 500 norms is one copy,
+    not 500): sets the copy's offset in the slot, its destination and its
+    length; returns the piece after it.  Pieces tile their chunk in order,
+    so the slot side is always contiguous.  A piece with a copy fault ends
+    the copy before it (the caller fails that piece, as ``copy#N`` says)."""
+    cdef Py_ssize_t end = ch.first_piece + ch.n_pieces
+    cdef Piece* p = &sh.pieces[i]
+    src[0] = p.offset
+    dst[0] = <char*>(sh.dsts[p.tensor] + <intptr_t>p.dst_offset)
+    nbytes[0] = p.nbytes
+    i += 1
+    while i < end:
+        p = &sh.pieces[i]
+        if p.fault != 0 or <char*>(sh.dsts[p.tensor] + <intptr_t>p.dst_offset) != dst[0] + nbytes[0]:
+            break
+        nbytes[0] += p.nbytes
+        i += 1
+    return i
+
+
 cdef int _copy_host(Shared* sh, Py_ssize_t c, char* slot) noexcept nogil:
     cdef Chunk* ch = &sh.chunks[c]
     cdef Piece* p
-    cdef Py_ssize_t i
-    for i in range(ch.first_piece, ch.first_piece + ch.n_pieces):
+    cdef Py_ssize_t i = ch.first_piece, end = ch.first_piece + ch.n_pieces
+    cdef size_t src, nbytes
+    cdef char* dst
+    while i < end:
         p = &sh.pieces[i]
         if p.fault != 0:            # a copy rule of the fault plan
             _fail(sh, ERR_RUNTIME, p.fault, CALL_HOST_MEMCPY, c, ch.offset + <int64_t>p.offset)
             return -1
-        memcpy(<void*>(sh.dsts[p.tensor] + <intptr_t>p.dst_offset), slot + p.offset, p.nbytes)
+        i = _next_copy(sh, ch, i, &src, &dst, &nbytes)
+        memcpy(dst, slot + src, nbytes)
     _complete(sh, c)
     return 0
 
@@ -306,16 +333,19 @@ cdef int _copy_device(Worker* w, Py_ssize_t c, int s) noexcept nogil:
     cdef RuntimeTable* rt = sh.rt
     cdef Chunk* ch = &sh.chunks[c]
     cdef Piece* p
-    cdef Py_ssize_t i
+    cdef Py_ssize_t i = ch.first_piece, end = ch.first_piece + ch.n_pieces
+    cdef size_t src, nbytes
+    cdef char* dst
     cdef int code
-    for i in range(ch.first_piece, ch.first_piece + ch.n_pieces):
+    while i < end:
         p = &sh.pieces[i]
         if p.fault != 0:            # a copy rule: fails as the runtime would, uncalled
             _fail(sh, ERR_RUNTIME, p.fault, CALL_MEMCPY, c, ch.offset + <int64_t>p.offset)
             return -1
-        code = rt.memcpy_async(rt.ctx, <void*>(sh.dsts[p.tensor] + <intptr_t>p.dst_offset),
-                               w.slots[s] + p.offset, p.nbytes, MEMCPY_HOST_TO_DEVICE, w.stream)
-        if _runtime_call(w, code, CALL_MEMCPY, c, ch.offset + <int64_t>p.offset):
+        i = _next_copy(sh, ch, i, &src, &dst, &nbytes)
+        code = rt.memcpy_async(rt.ctx, <void*>dst, w.slots[s] + src, nbytes,
+                               MEMCPY_HOST_TO_DEVICE, w.stream)
+        if _runtime_call(w, code, CALL_MEMCPY, c, ch.offset + <int64_t>src):
             return -1
     if _runtime_call(w, rt.event_record(rt.ctx, w.events[s], w.stream),
                      CALL_EVENT_RECORD, c, ch.offset):
@@ -410,10 +440,16 @@ cdef bint _has_copy_entries(RuntimeTable* t) noexcept:
 # -- the plan ----------------------------------------------------------------
 
 cdef class Plan:
-    """Plan(tensors, chunk_size, *, faults=None): chunks and pieces of a load.
+    """Plan(tensors, chunk_size, *, faults=None, packed=False): chunks and
+    pieces of a load.
 
     ``tensors`` is a sequence of ``(fd, begin, end)`` file ranges, in
     reading order (file, then offset); tensor i is the i-th of them.
+    ``packed``: the tensors' destinations follow each other wherever their
+    file ranges do (views into device blocks), so a chunk's pieces are one
+    copy however many tensors it holds, and chunks are cut every
+    ``chunk_size`` bytes; otherwise a tensor that fits in one chunk starts
+    a new chunk rather than being split (one copy per tensor).
     ``faults`` is a ``FaultPlan`` (or None) whose ``read`` and ``copy``
     rules are resolved here, by position (see the module docstring).
     Allocates nothing but its own tables; no file is read.
@@ -428,7 +464,7 @@ cdef class Plan:
     cdef readonly size_t max_chunk       # the longest chunk: what a slot must hold
     cdef readonly unsigned long long total_bytes
 
-    def __init__(self, tensors, chunk_size, *, faults=None):
+    def __init__(self, tensors, chunk_size, *, faults=None, bint packed=False):
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
             raise TypeError(f"chunk_size must be an int, not {type(chunk_size).__name__}")
         if chunk_size < 1:
@@ -442,16 +478,17 @@ cdef class Plan:
         total = sum(e - b for _, b, e in ranges)
         # A chunk never exceeds what there is to read (so a huge chunk_size
         # neither overflows nor asks for huge slots).
-        self._cut(ranges, min(chunk_size, max(total, 1)))
+        self._cut(ranges, min(chunk_size, max(total, 1)), packed)
         self.total_bytes = total
         if faults is not None:
             self._faults(faults)
 
-    cdef _cut(self, list ranges, size_t chunk_size):
+    cdef _cut(self, list ranges, size_t chunk_size, bint packed):
         """Cuts the tensors into chunks of at most chunk_size and their pieces.
 
-        Consecutive tensors of one file share a chunk while they fit whole;
-        a larger tensor fills whole chunks, and its tail may share the next."""
+        Consecutive tensors of one file share a chunk while they fit whole
+        (packed: while the chunk has room); a larger tensor fills whole
+        chunks, and its tail may share the next."""
         cdef Py_ssize_t n = len(ranges), i, bound = 0, nc = 0, np_ = 0
         cdef int64_t b, e, pos, start = 0
         cdef size_t length = 0, take
@@ -469,7 +506,7 @@ cdef class Plan:
             fd, b, e = ranges[i]
             self.sizes[i] = <size_t>(e - b)
             pos = b
-            if open_ and <size_t>(e - b) > chunk_size - length:
+            if not packed and open_ and <size_t>(e - b) > chunk_size - length:
                 # A tensor that does not fit in what is left of the open chunk
                 # starts the next one: a tensor of at most chunk_size is then
                 # one piece, one copy (a MoE shard's 3 MiB experts were ~2,000

@@ -38,14 +38,24 @@ def _import_torch():
 class _TorchTarget:
     """Allocates one torch tensor per file tensor on ``device``."""
 
-    def __init__(self, torch, device, dtype=None):
+    def __init__(self, torch, device, dtype=None, *, open=True):
         from ._pipeline import DEVICE, HOST
         self.torch = torch
-        self.device = _resolve_device(torch, device)
+        self.device = _parse_device(torch, device)
         # dtype=: floating tensors are converted on the device once loaded
         # (as transformers does); integer and bool tensors keep theirs.
         self.dtype = dtype
         self.mode = HOST if self.device.type == "cpu" else DEVICE
+        # None until open() where the device names no index ("cuda").
+        self.index = 0 if self.mode == HOST else self.device.index
+        if open:
+            self.open()
+
+    def open(self):
+        """Checks that the device is there (``open=False`` defers it: in a
+        fresh process this is CUDA's start, 0.2 s on the H200 host, which
+        the load overlaps with making its staging buffer)."""
+        self.device = _check_device(self.torch, self.device)
         self.index = self.device.index or 0
 
     def check(self, entry, path):
@@ -74,6 +84,52 @@ class _TorchTarget:
         else:
             t = self.torch.empty(torch_shape(entry), dtype=dtype, device=self.device)
         return t, t.data_ptr()
+
+    def joins(self, dtype, nbytes, views):
+        """Whether a tensor of ``dtype`` may be a view into a block
+        (``_blocks.py``): views asked for, a GPU target, bytes to hold, and
+        no conversion after loading."""
+        return (views and self.device.type != "cpu" and nbytes > 0
+                and not (self.dtype is not None and dtype.is_floating_point and dtype != self.dtype))
+
+    def allocate_blocks(self, run_list, entries, dtypes):
+        """One allocation per block run (``_blocks.Run``), all before the
+        first copy (a cudaMalloc made while copies run cost more than one
+        made before: benchmarks/RESULTS.md, the withdrawn reserve blocks).
+        Returns ``{run index: block}``; a block torch cannot allocate in
+        one piece is left out, and its tensors get their own allocations."""
+        blocks = {}
+        for r, run in enumerate(run_list):
+            if run.block:
+                try:
+                    blocks[r] = self.torch.empty(run.nbytes, dtype=self.torch.uint8, device=self.device)
+                except self.torch.cuda.OutOfMemoryError:
+                    pass
+        return blocks
+
+    def place(self, run, block, entries, dtypes):
+        """``[(handle, address), ...]`` for the tensors of ``run``: views of
+        ``block`` (made when ``tensor()`` is asked for, as each finishes),
+        or their own allocations where ``block`` is None."""
+        if block is None:
+            return [self.allocate(entries[k][1], dtypes[k]) for k in range(run.first, run.stop)]
+        base = block.data_ptr()
+        out = []
+        for k in range(run.first, run.stop):
+            entry = entries[k][1]
+            offset = entry.begin - run.begin
+            out.append((_View(block, offset, entry, dtypes[k]), base + offset))
+        return out
+
+    def tensor(self, handle):
+        """The tensor of a handle of ``allocate()`` or ``place()``."""
+        if type(handle) is not _View:
+            return handle
+        dtype = handle.dtype
+        # set_ rather than block[a:b].view(dtype).view(shape): one call, and
+        # the tensor is no autograd view of the block (no ._base).
+        return self.torch.empty(0, dtype=dtype, device=self.device).set_(
+            handle.block.untyped_storage(), handle.offset // dtype.itemsize, torch_shape(handle.entry))
 
     def reserve(self, entries):
         """Makes torch's caching allocator hold one free block as large as
@@ -117,6 +173,15 @@ class _TorchTarget:
         return torch.equal(flat[offset:offset + len(data)], expected)
 
 
+class _View:
+    """A tensor of a block, made when it is handed out."""
+
+    __slots__ = ("block", "dtype", "entry", "offset")
+
+    def __init__(self, block, offset, entry, dtype):
+        self.block, self.offset, self.entry, self.dtype = block, offset, entry, dtype
+
+
 def _caching(torch):
     if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "") not in ("", "0"):
         return False
@@ -125,14 +190,24 @@ def _caching(torch):
 
 
 def _resolve_device(torch, device):
+    return _check_device(torch, _parse_device(torch, device))
+
+
+def _parse_device(torch, device):
+    """``device`` as a torch.device of type cpu or cuda, without asking CUDA."""
     if isinstance(device, int) and not isinstance(device, bool):
         device = torch.device("cuda", device)
     else:
         device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device ('cuda:N'), not {device}")
+    return device
+
+
+def _check_device(torch, device):
+    """A parsed device, with its index, once CUDA says it is there."""
     if device.type == "cpu":
         return device
-    if device.type != "cuda":
-        raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device ('cuda:N'), not {device}")
     # Checked here, before anything is allocated: without a GPU the first
     # failure would otherwise come from pinning the staging buffer.
     if not torch.cuda.is_available():
