@@ -47,22 +47,25 @@ def runs(entries, joins):
     reading order); ``joins[k]``: whether tensor k may be a view (not
     converted, has bytes)."""
     out = []
-    first = None            # the open run: first entry, its file, begin, end
+    run = None              # the open block run: [first, file index, begin, end]
+
+    def close(stop):
+        first, _, begin, end = run
+        out.append(Run(first, stop, begin, end - begin, True))
+
     for k, (i, t) in enumerate(entries):
+        if run is not None and not (joins[k] and i == run[1] and t.begin == run[3]
+                                    and (t.begin - run[2]) % ALIGN == 0):
+            close(k)
+            run = None
         if not joins[k]:
-            if first is not None:
-                out.append(Run(first, k, begin, end - begin, True))
-                first = None
             out.append(Run(k, k + 1, t.begin, t.nbytes, False))
-            continue
-        if first is not None and (i != file or t.begin != end or (t.begin - begin) % ALIGN):
-            out.append(Run(first, k, begin, end - begin, True))
-            first = None
-        if first is None:
-            first, file, begin = k, i, t.begin
-        end = t.end
-    if first is not None:
-        out.append(Run(first, len(entries), begin, end - begin, True))
+        elif run is None:
+            run = [k, i, t.begin, t.end]
+        else:
+            run[3] = t.end
+    if run is not None:
+        close(len(entries))
     return out
 
 

@@ -2,9 +2,10 @@
 
 On a GPU, tensors lying back to back in a file share one device block
 and are handed out as views of it (``_blocks.py``; ``views=False``: each
-its own allocation, as everywhere else), and reader threads (``_pipeline.pyx``, C, no GIL) read chunks of ``chunk_size``
-into the staging buffer's slots and copy them out: to a GPU through the
-buffer's runtime table on their own streams, with an event per slot so that
+its own allocation, as everywhere else), and reader threads
+(``_pipeline.pyx``, C, no GIL) read chunks of ``chunk_size`` into the
+staging buffer's slots and copy them out: to a GPU through the buffer's
+runtime table on their own streams, with an event per slot so that
 a slot is refilled only after its copy finished; to the CPU with memcpy.
 
 A first load in a fresh process pays CUDA's start, its staging buffer and
@@ -436,9 +437,9 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
                 False: each tensor owns its memory, as on the CPU, for tensors
                 that dtype= converts, and under a process group (loader/_blocks.py)
 
-    Tensors have the file's shape (and dtype, unless ``dtype``).  A read or copy that fails raises LoadError after waiting for
-    the copies in flight and freeing every tensor of the load; the staging
-    buffer stays reusable.
+    Tensors have the file's shape (and dtype, unless ``dtype``).  A read or
+    copy that fails raises LoadError after waiting for the copies in flight
+    and freeing every tensor of the load; the staging buffer stays reusable.
     """
     with iter_load(source, device, dtype=dtype, names=names, process_group=process_group,
                    chunk_size=chunk_size, io_depth=io_depth, threads=threads, staging=staging,
