@@ -146,14 +146,29 @@ class SimTarget:
     def before_copies(self):
         pass
 
+    # Views (loader/_blocks.py): a handle is (block, entry, dtype, offset).
+
+    def joins(self, dtype, nbytes, views):
+        return views and nbytes > 0         # (no dtype= on this target)
+
+    def allocate_blocks(self, run_list, entries, dtypes):
+        return {r: SimBlock(self.rt, run.nbytes) for r, run in enumerate(run_list) if run.block}
+
+    def place(self, run, block, entries, dtypes):
+        if block is None:
+            return [self.allocate(entries[k][1], dtypes[k]) for k in range(run.first, run.stop)]
+        return [((block, entries[k][1], dtypes[k], entries[k][1].begin - run.begin),
+                 block.ptr + entries[k][1].begin - run.begin) for k in range(run.first, run.stop)]
+
     def tensor(self, handle):
         return handle
 
     def result(self, handle):
-        block, entry, dtype = handle
+        block, entry, dtype, *offset = handle
         out = torch.empty(entry.shape, dtype=dtype)
-        if block.nbytes:
-            assert self.rt.memcpy_async(out.data_ptr(), block.ptr, block.nbytes, 2) == 0
+        if entry.nbytes:
+            src = block.ptr + (offset[0] if offset else 0)
+            assert self.rt.memcpy_async(out.data_ptr(), src, entry.nbytes, 2) == 0
         return out
 
     def equal(self, handle, offset, data):

@@ -1,0 +1,371 @@
+"""Views into device blocks (loader/_blocks.py) and the staging buffer made
+beside the load's start (loader/_load.py's _StagingStart).
+
+The device path runs on the simulated runtime through test_loader's
+SimTarget: blocks are its device allocations, so a copy that strays out of
+its block, or spans two registrations, fails as on the real driver.  Every
+result is compared bit for bit with safetensors' own load, views against
+tensors of their own, on small copies of the layouts that lost to
+per-tensor copies (a MoE shard, an AWQ checkpoint) and on files whose
+offsets forbid views.
+"""
+
+import gc
+import os
+import struct
+
+import pytest
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+
+import instant_staging as ist
+from instant_staging.loader import _blocks, _checkpoint, _load, _staging_pool, empty_cache
+from instant_staging.loader._header import TensorEntry
+from instant_staging.loader._target import _TorchTarget
+from instant_staging.testing import FaultPlan, SimulatedRuntime
+
+from _child import run_child
+from conftest import KIND_FAULTS, PAGE
+from test_loader import CHUNK, SimTarget, assert_same, random_tensor, save
+
+
+# -- the layouts, small -----------------------------------------------------------
+
+def moe_tensors(layers=2, experts=8, hidden=64, ffn=48):
+    """A MoE shard's names and shapes (bench_load's moe_layout, shrunk)."""
+    out, seed = {}, 0
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for e in range(experts):
+            for m, shape in (("gate_proj", [ffn, hidden]), ("up_proj", [ffn, hidden]),
+                             ("down_proj", [hidden, ffn])):
+                out[f"{p}mlp.experts.{e}.{m}.weight"] = random_tensor(torch.bfloat16, shape, seed)
+                seed += 1
+        out[p + "mlp.gate.weight"] = random_tensor(torch.bfloat16, [experts, hidden], seed)
+        out[p + "input_layernorm.weight"] = random_tensor(torch.bfloat16, [hidden], seed + 1)
+        seed += 2
+    return out
+
+
+def awq_tensors(layers=2, hidden=256, ffn=512, group=128):
+    """An AWQ checkpoint's tensors: I32 qweight/qzeros, F16 scales, F16 norms."""
+    out, seed = {}, 100
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for m, (k, n) in (("self_attn.q_proj", (hidden, hidden)), ("mlp.up_proj", (hidden, ffn)),
+                          ("mlp.down_proj", (ffn, hidden))):
+            out[f"{p}{m}.qweight"] = random_tensor(torch.int32, [k, n // 8], seed)
+            out[f"{p}{m}.qzeros"] = random_tensor(torch.int32, [k // group, n // 8], seed + 1)
+            out[f"{p}{m}.scales"] = random_tensor(torch.float16, [k // group, n], seed + 2)
+            seed += 3
+        out[p + "input_layernorm.weight"] = random_tensor(torch.float16, [hidden], seed)
+        seed += 1
+    out["model.embed_tokens.weight"] = random_tensor(torch.float16, [97, hidden], seed)
+    return out
+
+
+def odd_tensors():
+    """Offsets that forbid views of one block: odd byte counts before
+    wider dtypes (safetensors writes them back to back, unaligned)."""
+    return {"a.bytes": random_tensor(torch.uint8, [3], 1), "b.half": random_tensor(torch.float16, [5], 2),
+            "c.int": random_tensor(torch.int32, [7], 3), "d.double": random_tensor(torch.float64, [9], 4),
+            "e.flag": random_tensor(torch.bool, [1], 5), "f.empty": torch.empty(0, dtype=torch.float32),
+            "g.wide": random_tensor(torch.bfloat16, [3, 300], 6)}
+
+
+def write_unsorted(tmp_path, tensors, name="odd.safetensors"):
+    """A valid file with the tensors in the given order (safetensors' own
+    writer sorts them by dtype, which keeps most offsets aligned)."""
+    import json
+    header, data = {}, b""
+    for n, t in tensors.items():
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[n] = {"dtype": _DT[t.dtype], "shape": list(t.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode()
+    path = str(tmp_path / name)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+_DT = {torch.uint8: "U8", torch.float16: "F16", torch.int32: "I32", torch.float64: "F64",
+       torch.bool: "BOOL", torch.float32: "F32", torch.bfloat16: "BF16"}
+
+
+# -- loading on the simulated device ------------------------------------------
+
+@pytest.fixture
+def sim_pool(monkeypatch):
+    """The loads' own staging buffers made on one simulated runtime."""
+    made = []
+    state = {"rt": SimulatedRuntime()}
+
+    def make_staging(size, segment):
+        buf = ist.StagingBuffer(size, runtime=state["rt"], segment_size=state.get("segment", segment),
+                                prefault_threads=0, allow_pageable=state.get("pageable", False))
+        made.append(buf)
+        return buf
+    monkeypatch.setattr(_load, "_make_staging", make_staging)
+    empty_cache()
+    yield state, made
+    empty_cache()
+
+
+def device_load(paths, rt, *, views=True, own_staging=True, staging=None, faults=None,
+                names=None, chunk=CHUNK, threads=3):
+    """iter_load's single path on the simulated device: the plan and its
+    runs, the staging buffer started beside it, then the load."""
+    checkpoint = _checkpoint._Checkpoint(paths if isinstance(paths, list) else [paths])
+    checkpoint.select(names)
+    target = SimTarget(rt)
+    dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
+    options = {"chunk_size": chunk, "io_depth": 4, "threads": threads, "staging": staging}
+    start = _load._plan(checkpoint, target, dtypes, chunk, faults and FaultPlan.parse(faults), views)
+    if own_staging:
+        start.staging = _load._begin_staging(target, start.plan, options)
+    it = _load.LoadIterator(checkpoint, target, dtypes, verify=True, start=start, **options)
+    with it:
+        out = dict(it)          # SimTarget.result: CPU copies of the device bytes
+    return out, start
+
+
+def copies(rt):
+    return [c for c in rt.calls if c[0] == "memcpy_async" and c[4] == 1]
+
+
+@pytest.mark.parametrize("layout", [moe_tensors, awq_tensors], ids=["moe", "awq"])
+def test_views_equal_safetensors_and_copy_once_per_chunk(tmp_path, sim_pool, layout):
+    state, _ = sim_pool
+    tensors = layout()
+    path = save(tmp_path, tensors)
+    expected = st.load_file(path)
+    rt = state["rt"]
+    per_tensor, _ = device_load(path, rt, views=False)
+    n_per_tensor = len(copies(rt))
+    rt.clear_log()
+    loaded, start = device_load(path, rt)
+    assert_same(loaded, expected)
+    assert_same(per_tensor, expected)
+    assert [r.block for r in start.runs] == [True]          # one file, back to back: one block
+    assert len(copies(rt)) == start.plan.n_chunks < n_per_tensor
+    assert rt.live_device_allocs == 0                        # every block freed with its views
+    empty_cache()
+    assert rt.live_registrations == 0 and rt.live_host_allocs == 0
+
+
+def test_offsets_that_forbid_views_start_new_blocks(tmp_path, sim_pool):
+    state, _ = sim_pool
+    tensors = odd_tensors()
+    path = write_unsorted(tmp_path, tensors)
+    expected = st.load_file(path)
+    loaded, start = device_load(path, state["rt"])
+    assert_same(loaded, expected)
+    blocks = [r for r in start.runs if r.block]
+    assert len(blocks) > 1
+    entries = [t for _, t in start_entries(path)]
+    for r in blocks:        # every view sits at a multiple of ALIGN in its block
+        assert all((t.begin - r.begin) % _blocks.ALIGN == 0 for t in entries[r.first:r.stop])
+    entries = start_entries(path)
+    assert [entries[r.first][1].name for r in start.runs if not r.block] == ["f.empty"]
+
+
+def start_entries(path):
+    ck = _checkpoint._Checkpoint([path])
+    try:
+        return ck.entries
+    finally:
+        ck.close()
+
+
+def test_a_names_gap_splits_the_block_and_reads_only_the_selected(tmp_path, sim_pool):
+    state, _ = sim_pool
+    tensors = moe_tensors()
+    path = save(tmp_path, tensors)
+    keep = sorted(tensors)[::3]
+    loaded, start = device_load(path, state["rt"], names=keep)
+    assert_same(loaded, {n: tensors[n] for n in keep})
+    assert len(start.runs) > 1 and all(r.block for r in start.runs)
+    assert start.plan.total_bytes == sum(tensors[n].nbytes for n in keep)
+
+
+def test_shards_get_a_block_each(tmp_path, sim_pool):
+    state, _ = sim_pool
+    tensors = awq_tensors()
+    names = sorted(tensors)
+    paths = [save(tmp_path, {n: tensors[n] for n in names[:7]}, "a.safetensors"),
+             save(tmp_path, {n: tensors[n] for n in names[7:]}, "b.safetensors")]
+    loaded, start = device_load(paths, state["rt"])
+    assert_same(loaded, tensors)
+    assert len(start.runs) == 2
+
+
+def test_faults_fail_the_same_piece_with_views(tmp_path, sim_pool):
+    state, _ = sim_pool
+    path = save(tmp_path, moe_tensors())
+    rt = state["rt"]
+    from instant_staging.loader import LoadError
+    for spec in ("copy#3=invalid_value", "read#2=EIO", "read#4=short"):
+        with pytest.raises(LoadError):
+            device_load(path, rt, faults=spec)
+        gc.collect()
+        assert rt.live_device_allocs == 0, spec
+    empty_cache()
+    assert rt.live_registrations == 0
+
+
+# -- the staging buffer made beside the start ----------------------------------
+
+def registered_at_each_copy(rt):
+    """Replays the runtime's log: every host-to-device copy's source lies in
+    a live registration or runtime allocation when it is issued (a copy
+    from memory not yet registered would be pageable: slow, and not what
+    the load made)."""
+    live = {}
+    for call in rt.calls:
+        op = call[0]
+        if op == "host_register" and call[-1] == 0:
+            live[call[1]] = call[2]
+        elif op == "host_unregister" and call[-1] == 0:
+            live.pop(call[1], None)
+        elif op == "host_alloc" and call[-1] == 0:
+            live[call[3]] = call[1]
+        elif op == "free_host" and call[-1] == 0:
+            live.pop(call[1], None)
+        elif op == "memcpy_async" and call[4] == 1 and call[3]:
+            src, size = call[2], call[3]
+            assert any(s <= src and src + size <= s + n for s, n in live.items()), call
+    return True
+
+
+@pytest.mark.parametrize("kind", list(KIND_FAULTS))
+def test_staging_start_under_each_fault_plan(tmp_path, sim_pool, kind):
+    state, made = sim_pool
+    faults = KIND_FAULTS[kind]
+    rt = state["rt"] = SimulatedRuntime(faults=faults)
+    state["pageable"] = kind == "PAGEABLE"
+    state["segment"] = 2 * CHUNK            # registrations of two slots: SEGMENTED reachable
+    tensors = moe_tensors()
+    path = save(tmp_path, tensors)
+    loaded, _ = device_load(path, rt)
+    assert_same(loaded, st.load_file(path))
+    assert made and made[0].kind is ist.Kind[kind]
+    if kind != "PAGEABLE":
+        assert registered_at_each_copy(rt)
+    empty_cache()
+    assert rt.live_registrations == 0 and rt.live_host_allocs == 0 and rt.live_device_allocs == 0
+
+
+def test_staging_start_that_fails_raises_from_the_load_and_leaks_nothing(tmp_path, sim_pool):
+    state, _ = sim_pool
+    rt = state["rt"] = SimulatedRuntime(faults="register=invalid_value;host_alloc=memory_allocation")
+    path = save(tmp_path, moe_tensors())
+    with pytest.raises(ist.StagingError, match="register at 0 failed"):
+        device_load(path, rt)
+    gc.collect()
+    assert rt.live_registrations == 0 and rt.live_host_allocs == 0 and rt.live_device_allocs == 0
+
+
+def test_rollback_failure_in_the_staging_start_is_the_loads_error(tmp_path, sim_pool):
+    state, _ = sim_pool
+    rt = state["rt"] = SimulatedRuntime(
+        faults="register#1=invalid_value;register#3=invalid_value;unregister#1=invalid_value")
+    state["segment"] = 2 * CHUNK
+    path = save(tmp_path, moe_tensors())
+    with pytest.raises(ist.RollbackError):
+        device_load(path, rt)
+    gc.collect()
+    assert rt.live_device_allocs == 0
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_load_never_iterated_gives_the_buffer_being_made_back(tmp_path, sim_pool, how):
+    state, made = sim_pool
+    rt = state["rt"]
+    path = save(tmp_path, moe_tensors())
+    checkpoint = _checkpoint._Checkpoint([path])
+    target = SimTarget(rt)
+    dtypes = [target.check(t, path) for _, t in checkpoint.entries]
+    options = {"chunk_size": CHUNK, "io_depth": 4, "threads": 2, "staging": None}
+    start = _load._plan(checkpoint, target, dtypes, CHUNK, None, True)
+    start.staging = _load._begin_staging(target, start.plan, options)
+    it = _load.LoadIterator(checkpoint, target, dtypes, start=start, **options)
+    if how == "close":
+        it.close()
+    else:
+        del it
+        gc.collect()
+    assert checkpoint.fds == []
+    assert len(made) == 1 and _staging_pool.kept() == {0: made[0]}      # kept, not leaked
+    empty_cache()
+    assert rt.live_registrations == 0 and rt.live_device_allocs == 0
+
+
+def test_fork_while_the_staging_buffer_is_made():
+    # The child inherits the load (and maybe the buffer being made) but not
+    # the thread: closing it there neither waits forever nor touches the
+    # parent's registration; the parent's load still finishes.
+    code = """
+        import os, sys, tempfile, torch, time
+        sys.path.insert(0, %r)
+        from safetensors.torch import save_file, load_file as st_load
+        import instant_staging as ist
+        from instant_staging.loader import _checkpoint, _load, empty_cache
+        from instant_staging.testing import SimulatedRuntime
+        from test_loader import SimTarget
+        rt = SimulatedRuntime()
+        def make(size, segment):
+            time.sleep(0.2)                # still being made at the fork
+            return ist.StagingBuffer(size, runtime=rt, segment_size=segment, prefault_threads=0)
+        _load._make_staging = make
+        p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+        save_file({f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)}, p)
+        ck = _checkpoint._Checkpoint([p])
+        target = SimTarget(rt)
+        dtypes = [target.check(t, p) for _, t in ck.entries]
+        opts = {"chunk_size": 8192, "io_depth": 4, "threads": 2, "staging": None}
+        start = _load._plan(ck, target, dtypes, 8192, None, True)
+        start.staging = _load._begin_staging(target, start.plan, opts)
+        it = _load.LoadIterator(ck, target, dtypes, start=start, **opts)
+        pid = os.fork()
+        if pid == 0:
+            it.close()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        out = dict(it)
+        ref = st_load(p)
+        assert all(torch.equal(out[n], ref[n]) for n in ref)
+        it.close()
+        empty_cache()
+        print("ok", status, rt.live_registrations, flush=True)
+    """ % os.path.dirname(os.path.abspath(__file__))
+    r = run_child(code, timeout=60)
+    assert r.returncode == 0 and "ok 0 0" in r.stdout, r.stderr[-2000:]
+
+
+# -- views of torch tensors -------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int32, torch.float64, torch.uint8, torch.bool],
+                         ids=str)
+def test_torch_views_have_the_files_shape_and_bytes(dtype):
+    # The torch target's views (set_ on the block's storage) on the CPU.
+    target = _TorchTarget(torch, "cpu")
+    item = torch.empty((), dtype=dtype).element_size()
+    a = random_tensor(dtype, [3, 5], 1)
+    b = random_tensor(dtype, [7], 2)
+    raw = torch.cat([a.reshape(-1).view(torch.uint8), torch.zeros(16 - a.nbytes % 16, dtype=torch.uint8)
+                     if a.nbytes % 16 else torch.zeros(0, dtype=torch.uint8), b.view(torch.uint8)])
+    off = raw.numel() - b.nbytes
+    entries = [(0, TensorEntry("a", "X", (3, 5), 100, 100 + a.nbytes)),
+               (0, TensorEntry("b", "X", (7,), 100 + off, 100 + off + b.nbytes))]
+    run = _blocks.Run(0, 2, 100, raw.numel(), True)
+    placed = target.place(run, raw, entries, [dtype, dtype])
+    assert [p for _, p in placed] == [raw.data_ptr(), raw.data_ptr() + off]
+    va, vb = (target.tensor(h) for h, _ in placed)
+    assert va.dtype == dtype and va.shape == (3, 5) and va.is_contiguous() and va._base is None
+    assert torch.equal(va, a) and torch.equal(vb, b) and vb.data_ptr() == raw.data_ptr() + off
+    assert off % item == 0
+    assert va.untyped_storage().data_ptr() == vb.untyped_storage().data_ptr() == raw.data_ptr()
+    del raw, placed, va
+    assert torch.equal(vb, b)       # a view alone holds its block's storage
