@@ -13,6 +13,7 @@ offsets forbid views.
 import gc
 import os
 import struct
+import textwrap
 
 import pytest
 
@@ -26,9 +27,8 @@ from instant_staging.loader._target import _TorchTarget
 from instant_staging.testing import FaultPlan, SimulatedRuntime
 
 from _child import run_child
-from conftest import KIND_FAULTS, PAGE
+from conftest import KIND_FAULTS
 from test_loader import CHUNK, SimTarget, assert_same, random_tensor, save
-
 
 # -- the layouts, small -----------------------------------------------------------
 
@@ -81,7 +81,8 @@ def write_unsorted(tmp_path, tensors, name="odd.safetensors"):
     header, data = {}, b""
     for n, t in tensors.items():
         raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        header[n] = {"dtype": _DT[t.dtype], "shape": list(t.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        header[n] = {"dtype": _DT[t.dtype], "shape": list(t.shape),
+                     "data_offsets": [len(data), len(data) + len(raw)]}
         data += raw
     text = json.dumps(header).encode()
     path = str(tmp_path / name)
@@ -308,7 +309,7 @@ def test_fork_while_the_staging_buffer_is_made():
     # parent's registration; the parent's load still finishes.
     code = """
         import os, sys, tempfile, torch, time
-        sys.path.insert(0, %r)
+        sys.path.insert(0, TESTS)
         from safetensors.torch import save_file, load_file as st_load
         import instant_staging as ist
         from instant_staging.loader import _checkpoint, _load, empty_cache
@@ -339,8 +340,9 @@ def test_fork_while_the_staging_buffer_is_made():
         it.close()
         empty_cache()
         print("ok", status, rt.live_registrations, flush=True)
-    """ % os.path.dirname(os.path.abspath(__file__))
-    r = run_child(code, timeout=60)
+    """
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = run_child(f"TESTS = {tests!r}\n" + textwrap.dedent(code), timeout=60)
     assert r.returncode == 0 and "ok 0 0" in r.stdout, r.stderr[-2000:]
 
 
