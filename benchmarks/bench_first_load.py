@@ -12,8 +12,9 @@ that does what a user's process does and nothing before it:
                                     timed: "CUDA start", as a server does it
     first = load(files, device); synchronize            timed: "first"
     del first                       (its device memory goes back to torch's
-                                    caching allocator, as a user's del does:
-                                    no gc.collect, no empty_cache)
+                                    caching allocator, as a user's del does;
+                                    no empty_cache; then gc.collect(), for the
+                                    bit-exact check's garbage, untimed)
     second = load(files, device); synchronize           timed: "second"
     exit                            (interpreter shutdown, timed by the parent)
 
@@ -70,9 +71,11 @@ import sys  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MARK = "BENCH_FIRST_LOAD_RESULT "
-REF_VERSION = 1
+REF_VERSION = 2   # the hash of digests()
 
-METHODS = ["instant_staging", "safetensors", "instanttensor", "fastsafetensors", "runai"]
+# Ours, then the peers from the fastest (on the H200 host, in-process) down:
+# --deadline cuts from the end.
+METHODS = ["instant_staging", "safetensors", "runai", "instanttensor", "fastsafetensors"]
 # The module each method's "import" row times, and bench_load's name for it.
 MODULE = {"instant_staging": "instant_staging.loader", "safetensors": "safetensors.torch",
           "instanttensor": "instanttensor", "fastsafetensors": "fastsafetensors",
@@ -86,20 +89,18 @@ MODES = ["cuda", "none", "start"]
 
 # -- the tensor hash (reference and runs share it) ----------------------------
 
-_WORDS = 1 << 24          # 16-bit words per exact partial sum
+_WORDS = 1 << 22          # 16-bit words per exact partial sum (16 MiB of int32 scratch)
 _PRIME = (1 << 61) - 1
 
 
 def digests(torch, tensors, device):
     """One integer per tensor, from its bytes: for each run of ``_WORDS``
-    16-bit words, sum(word * weight(position)) in int64 (|sum| < 2**55:
-    exact on any device, in any summation order), the partial sums then
-    chained modulo 2**61 - 1 with the byte count.  A changed, moved or
-    missing word changes it."""
-    pos = torch.arange(_WORDS, dtype=torch.int64, device=device)
-    weights = (pos * 40503 + 12345) % 65521 + 1
-    del pos
-    buf = torch.empty(_WORDS, dtype=torch.int64, device=device)
+    16-bit words, sum(word * weight(position)), each product exact in int32
+    (|word| <= 2**15, weight < 2**15) and summed in int64 (torch sums
+    integers in int64; |sum| < 2**52: exact on any device, in any order),
+    the partial sums then chained modulo 2**61 - 1 with the byte count.
+    A changed, moved or missing word changes it."""
+    weights, buf = _scratch(torch, device)
     parts, counts, sizes, tails = [], [], [], []
     for t in tensors:
         raw = t.detach().reshape(-1).view(torch.uint8)
@@ -127,6 +128,21 @@ def digests(torch, tensors, device):
         out.append((h * 1000003 + tail) % _PRIME)
         i += k
     return out
+
+
+_SCRATCH = {}
+
+
+def _scratch(torch, device):
+    """The weights and a buffer, made once per process and device and kept
+    (nothing of the check's own is freed between the two calls)."""
+    if device not in _SCRATCH:
+        # (pos * 40503 + 12345) % 32749 + 1, in place (no temporaries to free),
+        # reduced first so that no int32 overflows.
+        weights = torch.arange(_WORDS, dtype=torch.int32, device=device)
+        weights.remainder_(32749).mul_(40503).add_(12345).remainder_(32749).add_(1)
+        _SCRATCH[device] = (weights, torch.empty(_WORDS, dtype=torch.int32, device=device))
+    return _SCRATCH[device]
 
 
 def describe(torch, tensors, device):
@@ -264,6 +280,11 @@ def _child_load(spec, rec):
     rec["verified_first"] = check(torch, first, ref, device)
     rec["verify_s"] = time.monotonic() - t0
     del first
+    # The check's own objects (the reference, the hashes) would otherwise make
+    # the second call pay a full collection of the cyclic GC (CPU host: 6 ->
+    # 47 ms); the first result is gone already, by its refcount at the del.
+    import gc
+    gc.collect()
     if spec["second"] is not None and rec["first_s"] > spec["second"]:
         rec["second_skipped"] = f"first call over {spec['second']:g} s"
     else:
@@ -295,7 +316,7 @@ def _staging_record():
             out.append({"device": str(dev), "kind": buf.kind.name, "size": buf.size,
                         "segments": len(buf.segments), "huge_bytes": C.huge_bytes(buf.ptr),
                         "attempts": [[a.step, a.ok, round(a.seconds, 5)] for a in buf.attempts]})
-        return out or "none kept (INSTANT_STAGING_KEEP_STAGING=0, or the loader keeps none)"
+        return out or "no buffer kept (a CPU load uses none; or INSTANT_STAGING_KEEP_STAGING=0)"
     except Exception as e:
         return f"unknown: {type(e).__name__}: {e}"
 
@@ -391,12 +412,14 @@ def references(args, layouts, device, log):
 def spawn(spec, timeout):
     """Runs one process; its record with the parent's timings added."""
     import subprocess
+    # -c: the module's cached bytecode, not a compile of this file per process;
+    # cwd benchmarks/, so sys.path is what `python benchmarks/x.py` has.
     cmd = [sys.executable, "-c",
            f"import sys; sys.path.insert(0, {HERE!r}); import bench_first_load as b; b.child_main()",
            json.dumps(spec)]
     t0 = time.monotonic()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE)
     except subprocess.TimeoutExpired as e:
         return {"error": f"timed out after {timeout:.0f} s", "wall_total_s": time.monotonic() - t0,
                 "stderr": (e.stderr or b"")[-2000:].decode(errors="replace")
@@ -477,6 +500,9 @@ def main(argv=None):
     ap.add_argument("--cold-modes", default=None, help="modes run cold (default: --modes)")
     ap.add_argument("--runs", type=int, default=2, help="fresh processes per cell")
     ap.add_argument("--peer-runs", type=int, default=None, help="the same for the peers (default --runs)")
+    ap.add_argument("--peer-modes", default=None, help="modes the peers run in (default: --modes)")
+    ap.add_argument("--cold-runs", type=int, default=None,
+                    help="processes per cold cell (default: --runs, --peer-runs)")
     ap.add_argument("--budget", type=float, default=4.0,
                     help="a cell whose first call took longer than this many seconds gets no further runs")
     ap.add_argument("--second-budget", type=float, default=6.0,
@@ -501,8 +527,9 @@ def main(argv=None):
     cold_methods = methods if args.cold_methods is None else parse_list(
         ap, args.cold_methods, METHODS, "methods")
     cold_modes = modes if args.cold_modes is None else parse_list(ap, args.cold_modes, MODES, "modes")
-    if args.runs < 1 or (args.peer_runs is not None and args.peer_runs < 0):
-        ap.error("--runs must be >= 1, --peer-runs >= 0")
+    peer_modes = modes if args.peer_modes is None else parse_list(ap, args.peer_modes, MODES, "modes")
+    if args.runs < 1 or min(args.peer_runs or 0, args.cold_runs or 0) < 0:
+        ap.error("--runs must be >= 1, --peer-runs and --cold-runs >= 0")
     if not 0 < args.scale <= 1:
         ap.error("--scale must be in (0, 1]")
     peer_runs = args.runs if args.peer_runs is None else args.peer_runs
@@ -510,6 +537,7 @@ def main(argv=None):
     device = args.device or ("cuda:0" if os.path.exists("/dev/nvidiactl") else "cpu")
     if args.dir is None:
         args.dir = B.DEFAULT_DIR if divisor == 1 else os.path.join(B.DEFAULT_DIR, f"scale-1of{divisor}")
+    args.dir = os.path.abspath(args.dir)
     os.makedirs(args.dir, exist_ok=True)
     second = args.second_budget or None
     methods, notes = available(methods, device)
@@ -545,26 +573,30 @@ def main(argv=None):
     doc["warm_s"] = time.monotonic() - t0
     refs = references(args, paths, device, doc)
 
-    # 2. the processes, the most wanted first (--deadline cuts the rest)
+    # 2. the processes, the most wanted first (--deadline cuts the rest):
+    # CUDA's start, ours hot, ours cold, the peers hot, the peers cold.
     plan = []
     if "start" in modes:
         plan.append(("start", None, None, None, "hot", args.runs))
-    load_modes = [m for m in modes if m != "start"]
     ours = [m for m in methods if m == "instant_staging"]
     peers = [m for m in methods if m != "instant_staging"]
-    for method in ours:
-        for layout in layouts_wanted:
-            for mode in load_modes:
-                plan.append(("load", method, layout, mode, "hot", args.runs))
-    for method in peers:
-        for layout in layouts_wanted:
-            for mode in load_modes:
-                plan.append(("load", method, layout, mode, "hot", peer_runs))
-    for layout in [x for x in layouts_wanted if x in cold]:
-        for method in [m for m in ours + peers if m in cold_methods]:
-            for mode in [m for m in load_modes if m in cold_modes]:
-                plan.append(("load", method, layout, mode, "cold",
-                             args.runs if method == "instant_staging" else peer_runs))
+
+    def cells(group, cache):
+        for method in group:
+            wanted = modes if method == "instant_staging" else peer_modes
+            runs = args.runs if method == "instant_staging" else peer_runs
+            if cache == "cold":
+                runs = runs if args.cold_runs is None else args.cold_runs
+            for layout in layouts_wanted:
+                if cache == "cold" and (layout not in cold or method not in cold_methods):
+                    continue
+                for mode in wanted:
+                    if mode != "start" and (cache == "hot" or mode in cold_modes):
+                        plan.append(("load", method, layout, mode, cache, runs))
+    cells(ours, "hot")
+    cells(ours, "cold")
+    cells(peers, "hot")
+    cells(peers, "cold")
     flushed = set()
     for role, method, layout, mode, cache, runs in plan:
         for i in range(runs):
@@ -607,8 +639,9 @@ def main(argv=None):
     print_goals(doc["goals"])
     for name, lay in doc["layouts"].items():
         print(f"layout {name}: {lay['files']} file(s), {lay['tensors']} tensors, {lay['bytes'] / 1e9:.2f} GB")
-    print("second call: after `del first` (its tensors back in torch's caching allocator; no "
-          "gc.collect, no empty_cache); in a cold run it meets the cache the first call left")
+    print("second call: after the check of the first result, `del first` (its tensors back in "
+          "torch's caching allocator, no empty_cache) and gc.collect() (the check's garbage); in a "
+          "cold run it meets the page cache the first call left")
     print("wall: spawn -> first call done + exit, bench_load's import for the peers taken out; "
           "import: the loader's module after torch")
     for note in doc["notes"]:
@@ -680,7 +713,13 @@ def summarize(doc):
         cells.append(cell)
     doc["start_alone_s"] = start_alone
     doc["start_alone_all"] = [r.get("cuda_start_s") for r in start]
-    return cells
+    doc["start_torch_s"] = _med(start, "torch_s")
+    doc["start_wall_s"] = _med(start, "wall_total_s")
+
+    def order(c):
+        return (c["cache"] != "hot", LAYOUTS.index(c["layout"]), MODES.index(c["mode"]),
+                METHODS.index(c["method"]))
+    return sorted(cells, key=order)
 
 
 def _staging_text(staging):
@@ -698,7 +737,9 @@ def print_table(doc):
     start = doc["start_alone_s"]
     if doc["start_alone_all"]:
         print(f"\nCUDA start alone (fresh process: import torch, then torch.cuda.init() + one tensor "
-              f"+ sync): median {start:.3f} s, runs " + ", ".join(f"{x:.3f}" for x in doc["start_alone_all"]))
+              f"+ sync): median {start:.3f} s, runs " + ", ".join(f"{x:.3f}" for x in doc["start_alone_all"])
+              + f"; import torch {C.fmt(doc['start_torch_s'], '.2f')} s, process "
+              f"{C.fmt(doc['start_wall_s'], '.2f')} s")
     rows = []
     for c in doc["cells"]:
         if not c["first_s"]:
@@ -714,11 +755,17 @@ def print_table(doc):
                      C.fmt(c["gbps_first"], ".2f"), C.fmt(c["gbps_second"], ".2f"),
                      C.fmt(c["first_minus_second_s"]),
                      C.fmt(cuda) if cuda is not None else "(" + C.fmt(c["start_alone_s"]) + ")",
-                     f"{exact}, n={len(c['first_all'])}" + (f"; {c['staging']}" if c["staging"] else "")])
+                     f"{exact}, n={len(c['first_all'])}"])
     print("\nseconds, median of the runs (n); CUDA start: in that process (mode cuda), "
           "(alone) for mode none")
     print(C.table(["layout", "cache", "mode", "method", "wall", "torch", "import", "first", "second",
-                   "GB/s 1st", "GB/s 2nd", "1st-2nd", "CUDA start", "bit-exact; staging"], rows))
+                   "GB/s 1st", "GB/s 2nd", "1st-2nd", "CUDA start", "bit-exact"], rows))
+    staging = {}
+    for c in doc["cells"]:
+        if c["staging"]:
+            staging.setdefault(c["staging"], []).append(f"{c['layout']} {c['cache']} {c['mode']}")
+    for text, where in staging.items():
+        print(f"instant_staging's kept staging buffer ({', '.join(where)}): {text}")
 
 
 def goals(doc, device):
