@@ -42,8 +42,8 @@ such process) for the layouts in --cold.  In a cold process only the first
 call meets a cold cache; the second reads what the first left cached.
 
 Every result (both calls) is checked bit for bit after the timing: a hash
-of each tensor's bytes is computed on the load's device (exact 64-bit
-integer sums of the 16-bit words, each weighted by its position) and
+of each tensor's bytes is computed on the load's device (exact integer
+sums of its 16-bit words, each weighted by its position; ``digests``) and
 compared with the hashes of safetensors' own load of the same files onto
 the same device, computed once by a reference process and cached beside
 the files (``<layout>.first_load_ref.json``); names, dtypes, shapes and
@@ -54,10 +54,27 @@ Process times: ``wall`` = spawn to the end of the first call, minus
 and exits takes); ``wall_total`` in the JSON is spawn to exit of the
 whole run (second call and checks included).
 
+Order: CUDA's start alone, ours hot, ours cold, the peers hot, the peers
+cold; --deadline S starts no process after S seconds (the rest is listed
+as skipped), --budget gives a cell whose first call was slow one run,
+--second-budget lets a slow first call go without a second; --dry-run
+lists the processes.  Exit status 1 if a result is not bit-exact or one of
+our processes failed.
+
     python benchmarks/bench_first_load.py [--layouts dense,moe,awq]
-        [--methods instant_staging,safetensors,...] [--modes cuda,none,start]
-        [--cold moe,awq] [--runs 2] [--peer-runs N] [--dir DIR]
-        [--device cuda:0] [--scale 0.01] [--deadline S] [--json PATH]
+        [--methods instant_staging,safetensors,runai,instanttensor,fastsafetensors]
+        [--modes cuda,none,start] [--peer-modes M] [--runs 2] [--peer-runs N]
+        [--cold moe,awq] [--cold-methods M] [--cold-modes M] [--cold-runs N]
+        [--dir DIR] [--device cuda:0] [--scale 0.01] [--deadline S] [--json PATH]
+
+issue 19's whole set on the H200 (about 4-5 minutes, the checkpoints written
+first included):
+
+    python benchmarks/bench_first_load.py --peer-runs 1 --peer-modes none \
+        --cold moe,awq --cold-modes none --cold-methods instant_staging,safetensors,runai \
+        --deadline 330 --json first_load.json
+
+A smoke test of the whole flow on a CPU host: --device cpu --scale 0.01.
 """
 
 import time
@@ -516,6 +533,7 @@ def main(argv=None):
                     help="each matrix dimension times this (0.01: a smoke test of a few MB)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds one process may take")
     ap.add_argument("--json", default=None, metavar="PATH")
+    ap.add_argument("--dry-run", action="store_true", help="list the processes it would start, and stop")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each process's record")
     args = ap.parse_args(argv)
     started = time.monotonic()
@@ -555,25 +573,7 @@ def main(argv=None):
                                    if k.startswith(("INSTANT_STAGING_", "CUDA_", "PYTORCH_"))}},
            "args": vars(args), "layouts": {}, "runs": [], "notes": notes, "skipped": []}
 
-    # 1. the checkpoints, generated once, and the reference hashes
-    paths = {}
-    for name in layouts_wanted:
-        t0 = time.monotonic()
-        files = layout_files(name, divisor)
-        paths[name] = B.generate(args.dir, files)
-        doc["layouts"][name] = {"files": len(paths[name]), "tensors": sum(len(t) for _, t in files),
-                                "bytes": sum(os.path.getsize(p) for p in paths[name]),
-                                "generate_s": time.monotonic() - t0}
-        lay = doc["layouts"][name]
-        C.progress(f"{name}: {lay['files']} file(s), {lay['tensors']} tensors, "
-                   f"{lay['bytes'] / 1e9:.2f} GB ({lay['generate_s']:.1f} s)")
-    t0 = time.monotonic()
-    for name in layouts_wanted:
-        B.warm(paths[name])
-    doc["warm_s"] = time.monotonic() - t0
-    refs = references(args, paths, device, doc)
-
-    # 2. the processes, the most wanted first (--deadline cuts the rest):
+    # The processes, the most wanted first (--deadline cuts the rest):
     # CUDA's start, ours hot, ours cold, the peers hot, the peers cold.
     plan = []
     if "start" in modes:
@@ -597,6 +597,34 @@ def main(argv=None):
     cells(ours, "cold")
     cells(peers, "hot")
     cells(peers, "cold")
+    if args.dry_run:
+        for role, method, layout, mode, cache, runs in plan:
+            print(f"{runs} x " + ("CUDA start alone" if role == "start"
+                                  else f"{layout} {cache} {mode} {method}"))
+        print(f"{sum(p[-1] for p in plan)} processes at most (--budget and --deadline may cut)")
+        for note in notes:
+            print("note:", note)
+        return 0
+
+    # 1. the checkpoints, generated once, and the reference hashes
+    paths, made_since = {}, time.time() - 1
+    for name in layouts_wanted:
+        t0 = time.monotonic()
+        files = layout_files(name, divisor)
+        paths[name] = B.generate(args.dir, files)
+        doc["layouts"][name] = {"files": len(paths[name]), "tensors": sum(len(t) for _, t in files),
+                                "bytes": sum(os.path.getsize(p) for p in paths[name]),
+                                "generate_s": time.monotonic() - t0}
+        lay = doc["layouts"][name]
+        C.progress(f"{name}: {lay['files']} file(s), {lay['tensors']} tensors, "
+                   f"{lay['bytes'] / 1e9:.2f} GB ({lay['generate_s']:.1f} s)")
+    t0 = time.monotonic()
+    for name in layouts_wanted:     # what was written just now is in the page cache
+        B.warm([p for p in paths[name] if os.stat(p).st_mtime < made_since])
+    doc["warm_s"] = time.monotonic() - t0
+    refs = references(args, paths, device, doc)
+
+    # 2. the processes
     flushed = set()
     for role, method, layout, mode, cache, runs in plan:
         for i in range(runs):
@@ -627,11 +655,6 @@ def main(argv=None):
                                           + ("error" if rec.get("error")
                                              else f"first call over --budget {args.budget:g} s") + ")")
                 break
-    if cold:
-        # Leave the page cache hot for whoever runs next.
-        for layout in flushed:
-            B.warm(paths[layout])
-
     # 3. the summary
     doc["cells"] = summarize(doc)
     print_table(doc)
