@@ -7,6 +7,8 @@ One process, one run, the same files for everyone.  Layouts (--layouts):
            (1 GiB embeddings and lm_head, 112 MiB MLP, 32/8 MiB attention, 8 KiB norms)
   moe      one MoE-like shard of 1,188 bf16 tensors, 3.6 GB (12 layers x 32
            experts x 3 matrices of 3 MiB, 512 KiB routers, 4 KiB norms)
+  awq      AutoAWQ Llama-3-8B (4-bit, group 128): 739 tensors in 2 shards, 5.73 GB
+           (I32 qweight [in, out/8] and qzeros, F16 scales, embeddings, lm_head, norms)
   uniform  the older single file of 64 MiB tensors (--uniform-size, 4 GiB)
 
 Files are generated once (random bytes) and reused.  Each method loads a
@@ -122,15 +124,60 @@ def uniform_layout(size):
              [(f"layers.{i}.weight", [4096, 8192]) for i in range(count)])]
 
 
-def _nbytes(shape):
-    n = 2   # bf16
+def awq_layout(scale=1):
+    """An AutoAWQ Llama-3-8B (4-bit GEMM, group size 128): 739 tensors, 5.73 GB.
+
+    Per linear (in -> out) WQLinear_GEMM's buffers: ``qweight`` I32
+    [in, out/8] (8 packed 4-bit weights per int32), ``qzeros`` I32
+    [in/128, out/8], ``scales`` F16 [in/128, out]; embeddings, lm_head and
+    norms F16.  Shards as save_pretrained's 5 GB rule cuts a real one:
+    everything but lm_head (4.68 GB), then lm_head alone (1.05 GB).  Inside a
+    file I32 before F16, by name within each (safetensors' own order).
+    Entries are (name, shape, dtype)."""
+    V, H, I, KV, L = 128256 // scale, 4096 // scale, 14336 // scale, 1024 // scale, 32
+    G = max(1, 128 // scale)
+
+    def linear(prefix, n_in, n_out):
+        return [(prefix + ".qweight", [n_in, max(1, n_out // 8)], "I32"),
+                (prefix + ".qzeros", [max(1, n_in // G), max(1, n_out // 8)], "I32"),
+                (prefix + ".scales", [max(1, n_in // G), n_out], "F16")]
+    tensors = [("model.embed_tokens.weight", [V, H], "F16")]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        for name, n_in, n_out in (("self_attn.q_proj", H, H), ("self_attn.k_proj", H, KV),
+                                  ("self_attn.v_proj", H, KV), ("self_attn.o_proj", H, H),
+                                  ("mlp.gate_proj", H, I), ("mlp.up_proj", H, I),
+                                  ("mlp.down_proj", I, H)):
+            tensors += linear(p + name, n_in, n_out)
+        tensors += [(p + "input_layernorm.weight", [H], "F16"),
+                    (p + "post_attention_layernorm.weight", [H], "F16")]
+    tensors.append(("model.norm.weight", [H], "F16"))
+    head = [("lm_head.weight", [V, H], "F16")]
+
+    def order(t):
+        return (-DTYPE_BYTES[t[2]], t[0])
+    return [("model-00001-of-00002.safetensors", sorted(tensors, key=order)),
+            ("model-00002-of-00002.safetensors", head)]
+
+
+DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "I8": 1}
+
+
+def _nbytes(shape, dtype="BF16"):
+    n = DTYPE_BYTES[dtype]
     for d in shape:
         n *= d
     return n
 
 
+def _entry(tensor):
+    """(name, shape) -> (name, shape, "BF16"); (name, shape, dtype) as is."""
+    return tensor if len(tensor) == 3 else (*tensor, "BF16")
+
+
 def generate(directory, files, pool_bytes=64 * C.MiB):
-    """Writes each file of ``files`` (bf16, random bytes) unless it is there
+    """Writes each file of ``files`` (random bytes; entries (name, shape) are
+    bf16, (name, shape, dtype) that dtype) unless it is there
     with the right size; returns the paths.  Tensor k's bytes are the random
     pool read cyclically from an offset of its own, so no two are equal."""
     paths, pool = [], None
@@ -138,10 +185,10 @@ def generate(directory, files, pool_bytes=64 * C.MiB):
         path = os.path.join(directory, fname)
         paths.append(path)
         header, offset = {}, 0
-        for name, shape in tensors:
-            header[name] = {"dtype": "BF16", "shape": shape,
-                            "data_offsets": [offset, offset + _nbytes(shape)]}
-            offset += _nbytes(shape)
+        for name, shape, dtype in map(_entry, tensors):
+            header[name] = {"dtype": dtype, "shape": shape,
+                            "data_offsets": [offset, offset + _nbytes(shape, dtype)]}
+            offset += _nbytes(shape, dtype)
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         size = 8 + len(raw) + offset
@@ -153,8 +200,8 @@ def generate(directory, files, pool_bytes=64 * C.MiB):
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
-            for k, (_, shape) in enumerate(tensors):
-                left, start = _nbytes(shape), (k * 1000003 * 2) % pool_bytes
+            for k, (_, shape, dtype) in enumerate(map(_entry, tensors)):
+                left, start = _nbytes(shape, dtype), (k * 1000003 * 2) % pool_bytes
                 while left:
                     n = min(left, pool_bytes)
                     f.write(pool[start:start + n])
@@ -597,16 +644,18 @@ def layouts(names, scale, uniform_size):
             out.append(("dense", dense_layout(scale)))
         elif name == "moe":
             out.append(("moe", moe_layout(scale)))
+        elif name == "awq":
+            out.append(("awq", awq_layout(scale)))
         elif name == "uniform":
             out.append(("uniform", uniform_layout(uniform_size // scale)))
         else:
-            raise SystemExit(f"unknown layout {name!r} (dense, moe, uniform)")
+            raise SystemExit(f"unknown layout {name!r} (dense, moe, awq, uniform)")
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", default="dense,moe", help="dense, moe, uniform")
+    ap.add_argument("--layouts", default="dense,moe", help="dense, moe, awq, uniform")
     ap.add_argument("--cold", default="dense,moe", help="layouts also measured cold ('' for none)")
     ap.add_argument("--cold-only", default=None,
                     help="comma-separated method name prefixes measured cold (default: all)")
