@@ -7,6 +7,7 @@ whole per-chunk path runs in plain C threads:
 
     claim the next chunk -> wait for the slot's previous copy (its event)
     -> pread the chunk into the slot -> copy each piece to its tensor
+       (pieces whose destinations follow each other as one copy)
     -> record the slot's event
 
 A *chunk* is a contiguous file range of at most ``chunk_size`` bytes; a
