@@ -371,3 +371,68 @@ def test_torch_views_have_the_files_shape_and_bytes(dtype):
     assert va.untyped_storage().data_ptr() == vb.untyped_storage().data_ptr() == raw.data_ptr()
     del raw, placed, va
     assert torch.equal(vb, b)       # a view alone holds its block's storage
+
+
+@pytest.fixture
+def views_on_the_cpu(monkeypatch):
+    """The torch target's whole view path (allocate_blocks, place, tensor,
+    result) run end to end on the CPU: views are a GPU load's, so here the
+    rule is told to ignore the device; the pipeline then memcpy's each
+    chunk into the blocks (one copy per run of adjacent destinations)."""
+    rule = _TorchTarget.joins
+
+    def joins(self, dtype, nbytes, views):
+        device, self.device = self.device, torch.device("cuda", 0)
+        try:
+            return rule(self, dtype, nbytes, views)
+        finally:
+            self.device = device
+    monkeypatch.setattr(_TorchTarget, "joins", joins)
+
+
+@pytest.mark.parametrize("layout", [moe_tensors, awq_tensors, odd_tensors], ids=["moe", "awq", "odd"])
+def test_torch_views_end_to_end_equal_safetensors(tmp_path, views_on_the_cpu, layout):
+    from instant_staging.loader import load_file
+    tensors = layout()
+    path = write_unsorted(tmp_path, tensors) if layout is odd_tensors else save(tmp_path, tensors)
+    expected = st.load_file(path)
+    loaded = load_file(path, "cpu", chunk_size=1024, threads=3)
+    assert list(loaded) == list(load_file(path, "cpu", views=False))
+    for name, ref in expected.items():
+        got = loaded[name]
+        assert got.dtype == ref.dtype and got.shape == ref.shape and got.is_contiguous(), name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), name
+    storages = {t.untyped_storage().data_ptr() for t in loaded.values() if t.numel()}
+    if layout is not odd_tensors:       # (there, each tensor is unaligned to the one before)
+        assert len(storages) < sum(1 for t in loaded.values() if t.numel())      # shared blocks
+    assert all(t.data_ptr() % _blocks.ALIGN == 0 for t in loaded.values() if t.numel())
+
+
+def test_torch_views_with_dtype_conversion_convert_tensors_of_their_own(tmp_path, views_on_the_cpu):
+    from instant_staging.loader import load_file
+    tensors = awq_tensors()
+    path = save(tmp_path, tensors)
+    loaded = load_file(path, "cpu", dtype=torch.float32, chunk_size=4096)
+    for name, ref in tensors.items():
+        got = loaded[name]
+        if ref.is_floating_point():     # (random bytes: NaNs too, so compared as bits)
+            assert got.dtype == torch.float32, name
+            assert torch.equal(got.view(torch.int32), ref.float().view(torch.int32)), name
+        else:           # int32 qweight/qzeros: views, kept as they are
+            assert got.dtype == ref.dtype and torch.equal(got, ref), name
+    ints = [t for t in loaded.values() if not t.is_floating_point()]
+    assert len({t.untyped_storage().data_ptr() for t in ints}) < len(ints)
+
+
+def test_torch_views_under_inference_mode_and_no_grad(tmp_path, views_on_the_cpu):
+    from instant_staging.loader import load_file
+    tensors = moe_tensors()
+    path = save(tmp_path, tensors)
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            loaded = load_file(path, "cpu")
+            first = sorted(loaded)[0]
+            param = torch.nn.Parameter(loaded[first])      # as a model's load_state_dict(assign=True)
+        assert all(torch.equal(loaded[n].view(torch.int16), t.view(torch.int16))
+                   for n, t in tensors.items())
+        assert torch.equal(param.detach().view(torch.int16), tensors[first].view(torch.int16))
