@@ -140,10 +140,14 @@ def read_header(fd: int, path) -> Header:
             raise SafetensorsError("this is a JSON file (a model.safetensors.index.json?), not a "
                                    "safetensors file: pass the index or its directory as the "
                                    "source, not as a shard", path)
-        raise SafetensorsError(f"header length {length} exceeds the limit of {MAX_HEADER_BYTES} bytes", path)
+        # The length is not printed, here or below: it is the first 8 bytes
+        # of a file that may not be a safetensors file at all (an index once
+        # could name any file, and its bytes came back in this message).
+        raise SafetensorsError(f"the header length (the first 8 bytes) exceeds the limit of "
+                               f"{MAX_HEADER_BYTES} bytes: not a safetensors file", path)
     if 8 + length > size:
-        raise SafetensorsError(f"header length {length} goes beyond the end of the file "
-                               f"({size} bytes)", path)
+        raise SafetensorsError(f"the header length (the first 8 bytes) goes beyond the end of the "
+                               f"file ({size} bytes): truncated, or not a safetensors file", path)
     raw = _pread_exact(fd, length, 8, path)
     return parse_header(raw, path, size)
 
@@ -209,7 +213,7 @@ def _constant(name):
 def _float(text):
     value = float(text)
     if math.isinf(value):
-        raise _Reject(f"number {text[:40]} is out of range")
+        raise _Reject("a number is beyond the double range")
     return value
 
 
