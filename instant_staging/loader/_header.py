@@ -44,6 +44,7 @@ import struct
 from typing import NamedTuple, Optional
 
 from ._canonical import read as _read_canonical
+from ._errors import UPSTREAM
 
 # The JSON header may not exceed this (the safetensors package's own limit).
 MAX_HEADER_BYTES = 100_000_000
@@ -80,8 +81,9 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _MAX_NUMBER_DIGITS = 400
 
 
-class SafetensorsError(ValueError):
-    """A malformed safetensors file; ``path`` and ``tensor`` say where."""
+class SafetensorsError(ValueError, *UPSTREAM):
+    """A malformed safetensors file; ``path`` and ``tensor`` say where.  Also
+    a ``safetensors.SafetensorError`` where safetensors is importable."""
 
     def __init__(self, message: str, path=None, tensor: Optional[str] = None):
         self.path = _path_text(path) if path is not None else None

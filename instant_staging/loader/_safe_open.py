@@ -25,7 +25,8 @@ The file stays open (one descriptor) until ``close()`` or the end of the
 ``with`` block; a GPU handle keeps one pinned staging buffer for its reads,
 made at the first read and freed at close.  Reads through one handle are
 serialised (one staging buffer); use one handle per thread for parallel
-reads.  A missing name is a KeyError; a use after close a ValueError.
+reads.  A missing name is a KeyError, a use after close a ``SafetensorsError``
+("File is closed"), both also safetensors' SafetensorError (``_errors.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from typing import TYPE_CHECKING
 from ..defaults import io_depth_for
 from . import _staging_pool
 from ._checkpoint import _Checkpoint
-from ._header import DTYPE_SIZES, TensorEntry
+from ._errors import MissingTensorError
+from ._header import DTYPE_SIZES, SafetensorsError, TensorEntry
 from ._load import LoadIterator, _check_args, _fault_plan, _own_staging
 from ._options import knobs
 from ._target import _import_torch, _TorchTarget
@@ -152,7 +154,9 @@ class safe_open:
 
     def _check_open(self):
         if getattr(self, "_checkpoint", None) is None:
-            raise ValueError(f"safe_open of {getattr(self, '_path', '?')} is closed")
+            # safetensors' words and class (a ValueError as well)
+            raise SafetensorsError("File is closed (safe_open used after close() or its with "
+                                   "block)", getattr(self, "_path", None))
 
     def _entry(self, name):
         self._check_open()
@@ -161,7 +165,7 @@ class safe_open:
         try:
             return self._entries[name]
         except KeyError:
-            raise KeyError(f"{self._path} does not contain tensor {name!r}") from None
+            raise MissingTensorError(f"{self._path} does not contain tensor {name!r}") from None
 
     def _read(self, entries):
         """Loads ``entries`` (TensorEntry, possibly row ranges of one) onto
