@@ -86,7 +86,7 @@ class SafetensorsError(ValueError, *UPSTREAM):
     a ``safetensors.SafetensorError`` where safetensors is importable."""
 
     def __init__(self, message: str, path=None, tensor: Optional[str] = None):
-        self.path = _path_text(path) if path is not None else None
+        self.path = _path_text(path)
         self.tensor = tensor
         self.reason = message
         where = self.path or "<safetensors>"
@@ -99,7 +99,9 @@ class SafetensorsError(ValueError, *UPSTREAM):
         return (type(self), (self.reason, self.path, self.tensor))
 
 
-def _path_text(path) -> str:
+def _path_text(path):
+    if path is None:            # bytes in memory (load()): no path
+        return None
     path = os.fspath(path)
     return os.fsdecode(path) if isinstance(path, bytes) else path
 
@@ -134,11 +136,19 @@ def read_header(fd: int, path) -> Header:
     """Parses and validates the header of the open file ``fd``."""
     path = _path_text(path)
     size = os.fstat(fd).st_size
+    length = header_length(_pread_exact(fd, min(size, 8), 0, path), size, path)
+    raw = _pread_exact(fd, length, 8, path)
+    return parse_header(raw, path, size)
+
+
+def header_length(prefix: bytes, size: int, path) -> int:
+    """The header length N that the first 8 bytes ``prefix`` of a file (or
+    buffer) of ``size`` bytes give, checked against the limit and the size."""
     if size < 8:
         raise SafetensorsError(f"file of {size} bytes is too short for the 8-byte header length", path)
-    (length,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, path))
+    (length,) = struct.unpack("<Q", prefix)
     if length > MAX_HEADER_BYTES:
-        if os.pread(fd, 1, 0) in (b"{", b"["):
+        if prefix[:1] in (b"{", b"["):
             raise SafetensorsError("this is a JSON file (a model.safetensors.index.json?), not a "
                                    "safetensors file: pass the index or its directory as the "
                                    "source, not as a shard", path)
@@ -150,8 +160,7 @@ def read_header(fd: int, path) -> Header:
     if 8 + length > size:
         raise SafetensorsError(f"the header length (the first 8 bytes) goes beyond the end of the "
                                f"file ({size} bytes): truncated, or not a safetensors file", path)
-    raw = _pread_exact(fd, length, 8, path)
-    return parse_header(raw, path, size)
+    return length
 
 
 def parse_header(raw: bytes, path, file_size: int) -> Header:
