@@ -166,3 +166,15 @@ def test_f4_is_loaded_as_load_file_loads_it(tmp_path):
 def test_bad_data(data, exc, match):
     with pytest.raises(exc, match=match):
         load(data)
+
+
+@pytest.mark.parametrize("device", ["", "mps", "meta", "cuda:x", "cpu:0:1", -1, True, 1.5, None])
+def test_bad_device_is_a_value_or_type_error_before_allocating(device, monkeypatch):
+    data = st.save({"a": torch.zeros(4)})
+    calls = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: calls.append(a) or real_empty(*a, **k))
+    with pytest.raises((ValueError, TypeError)) as e:
+        load(data, device)
+    assert repr(device) in str(e.value) or str(device) in str(e.value), str(e.value)
+    assert not calls
