@@ -88,6 +88,29 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+# The most reader threads a load starts, whatever it is asked (argument,
+# INSTANT_STAGING_THREADS, --threads): twice the usable CPUs, beyond which
+# every host measured lost.  256 MiB hot to the CPU on the 2-CPU CI host,
+# 4 MiB chunks, median of 5: 2 threads 4.05 GB/s, 4 3.78, 8 3.55, 16
+# 2.40, 64 3.15, 256 2.40; on the 16-CPU H200 host 32 threads 39 GB/s
+# against 16's 41 (MAX_THREADS above).  Unbounded, threads=10**11 started
+# one thread per chunk (400 for 400 MiB of 1 MiB chunks).
+THREADS_PER_CPU = 2
+
+
+def max_reader_threads() -> int:
+    """The cap on a load's reader threads: THREADS_PER_CPU per usable CPU."""
+    return THREADS_PER_CPU * usable_cpus()
+
+
+def max_io_depth(threads=None) -> int:
+    """The cap on a load's slots (io_depth): MAX_SLOTS_PER_THREAD for each of
+    its reader threads, the most the pipeline ever cycles through.  A load
+    also never uses more slots than it has chunks; its own staging buffer
+    holds io_depth * chunk_size (the cap: 16 threads x 64 x 4 MiB = 4 GiB)."""
+    return MAX_SLOTS_PER_THREAD * reader_threads(threads)
+
+
 def reader_threads(threads=None) -> int:
     """A load's reader threads: ``threads``, else one per usable CPU, at
     most MAX_THREADS."""

@@ -1,13 +1,15 @@
 """A buffered safetensors loader that stages file chunks through a StagingBuffer.
 
-    from instant_staging.loader import load_file, iter_load, safe_open
+    from instant_staging.loader import load, load_file, iter_load, safe_open
     tensors = load_file("model_dir", "cuda:0", dtype=torch.bfloat16)
+    tensors = load(data, "cuda:0")    # the bytes of a file, as safetensors.torch.load
     for name, tensor in iter_load("model.safetensors", "cuda:0"):
         ...
     with safe_open("model.safetensors", framework="pt", device="cuda:0") as f:
         shard = f.get_slice("lm_head.weight")[: vocab // 2]
 
-A drop-in for ``safetensors.torch.load_file`` and ``safetensors.safe_open``
+A drop-in for ``safetensors.torch.load_file``, ``safetensors.torch.load``
+(``_bytes.py``) and ``safetensors.safe_open``
 (DESIGN.md, "The loader"): ``source`` is a file, a list of files, a
 directory or an index.json (``_source.py``); ``dtype``, ``names``, the
 environment knobs (``_options.py``) and ``progress`` (``_progress.py``) as
@@ -35,6 +37,7 @@ works without it.
 
 from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
 from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
+from ._bytes import load
 from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
 from ._header import SafetensorsError
@@ -52,6 +55,7 @@ __all__ = [
            "VerifyError",
            "empty_cache",
            "iter_load",
+           "load",
            "load_file",
            "safe_open",
 ]

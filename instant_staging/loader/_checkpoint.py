@@ -9,6 +9,7 @@ import os
 
 from ..defaults import COLD_SAMPLES
 from . import _gc
+from ._errors import not_found
 from ._header import SafetensorsError, read_header
 
 
@@ -29,7 +30,10 @@ class _Checkpoint:
         self.total_bytes = sum(t.nbytes for _, t in self.entries)
 
     def _open(self, path):
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise not_found(os.fsdecode(path)) from None
         self.fds.append(fd)
         self.paths.append(os.fsdecode(path))     # messages and errors name a str
         self.headers.append(read_header(fd, path))

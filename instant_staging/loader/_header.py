@@ -44,6 +44,7 @@ import struct
 from typing import NamedTuple, Optional
 
 from ._canonical import read as _read_canonical
+from ._errors import UPSTREAM
 
 # The JSON header may not exceed this (the safetensors package's own limit).
 MAX_HEADER_BYTES = 100_000_000
@@ -80,11 +81,12 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _MAX_NUMBER_DIGITS = 400
 
 
-class SafetensorsError(ValueError):
-    """A malformed safetensors file; ``path`` and ``tensor`` say where."""
+class SafetensorsError(ValueError, *UPSTREAM):
+    """A malformed safetensors file; ``path`` and ``tensor`` say where.  Also
+    a ``safetensors.SafetensorError`` where safetensors is importable."""
 
     def __init__(self, message: str, path=None, tensor: Optional[str] = None):
-        self.path = _path_text(path) if path is not None else None
+        self.path = _path_text(path)
         self.tensor = tensor
         self.reason = message
         where = self.path or "<safetensors>"
@@ -97,7 +99,9 @@ class SafetensorsError(ValueError):
         return (type(self), (self.reason, self.path, self.tensor))
 
 
-def _path_text(path) -> str:
+def _path_text(path):
+    if path is None:            # bytes in memory (load()): no path
+        return None
     path = os.fspath(path)
     return os.fsdecode(path) if isinstance(path, bytes) else path
 
@@ -132,20 +136,31 @@ def read_header(fd: int, path) -> Header:
     """Parses and validates the header of the open file ``fd``."""
     path = _path_text(path)
     size = os.fstat(fd).st_size
+    length = header_length(_pread_exact(fd, min(size, 8), 0, path), size, path)
+    raw = _pread_exact(fd, length, 8, path)
+    return parse_header(raw, path, size)
+
+
+def header_length(prefix: bytes, size: int, path) -> int:
+    """The header length N that the first 8 bytes ``prefix`` of a file (or
+    buffer) of ``size`` bytes give, checked against the limit and the size."""
     if size < 8:
         raise SafetensorsError(f"file of {size} bytes is too short for the 8-byte header length", path)
-    (length,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, path))
+    (length,) = struct.unpack("<Q", prefix)
     if length > MAX_HEADER_BYTES:
-        if os.pread(fd, 1, 0) in (b"{", b"["):
+        if prefix[:1] in (b"{", b"["):
             raise SafetensorsError("this is a JSON file (a model.safetensors.index.json?), not a "
                                    "safetensors file: pass the index or its directory as the "
                                    "source, not as a shard", path)
-        raise SafetensorsError(f"header length {length} exceeds the limit of {MAX_HEADER_BYTES} bytes", path)
+        # The length is not printed, here or below: it is the first 8 bytes
+        # of a file that may not be a safetensors file at all (an index once
+        # could name any file, and its bytes came back in this message).
+        raise SafetensorsError(f"the header length (the first 8 bytes) exceeds the limit of "
+                               f"{MAX_HEADER_BYTES} bytes: not a safetensors file", path)
     if 8 + length > size:
-        raise SafetensorsError(f"header length {length} goes beyond the end of the file "
-                               f"({size} bytes)", path)
-    raw = _pread_exact(fd, length, 8, path)
-    return parse_header(raw, path, size)
+        raise SafetensorsError(f"the header length (the first 8 bytes) goes beyond the end of the "
+                               f"file ({size} bytes): truncated, or not a safetensors file", path)
+    return length
 
 
 def parse_header(raw: bytes, path, file_size: int) -> Header:
@@ -209,7 +224,7 @@ def _constant(name):
 def _float(text):
     value = float(text)
     if math.isinf(value):
-        raise _Reject(f"number {text[:40]} is out of range")
+        raise _Reject("a number is beyond the double range")
     return value
 
 

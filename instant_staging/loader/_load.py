@@ -418,9 +418,10 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
                 e.g. 8MiB, else 4 MiB)
     io_depth    chunks in flight, i.e. slots (None: $INSTANT_STAGING_IO_DEPTH, else
                 2 per reader thread: 32 with 16 threads); the load's own staging
-                buffer holds io_depth * chunk_size
+                buffer holds io_depth * chunk_size; capped at 64 per reader thread
     threads     reader threads (None: $INSTANT_STAGING_THREADS, else one per CPU,
-                at most 16; never more than slots)
+                at most 16; never more than slots); capped at twice the usable
+                CPUs (a warning says so)
     staging     a StagingBuffer to reuse instead of making one per load; up to
                 io_depth whole chunks inside its registrations are the slots (one
                 load at a time per buffer)

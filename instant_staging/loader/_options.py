@@ -4,7 +4,12 @@
 ``INSTANT_STAGING_CHUNK_SIZE`` (bytes, or a size such as ``8MiB``),
 ``INSTANT_STAGING_IO_DEPTH`` and ``INSTANT_STAGING_THREADS`` (integers >= 1)
 where set, else from ``instant_staging/defaults.py`` (threads: one per
-usable CPU, at most ``MAX_THREADS``).  Where all three are left unset, a
+usable CPU, at most ``MAX_THREADS``).  Whichever way they come (argument,
+variable, the CLI's flags, which read the same path), ``threads`` above
+``defaults.max_reader_threads()`` (twice the usable CPUs) and ``io_depth``
+above ``defaults.max_io_depth(threads)`` (64 slots per reader thread) are
+capped there, with a warning on the ``instant_staging`` logger (once per
+value).  Where all three are left unset, a
 load whose checkpoint is not in the page cache uses the cold defaults
 (``COLD_CHUNK_SIZE``, ``COLD_THREADS``) instead.  A variable's value is checked as the
 argument would be; a bad one is a ValueError naming the variable, raised
@@ -18,10 +23,22 @@ name: ``"bfloat16"``, ``"bf16"``, ...); anything else is an error before
 anything is allocated.
 """
 
+import logging
 import os
 
 from .._types import parse_size
-from ..defaults import CHUNK_SIZE, KEEP_STAGING
+from ..defaults import (
+    CHUNK_SIZE,
+    KEEP_STAGING,
+    MAX_SLOTS_PER_THREAD,
+    THREADS_PER_CPU,
+    max_io_depth,
+    max_reader_threads,
+    reader_threads,
+    usable_cpus,
+)
+
+log = logging.getLogger("instant_staging")
 
 ENV_CHUNK_SIZE = "INSTANT_STAGING_CHUNK_SIZE"
 ENV_IO_DEPTH = "INSTANT_STAGING_IO_DEPTH"
@@ -50,7 +67,10 @@ def _env_int(name, parse):
 
 def knobs(chunk_size, io_depth, threads):
     """``(chunk_size, io_depth, threads)`` with None filled from the
-    environment, then the defaults (threads may stay None: the loader's own)."""
+    environment, then the defaults (threads may stay None: the loader's own),
+    threads and io_depth capped to what the host can use."""
+    names = {"io_depth": "io_depth" if io_depth is not None else ENV_IO_DEPTH,
+             "threads": "threads" if threads is not None else ENV_THREADS}
     if chunk_size is None:
         chunk_size = _env_int(ENV_CHUNK_SIZE, parse_size) or CHUNK_SIZE
     if io_depth is None:
@@ -60,7 +80,31 @@ def knobs(chunk_size, io_depth, threads):
     if threads is None:
         threads = _env_int(ENV_THREADS, lambda s: int(s, 10))
     keep_staging()      # a bad value fails here, before anything is allocated
+    threads = _capped(names["threads"], threads, max_reader_threads(),
+                      f"{THREADS_PER_CPU} per usable CPU, {usable_cpus()} here")
+    if threads is None or _is_count(threads):
+        io_depth = _capped(names["io_depth"], io_depth, max_io_depth(threads),
+                           f"{MAX_SLOTS_PER_THREAD} slots per reader thread, "
+                           f"{reader_threads(threads)} threads")
     return chunk_size, io_depth, threads
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+_warned: set = set()
+
+
+def _capped(name, value, cap, why):
+    """``value`` at most ``cap``, saying so once per value; anything but a
+    count is left for the argument checks to refuse."""
+    if not _is_count(value) or value <= cap:
+        return value
+    if (name, value, cap) not in _warned:
+        _warned.add((name, value, cap))
+        log.warning("%s=%d is more than this host can use: capped at %d (%s)", name, value, cap, why)
+    return cap
 
 
 def left_unset(chunk_size, io_depth, threads) -> bool:

@@ -22,21 +22,27 @@ narrows there.  Other index forms (lists, tensors, masks, a leading
 Ellipsis) read the whole tensor and index it on the device.
 
 The file stays open (one descriptor) until ``close()`` or the end of the
-``with`` block; a GPU handle keeps one pinned staging buffer for its reads,
-made at the first read and freed at close.  Reads through one handle are
+``with`` block, and after it for as long as a slice of it is alive (a slice
+stays usable after its handle closed, as safetensors'; the last one dropped
+closes the file); a GPU handle keeps one pinned staging buffer for its
+reads, made at the first read and given back at close (a slice read after
+close takes one for that read).  Reads through one handle are
 serialised (one staging buffer); use one handle per thread for parallel
-reads.  A missing name is a KeyError; a use after close a ValueError.
+reads.  A missing name is a KeyError, a use after close a ``SafetensorsError``
+("File is closed"), both also safetensors' SafetensorError (``_errors.py``).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 from ..defaults import io_depth_for
 from . import _staging_pool
 from ._checkpoint import _Checkpoint
-from ._header import DTYPE_SIZES, TensorEntry
+from ._errors import MissingTensorError
+from ._header import DTYPE_SIZES, SafetensorsError, TensorEntry
 from ._load import LoadIterator, _check_args, _fault_plan, _own_staging
 from ._options import knobs
 from ._target import _import_torch, _TorchTarget
@@ -65,6 +71,100 @@ class _View:
         pass
 
 
+class _File:
+    """A safe_open's file and what its reads need, shared by the handle and
+    every slice it gave out.  The descriptor is closed once the handle is
+    closed and no slice holds it (a slice outlives its handle, as
+    safetensors' does: its mmap lives as long as any view of it).  The
+    handle's staging buffer (GPU) goes back to the pool at the handle's
+    close; a slice read after that takes one from the pool for that read."""
+
+    def __init__(self, checkpoint, torch, target, chunk_size, io_depth, threads):
+        self.checkpoint: _Checkpoint | None = checkpoint
+        self.path = checkpoint.paths[0]
+        self.torch, self.target = torch, target
+        self.chunk_size, self.io_depth, self.threads = chunk_size, io_depth, threads
+        # One read at a time (one staging buffer).  Reentrant: a collection
+        # inside a read may finalize a dropped slice or handle, which
+        # releases its hold from this same thread.
+        self.lock = threading.RLock()
+        self.staging = None             # the handle's, made at its first GPU read
+        self.handle_open = True
+        self.reading = False
+        self.holders = 1                # the handle, and each slice alive
+
+    def closed_error(self):
+        # safetensors' words and class (a ValueError as well)
+        return SafetensorsError("File is closed (safe_open used after close() or its with block)",
+                                self.path)
+
+    def hold(self):
+        with self.lock:
+            if not self.handle_open:
+                raise self.closed_error()
+            self.holders += 1
+
+    def release(self):
+        with self.lock:
+            self.holders -= 1
+            if self.holders:
+                return
+            checkpoint, self.checkpoint = self.checkpoint, None
+        if checkpoint is not None:
+            checkpoint.close()
+
+    def close_handle(self):
+        with self.lock:
+            if not self.handle_open:
+                return
+            self.handle_open = False
+            # A read in progress (a slice's, while the handle is collected)
+            # still uses the buffer: it gives it back when done.
+            staging = None if self.reading else self.staging
+            if staging is not None:
+                self.staging = None
+        if staging is not None:
+            _staging_pool.give(self.target.index, staging)   # kept for a later load, or closed
+        self.release()
+
+    def read(self, entries):
+        """Loads ``entries`` (TensorEntry, possibly row ranges of one) onto
+        the device; returns their tensors in the order given."""
+        target = self.target
+        with self.lock:
+            if self.checkpoint is None:
+                raise self.closed_error()
+            dtypes = {e: target.check(e, self.path) for e in entries}
+            view = _View(self.checkpoint, entries)
+            chunk_size = self.chunk_size
+            io_depth = io_depth_for(self.io_depth, self.threads)
+            staging = own = None
+            if target.mode == _host_mode():
+                # The pipeline's own slots per read, no larger than the read needs.
+                chunk_size = max(_PAGE, min(chunk_size, -(-view.total_bytes // _PAGE) * _PAGE))
+                io_depth = max(1, min(io_depth, -(-view.total_bytes // chunk_size)))
+            elif self.handle_open:
+                if self.staging is None:
+                    self.staging = _own_staging(target.index, io_depth * chunk_size, chunk_size)
+                staging = self.staging
+            else:
+                staging = own = _own_staging(target.index, io_depth * chunk_size, chunk_size)
+            self.reading = True
+            try:
+                with LoadIterator(view, target, [dtypes[e] for _, e in view.entries], staging=staging,
+                                  chunk_size=chunk_size, io_depth=io_depth, threads=self.threads,
+                                  faults=_fault_plan(staging)) as it:
+                    # Yielded in completion order; one read holds each name once.
+                    loaded = dict(it)
+            finally:
+                self.reading = False
+                if own is None and staging is not None and not self.handle_open:
+                    own, self.staging = staging, None    # the handle closed meanwhile
+                if own is not None:
+                    _staging_pool.give(target.index, own)
+        return [loaded[e.name] for e in entries]
+
+
 class safe_open:
     """``safetensors.safe_open(filename, framework="pt", device=...)`` read
     through instant_staging (see the module docstring)."""
@@ -75,14 +175,12 @@ class safe_open:
         if framework.lower() not in FRAMEWORKS:
             raise ValueError(f"framework {framework!r} is not supported: instant_staging.loader.safe_open "
                              "returns torch tensors (framework='pt'); use safetensors.safe_open for others")
-        self._torch = torch = _import_torch()
-        self._target = _TorchTarget(torch, device)
-        self._chunk_size, self._io_depth, self._threads = knobs(None, None, None)
-        _check_args(self._chunk_size, self._io_depth, self._threads)
-        self._lock = threading.Lock()
-        self._staging = None
+        torch = _import_torch()
+        target = _TorchTarget(torch, device)
+        chunk_size, io_depth, threads = knobs(None, None, None)
+        _check_args(chunk_size, io_depth, threads)
         checkpoint = _Checkpoint([filename])
-        self._checkpoint: _Checkpoint | None = checkpoint
+        self._file = _File(checkpoint, torch, target, chunk_size, io_depth, threads)
         header = checkpoint.headers[0]
         self._entries = {t.name: t for t in header.tensors}
         self._order = [t.name for t in header.tensors]
@@ -118,19 +216,18 @@ class safe_open:
         return dict(zip(self._order, self._read(entries)))
 
     def get_slice(self, name: str) -> _Slice:
-        """A lazy view: ``get_shape()``, ``get_dtype()``, and indexing reads."""
-        return _Slice(self, self._entry(name))
+        """A lazy view: ``get_shape()``, ``get_dtype()``, and indexing reads.
+        It stays usable after the handle is closed (it holds the file until
+        it is dropped)."""
+        return _Slice(self._file, self._entry(name))
 
     def close(self) -> None:
-        """Closes the file and gives back the staging buffer (kept for a later
-        load, as load_file's); idempotent."""
-        with self._lock:
-            checkpoint, self._checkpoint = self._checkpoint, None
-            staging, self._staging = self._staging, None
-        if checkpoint is not None:
-            checkpoint.close()
-        if staging is not None:
-            _staging_pool.give(self._target.index, staging)   # kept for a later load, or closed
+        """Closes the handle: the file once no slice of it is left, and gives
+        back the staging buffer (kept for a later load, as load_file's);
+        idempotent."""
+        file = getattr(self, "_file", None)
+        if file is not None:
+            file.close_handle()
 
     def __enter__(self) -> Self:
         return self
@@ -145,14 +242,16 @@ class safe_open:
             pass
 
     def __repr__(self):
-        state = "closed" if self._checkpoint is None else f"{len(self._entries)} tensors"
-        return f"<instant_staging safe_open {self._path!r} on {self._target.device}, {state}>"
+        state = "closed" if not self._file.handle_open else f"{len(self._entries)} tensors"
+        return f"<instant_staging safe_open {self._path!r} on {self._file.target.device}, {state}>"
 
     # -- reading ---------------------------------------------------------------
 
     def _check_open(self):
-        if getattr(self, "_checkpoint", None) is None:
-            raise ValueError(f"safe_open of {getattr(self, '_path', '?')} is closed")
+        file = getattr(self, "_file", None)
+        if file is None or not file.handle_open:
+            raise (file.closed_error() if file is not None
+                   else SafetensorsError("File is closed", getattr(self, "_path", None)))
 
     def _entry(self, name):
         self._check_open()
@@ -161,33 +260,11 @@ class safe_open:
         try:
             return self._entries[name]
         except KeyError:
-            raise KeyError(f"{self._path} does not contain tensor {name!r}") from None
+            raise MissingTensorError(f"{self._path} does not contain tensor {name!r}") from None
 
     def _read(self, entries):
-        """Loads ``entries`` (TensorEntry, possibly row ranges of one) onto
-        the device; returns their tensors in the order given."""
-        target = self._target
-        with self._lock:
-            self._check_open()
-            dtypes = {e: target.check(e, self._path) for e in entries}
-            view = _View(self._checkpoint, entries)
-            chunk_size, io_depth = self._chunk_size, self._io_depth
-            io_depth = io_depth_for(io_depth, self._threads)
-            staging = None
-            if target.mode == _host_mode():
-                # The pipeline's own slots per read, no larger than the read needs.
-                chunk_size = max(_PAGE, min(chunk_size, -(-view.total_bytes // _PAGE) * _PAGE))
-                io_depth = max(1, min(io_depth, -(-view.total_bytes // chunk_size)))
-            else:
-                if self._staging is None:
-                    self._staging = _own_staging(target.index, io_depth * chunk_size, chunk_size)
-                staging = self._staging
-            with LoadIterator(view, target, [dtypes[e] for _, e in view.entries], staging=staging,
-                              chunk_size=chunk_size, io_depth=io_depth, threads=self._threads,
-                              faults=_fault_plan(staging)) as it:
-                # Yielded in completion order; one read holds each name once.
-                loaded = dict(it)
-        return [loaded[e.name] for e in entries]
+        self._check_open()
+        return self._file.read(entries)
 
 
 def _host_mode():
@@ -196,11 +273,14 @@ def _host_mode():
 
 
 class _Slice:
-    """``safe_open.get_slice(name)``: shape and dtype now, bytes when indexed."""
+    """``safe_open.get_slice(name)``: shape and dtype now, bytes when indexed.
+    It holds the handle's file (``_File``) until it is dropped."""
 
-    def __init__(self, handle, entry: TensorEntry):
-        self._handle = handle
+    def __init__(self, file: _File, entry: TensorEntry):
+        file.hold()
+        self._file = file
         self._entry = entry
+        weakref.finalize(self, file.release)
 
     def get_shape(self) -> list[int]:
         return list(self._entry.shape)
@@ -209,9 +289,9 @@ class _Slice:
         return self._entry.dtype
 
     def __getitem__(self, index) -> torch.Tensor:
-        handle, entry = self._handle, self._entry
-        torch = handle._torch
-        dtype = handle._target.check(entry, handle._path)
+        file, entry = self._file, self._entry
+        torch = file.torch
+        dtype = file.target.check(entry, file.path)
         # torch's own checks and errors, before anything is read.
         torch.empty(entry.shape, dtype=dtype, device="meta")[index]
         rows = _rows(index, entry.shape)
@@ -224,9 +304,9 @@ class _Slice:
                 row_bytes *= d
             part = TensorEntry(entry.name, entry.dtype, (hi - lo,) + tuple(entry.shape[1:]),
                                entry.begin + lo * row_bytes, entry.begin + hi * row_bytes)
-        covering = handle._read([part])[0]
+        covering = file.read([part])[0]
         try:
-            return _like_safetensors(torch, covering[shifted], covering, handle._target.device)
+            return _like_safetensors(torch, covering[shifted], covering, file.target.device)
         except BaseException:
             # e.g. a tensor index out of bounds (the meta check cannot see
             # its values): the rows read do not outlive the error

@@ -9,7 +9,15 @@
 - an ``*.safetensors.index.json`` path: the shards it lists, beside it.
 
 An index must be a JSON object whose ``weight_map`` maps tensor names to
-shard file names (what transformers' ``save_pretrained`` writes).  A shard
+shard file names (what transformers' ``save_pretrained`` writes); anything
+else, JSON nested beyond the parser's depth included, is a
+``SafetensorsError`` naming the index.  A shard name must be a relative
+name inside the index's directory: not absolute, no ``..`` component, no
+NUL, else a ``SafetensorsError`` naming the index and the entry, raised
+before any shard is looked at, so that an index cannot make a load open a
+file elsewhere (``../x``, ``/etc/...``).  The rule is on the names, not on
+where they resolve: a shard may be a symbolic link anywhere (the hub
+cache's snapshot folders link every shard to ``../../blobs/...``).  A shard
 it lists that does not exist is a ``FileNotFoundError`` naming the index and
 the shard; after the headers are read, ``Source.check`` makes a tensor the
 index promises but no shard holds a ``SafetensorsError``, so an index that
@@ -122,13 +130,21 @@ def _index(path: str) -> Source:
         raise FileNotFoundError(f"no such index file: {path}") from None
     try:
         obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:     # its str() would print the byte
+        raise SafetensorsError(f"safetensors index is not UTF-8 ({e.reason} at byte {e.start})",
+                               path) from None
+    except ValueError as e:
         raise SafetensorsError(f"safetensors index is not valid JSON: {e}", path) from None
+    except RecursionError:
+        raise SafetensorsError("safetensors index nests deeper than Python's JSON parser "
+                               "goes (the recursion limit)", path) from None
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if (not isinstance(weight_map, dict) or not weight_map
             or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items())):
         raise SafetensorsError("a safetensors index must be a JSON object whose \"weight_map\" maps "
                                "tensor names to shard file names", path)
+    for name, shard in weight_map.items():
+        _check_shard_name(shard, name, path)
     base = os.path.dirname(path)
     shards = sorted(set(weight_map.values()))
     paths = [os.path.join(base, s) for s in shards]
@@ -138,3 +154,19 @@ def _index(path: str) -> Source:
                                 f"{base or '.'}: {', '.join(missing[:10])}"
                                 + (" ..." if len(missing) > 10 else ""))
     return Source(paths, path, {name: os.path.join(base, s) for name, s in weight_map.items()})
+
+
+def _check_shard_name(shard: str, name: str, index: str) -> None:
+    """A shard name of ``index`` names a file inside its directory (see the
+    module docstring); ``name`` is the tensor whose entry it is."""
+    parts = shard.replace(os.sep, "/").replace(os.altsep or "/", "/").split("/")
+    if "\0" in shard:
+        why = "holds a NUL character"
+    elif os.path.isabs(shard) or shard.startswith("/"):
+        why = "is an absolute path"
+    elif ".." in parts:
+        why = "has a '..' component"
+    else:
+        return
+    raise SafetensorsError(f"the index names shard {shard!r}, which {why}: a shard must be named "
+                           "by a relative name inside the index's directory", index, name)

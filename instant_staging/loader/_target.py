@@ -194,13 +194,21 @@ def _resolve_device(torch, device):
 
 
 def _parse_device(torch, device):
-    """``device`` as a torch.device of type cpu or cuda, without asking CUDA."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        device = torch.device("cuda", device)
-    else:
-        device = torch.device(device)
+    """The torch.device of ``device`` ("cpu", "cuda:N", an int, a
+    torch.device), without asking CUDA: TypeError for another type,
+    ValueError naming it for anything torch cannot parse or this loader
+    cannot load to."""
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be 'cpu', 'cuda:N', a GPU index or a torch.device, "
+                        f"not {type(device).__name__} {device!r}")
+    given = device
+    try:
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, ValueError, OverflowError) as e:
+        # torch's RuntimeError ("Device string must not be empty") names nothing
+        raise ValueError(f"device {given!r} is not a device: {e}") from None
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device ('cuda:N'), not {device}")
+        raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device ('cuda:N'), not {given!r}")
     return device
 
 
