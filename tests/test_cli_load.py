@@ -69,7 +69,8 @@ def test_load_to_cpu_reports_tensors_bytes_and_seconds(weights):
     assert r["device"] == "cpu" and r["seconds"] > 0 and r["gbps"] > 0
     assert (r["chunk_size"], r["io_depth"], r["threads"]) == (64 << 10, 4, 2)
     assert r["staging"] == {"kind": "HOST", "pinned": False, "size": 256 << 10,
-                            "segment_size": None, "seconds": 0.0, "attempts": []}
+                            "segment_size": None, "seconds": 0.0, "hugepages": None,
+                            "attempts": []}
     proc = cli("load", str(path), "--device", "cpu", "--chunk-size", "64KiB")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"{count} tensors, ") and "GB/s" in proc.stdout
@@ -100,6 +101,7 @@ def test_load_reports_tensors_bytes_and_kind(weights):
     assert r["seconds"] > 0 and r["gbps"] > 0 and r["device"] == "cuda:0"
     assert r["staging"]["kind"] == "REGISTERED" and r["staging"]["size"] == 4 * MiB
     assert r["staging"]["segment_size"] % MiB == 0
+    assert isinstance(r["staging"]["hugepages"]["on"], bool) and r["staging"]["hugepages"]["why"]
     proc = cli("load", str(path), "--chunk-size", "1MiB")
     assert proc.returncode == 0
     assert f"{count} tensors" in proc.stdout and "staging: REGISTERED" in proc.stdout

@@ -116,8 +116,10 @@ def build_parser():
                    help="round the segment size down to a multiple of this")
     p.add_argument("--chunk-size", type=size_arg, default=defaults.CHUNK_SIZE,
                    help=f"bytes per copy in the copy check (default {format_size(defaults.CHUNK_SIZE)})")
-    p.add_argument("--hugepages", action="store_true", default=None,
-                   help="MADV_HUGEPAGE before prefaulting")
+    p.add_argument("--hugepages", action=argparse.BooleanOptionalAction, default=None,
+                   help="MADV_HUGEPAGE before prefaulting, or not (default: "
+                   "$INSTANT_STAGING_HUGEPAGES, else where THP allows them and their "
+                   "2 MiB blocks are free; `doctor` says what that is here)")
     p.add_argument("--prefault-threads", type=count_arg, default=None, metavar="N",
                    help="threads touching the pages (default: automatic; 0: none)")
     p.add_argument("--allow-pageable", action="store_true",
