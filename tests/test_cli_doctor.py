@@ -1,13 +1,15 @@
 """The doctor command: its checks are fed fake /proc and /sys files
 through its Python API, and the command itself runs in a subprocess."""
 
+import json
+
 import pytest
 
 import instant_staging as ist
 from instant_staging.cli import doctor, report
 from instant_staging.testing import SimulatedRuntime
 
-from _cli import cli, cli_json, error_name
+from _cli import cli, error_name
 from conftest import gpu_count
 
 # -- doctor ------------------------------------------------------------------------------
@@ -27,7 +29,9 @@ BUDDY_FRAGMENTED = "Node 0, zone   Normal  9999 9999 9999 9999 9999 9999 9999 99
 
 
 def test_doctor_cli_json_and_text():
-    r = cli_json("doctor")
+    proc = cli("doctor", "--json")
+    r = json.loads(proc.stdout)  # one object, nothing else on stdout
+    assert proc.returncode == (1 if r["problems"] else 0), proc.stdout + proc.stderr
     assert r["command"] == "doctor" and r["backend"] == ist.BACKEND
     assert list(r["checks"]) == CHECKS
     for name, c in r["checks"].items():
@@ -37,7 +41,11 @@ def test_doctor_cli_json_and_text():
     assert r["checks"]["build"]["value"]["backend"] == ist.BACKEND
     assert isinstance(r["problems"], list)
     proc = cli("doctor")
-    assert proc.returncode == 0
+    # DESIGN.md: doctor exits 1 when it found a problem (this CI host, with
+    # no GPU driver, always has one).
+    assert proc.returncode == (1 if r["problems"] else 0), proc.stdout + proc.stderr
+    assert proc.stdout.rstrip().endswith(f"{len(r['problems'])} problem(s) found"
+                                         if r["problems"] else "no known failing condition found")
     assert "RLIMIT_MEMLOCK" in proc.stdout and "transparent hugepages" in proc.stdout
     if gpu_count() == 0:
         assert r["checks"]["devices"]["status"] == "warn"
@@ -115,6 +123,18 @@ def test_doctor_says_what_hugepages_none_chooses_and_why(host):
     c = r["checks"]["hugepages"]
     assert c["status"] == "error" and "INSTANT_STAGING_HUGEPAGES" in c["verdict"]
     assert any(p.startswith("hugepages: ") for p in r["problems"])
+    assert doctor.exit_code(r) == 1
+
+
+def test_doctor_exit_code_follows_the_problems(host):
+    healthy = host(nvidia=PROPRIETARY, thp="always [madvise] never",
+                   cgroup={"cgroup.controllers": "memory\n", "memory.max": "max\n"})
+    assert healthy["problems"] == [] and doctor.exit_code(healthy) == 0
+    assert doctor.exit_code(host(release="6.11.0-19-generic")) == 1
+    # The command itself: a problem it is sure to find (a bad variable) exits 1.
+    proc = cli("doctor", env={"INSTANT_STAGING_HUGEPAGES": "maybe"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "X huge pages" in proc.stdout and "Traceback" not in proc.stderr
 
 
 def test_doctor_open_module_on_kernel_6_11(host):

@@ -8,7 +8,9 @@ limit, and gives each a one-line verdict where a known failing condition of
 docs/design.md ("Measured") applies.  Every file it reads and the one
 variable it looks at are parameters, so tests feed it fake /proc and /sys
 content.  It returns a plain dict (what ``--json`` prints);
-``format_text()`` renders it.  Nothing here prints.
+``format_text()`` renders it and ``exit_code()`` gives the command's status:
+1 when a check found a problem (a warning or an error with a verdict), else
+0.  Nothing here prints.
 """
 
 import os
@@ -371,8 +373,10 @@ def diagnose(*, runtime=None, memlock=None, nvidia_version=PATHS["nvidia_version
     checks["hugepages"] = check_hugepages(thp, buddyinfo, hugepages_env)
     checks["memory"] = check_memory(meminfo)
     checks["cgroup"] = check_cgroup(self_cgroup, cgroup_root)
-    problems = [f"{name}: {c['verdict']}" for name, c in checks.items()
-                if c["status"] in ("warn", "error") and c["verdict"]]
+    # A warning or an error is a problem, its verdict the line to act on (an
+    # error without one, a runtime that answers nothing, still counts).
+    problems = [f"{name}: {c['verdict'] or c['summary']}" for name, c in checks.items()
+                if c["status"] in ("warn", "error")]
     return {"command": "doctor", "backend": BACKEND, "checks": checks, "problems": problems}
 
 
@@ -394,3 +398,9 @@ def format_text(report):
     count = len(report["problems"])
     lines.append(f"{count} problem(s) found" if count else "no known failing condition found")
     return lines
+
+
+def exit_code(report):
+    """1 when the report lists a problem (DESIGN.md: doctor exits 1 when it
+    found one), else 0."""
+    return 1 if report["problems"] else 0

@@ -180,7 +180,7 @@ def run_doctor(args, parser):
     from . import doctor
     report = doctor.diagnose()
     emit(args.json, report, doctor.format_text(report))
-    return 0
+    return doctor.exit_code(report)
 
 
 def run_load(args, parser):
