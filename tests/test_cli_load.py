@@ -35,7 +35,7 @@ def test_progress_bar_and_plain_lines():
     bar.close()
     text = out.getvalue()
     assert text.count("\r") == 5 and text.endswith("\n")
-    assert "100% 100 MiB / 100 MiB" in text and "#" * load_cmd.Progress.WIDTH in text
+    assert "100% 104.86 MB / 104.86 MB" in text and "#" * load_cmd.Progress.WIDTH in text
     out = io.StringIO()
     plain = load_cmd.Progress(out, bar=False)
     for done in range(0, 101, 5):
@@ -44,6 +44,50 @@ def test_progress_bar_and_plain_lines():
     assert len(lines) == 10 and lines[0].startswith("loaded 10%") and "\r" not in out.getvalue()
     quiet = load_cmd.Progress(io.StringIO(), bar=False, quiet=True)
     quiet(50, 100)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("bar", [False, True])
+def test_progress_rate_is_bytes_moved_over_the_time_of_moving_them(bar):
+    # The CLI makes its Progress before torch is imported and the staging
+    # buffer made: 5 s of start-up, then 3.63 GB moved in 0.1 s (36.3 GB/s).
+    out, clock = io.StringIO(), Clock()
+    progress = load_cmd.Progress(out, bar=bar, interval=0, clock=clock)
+    clock.now += 5.0
+    total = 3_630_000_000
+    progress(0, total)                      # the load's first report
+    for step in range(1, 11):
+        clock.now += 0.01
+        progress(total * step // 10, total)
+    progress.close()
+    lines = [t for t in out.getvalue().replace("\r", "\n").splitlines() if t.strip()]
+    rates = [float(t.rsplit(", ", 1)[1].split()[0]) for t in lines if "GB/s" in t]
+    assert len(rates) == 10 and all(r == 36.3 for r in rates), lines
+    assert lines[-1].strip().endswith("3.63 GB / 3.63 GB, 36.3 GB/s" if bar else
+                                      "loaded 100%: 3.63 GB of 3.63 GB, 36.3 GB/s")
+    for line in lines:                      # one unit system a line: decimal
+        assert "iB" not in line, line
+    # A first report that already holds bytes counts only what came after it.
+    out, clock = io.StringIO(), Clock()
+    progress = load_cmd.Progress(out, bar=False, clock=clock)
+    progress(total // 2, total)             # no interval yet: no rate
+    clock.now += 0.05
+    progress(total, total)
+    assert out.getvalue().splitlines() == ["loaded 50%: 1.81 GB of 3.63 GB",
+                                           "loaded 100%: 3.63 GB of 3.63 GB, 36.3 GB/s"]
+
+
+def test_format_si():
+    from instant_staging.loader._progress import format_si
+    assert [format_si(n) for n in (0, 999, 1000, 16_060_000_000, 5 * MiB)] == [
+        "0 B", "999 B", "1.00 kB", "16.06 GB", "5.24 MB"]
 
 
 @pytest.fixture
@@ -74,8 +118,11 @@ def test_load_to_cpu_reports_tensors_bytes_and_seconds(weights):
     proc = cli("load", str(path), "--device", "cpu", "--chunk-size", "64KiB")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"{count} tensors, ") and "GB/s" in proc.stdout
+    first = proc.stdout.splitlines()[0]
+    assert "iB" not in first and " MB to cpu in " in first, first   # one unit system
     assert "staging: HOST" in proc.stdout
     assert "loaded 100%" in proc.stderr  # not a terminal: plain progress lines
+    assert all("iB" not in line for line in proc.stderr.splitlines() if "loaded" in line)
 
 
 def test_load_of_a_bad_file_exits_1(tmp_path):

@@ -16,7 +16,10 @@ import time
 
 from .. import defaults
 from .._types import StagingError, format_size
-from ..loader._progress import Progress  # noqa: F401  (the CLI's progress, one implementation)
+from ..loader._progress import (
+    Progress,  # noqa: F401  (the CLI's progress, one implementation)
+    format_si,
+)
 from .report import attempt_dict, describe_attempt, error_result
 
 
@@ -197,7 +200,8 @@ def format_text(result):
     if s["hugepages"] is not None:
         segments += ", 2 MiB huge pages" if s["hugepages"]["on"] else ", 4 KiB pages"
     as_dtype = f" as {result['dtype']}" if result.get("dtype") else ""
-    return [f"{result['tensors']} tensors, {format_size(result['bytes'])} to "
+    # Bytes and rate in one unit system (decimal, as GB/s is).
+    return [f"{result['tensors']} tensors, {format_si(result['bytes'])} to "
             f"{result['device']}{as_dtype} in {result['seconds']:.3f} s: {result['gbps']:.2f} GB/s"
             + (", verified" if result["verified"] else ""),
             f"staging: {s['kind']}{pinned}, {format_size(s['size'])}{segments}, "
