@@ -135,7 +135,7 @@ cdef void* _touch_pages(void* arg) noexcept nogil:
 cdef void* _drop_pages(void* arg) noexcept nogil:
     # Frees this range's pages now, in this thread; the munmap that follows
     # finds them gone.  One thread freeing 2 GiB of 4 KiB pages took 0.11 s
-    # on the H200 host (FIELD_NOTES.md), as long as the threads took to
+    # on the H200 host (docs/design.md, "Measured"), as long as the threads took to
     # fault them in: a refused registration paid both before cudaHostAlloc.
     cdef PageRange* r = <PageRange*>arg
     madvise(r.start, r.length, MADV_DONTNEED)

@@ -92,3 +92,30 @@ def test_cython_lint_is_clean():
     out = subprocess.run([_tool("cython-lint"), *sorted(files)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# -- what ships cites only what ships -----------------------------------------------
+
+SKIPPED_DIRS = {".git", "build", "dist", "__pycache__", ".tox", ".venv", ".whl"}
+TEXT = (".py", ".pyx", ".pxd", ".pxi", ".pyi", ".md", ".toml", ".ini", ".cfg", ".sh", ".txt")
+# Notes of the project's authors that users never get: facts taken from
+# them live in docs/design.md ("Measured"), which is where citations point.
+OUTSIDE = ("FIELD_NOTES" + ".md",)          # spelled so that this line is not one
+
+
+def shipped_text_files():
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in SKIPPED_DIRS and not d.endswith(".egg-info")]
+        for name in filenames:
+            if name.endswith(TEXT):
+                yield os.path.join(dirpath, name)
+
+
+def test_no_file_cites_notes_users_do_not_have():
+    cited = []
+    for path in shipped_text_files():
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if any(name in line for name in OUTSIDE):
+                    cited.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+    assert not cited, "\n".join(cited)
