@@ -142,3 +142,29 @@ def test_readme_first_python_example_runs_on_this_host(tmp_path):
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Kind.REGISTERED" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_importing_an_unbuilt_checkout_says_how_to_build(tmp_path):
+    """A source tree without its build (no _build_config.py, no compiled
+    modules) is an ImportError naming the build command, not a bare
+    ``No module named 'instant_staging._build_config'``."""
+    import sys
+    shutil.copytree(PACKAGE, tmp_path / "instant_staging",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__", *GENERATED))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for code in ("import instant_staging", "import instant_staging.loader",
+                 "from instant_staging import StagingBuffer"):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("ImportError: instant_staging is not built"), proc.stderr
+        assert "setup.py build_ext --inplace" in last and "pip install -e ." in last
+        assert "No module named" not in proc.stderr
+    # Built but for one compiled module gone: named too.
+    import instant_staging  # the build under test (in place, or installed)
+    built = os.path.join(os.path.dirname(instant_staging.__file__), "_build_config.py")
+    shutil.copy(built, tmp_path / "instant_staging" / "_build_config.py")
+    proc = subprocess.run([sys.executable, "-c", "import instant_staging"], cwd=str(tmp_path),
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert "instant_staging._staging is missing" in proc.stderr, proc.stderr
