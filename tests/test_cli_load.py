@@ -2,6 +2,9 @@
 subprocesses and through its Python API."""
 
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -9,6 +12,7 @@ import instant_staging as ist
 from instant_staging.cli import load as load_cmd
 from instant_staging.testing import SimulatedRuntime
 
+from _child import PACKAGE_PARENT, child_env
 from _cli import MiB, cli, cli_json, needs_no_gpu
 from conftest import drop_from_page_cache
 
@@ -198,3 +202,24 @@ def test_load_reads_a_cold_checkpoint_with_the_cold_defaults(tmp_path):
     assert cold["ok"] and cold["tensors"] == 32
     assert (cold["chunk_size"], cold["threads"]) == (ist.defaults.COLD_CHUNK_SIZE,
                                                      ist.defaults.COLD_THREADS)
+
+
+def test_load_help_states_the_defaults_this_host_uses():
+    """--io-depth and --threads say what the loader will use here (the help
+    said 32 slots on a host whose one CPU runs one thread of 2 slots)."""
+    one_cpu = min(os.sched_getaffinity(0))
+    proc = subprocess.run([sys.executable, "-m", "instant_staging", "load", "--help"],
+                          cwd=PACKAGE_PARENT, env=child_env({"COLUMNS": "1000"}),
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {one_cpu}))
+    assert proc.returncode == 0, proc.stderr
+    # One entry per option, wrapping undone ("--chunk-size CHUNK_SIZE" puts its help below).
+    text = " ".join(proc.stdout.split("options:", 1)[1].split())
+    lines = {opt: text.split(f" {opt} ", 1)[1].split(" --", 1)[0]
+             for opt in ("--chunk-size", "--io-depth", "--threads")}
+    d, cold = ist.defaults, "for a checkpoint the page cache lacks"
+    assert (f"else {d.SLOTS_PER_THREAD} per reader thread: {d.SLOTS_PER_THREAD} on this host; "
+            f"{d.io_depth_for(None, d.COLD_THREADS)} {cold}") in lines["--io-depth"], lines
+    assert f"at most {d.MAX_THREADS}: 1 on this host; {d.COLD_THREADS} {cold}" in lines["--threads"]
+    assert (f"else {ist.format_size(d.CHUNK_SIZE)}; {ist.format_size(d.COLD_CHUNK_SIZE)} {cold}"
+            in lines["--chunk-size"])
