@@ -24,7 +24,7 @@ Without a GPU the ranks load to the CPU through the simulated runtime.
         [--repeat 3] [--fallback-rank 1] [--json PATH]
 
 ``--layout llama8b``: the process group comparison instead.  Rank 0 writes
-the Llama-3-8B layout of FIELD_NOTES.md once (291 bf16 tensors in 4
+the Llama-3-8B layout of docs/design.md ("Measured") once (291 bf16 tensors in 4
 shards, 16.06 GB; ``--scale k`` divides hidden, intermediate and vocab
 sizes by k), every rank reads it once (page cache hot), then, --repeat
 times each, every rank at once after a barrier:

@@ -4,6 +4,9 @@ from typing import TypeVar, overload
 
 _T = TypeVar("_T")
 
+# The fault grammar's error names and their codes (_runtime.pxd's enum).
+ERROR_CODES: dict[str, int]
+
 class Runtime:
     """A GPU runtime reached through a table of nogil function pointers.
 

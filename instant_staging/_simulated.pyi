@@ -1,9 +1,11 @@
 """Types of the compiled ``_simulated`` module (public as ``instant_staging.testing``)."""
 
+from typing import Any
 
 from ._runtime import Runtime
 from .faults import FaultPlan
 
+BACKEND: str  # this build's (imported from _build_config)
 DEVICE_NAME: str
 
 def error_text(backend: str, code: int) -> tuple[str, str]: ...
@@ -35,6 +37,6 @@ class SimulatedRuntime(Runtime):
     @property
     def pending_error(self) -> int: ...
     @property
-    def calls(self) -> list[tuple]: ...
+    def calls(self) -> list[tuple[Any, ...]]: ...
     def clear_log(self) -> None: ...
     def covers(self, ptr: int, size: int) -> bool: ...

@@ -68,6 +68,8 @@ cdef class StagingBuffer:
     cdef int _threads                # page workers: prefault, and the release of the mapping
     cdef Runtime _runtime
     cdef list _attempts              # [Attempt, ...]
+    cdef bint _hugepages             # the mapping was advised MADV_HUGEPAGE
+    cdef str _hugepages_reason       # why huge pages or not (_hugepages.decide)
     cdef object __weakref__
 
     # The ranges of the buffer: _nranges adjacent ranges of _unit bytes (the

@@ -17,8 +17,12 @@ import importlib
 import os
 import threading
 import warnings
+from typing import TYPE_CHECKING
 
 from ._build_config import BACKEND
+
+if TYPE_CHECKING:                 # typed for callers (mypy --strict on README's examples)
+    from ._runtime import Runtime
 
 # The runtime's own names of the calls the state machine makes (for
 # messages), and the compiled module of each backend: defined here once.
@@ -56,12 +60,12 @@ def backend_module():
     return importlib.import_module(_BACKENDS[BACKEND][0])
 
 
-def real_runtime():
+def real_runtime() -> "Runtime":
     """The process-wide runtime of this build (no faults)."""
     return backend_module().runtime()
 
 
-def default_runtime():
+def default_runtime() -> "Runtime":
     """The real runtime, wrapped in INSTANT_STAGING_FAULTS when it is set.
 
     A malformed spec raises ValueError naming the bad rule.

@@ -1,19 +1,21 @@
 """The doctor command: its checks are fed fake /proc and /sys files
 through its Python API, and the command itself runs in a subprocess."""
 
+import json
+
 import pytest
 
 import instant_staging as ist
 from instant_staging.cli import doctor, report
 from instant_staging.testing import SimulatedRuntime
 
-from _cli import cli, cli_json, error_name
+from _cli import cli, error_name
 from conftest import gpu_count
 
 # -- doctor ------------------------------------------------------------------------------
 
 CHECKS = ["build", "runtime", "driver", "devices", "nvidia_module", "kernel", "wsl",
-          "memlock", "transparent_hugepages", "memory", "cgroup"]
+          "memlock", "transparent_hugepages", "hugepages", "memory", "cgroup"]
 
 OPEN_MODULE = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  610.43.02  Release "
                "Build  (dvs-builder@U16-I3-B03-4-3)  Mon Sep 1 00:00:00 UTC 2025\n"
@@ -21,10 +23,15 @@ OPEN_MODULE = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  610.43.
 PROPRIETARY = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.129.03  Thu Oct 19 "
                "18:56:32 UTC 2023\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
 MEMINFO = "MemTotal:       {total} kB\nMemFree:         1000 kB\nMemAvailable:   {avail} kB\n"
+# 2048 free 2 MiB blocks (as 1024 of order 10): twice what 2 GiB needs.
+BUDDY_FREE = "Node 0, zone   Normal  10 10 10 10 10 10 10 10 10 0 1024\n"
+BUDDY_FRAGMENTED = "Node 0, zone   Normal  9999 9999 9999 9999 9999 9999 9999 9999 9999 40 0\n"
 
 
 def test_doctor_cli_json_and_text():
-    r = cli_json("doctor")
+    proc = cli("doctor", "--json")
+    r = json.loads(proc.stdout)  # one object, nothing else on stdout
+    assert proc.returncode == (1 if r["problems"] else 0), proc.stdout + proc.stderr
     assert r["command"] == "doctor" and r["backend"] == ist.BACKEND
     assert list(r["checks"]) == CHECKS
     for name, c in r["checks"].items():
@@ -34,7 +41,11 @@ def test_doctor_cli_json_and_text():
     assert r["checks"]["build"]["value"]["backend"] == ist.BACKEND
     assert isinstance(r["problems"], list)
     proc = cli("doctor")
-    assert proc.returncode == 0
+    # DESIGN.md: doctor exits 1 when it found a problem (this CI host, with
+    # no GPU driver, always has one).
+    assert proc.returncode == (1 if r["problems"] else 0), proc.stdout + proc.stderr
+    assert proc.stdout.rstrip().endswith(f"{len(r['problems'])} problem(s) found"
+                                         if r["problems"] else "no known failing condition found")
     assert "RLIMIT_MEMLOCK" in proc.stdout and "transparent hugepages" in proc.stdout
     if gpu_count() == 0:
         assert r["checks"]["devices"]["status"] == "warn"
@@ -46,10 +57,11 @@ def host(tmp_path):
     """Writes fake /proc and /sys files; returns diagnose()'s keyword arguments."""
     def make(*, nvidia=None, version="Linux version 6.8.0-45-generic (gcc)", release="6.8.0-45",
              thp="always madvise [never]", total=64 << 20, avail=48 << 20,
-             self_cgroup="0::/\n", cgroup=None, memlock=(-1, -1)):
+             self_cgroup="0::/\n", cgroup=None, memlock=(-1, -1), buddyinfo=BUDDY_FREE,
+             hugepages_env=""):
         files = {"proc_version": version, "osrelease": release + "\n", "thp": thp + "\n",
                  "meminfo": MEMINFO.format(total=total, avail=avail),
-                 "self_cgroup": self_cgroup}
+                 "self_cgroup": self_cgroup, "buddyinfo": buddyinfo}
         if nvidia is not None:
             files["nvidia_version"] = nvidia
         kw = {}
@@ -66,6 +78,7 @@ def host(tmp_path):
             path.write_text(text)
         kw["cgroup_root"] = str(root)
         kw["memlock"] = memlock
+        kw["hugepages_env"] = hugepages_env
         kw["runtime"] = SimulatedRuntime()
         return doctor.diagnose(**kw)
     return make
@@ -90,6 +103,38 @@ def test_doctor_healthy_host(host):
     assert c["cgroup"]["value"] == {"version": 2, "limit": None, "usage": None}
     assert r["problems"] == []
     assert doctor.format_text(r)[-1] == "no known failing condition found"
+
+
+def test_doctor_says_what_hugepages_none_chooses_and_why(host):
+    c = host(thp="always [madvise] never")["checks"]["hugepages"]
+    assert c["status"] == "ok" and c["value"]["on"] is True and c["value"]["size"] == 2 << 30
+    assert c["summary"] == "StagingBuffer(2 GiB) default: huge pages (MADV_HUGEPAGE)"
+    assert c["verdict"] == c["value"]["why"]
+    assert c["verdict"].startswith("auto: THP madvise, 2048 free 2 MiB blocks for the 1024")
+    c = host(thp="always [madvise] never", buddyinfo=BUDDY_FRAGMENTED)["checks"]["hugepages"]
+    assert c["value"]["on"] is False and "4 KiB pages" in c["summary"]
+    assert "40 free 2 MiB blocks" in c["verdict"] and "compact" in c["verdict"]
+    c = host(thp="always madvise [never]")["checks"]["hugepages"]
+    assert c["value"]["on"] is False and c["verdict"] == "auto: THP is 'never'"
+    # The variable decides where set, and doctor says so.
+    c = host(thp="always madvise [never]", hugepages_env="1")["checks"]["hugepages"]
+    assert c["value"]["on"] is True and c["verdict"] == "INSTANT_STAGING_HUGEPAGES=1"
+    r = host(thp="always [madvise] never", hugepages_env="maybe")
+    c = r["checks"]["hugepages"]
+    assert c["status"] == "error" and "INSTANT_STAGING_HUGEPAGES" in c["verdict"]
+    assert any(p.startswith("hugepages: ") for p in r["problems"])
+    assert doctor.exit_code(r) == 1
+
+
+def test_doctor_exit_code_follows_the_problems(host):
+    healthy = host(nvidia=PROPRIETARY, thp="always [madvise] never",
+                   cgroup={"cgroup.controllers": "memory\n", "memory.max": "max\n"})
+    assert healthy["problems"] == [] and doctor.exit_code(healthy) == 0
+    assert doctor.exit_code(host(release="6.11.0-19-generic")) == 1
+    # The command itself: a problem it is sure to find (a bad variable) exits 1.
+    proc = cli("doctor", env={"INSTANT_STAGING_HUGEPAGES": "maybe"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "X huge pages" in proc.stdout and "Traceback" not in proc.stderr
 
 
 def test_doctor_open_module_on_kernel_6_11(host):

@@ -2,6 +2,9 @@
 subprocesses and through its Python API."""
 
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -9,6 +12,7 @@ import instant_staging as ist
 from instant_staging.cli import load as load_cmd
 from instant_staging.testing import SimulatedRuntime
 
+from _child import PACKAGE_PARENT, child_env
 from _cli import MiB, cli, cli_json, needs_no_gpu
 from conftest import drop_from_page_cache
 
@@ -35,7 +39,7 @@ def test_progress_bar_and_plain_lines():
     bar.close()
     text = out.getvalue()
     assert text.count("\r") == 5 and text.endswith("\n")
-    assert "100% 100 MiB / 100 MiB" in text and "#" * load_cmd.Progress.WIDTH in text
+    assert "100% 104.86 MB / 104.86 MB" in text and "#" * load_cmd.Progress.WIDTH in text
     out = io.StringIO()
     plain = load_cmd.Progress(out, bar=False)
     for done in range(0, 101, 5):
@@ -44,6 +48,50 @@ def test_progress_bar_and_plain_lines():
     assert len(lines) == 10 and lines[0].startswith("loaded 10%") and "\r" not in out.getvalue()
     quiet = load_cmd.Progress(io.StringIO(), bar=False, quiet=True)
     quiet(50, 100)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("bar", [False, True])
+def test_progress_rate_is_bytes_moved_over_the_time_of_moving_them(bar):
+    # The CLI makes its Progress before torch is imported and the staging
+    # buffer made: 5 s of start-up, then 3.63 GB moved in 0.1 s (36.3 GB/s).
+    out, clock = io.StringIO(), Clock()
+    progress = load_cmd.Progress(out, bar=bar, interval=0, clock=clock)
+    clock.now += 5.0
+    total = 3_630_000_000
+    progress(0, total)                      # the load's first report
+    for step in range(1, 11):
+        clock.now += 0.01
+        progress(total * step // 10, total)
+    progress.close()
+    lines = [t for t in out.getvalue().replace("\r", "\n").splitlines() if t.strip()]
+    rates = [float(t.rsplit(", ", 1)[1].split()[0]) for t in lines if "GB/s" in t]
+    assert len(rates) == 10 and all(r == 36.3 for r in rates), lines
+    assert lines[-1].strip().endswith("3.63 GB / 3.63 GB, 36.3 GB/s" if bar else
+                                      "loaded 100%: 3.63 GB of 3.63 GB, 36.3 GB/s")
+    for line in lines:                      # one unit system a line: decimal
+        assert "iB" not in line, line
+    # A first report that already holds bytes counts only what came after it.
+    out, clock = io.StringIO(), Clock()
+    progress = load_cmd.Progress(out, bar=False, clock=clock)
+    progress(total // 2, total)             # no interval yet: no rate
+    clock.now += 0.05
+    progress(total, total)
+    assert out.getvalue().splitlines() == ["loaded 50%: 1.81 GB of 3.63 GB",
+                                           "loaded 100%: 3.63 GB of 3.63 GB, 36.3 GB/s"]
+
+
+def test_format_si():
+    from instant_staging.loader._progress import format_si
+    assert [format_si(n) for n in (0, 999, 1000, 16_060_000_000, 5 * MiB)] == [
+        "0 B", "999 B", "1.00 kB", "16.06 GB", "5.24 MB"]
 
 
 @pytest.fixture
@@ -69,12 +117,16 @@ def test_load_to_cpu_reports_tensors_bytes_and_seconds(weights):
     assert r["device"] == "cpu" and r["seconds"] > 0 and r["gbps"] > 0
     assert (r["chunk_size"], r["io_depth"], r["threads"]) == (64 << 10, 4, 2)
     assert r["staging"] == {"kind": "HOST", "pinned": False, "size": 256 << 10,
-                            "segment_size": None, "seconds": 0.0, "attempts": []}
+                            "segment_size": None, "seconds": 0.0, "hugepages": None,
+                            "attempts": []}
     proc = cli("load", str(path), "--device", "cpu", "--chunk-size", "64KiB")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"{count} tensors, ") and "GB/s" in proc.stdout
+    first = proc.stdout.splitlines()[0]
+    assert "iB" not in first and " MB to cpu in " in first, first   # one unit system
     assert "staging: HOST" in proc.stdout
     assert "loaded 100%" in proc.stderr  # not a terminal: plain progress lines
+    assert all("iB" not in line for line in proc.stderr.splitlines() if "loaded" in line)
 
 
 def test_load_of_a_bad_file_exits_1(tmp_path):
@@ -100,6 +152,7 @@ def test_load_reports_tensors_bytes_and_kind(weights):
     assert r["seconds"] > 0 and r["gbps"] > 0 and r["device"] == "cuda:0"
     assert r["staging"]["kind"] == "REGISTERED" and r["staging"]["size"] == 4 * MiB
     assert r["staging"]["segment_size"] % MiB == 0
+    assert isinstance(r["staging"]["hugepages"]["on"], bool) and r["staging"]["hugepages"]["why"]
     proc = cli("load", str(path), "--chunk-size", "1MiB")
     assert proc.returncode == 0
     assert f"{count} tensors" in proc.stdout and "staging: REGISTERED" in proc.stdout
@@ -149,3 +202,24 @@ def test_load_reads_a_cold_checkpoint_with_the_cold_defaults(tmp_path):
     assert cold["ok"] and cold["tensors"] == 32
     assert (cold["chunk_size"], cold["threads"]) == (ist.defaults.COLD_CHUNK_SIZE,
                                                      ist.defaults.COLD_THREADS)
+
+
+def test_load_help_states_the_defaults_this_host_uses():
+    """--io-depth and --threads say what the loader will use here (the help
+    said 32 slots on a host whose one CPU runs one thread of 2 slots)."""
+    one_cpu = min(os.sched_getaffinity(0))
+    proc = subprocess.run([sys.executable, "-m", "instant_staging", "load", "--help"],
+                          cwd=PACKAGE_PARENT, env=child_env({"COLUMNS": "1000"}),
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {one_cpu}))
+    assert proc.returncode == 0, proc.stderr
+    # One entry per option, wrapping undone ("--chunk-size CHUNK_SIZE" puts its help below).
+    text = " ".join(proc.stdout.split("options:", 1)[1].split())
+    lines = {opt: text.split(f" {opt} ", 1)[1].split(" --", 1)[0]
+             for opt in ("--chunk-size", "--io-depth", "--threads")}
+    d, cold = ist.defaults, "for a checkpoint the page cache lacks"
+    assert (f"else {d.SLOTS_PER_THREAD} per reader thread: {d.SLOTS_PER_THREAD} on this host; "
+            f"{d.io_depth_for(None, d.COLD_THREADS)} {cold}") in lines["--io-depth"], lines
+    assert f"at most {d.MAX_THREADS}: 1 on this host; {d.COLD_THREADS} {cold}" in lines["--threads"]
+    assert (f"else {ist.format_size(d.CHUNK_SIZE)}; {ist.format_size(d.COLD_CHUNK_SIZE)} {cold}"
+            in lines["--chunk-size"])

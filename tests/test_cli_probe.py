@@ -134,6 +134,27 @@ def test_probe_prefault_attempt_and_hugepages_accepted():
     r = cli_json("probe", "--simulate", "--size", "8MiB", "--prefault-threads", "2",
                  "--hugepages")
     assert steps(r) == [("allocate", True), ("prefault", True), ("register", True)]
+    assert r["hugepages"] == {"on": True, "why": "hugepages=True"}
+
+
+def test_probe_shows_the_pages_chosen_and_why():
+    from instant_staging import _hugepages
+    # The default: what auto says on this host, the same reading as the buffer's.
+    r = cli_json("probe", "--simulate", "--size", "8MiB", "--prefault-threads", "0")
+    assert r["hugepages"]["why"].startswith("auto: ")
+    assert r["hugepages"]["on"] is _hugepages.huge_pages_free(8 << 20) or "refused" in \
+        r["hugepages"]["why"]
+    r = cli_json("probe", "--simulate", "--size", "8MiB", "--no-hugepages")
+    assert r["hugepages"] == {"on": False, "why": "hugepages=False"}
+    r = cli_json("probe", "--simulate", "--size", "8MiB",
+                 env={"INSTANT_STAGING_HUGEPAGES": "0"})
+    assert r["hugepages"] == {"on": False, "why": "INSTANT_STAGING_HUGEPAGES=0"}
+    proc = cli("probe", "--simulate", "--size", "8MiB", "--no-hugepages")
+    assert "SIMULATED pages: 4 KiB (hugepages=False)" in proc.stdout.splitlines()
+    # A failed run has no buffer, so no pages.
+    r = cli_json("probe", "--simulate", "--size", "8MiB", "--faults",
+                 "register=invalid_value;host_alloc=memory_allocation", code=1)
+    assert r["hugepages"] is None
 
 
 def test_probe_honours_the_environment_faults():

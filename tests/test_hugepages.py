@@ -1,11 +1,14 @@
-"""_hugepages.py: when the loader's own staging buffer asks for huge pages.
+"""_hugepages.py: when a staging buffer asks for huge pages
+(``StagingBuffer(hugepages=None)``, the loader's own buffer included).
 
 Every input is text handed in, so each decision is checked on any host."""
 
 import pytest
 
+import instant_staging as ist
 from instant_staging import _hugepages as H
 from instant_staging.loader import _load
+from instant_staging.testing import SimulatedRuntime
 
 # A real /proc/buddyinfo (the CI machine's, 2026-11-30): Normal holds 41
 # blocks of order 9, 171 of order 10; DMA32 2 and 752; DMA is not counted.
@@ -42,7 +45,9 @@ def test_margin_of_free_blocks():
     need = FREE // H.FREE_MARGIN                     # huge pages the free blocks can back
     assert H.huge_pages_free(need * H.HUGE_PAGE, thp=MADVISE, buddyinfo=BUDDY)
     assert not H.huge_pages_free((need + 1) * H.HUGE_PAGE, thp=MADVISE, buddyinfo=BUDDY)
-    assert H.huge_pages_free(1, thp=MADVISE, buddyinfo=BUDDY)   # rounds up to one page
+    assert H.huge_pages_free(H.HUGE_PAGE + 1, thp=MADVISE, buddyinfo=BUDDY)  # rounds up
+    # Under one huge page there is nothing to back with one.
+    assert not H.huge_pages_free(H.HUGE_PAGE - 1, thp=MADVISE, buddyinfo=BUDDY)
     fragmented = "Node 0, zone Normal 9999 9999 9999 9999 9999 9999 9999 9999 9999 0 0\n"
     assert not H.huge_pages_free(2 << 20, thp=MADVISE, buddyinfo=fragmented)
 
@@ -51,14 +56,110 @@ def test_other_page_sizes_never_ask():
     assert not H.huge_pages_free(2 << 20, thp=MADVISE, buddyinfo=BUDDY, page_size=65536)
 
 
-def test_loader_own_buffer_follows_the_variable_where_set(monkeypatch):
-    import instant_staging._hugepages as hp
-    monkeypatch.setattr(hp, "huge_pages_free", lambda n: "probed")
-    monkeypatch.delenv("INSTANT_STAGING_HUGEPAGES", raising=False)
-    assert _load._hugepages(1 << 20) == "probed"
+# -- the rule of hugepages=None -----------------------------------------------------
+
+ENOUGH = "Node 0, zone Normal 0 0 0 0 0 0 0 0 0 64 0\n"      # 64 free 2 MiB blocks
+SHORT = "Node 0, zone Normal 0 0 0 0 0 0 0 0 0 63 0\n"       # one short of 2 x 32
+BUF = 64 << 20                                                  # 32 huge pages
+
+
+@pytest.mark.parametrize("thp,mode", [("always [madvise] never\n", "madvise"),
+                                      ("[always] madvise never\n", "always"),
+                                      ("always madvise [never]\n", "never"),
+                                      ("", None)])              # "": the file unreadable
+@pytest.mark.parametrize("buddyinfo,free", [(ENOUGH, True), (SHORT, False), ("", False)])
+def test_auto_rule_for_each_thp_mode_and_free_answer(thp, mode, buddyinfo, free):
+    on, why = H.decide(BUF, None, env="", thp=thp, buddyinfo=buddyinfo)
+    assert on is (mode in ("always", "madvise") and free)
+    assert why.startswith("auto: ")
+    if mode is None:
+        assert "unknown" in why and H.THP_ENABLED in why
+    elif mode == "never":
+        assert "'never'" in why
+    else:
+        blocks = H.free_huge_blocks(buddyinfo)
+        assert f"THP {mode}, " in why and f"{blocks} free 2 MiB blocks for the 32 needed" in why
+        assert ("compact" in why) is not on
+    # huge_pages_free is the same rule without the reason.
+    assert H.huge_pages_free(BUF, thp=thp, buddyinfo=buddyinfo) is on
+
+
+def test_auto_never_for_less_than_one_huge_page_or_other_page_sizes():
+    assert H.decide(H.HUGE_PAGE - 4096, env="", thp=MADVISE, buddyinfo=ENOUGH) == (
+        False, "auto: smaller than one 2 MiB page")
+    assert H.decide(BUF, env="", thp=MADVISE, buddyinfo=ENOUGH, page_size=65536) == (
+        False, "auto: pages of 64 KiB, not 4 KiB")
+
+
+def test_argument_then_variable_then_auto():
+    # An explicit argument decides, whatever the variable and the host say.
+    assert H.decide(BUF, True, env="0", thp="", buddyinfo="") == (True, "hugepages=True")
+    assert H.decide(BUF, False, env="1", thp=MADVISE, buddyinfo=ENOUGH) == (
+        False, "hugepages=False")
+    # The variable, where set, decides for None.
+    assert H.decide(BUF, None, env=" on ", thp="", buddyinfo="") == (
+        True, "INSTANT_STAGING_HUGEPAGES=on")
+    assert H.decide(BUF, None, env="0", thp=MADVISE, buddyinfo=ENOUGH) == (
+        False, "INSTANT_STAGING_HUGEPAGES=0")
+    assert H.decide(BUF, None, env="", thp=MADVISE, buddyinfo=ENOUGH)[0] is True
+    with pytest.raises(ValueError, match="INSTANT_STAGING_HUGEPAGES"):
+        H.decide(BUF, None, env="2", thp=MADVISE, buddyinfo=ENOUGH)
+
+
+@pytest.fixture
+def fake_host(monkeypatch):
+    """Makes the /sys and /proc reads of _hugepages return the given texts."""
+    def make(thp, buddyinfo):
+        files = {H.THP_ENABLED: thp, H.BUDDYINFO: buddyinfo}
+        monkeypatch.setattr(H, "_read", files.get)
+        monkeypatch.delenv(H.ENV, raising=False)
+    return make
+
+
+@pytest.mark.parametrize("thp,buddyinfo,on", [(MADVISE, ENOUGH, True), (MADVISE, SHORT, False),
+                                              ("always madvise [never]\n", ENOUGH, False)])
+def test_staging_buffer_default_follows_the_host_and_records_why(fake_host, thp, buddyinfo, on):
+    fake_host(thp, buddyinfo)
+    with ist.StagingBuffer(BUF, runtime=SimulatedRuntime(), prefault_threads=0) as buf:
+        assert buf.hugepages is on
+        assert buf.hugepages_reason == H.decide(BUF, env="", thp=thp, buddyinfo=buddyinfo)[1]
+        assert (buf.ptr % H.HUGE_PAGE == 0) or not on
+        assert [a.step for a in buf.attempts] == ["allocate", "register"]   # no new step
+
+
+def test_choice_made_is_kept_and_dropped_with_the_mapping(fake_host):
+    fake_host(MADVISE, ENOUGH)
+    with ist.StagingBuffer(BUF, runtime=SimulatedRuntime(), prefault_threads=0,
+                           hugepages=False) as buf:
+        assert (buf.hugepages, buf.hugepages_reason) == (False, "hugepages=False")
+    # The runtime's own allocation (the fallback) is never advised: the
+    # mapping that was is gone.
+    rt = SimulatedRuntime("register=invalid_value")
+    with ist.StagingBuffer(BUF, runtime=rt, prefault_threads=0) as buf:
+        assert buf.kind is ist.Kind.RUNTIME_PINNED and buf.hugepages is False
+        assert buf.hugepages_reason.startswith("auto: THP madvise")
+        assert "the runtime's own" in buf.hugepages_reason
+
+
+def test_loader_own_buffer_follows_the_rule(fake_host, monkeypatch):
+    # The loader's buffer, made the way a load to a GPU makes it, on the
+    # simulated runtime: huge pages exactly where StagingBuffer's rule says.
+    import instant_staging.runtime as runtime
+    monkeypatch.setattr(runtime, "default_runtime", SimulatedRuntime)
+    for thp, buddyinfo, on in ((MADVISE, ENOUGH, True), (MADVISE, SHORT, False)):
+        fake_host(thp, buddyinfo)
+        buf = _load._make_staging(BUF, 16 << 20)
+        try:
+            assert buf.hugepages is on
+        finally:
+            buf.close()
     for value, on in (("1", True), ("0", False), ("off", False), (" YES ", True)):
         monkeypatch.setenv("INSTANT_STAGING_HUGEPAGES", value)
-        assert _load._hugepages(1 << 20) is on          # the variable decides
+        buf = _load._make_staging(BUF, 16 << 20)
+        try:
+            assert buf.hugepages is on                      # the variable decides
+        finally:
+            buf.close()
     monkeypatch.setenv("INSTANT_STAGING_HUGEPAGES", "2")
     with pytest.raises(ValueError, match="INSTANT_STAGING_HUGEPAGES"):
-        _load._hugepages(1 << 20)
+        _load._make_staging(BUF, 16 << 20)

@@ -277,12 +277,29 @@ def thp_available():
 
 @pytest.mark.skipif(not thp_available(), reason="kernel without transparent huge pages")
 @pytest.mark.parametrize("threads", [0, 2])
-def test_hugepages_opt_in(threads):
+def test_hugepages_auto_where_free_forced_either_way(threads, monkeypatch):
+    from instant_staging import _hugepages
+    monkeypatch.delenv("INSTANT_STAGING_HUGEPAGES", raising=False)
     rt = SimulatedRuntime()
-    with ist.StagingBuffer(SIZE, runtime=rt, prefault_threads=threads) as buf:
-        assert "hg" not in vma_flags(buf.ptr)          # off unless asked for
-    with ist.StagingBuffer(SIZE, runtime=rt, prefault_threads=threads, hugepages=True) as buf:
+    size = 4 * HUGE
+    # The host's own reading decides None; the mapping carries what it said.
+    with ist.StagingBuffer(size, runtime=rt, prefault_threads=threads) as buf:
+        assert buf.hugepages is _hugepages.huge_pages_free(size)
+        assert ("hg" in vma_flags(buf.ptr)) is buf.hugepages
+    # A host whose 2 MiB blocks are all taken: 4 KiB pages, no compaction asked.
+    full = {_hugepages.THP_ENABLED: "always [madvise] never\n",
+            _hugepages.BUDDYINFO: "Node 0, zone Normal 9 9 9 9 9 9 9 9 9 0 0\n"}
+    monkeypatch.setattr(_hugepages, "_read", full.get)
+    with ist.StagingBuffer(size, runtime=rt, prefault_threads=threads) as buf:
+        assert "hg" not in vma_flags(buf.ptr) and not buf.hugepages
+    with ist.StagingBuffer(size, runtime=rt, prefault_threads=threads, hugepages=True) as buf:
+        assert "hg" in vma_flags(buf.ptr) and buf.ptr % HUGE == 0 and buf.hugepages
+    # and one whose blocks are free: huge pages unless refused.
+    full[_hugepages.BUDDYINFO] = "Node 0, zone Normal 0 0 0 0 0 0 0 0 0 8 0\n"
+    with ist.StagingBuffer(size, runtime=rt, prefault_threads=threads) as buf:
         assert "hg" in vma_flags(buf.ptr) and buf.ptr % HUGE == 0
+    with ist.StagingBuffer(size, runtime=rt, prefault_threads=threads, hugepages=False) as buf:
+        assert "hg" not in vma_flags(buf.ptr)
 
 
 @pytest.mark.skipif(not thp_available(), reason="kernel without transparent huge pages")

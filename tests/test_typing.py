@@ -77,7 +77,57 @@ def test_stub_names_exist_in_the_module(module):
     assert names and all(hasattr(mod, n) for n in names), names
 
 
-def _mypy(path, tmp_path):
+def _compiled_modules():
+    """Dotted names of the compiled modules this build holds (_hip only on ROCm)."""
+    out = []
+    for dirpath, _, files in os.walk(PACKAGE_DIR):
+        for f in files:
+            if f.endswith(".so"):
+                rel = os.path.relpath(os.path.join(dirpath, f.split(".")[0]), PACKAGE_PARENT)
+                out.append(rel.replace(os.sep, "."))
+    return sorted(out)
+
+
+def test_stubs_match_the_compiled_modules(tmp_path):
+    """mypy's stubtest compares every stub with its compiled module: every
+    public name of the module is in the stub and the other way round, and
+    each signature Cython exposes matches (tests/stubtest_allowlist.txt
+    lists what may differ, and why)."""
+    pytest.importorskip("mypy")
+    modules = _compiled_modules()
+    assert "instant_staging._staging" in modules
+    config = tmp_path / "stubtest.ini"
+    # The Python modules' own typing is not what this checks (they are not
+    # typed strictly); the stubs' is.
+    config.write_text(textwrap.dedent(f"""\
+        [mypy]
+        ignore_missing_imports = True
+        [mypy-torch.*]
+        follow_imports = skip
+        [mypy-instant_staging.*]
+        ignore_errors = True
+        [mypy-{",".join(modules)}]
+        ignore_errors = False
+        """))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+    env.pop("MYPYPATH", None)
+    if os.path.basename(PACKAGE_PARENT) not in ("site-packages", "dist-packages"):
+        env["MYPYPATH"] = PACKAGE_PARENT
+    command = [sys.executable, "-m", "mypy.stubtest", "--concise", "--ignore-unused-allowlist",
+               "--allowlist", os.path.join(HERE, "stubtest_allowlist.txt"),
+               "--mypy-config-file", str(config)]
+    help_text = subprocess.run([sys.executable, "-m", "mypy.stubtest", "--help"],
+                               capture_output=True, text=True, env=env, check=False).stdout
+    if "--ignore-disjoint-bases" in help_text:
+        # PEP 800 markers (mypy 1.18+): no user of these stubs subclasses them.
+        command.append("--ignore-disjoint-bases")
+    result = subprocess.run(command + modules, capture_output=True, text=True, env=env,
+                            cwd=str(tmp_path), timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _mypy(path, tmp_path, *flags):
     pytest.importorskip("mypy")
     config = tmp_path / "mypy.ini"
     # torch and safetensors are skipped: the examples are about this
@@ -100,12 +150,35 @@ def _mypy(path, tmp_path):
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(config), "--cache-dir",
          str(tmp_path / "cache"), "--python-executable", sys.executable, "--no-error-summary",
-         "--show-error-codes", str(path)],
+         "--show-error-codes", *flags, *([str(p) for p in path] if isinstance(path, list)
+                                         else [str(path)])],
         capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600, check=False)
 
 
 def test_mypy_accepts_readme_examples(tmp_path):
     result = _mypy(os.path.join(HERE, "typing_examples.py"), tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+README = os.path.join(os.path.dirname(HERE), "README.md")
+
+
+def test_mypy_strict_accepts_readme_python_blocks(tmp_path):
+    """Every ```python block of README, as a user pastes it, type-checks
+    under ``mypy --strict`` against the package's stubs and annotations (the
+    package's own modules are followed silently, as an installed one is)."""
+    if not os.path.isfile(README):
+        pytest.skip("no README.md beside the tests")
+    import re
+    with open(README) as f:
+        blocks = re.findall(r"^```python\n(.*?)^```", f.read(), re.S | re.M)
+    assert len(blocks) >= 3
+    paths = []
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"readme_block_{i}.py"
+        path.write_text(block)
+        paths.append(path)
+    result = _mypy(paths, tmp_path, "--strict")
     assert result.returncode == 0, result.stdout + result.stderr
 
 

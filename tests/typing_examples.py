@@ -18,10 +18,19 @@ def staging_example() -> None:
         for ptr, nbytes in spans:
             assert ptr + nbytes <= buf.ptr + buf.size
         view.release()
+        print(buf.hugepages, buf.hugepages_reason.upper())
     kind: ist.Kind = buf.kind
     assert kind.pinned or kind is ist.Kind.PAGEABLE
     segments: tuple[tuple[int, int], ...] = buf.segments
     print(segments, buf.closed, ist.BACKEND, ist.__version__)
+
+
+def tensor_example() -> None:
+    import torch
+    with ist.StagingBuffer(1 << 20, runtime=SimulatedRuntime()) as buf:
+        t: torch.Tensor = buf.as_tensor()       # keeps the buffer exported
+        print(t.numel())
+        del t
 
 
 def errors_example() -> None:

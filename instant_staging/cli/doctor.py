@@ -2,11 +2,15 @@
 
 ``diagnose()`` gathers the build, the runtime and driver versions, the
 devices, the NVIDIA kernel module (open or proprietary), the kernel, WSL2,
-RLIMIT_MEMLOCK, transparent huge pages, memory and the cgroup limit, and
-gives each a one-line verdict where a known failing condition of
-docs/design.md ("Measured") applies.  Every file it reads is a parameter, so tests feed
-it fake /proc and /sys content.  It returns a plain dict (what ``--json``
-prints); ``format_text()`` renders it.  Nothing here prints.
+RLIMIT_MEMLOCK, transparent huge pages (and what ``StagingBuffer``'s
+``hugepages=None`` would choose here, and why), memory and the cgroup
+limit, and gives each a one-line verdict where a known failing condition of
+docs/design.md ("Measured") applies.  Every file it reads and the one
+variable it looks at are parameters, so tests feed it fake /proc and /sys
+content.  It returns a plain dict (what ``--json`` prints);
+``format_text()`` renders it and ``exit_code()`` gives the command's status:
+1 when a check found a problem (a warning or an error with a verdict), else
+0.  Nothing here prints.
 """
 
 import os
@@ -14,7 +18,7 @@ import re
 import resource
 
 from .. import defaults
-from .._hugepages import parse_thp
+from .._hugepages import BUDDYINFO, THP_ENABLED, decide, parse_thp
 from .._types import RuntimeCallError, format_size
 from .._types import read_text as _read
 from .report import MIN_DRIVER, driver_problem, version_text
@@ -28,7 +32,8 @@ PATHS = {
     "nvidia_version": "/proc/driver/nvidia/version",
     "proc_version": "/proc/version",
     "osrelease": "/proc/sys/kernel/osrelease",
-    "thp": "/sys/kernel/mm/transparent_hugepage/enabled",
+    "thp": THP_ENABLED,
+    "buddyinfo": BUDDYINFO,
     "meminfo": "/proc/meminfo",
     "self_cgroup": "/proc/self/cgroup",
     "cgroup_root": "/sys/fs/cgroup",
@@ -202,12 +207,29 @@ def check_thp(thp_path):
         return _check("info", None, "unknown", "transparent huge pages not available")
     if mode == "always":
         return _check("warn", mode, mode,
-                      "THP 'always': compaction on fragmented memory can stall registration "
-                      "for minutes; keep hugepages off, or set the mode to madvise")
+                      "THP 'always': any fault of any process may start a compaction of fragmented memory, "
+                      "which stalled registration for minutes on hosts in the field; "
+                      "set the mode to madvise (StagingBuffer asks for huge pages itself)")
     if mode == "madvise":
-        return _check("ok", mode, mode, "hugepages=True (INSTANT_STAGING_HUGEPAGES=1) "
-                      "speeds up pinning here")
-    return _check("ok", mode, mode, "hugepages=True has no effect here")
+        return _check("ok", mode, mode, "StagingBuffer asks for huge pages where their "
+                      "2 MiB blocks are free (see the next line)")
+    return _check("ok", mode, mode, "StagingBuffer uses 4 KiB pages (hugepages=True has no effect)")
+
+
+def check_hugepages(thp_path, buddyinfo_path, env=None, size=defaults.STAGING_SIZE):
+    """What ``StagingBuffer(size)`` (``hugepages=None``) chooses on this host
+    now, and why (``_hugepages.decide``); ``env``: the text of
+    INSTANT_STAGING_HUGEPAGES (None: the environment's)."""
+    thp = _read(thp_path) or ""             # "": unreadable, not "read it yourself"
+    buddyinfo = _read(buddyinfo_path) or ""
+    try:
+        on, why = decide(size, None, env=env, thp=thp, buddyinfo=buddyinfo)
+    except ValueError as e:
+        return _check("error", {"on": None, "size": size, "why": str(e)}, "invalid setting",
+                      f"{e}: every StagingBuffer() and load raises ValueError")
+    pages = "huge pages (MADV_HUGEPAGE)" if on else "4 KiB pages"
+    return _check("ok", {"on": on, "size": size, "why": why},
+                  f"StagingBuffer({format_size(size)}) default: {pages}", why)
 
 
 def parse_meminfo(text):
@@ -327,10 +349,13 @@ def _runtime_or_reason(runtime):
 
 def diagnose(*, runtime=None, memlock=None, nvidia_version=PATHS["nvidia_version"],
              proc_version=PATHS["proc_version"], osrelease=PATHS["osrelease"],
-             thp=PATHS["thp"], meminfo=PATHS["meminfo"],
-             self_cgroup=PATHS["self_cgroup"], cgroup_root=PATHS["cgroup_root"]):
+             thp=PATHS["thp"], buddyinfo=PATHS["buddyinfo"], meminfo=PATHS["meminfo"],
+             self_cgroup=PATHS["self_cgroup"], cgroup_root=PATHS["cgroup_root"],
+             hugepages_env=None):
     """Every check as ``{name: {status, value, summary, verdict}}`` plus the
-    list of warnings.  ``runtime`` defaults to the real one (no faults)."""
+    list of problems.  ``runtime`` defaults to the real one (no faults);
+    ``hugepages_env`` is INSTANT_STAGING_HUGEPAGES's text (None: the
+    environment's)."""
     from .._build_config import BACKEND
     checks = {"build": check_build()}
     rt, reason = _runtime_or_reason(runtime)
@@ -345,16 +370,20 @@ def diagnose(*, runtime=None, memlock=None, nvidia_version=PATHS["nvidia_version
     checks["wsl"] = check_wsl(proc_version)
     checks["memlock"] = check_memlock(memlock)
     checks["transparent_hugepages"] = check_thp(thp)
+    checks["hugepages"] = check_hugepages(thp, buddyinfo, hugepages_env)
     checks["memory"] = check_memory(meminfo)
     checks["cgroup"] = check_cgroup(self_cgroup, cgroup_root)
-    problems = [f"{name}: {c['verdict']}" for name, c in checks.items()
-                if c["status"] in ("warn", "error") and c["verdict"]]
+    # A warning or an error is a problem, its verdict the line to act on (an
+    # error without one, a runtime that answers nothing, still counts).
+    problems = [f"{name}: {c['verdict'] or c['summary']}" for name, c in checks.items()
+                if c["status"] in ("warn", "error")]
     return {"command": "doctor", "backend": BACKEND, "checks": checks, "problems": problems}
 
 
 _LABELS = {"build": "build", "runtime": "runtime", "driver": "driver", "devices": "devices",
            "nvidia_module": "nvidia module", "kernel": "kernel", "wsl": "WSL2",
            "memlock": "RLIMIT_MEMLOCK", "transparent_hugepages": "transparent hugepages",
+           "hugepages": "huge pages",
            "memory": "memory", "cgroup": "cgroup memory"}
 
 
@@ -369,3 +398,9 @@ def format_text(report):
     count = len(report["problems"])
     lines.append(f"{count} problem(s) found" if count else "no known failing condition found")
     return lines
+
+
+def exit_code(report):
+    """1 when the report lists a problem (DESIGN.md: doctor exits 1 when it
+    found one), else 0."""
+    return 1 if report["problems"] else 0

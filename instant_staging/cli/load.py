@@ -16,7 +16,10 @@ import time
 
 from .. import defaults
 from .._types import StagingError, format_size
-from ..loader._progress import Progress  # noqa: F401  (the CLI's progress, one implementation)
+from ..loader._progress import (
+    Progress,  # noqa: F401  (the CLI's progress, one implementation)
+    format_si,
+)
 from .report import attempt_dict, describe_attempt, error_result
 
 
@@ -55,6 +58,7 @@ def _synchronize(device):
 def staging_dict(buf, seconds):
     return {"kind": buf.kind.name, "pinned": buf.pinned, "size": buf.size,
             "segment_size": buf.segment_size, "seconds": seconds,
+            "hugepages": {"on": buf.hugepages, "why": buf.hugepages_reason},
             "attempts": [attempt_dict(a) for a in buf.attempts]}
 
 
@@ -62,7 +66,7 @@ def _host_staging(size):
     # A load to CPU memory gains nothing from pinning: the loader stages
     # through ordinary memory of its own.
     return {"kind": "HOST", "pinned": False, "size": size, "segment_size": None,
-            "seconds": 0.0, "attempts": []}
+            "seconds": 0.0, "hugepages": None, "attempts": []}
 
 
 def _make_staging(size, chunk_size, allow_pageable, runtime):
@@ -193,8 +197,11 @@ def format_text(result):
     else:
         pinned = "" if s["pinned"] else " (NOT pinned: several times slower)"
     segments = f" (segments of {format_size(s['segment_size'])})" if s["segment_size"] else ""
+    if s["hugepages"] is not None:
+        segments += ", 2 MiB huge pages" if s["hugepages"]["on"] else ", 4 KiB pages"
     as_dtype = f" as {result['dtype']}" if result.get("dtype") else ""
-    return [f"{result['tensors']} tensors, {format_size(result['bytes'])} to "
+    # Bytes and rate in one unit system (decimal, as GB/s is).
+    return [f"{result['tensors']} tensors, {format_si(result['bytes'])} to "
             f"{result['device']}{as_dtype} in {result['seconds']:.3f} s: {result['gbps']:.2f} GB/s"
             + (", verified" if result["verified"] else ""),
             f"staging: {s['kind']}{pinned}, {format_size(s['size'])}{segments}, "

@@ -116,8 +116,10 @@ def build_parser():
                    help="round the segment size down to a multiple of this")
     p.add_argument("--chunk-size", type=size_arg, default=defaults.CHUNK_SIZE,
                    help=f"bytes per copy in the copy check (default {format_size(defaults.CHUNK_SIZE)})")
-    p.add_argument("--hugepages", action="store_true", default=None,
-                   help="MADV_HUGEPAGE before prefaulting")
+    p.add_argument("--hugepages", action=argparse.BooleanOptionalAction, default=None,
+                   help="MADV_HUGEPAGE before prefaulting, or not (default: "
+                   "$INSTANT_STAGING_HUGEPAGES, else where THP allows them and their "
+                   "2 MiB blocks are free; `doctor` says what that is here)")
     p.add_argument("--prefault-threads", type=count_arg, default=None, metavar="N",
                    help="threads touching the pages (default: automatic; 0: none)")
     p.add_argument("--allow-pageable", action="store_true",
@@ -135,20 +137,34 @@ def build_parser():
     d = commands.add_parser("doctor", help="what on this host decides whether pinning works")
     d.add_argument("--json", action="store_true", help="print one JSON object")
 
-    ld = commands.add_parser("load", help="load safetensors checkpoints through a staging buffer")
+    ld = commands.add_parser(
+        "load", help="load safetensors checkpoints through a staging buffer",
+        description="Load safetensors checkpoints through a staging buffer.  Where "
+        "--chunk-size, --io-depth, --threads and their variables are all unset, a checkpoint "
+        "the page cache lacks gets the cold defaults (larger reads by fewer threads).")
     ld.add_argument("sources", nargs="+", metavar="SOURCE",
                     help="a .safetensors file (or several), a checkpoint directory, "
                     "or a model.safetensors.index.json")
-    ld.add_argument("--device", default="cuda:0")
+    ld.add_argument("--device", default="cuda:0", help="where the tensors go (default cuda:0; cpu)")
     ld.add_argument("--dtype", type=dtype_arg, default=None,
                     help="convert floating tensors to this dtype on the device "
                     "(bfloat16, float16, float32, float64; bf16, fp16, ...)")
+    # The defaults this host will use, computed as the loader computes them
+    # (the help said 32 slots where a 2-CPU host runs 2 threads of 2 slots).
+    cold = "for a checkpoint the page cache lacks"
     ld.add_argument("--chunk-size", type=size_arg, default=None,
-                    help=f"default ${ENV_CHUNK_SIZE}, else {format_size(defaults.CHUNK_SIZE)}")
+                    help=f"bytes per read and copy (default ${ENV_CHUNK_SIZE}, else "
+                    f"{format_size(defaults.CHUNK_SIZE)}; "
+                    f"{format_size(defaults.COLD_CHUNK_SIZE)} {cold})")
     ld.add_argument("--io-depth", type=positive_arg, default=None,
-                    help=f"default ${ENV_IO_DEPTH}, else {defaults.IO_DEPTH}")
+                    help=f"chunks in flight (default ${ENV_IO_DEPTH}, else "
+                    f"{defaults.SLOTS_PER_THREAD} per reader thread: "
+                    f"{defaults.io_depth_for(None, None)} on this host; "
+                    f"{defaults.io_depth_for(None, defaults.COLD_THREADS)} {cold})")
     ld.add_argument("--threads", type=positive_arg, default=None,
-                    help=f"default ${ENV_THREADS}, else the loader's")
+                    help=f"reader threads (default ${ENV_THREADS}, else one per usable CPU, "
+                    f"at most {defaults.MAX_THREADS}: {defaults.reader_threads()} on this host; "
+                    f"{defaults.COLD_THREADS} {cold})")
     ld.add_argument("--staging-size", type=size_arg, default=None,
                     help="staging buffer size (default: io-depth x chunk-size, no more than the files hold)")
     ld.add_argument("--allow-pageable", action="store_true",
@@ -178,7 +194,7 @@ def run_doctor(args, parser):
     from . import doctor
     report = doctor.diagnose()
     emit(args.json, report, doctor.format_text(report))
-    return 0
+    return doctor.exit_code(report)
 
 
 def run_load(args, parser):

@@ -146,6 +146,7 @@ def _make_buffer(size, runtime, options):
                                                 getattr(e, "retained_ranges", ())]}}
         return None, fields
     fields = {"ok": True, "kind": buf.kind.name, "pinned": buf.pinned,
+              "hugepages": {"on": buf.hugepages, "why": buf.hugepages_reason},
               "segment_size": buf.segment_size,
               "segments": [list(s) for s in buf.segments],
               "attempts": [attempt_dict(a) for a in buf.attempts],
@@ -291,7 +292,7 @@ def probe(size=defaults.STAGING_SIZE, *, segment_size=defaults.SEGMENT_SIZE, cop
               "faults": info["faults"], "faults_from": info["faults_from"],
               "size": size, "segment_size": segment_size, "copy_unit": copy_unit,
               "chunk_size": chunk_size, "ok": False, "kind": None, "pinned": False,
-              "segments": [], "attempts": [], "create_seconds": None, "error": None,
+              "hugepages": None, "segments": [], "attempts": [], "create_seconds": None, "error": None,
               "copy": None}
     result.update(info["versions"])  # the build's runtime beside the driver, GPU or not
     if runtime is None:
@@ -368,6 +369,8 @@ def format_text(result):
         return lines
     pinned = "pinned" if result["pinned"] else "NOT pinned: copies are several times slower"
     lines.append(f"{sim}kind: {result['kind']} ({pinned}) in {result['create_seconds']:.3f} s")
+    huge = result["hugepages"]
+    lines.append(f"{sim}pages: {'2 MiB huge pages' if huge['on'] else '4 KiB'} ({huge['why']})")
     lines.extend(_copy_lines(result, sim))
     release = result.get("release")
     if release is not None and not release["ok"]:

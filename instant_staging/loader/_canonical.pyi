@@ -1,5 +1,5 @@
 """Types of the compiled ``loader._canonical`` module (private to ``_header``)."""
 
-Entry = tuple[str, str, tuple[int, ...], int, int]
+_Entry = tuple[str, str, tuple[int, ...], int, int]
 
-def read(raw: bytes, dtypes: dict[bytes, str]) -> tuple[dict[str, str] | None, list[Entry]] | None: ...
+def read(raw: bytes, dtypes: dict[bytes, str]) -> tuple[dict[str, str] | None, list[_Entry]] | None: ...

@@ -49,7 +49,7 @@ The rank that failed raises its own error (``LoadError``,
 ``SafetensorsError``, ``KeyError``...); the others raise
 ``DistributedLoadError`` (a ``LoadError``) naming it in ``.ranks``.
 
-Measured on 2 x H200 (FIELD_NOTES.md): reading is the shared bottleneck
+Measured on 2 x H200 (docs/design.md, "Two GPUs of one node"): reading is the shared bottleneck
 (both ranks reading all 16 GB at once 0.52-0.55 s each, half each 0.30 s),
 the GPUs' link nearly free (NCCL broadcast of 8 GB 0.022 s).
 """
