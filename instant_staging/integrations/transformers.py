@@ -1,62 +1,82 @@
-"""A ready transformers model, its weights loaded by instant_staging.
+"""A ready transformers model, its weights read by instant_staging.
 
     from instant_staging.integrations.transformers import from_pretrained
     model = from_pretrained("Llama-3-8B/", device="cuda:0", dtype=torch.bfloat16)
+    model = from_pretrained("meta-llama/Meta-Llama-3-8B", device_map="auto", torch_dtype="auto")
 
-What transformers' ``from_pretrained(model_dir, dtype=..., device_map=device)``
-does for a local safetensors checkpoint, with the weights read by
-``instant_staging.loader.iter_load`` straight onto the device:
+The contract: what transformers' ``from_pretrained`` returns for the same
+checkpoint and arguments (class, parameters, buffers, tying, dtypes, config,
+generation config, eval mode), with the safetensors bytes read by
+``instant_staging.loader.load_file`` straight onto the one device.  Only the
+reading is ours; everything else is transformers' own machinery:
 
-1. ``model_dir/config.json`` gives the config; the class is ``model_class``
-   or the one ``config.architectures`` names (an Auto class is resolved
-   through its mapping, as transformers does).
-2. The dtype: ``dtype``, or (None or "auto", transformers' default) the
-   config's ``dtype``, else the checkpoint's first floating dtype; set as
-   torch's default dtype while the model is built, and on the config.
-3. The model is built with its parameters on the meta device (nothing is
-   allocated or initialised for them) and its buffers made by its own
-   ``__init__`` on the CPU: so non-persistent buffers (rotary ``inv_freq``,
-   causal masks) hold exactly the values the model computes for itself,
-   which is what transformers' own loading re-computes into them.  This
-   swaps ``torch.nn.Module.register_parameter`` for the duration of the
-   constructor (as accelerate's ``init_empty_weights``): modules built by
-   other threads meanwhile would get meta parameters too.
-4. Checkpoint names are matched to the model's state-dict keys (adding or
-   removing the ``base_model_prefix`` as transformers does).  Before any
-   byte is read: a parameter neither in the checkpoint nor tied to one that
-   is is a ``KeyError`` naming it; a shape that differs a ``ValueError``;
-   checkpoint tensors the model does not have are not read and are logged
-   (transformers ignores them too).
-5. Each tensor is loaded onto the device and cast there to the dtype
-   transformers gives that key (the dtype the model built it with; fp32
-   for ``_keep_in_fp32_modules(_strict)``), then assigned to the model
-   (``load_state_dict(assign=True)``: no second copy).  ``tie_weights()``
-   ties what the config ties; buffers move to the device; ``eval()``.
+1. ``model_dir`` is a local directory, or a hub id resolved through
+   ``huggingface_hub.snapshot_download`` (its cache; with
+   ``HF_HUB_OFFLINE=1`` or ``local_files_only=True`` nothing is fetched).
+2. The config comes from ``AutoConfig.from_pretrained`` (``revision``,
+   ``trust_remote_code``); the class is ``model_class``, else the one
+   ``config.architectures`` names (remote code through transformers'
+   ``get_class_from_dynamic_module``), else, for a config without
+   ``architectures``, the one ``AutoModelForCausalLM`` maps its type to (as
+   the Auto class does).  An Auto class as ``model_class`` is resolved the
+   same way.
+3. ``load_file(shards, device)`` reads every tensor in the file's dtype onto
+   the device (one read of each byte, no host copy).
+4. ``cls.from_pretrained(None, config=..., state_dict=tensors, dtype=...,
+   device_map={"": device}, ...)``: transformers builds the model on the
+   meta device and maps the tensors in: its key renaming, the fusing of
+   per-expert MoE tensors (its conversion mapping), ``dtype`` and
+   ``_keep_in_fp32_modules``, quantizers, tied weights, non-persistent
+   buffers.  A tensor already on its device in its dtype is assigned, not
+   copied (``core_model_loading._materialize_copy``: ``t[...]`` and a
+   ``.to()`` that is a no-op).  Its allocator warm-up is skipped for this
+   call (``_no_allocator_warmup``): every tensor already sits in its final
+   place, so the warm-up could only reserve a second model-sized block on
+   the GPU (2x the peak memory, an OOM for a model over half the device).
+5. A weight the model has and the checkpoint lacks is a ``KeyError`` naming
+   it (transformers would initialise it randomly and warn).
+
+Arguments transformers users pass: ``device_map`` (a device, ``{"": device}``
+or ``"auto"`` where torch sees at most one GPU), ``torch_dtype`` (an alias of
+``dtype``), ``revision``, ``attn_implementation``, ``trust_remote_code``,
+``quantization_config``, ``cache_dir``, ``token``, ``local_files_only``.
+Anything else, and a model spread over several devices, is an error naming
+it before anything is read.
 
 transformers is an optional dependency: ``pip install
-'instant_staging[transformers]'``.
+'instant_staging[transformers]'`` (with accelerate, which transformers
+needs for a GPU ``device_map``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
-import re
+import time
 from typing import TYPE_CHECKING, Any
 
-from ..loader._checkpoint import _Checkpoint
-from ..loader._load import iter_load
-from ..loader._options import torch_dtype
-from ..loader._source import resolve
-from ..loader._target import _TORCH_DTYPES, _import_torch, _resolve_device
+from ..loader._load import load_file
+from ..loader._options import torch_dtype as _check_dtype
+from ..loader._target import _import_torch, _resolve_device
 from ..loader._typing import Device, DType, PathLike
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("instant_staging")
+
+# The default device of DESIGN.md's signature.
+DEFAULT_DEVICE = "cuda:0"
+# What a hub snapshot needs for this function: the configs, the safetensors
+# shards and their index, and the code of a trust_remote_code model.
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.py")
+# The Auto class whose mapping a config without `architectures` goes through.
+DEFAULT_AUTO_CLASS = "AutoModelForCausalLM"
+# Keyword arguments passed on to transformers as they are (others are an error).
+PASSED_THROUGH = ("attn_implementation", "quantization_config")
+# transformers' device_map strategies that spread a model over devices.
+SPREADING = ("balanced", "balanced_low_0", "sequential")
 
 
 def _import_transformers():
@@ -68,237 +88,232 @@ def _import_transformers():
     return transformers
 
 
-def from_pretrained(model_dir: PathLike, *, device: Device = "cuda:0", dtype: DType = None,
-                    model_class: type[Any] | None = None) -> torch.nn.Module:
-    """A ready model (eval mode) from the local checkpoint directory ``model_dir``.
+def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dtype: DType = None,
+                    model_class: type[Any] | None = None, device_map: Any = None,
+                    torch_dtype: DType = None, revision: str | None = None,
+                    trust_remote_code: bool = False, cache_dir: PathLike | None = None,
+                    token: str | bool | None = None, local_files_only: bool = False,
+                    **kwargs: Any) -> torch.nn.Module:
+    """A ready model (eval mode): transformers' ``from_pretrained`` with the
+    weights read by instant_staging.
 
-    model_dir    a directory with config.json and safetensors weights (one
-                 file, shards with model.safetensors.index.json, or shards)
-    device       where the weights go: "cuda:N" (default "cuda:0"), "cpu", ...
-    dtype        None or "auto" (transformers' default: the config's dtype, else
-                 the checkpoint's), or a floating torch dtype (or its name)
-    model_class  a transformers model class (or Auto class); None: the class
-                 config.json's ``architectures`` names
+    model_dir      a local directory (config.json and safetensors weights: one
+                   file, shards with model.safetensors.index.json, or shards),
+                   or a hub id (resolved through huggingface_hub's cache)
+    device         where the weights go: "cuda:N" (default "cuda:0"), "cpu", ...
+    device_map     as transformers': a device, {"": device}, or "auto" (the one
+                   GPU torch sees, else the CPU); overrides ``device``
+    dtype          None or "auto" (transformers' default: the config's dtype,
+                   else the checkpoint's), or a floating torch dtype (or its name);
+                   ``torch_dtype`` is an alias
+    model_class    a transformers model class or Auto class; None: the class
+                   config.json's ``architectures`` names, else
+                   AutoModelForCausalLM's for the config's model_type
+    revision, trust_remote_code, cache_dir, token, local_files_only
+                   as transformers' (revision and the hub ones matter for a hub id)
+    attn_implementation, quantization_config
+                   passed on to transformers
 
-    Parameters equal those of transformers' own ``from_pretrained`` bit for
-    bit.  Errors (before anything is read): KeyError for a missing weight,
-    ValueError for a shape mismatch or a bad argument, FileNotFoundError for
-    a directory without config.json or weights.
+    Errors come before anything is read: TypeError for an argument this
+    function does not take (naming it), ValueError for a bad value or a
+    model spread over several devices, FileNotFoundError for a directory
+    without config.json or weights.  A weight missing from the checkpoint is
+    a KeyError naming it.
     """
     torch = _import_torch()
     transformers = _import_transformers()
-    if not isinstance(model_dir, (str, bytes, os.PathLike)):
-        raise TypeError(f"model_dir must be a path, not {type(model_dir).__name__}")
-    model_dir = os.fsdecode(os.fspath(model_dir))
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"no such model directory: {model_dir}")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise FileNotFoundError(f"{model_dir} has no config.json")
-    device = _resolve_device(torch, device)
-    auto = dtype is None or (isinstance(dtype, str) and dtype == "auto")
-    dtype = None if auto else torch_dtype(torch, dtype)
+    passed = _check_kwargs(kwargs)
+    model_dir = _local_dir(model_dir, revision=revision, cache_dir=cache_dir, token=token,
+                           local_files_only=local_files_only)
+    device = _target_device(torch, device, device_map)
+    dtype = _one_dtype(torch, dtype, torch_dtype)
     if model_class is not None and not isinstance(model_class, type):
         raise TypeError(f"model_class must be a class, not {type(model_class).__name__}")
+    if not isinstance(trust_remote_code, bool):
+        raise TypeError(f"trust_remote_code must be a bool, not {type(trust_remote_code).__name__}")
 
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    cls = _model_class(transformers, config, model_class, model_dir)
-    source = resolve(model_dir)
-    entries = _checkpoint_entries(source.paths)
-    if dtype is None:
-        dtype = _auto_dtype(torch, config, entries)
-    _set_config_dtype(config, dtype)
-    config.name_or_path = model_dir
+    config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    cls = _model_class(transformers, config, model_class, model_dir, trust_remote_code)
+    extra = dict(passed)
+    generation = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(generation):
+        extra["generation_config"] = transformers.GenerationConfig.from_pretrained(model_dir)
+    # transformers needs accelerate for any device_map; on the CPU none is
+    # needed (its default places everything there, and a .to("cpu") of a CPU
+    # tensor is a no-op).
+    device_map = None if device.type == "cpu" else {"": device}
 
-    with _default_dtype(torch, dtype), _parameters_on_meta(torch):
-        model = cls(config)
-    model.tie_weights()            # on meta: which parameters are one
-    expected = model.state_dict(keep_vars=True)
-    rename = _match_names(model, expected, entries)
-    _check_complete(model, expected, rename, entries, model_dir)
-    wanted = _target_dtypes(torch, model, expected, dtype)
-
-    state, tensor = {}, None
+    t0 = time.perf_counter()
+    state = load_file(model_dir, device)
+    t1 = time.perf_counter()
     try:
-        # model_dir, not the shard list: an index is also checked against its shards
-        with iter_load(model_dir, device, names=set(rename)) as it:
-            for name, tensor in it:
-                key = rename[name]
-                if tensor.dtype != wanted[key]:
-                    tensor = tensor.to(wanted[key])
-                state[key] = tensor
-        model.load_state_dict(state, strict=False, assign=True)
-        state.clear()
-        _tie(model, set(expected) - set(rename.values()))
-        still = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-        if still:
-            raise KeyError(f"{model_dir}: weight(s) missing after loading and tying: "
-                           + ", ".join(still[:20]))
-    except BaseException:
-        # Nothing of a failed load outlives it (a traceback keeps this frame).
-        state.clear()
-        model = expected = tensor = None
-        raise
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is not None and buf.device != device:
-                module._buffers[name] = buf.to(device)
-    model.eval()
-    _generation_config(transformers, model, model_dir)
+        with _no_allocator_warmup(transformers):
+            model, info = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype,
+                                              device_map=device_map, output_loading_info=True,
+                                              trust_remote_code=trust_remote_code, **extra)
+    finally:
+        state.clear()          # the model holds what it took; nothing else outlives the call
+    t2 = time.perf_counter()
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise KeyError(f"{model_dir}: {len(missing)} weight(s) of {type(model).__name__} are not in the "
+                       f"checkpoint: " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+    _set_name_or_path(model, model_dir)
+    logger.info("from_pretrained %s: weights read in %.3f s, model assembled by transformers in %.3f s",
+                model_dir, t1 - t0, t2 - t1)
     return model
 
 
 # -- the steps ----------------------------------------------------------------------
 
-def _model_class(transformers, config, model_class, model_dir):
+def _check_kwargs(kwargs):
+    unknown = sorted(set(kwargs) - set(PASSED_THROUGH))
+    if unknown:
+        raise TypeError(f"from_pretrained() does not take {', '.join(map(repr, unknown))}: it takes "
+                        "device, device_map, dtype, torch_dtype, model_class, revision, trust_remote_code, "
+                        "cache_dir, token, local_files_only, " + ", ".join(PASSED_THROUGH))
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _local_dir(model_dir, *, revision, cache_dir, token, local_files_only):
+    """The local directory of ``model_dir``: itself, or the snapshot of a hub
+    id in huggingface_hub's cache (fetched as transformers would, unless
+    offline or ``local_files_only``)."""
+    if not isinstance(model_dir, (str, bytes, os.PathLike)):
+        raise TypeError(f"model_dir must be a path or a hub id, not {type(model_dir).__name__}")
+    path = os.fsdecode(os.fspath(model_dir))
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{path} has no config.json")
+        return path
+    if revision is not None and not isinstance(revision, str):
+        raise TypeError(f"revision must be a str, not {type(revision).__name__}")
+    if os.path.isabs(path) or path.startswith(".") or path.count("/") > 1 or not path:
+        raise FileNotFoundError(f"no such model directory: {path}")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    try:
+        snapshot = snapshot_download(path, revision=revision, cache_dir=cache_dir, token=token,
+                                     local_files_only=local_files_only, allow_patterns=list(HUB_PATTERNS))
+    except HFValidationError:
+        raise FileNotFoundError(f"no such model directory: {path} (nor a valid hub id)") from None
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(f"{path}: neither a local directory nor in huggingface_hub's cache "
+                                f"(offline, or local_files_only=True): {e}") from None
+    if not os.path.isfile(os.path.join(snapshot, "config.json")):
+        raise FileNotFoundError(f"{path} (revision {revision or 'main'}) has no config.json")
+    return snapshot
+
+
+def _target_device(torch, device, device_map):
+    """The one device of ``device``, or of ``device_map`` where given."""
+    if device_map is None:
+        return _resolve_device(torch, device)
+    if isinstance(device_map, str) and device_map == "auto":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count > 1:
+            raise ValueError(f"device_map='auto' would spread the model over the {count} GPUs torch sees; "
+                             "this loader loads onto one device: pass device_map='cuda:N' "
+                             "(or set CUDA_VISIBLE_DEVICES)")
+        mapped = "cuda:0" if count == 1 else "cpu"
+    elif isinstance(device_map, str) and device_map in SPREADING:
+        raise ValueError(f"device_map={device_map!r} spreads the model over several devices; "
+                         "this loader loads onto one device: pass a device")
+    elif isinstance(device_map, dict):
+        devices = {str(_resolve_device(torch, d)) if not (isinstance(d, str) and d == "disk") else d
+                   for d in device_map.values()}
+        if len(devices) != 1 or "disk" in devices:
+            raise ValueError(f"device_map spreads the model over {sorted(devices)}; this loader loads onto "
+                             "one device: pass a device")
+        mapped = devices.pop()
+    elif isinstance(device_map, (str, int, torch.device)) and not isinstance(device_map, bool):
+        mapped = device_map
+    else:
+        raise TypeError(f"device_map must be a device, a dict or 'auto', not {type(device_map).__name__}")
+    mapped = _resolve_device(torch, mapped)
+    if device != DEFAULT_DEVICE and _resolve_device(torch, device) != mapped:
+        raise ValueError(f"device={device!r} and device_map={device_map!r} name different devices")
+    return mapped
+
+
+def _one_dtype(torch, dtype, alias):
+    """``dtype`` or its alias ``torch_dtype`` (not both, unless equal); None
+    and "auto" are transformers' "auto"."""
+    values = []
+    for name, value in (("dtype", dtype), ("torch_dtype", alias)):
+        if value is None or (isinstance(value, str) and value == "auto"):
+            continue
+        values.append((name, _check_dtype(torch, value)))
+    if len({v for _, v in values}) > 1:
+        raise ValueError(f"dtype={dtype!r} and torch_dtype={alias!r} differ: pass one of them")
+    return values[0][1] if values else "auto"
+
+
+def _model_class(transformers, config, model_class, model_dir, trust_remote_code):
     if model_class is None:
         names = getattr(config, "architectures", None) or []
         if not names:
-            raise ValueError(f"{model_dir}/config.json names no architectures: pass model_class=")
-        model_class = getattr(transformers, names[0], None)
-        if model_class is None:
-            raise ValueError(f"transformers {transformers.__version__} has no class {names[0]!r} "
-                             f"(config.json's architectures): pass model_class=")
-    mapping = getattr(model_class, "_model_mapping", None)
-    if mapping is not None:                      # an Auto class
-        try:
-            model_class = mapping[type(config)]
-        except KeyError:
-            raise ValueError(f"{model_class.__name__} has no model for {type(config).__name__}") from None
-    return model_class
-
-
-def _checkpoint_entries(paths):
-    """{name: TensorEntry} of every shard, from the headers only."""
-    checkpoint = _Checkpoint(paths)
+            model_class = getattr(transformers, DEFAULT_AUTO_CLASS)
+        else:
+            model_class = getattr(transformers, names[0], None)
+            if model_class is None:
+                return _remote_class(transformers, config, names[0], model_dir, trust_remote_code)
+    if getattr(model_class, "_model_mapping", None) is None:
+        return model_class
+    # An Auto class: remote code where the config maps this Auto class to
+    # some, else its mapping, as the Auto class's from_pretrained does.
+    auto_map = getattr(config, "auto_map", None) or {}
+    if model_class.__name__ in auto_map:
+        return _remote_class(transformers, config, model_class.__name__, model_dir, trust_remote_code)
     try:
-        return {t.name: t for _, t in checkpoint.entries}
-    finally:
-        checkpoint.close()
+        return model_class._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"{model_class.__name__} has no model for {type(config).__name__} "
+                         f"({model_dir}/config.json, model_type {getattr(config, 'model_type', None)!r}): "
+                         "pass model_class=") from None
 
 
-def _auto_dtype(torch, config, entries):
-    """transformers' dtype="auto": the config's dtype, else the checkpoint's
-    first floating tensor's, else torch's default."""
-    for attr in ("dtype", "torch_dtype"):
-        value = getattr(config, attr, None)
-        if isinstance(value, str) and value != "auto":
-            value = getattr(torch, value, None)
-        if isinstance(value, torch.dtype):
-            return value
-    for name in sorted(entries):
-        t = getattr(torch, _TORCH_DTYPES[entries[name].dtype], None)
-        if t is not None and t.is_floating_point:
-            return t
-    return torch.get_default_dtype()
-
-
-def _set_config_dtype(config, dtype):
-    # As transformers' from_pretrained: on the config and its sub-configs.
-    configs = [config] + [getattr(config, k, None) for k in getattr(config, "sub_configs", {}) or {}]
-    for c in configs:
-        if c is None:
-            continue
-        try:
-            c.dtype = dtype
-        except AttributeError:
-            c.torch_dtype = dtype
+def _remote_class(transformers, config, name, model_dir, trust_remote_code):
+    auto_map = getattr(config, "auto_map", None) or {}
+    ref = auto_map.get(name) or next((v for k, v in auto_map.items()
+                                      if isinstance(v, str) and v.endswith("." + name)), None)
+    if ref is None:
+        raise ValueError(f"transformers {transformers.__version__} has no class {name!r} "
+                         f"(config.json's architectures) and config.json's auto_map names none: "
+                         "pass model_class=")
+    if not trust_remote_code:
+        raise ValueError(f"{model_dir} needs its own code for {name} ({ref}): pass trust_remote_code=True "
+                         "to run it")
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    if isinstance(ref, (list, tuple)):
+        ref = ref[0]
+    return get_class_from_dynamic_module(ref, model_dir)
 
 
 @contextlib.contextmanager
-def _default_dtype(torch, dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+def _no_allocator_warmup(transformers):
+    """transformers' caching_allocator_warmup off for one call (see the module
+    docstring, step 4).  A module attribute: another thread's from_pretrained
+    meanwhile would skip its warm-up too (slower, never wrong)."""
+    modeling = getattr(transformers, "modeling_utils", None)
+    original = getattr(modeling, "caching_allocator_warmup", None)
+    if original is None:
+        yield
+        return
+    modeling.caching_allocator_warmup = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        torch.set_default_dtype(previous)
+        modeling.caching_allocator_warmup = original
 
 
-@contextlib.contextmanager
-def _parameters_on_meta(torch):
-    """Every parameter registered meanwhile is moved to the meta device;
-    buffers stay real (their values are the model's own)."""
-    module_cls = torch.nn.Module
-    original = module_cls.register_parameter
-
-    def register_parameter(module, name, param):
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            param = module._parameters[name]
-            kwargs = dict(param.__dict__)
-            kwargs["requires_grad"] = param.requires_grad
-            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
-
-    module_cls.register_parameter = register_parameter
-    try:
-        yield
-    finally:
-        module_cls.register_parameter = original
-
-
-def _match_names(model, expected, entries):
-    """{checkpoint name: state-dict key} for the names the model takes."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    rename = {}
-    for name in entries:
-        if name in expected:
-            rename[name] = name
-        elif prefix and f"{prefix}.{name}" in expected:
-            rename[name] = f"{prefix}.{name}"
-        elif prefix and name.startswith(prefix + ".") and name[len(prefix) + 1:] in expected:
-            rename[name] = name[len(prefix) + 1:]
-    unexpected = [n for n in entries if n not in rename]
-    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
-    unexpected = [n for n in unexpected if not any(p.search(n) for p in ignore)]
-    if unexpected:
-        logger.warning("%d checkpoint tensor(s) are not used by %s and were not read: %s",
-                       len(unexpected), type(model).__name__,
-                       ", ".join(unexpected[:20]) + (" ..." if len(unexpected) > 20 else ""))
-    return rename
-
-
-def _check_complete(model, expected, rename, entries, model_dir):
-    """Every parameter loaded or tied to a loaded one; shapes equal."""
-    loaded = set(rename.values())
-    groups = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    missing = [n for names in groups.values() if not loaded.intersection(names) for n in names]
-    if missing:
-        raise KeyError(f"{model_dir}: {len(missing)} weight(s) of {type(model).__name__} are not in "
-                       f"the checkpoint: " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
-    wrong = [f"{key} (checkpoint {list(entries[name].shape)}, model {list(expected[key].shape)})"
-             for name, key in rename.items() if tuple(entries[name].shape) != tuple(expected[key].shape)]
-    if wrong:
-        raise ValueError(f"{model_dir}: shape mismatch for " + ", ".join(wrong[:20]))
-
-
-def _target_dtypes(torch, model, expected, dtype):
-    """The dtype transformers gives each key: the one the model built it
-    with, or fp32 for the modules it keeps in fp32 at this dtype."""
-    keep = set()
-    if dtype == torch.float16:
-        keep.update(getattr(model, "_keep_in_fp32_modules", None) or [])
-    if dtype in (torch.float16, torch.bfloat16):
-        keep.update(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
-    patterns = [re.compile(rf"(^|\.){re.escape(m)}(\.|$)") for m in keep]
-    return {key: torch.float32 if t.is_floating_point() and any(p.search(key) for p in patterns)
-            else t.dtype for key, t in expected.items()}
-
-
-def _tie(model, missing):
-    """transformers' tying; told which keys the checkpoint lacked where it
-    takes them (transformers 5 ties symmetrically then)."""
-    if "missing_keys" in inspect.signature(model.tie_weights).parameters:
-        model.tie_weights(missing_keys=set(missing))
-    else:                                        # transformers 4
-        model.tie_weights()
-
-
-def _generation_config(transformers, model, model_dir):
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path) and getattr(model, "generation_config", None) is not None:
-        model.generation_config = transformers.GenerationConfig.from_pretrained(model_dir)
+def _set_name_or_path(model, model_dir):
+    # transformers' from_pretrained(None, ...) records None; its own records the path.
+    model.config.name_or_path = model_dir
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and config is not model.config and getattr(config, "name_or_path", "") is None:
+            config.name_or_path = model_dir
 
 
 __all__ = ["from_pretrained"]
