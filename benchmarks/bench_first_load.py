@@ -54,8 +54,9 @@ Process times: ``wall`` = spawn to the end of the first call, minus
 and exits takes); ``wall_total`` in the JSON is spawn to exit of the
 whole run (second call and checks included).
 
-Order: CUDA's start alone, ours hot, ours cold, the peers hot, the peers
-cold; --deadline S starts no process after S seconds (the rest is listed
+Order: one untimed process that imports torch and every loader and starts
+CUDA (their libraries into the page cache), then CUDA's start alone, ours
+hot, ours cold, the peers hot, the peers cold; --deadline S starts no process after S seconds (the rest is listed
 as skipped), --budget gives a cell whose first call was slow one run,
 --second-budget lets a slow first call go without a second; --dry-run
 lists the processes.  Exit status 1 if a result is not bit-exact or one of
@@ -199,8 +200,8 @@ def child_main(spec_json=None):
     spec = json.loads(spec_json if spec_json is not None else sys.argv[1])
     rec = {"t_main": T_MAIN, "pid": os.getpid()}
     try:
-        {"load": _child_load, "start": _child_start, "reference": _child_reference}[spec["role"]](
-            spec, rec)
+        {"load": _child_load, "start": _child_start, "reference": _child_reference,
+         "warmup": _child_warmup}[spec["role"]](spec, rec)
     except BaseException as e:
         import traceback
         rec["error"] = f"{type(e).__name__}: {e}"
@@ -237,6 +238,18 @@ def _child_start(spec, rec):
     if device.type == "cuda":
         rec["gpu"] = torch.cuda.get_device_name(device)
         rec["torch"] = torch.__version__
+
+
+def _child_warmup(spec, rec):
+    """Untimed: brings torch's, CUDA's and every loader's libraries into the
+    page cache, so that the first measured process does not read them from disk."""
+    import torch
+    for method in spec["methods"]:
+        try:
+            _import_method(method)
+        except Exception as e:
+            rec.setdefault("import_errors", {})[method] = f"{type(e).__name__}: {e}"
+    _start_cuda(torch, torch.device(spec["device"]), rec)
 
 
 def _import_method(method):
@@ -624,7 +637,11 @@ def main(argv=None):
     doc["warm_s"] = time.monotonic() - t0
     refs = references(args, paths, device, doc)
 
-    # 2. the processes
+    # 2. the processes, after one untimed that imports everything once
+    res = spawn({"role": "warmup", "device": device, "methods": methods}, args.timeout)
+    doc["warmup"] = res
+    if res.get("error") or res.get("import_errors"):
+        C.progress(f"warm-up process: {res.get('error') or res.get('import_errors')}")
     flushed = set()
     for role, method, layout, mode, cache, runs in plan:
         for i in range(runs):
