@@ -56,10 +56,10 @@ whole run (second call and checks included).
 
 Order: one untimed process that imports torch and every loader and starts
 CUDA (their libraries into the page cache), then CUDA's start alone, ours
-hot, ours cold, the peers hot, the peers cold; --deadline S starts no process after S seconds (the rest is listed
-as skipped), --budget gives a cell whose first call was slow one run,
---second-budget lets a slow first call go without a second; --dry-run
-lists the processes.  Exit status 1 if a result is not bit-exact or one of
+hot, ours cold, the peers hot, the peers cold; --deadline S starts no
+process after S seconds (the rest is listed as skipped), --budget gives a
+cell whose first call was slow one run, --second-budget lets a slow first
+call go without a second; --dry-run lists the processes.  Exit status 1 if a result is not bit-exact or one of
 our processes failed.
 
     python benchmarks/bench_first_load.py [--layouts dense,moe,awq]
@@ -673,8 +673,12 @@ def main(argv=None):
                                              else f"first call over --budget {args.budget:g} s") + ")")
                 break
     # 3. the summary
+    gpus = [r["gpu"] for r in doc["runs"] if r.get("gpu")]
+    doc["environment"]["gpu"] = gpus[0] if gpus else None
+    doc["environment"]["torch_in_runs"] = next((r["torch"] for r in doc["runs"] if r.get("torch")), None)
     doc["cells"] = summarize(doc)
     print_table(doc)
+    print_side_by_side(doc)
     doc["goals"] = goals(doc, device)
     print_goals(doc["goals"])
     for name, lay in doc["layouts"].items():
@@ -806,6 +810,27 @@ def print_table(doc):
             staging.setdefault(c["staging"], []).append(f"{c['layout']} {c['cache']} {c['mode']}")
     for text, where in staging.items():
         print(f"instant_staging's kept staging buffer ({', '.join(where)}): {text}")
+
+
+def print_side_by_side(doc):
+    """Per layout, cache and mode: each peer's first call and process over ours."""
+    lines = []
+    by = {}
+    for c in doc["cells"]:
+        if c["first_s"]:
+            by.setdefault((c["layout"], c["cache"], c["mode"]), {})[c["method"]] = c
+    for (layout, cache, mode), cells in by.items():
+        ours = cells.get("instant_staging")
+        peers = [m for m in METHODS if m in cells and m != "instant_staging"]
+        if not ours or not peers:
+            continue
+        parts = [f"{m} {cells[m]['first_s'] / ours['first_s']:.1f}x / "
+                 f"{cells[m]['wall_s'] / ours['wall_s']:.2f}x" for m in peers]
+        lines.append(f"  {layout} {cache} {mode}: ours first {ours['first_s']:.3f} s, wall "
+                     f"{ours['wall_s']:.2f} s; " + ", ".join(parts))
+    if lines:
+        print("\nPeers' time over ours (first call / process wall):")
+        print("\n".join(lines))
 
 
 def goals(doc, device):
