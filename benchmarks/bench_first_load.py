@@ -54,11 +54,12 @@ Process times: ``wall`` = spawn to the end of the first call, minus
 and exits takes); ``wall_total`` in the JSON is spawn to exit of the
 whole run (second call and checks included).
 
-Order: CUDA's start alone, ours hot, ours cold, the peers hot, the peers
-cold; --deadline S starts no process after S seconds (the rest is listed
-as skipped), --budget gives a cell whose first call was slow one run,
---second-budget lets a slow first call go without a second; --dry-run
-lists the processes.  Exit status 1 if a result is not bit-exact or one of
+Order: one untimed process that imports torch and every loader and starts
+CUDA (their libraries into the page cache), then CUDA's start alone, ours
+hot, ours cold, the peers hot, the peers cold; --deadline S starts no
+process after S seconds (the rest is listed as skipped), --budget gives a
+cell whose first call was slow one run, --second-budget lets a slow first
+call go without a second; --dry-run lists the processes.  Exit status 1 if a result is not bit-exact or one of
 our processes failed.
 
     python benchmarks/bench_first_load.py [--layouts dense,moe,awq]
@@ -199,8 +200,8 @@ def child_main(spec_json=None):
     spec = json.loads(spec_json if spec_json is not None else sys.argv[1])
     rec = {"t_main": T_MAIN, "pid": os.getpid()}
     try:
-        {"load": _child_load, "start": _child_start, "reference": _child_reference}[spec["role"]](
-            spec, rec)
+        {"load": _child_load, "start": _child_start, "reference": _child_reference,
+         "warmup": _child_warmup}[spec["role"]](spec, rec)
     except BaseException as e:
         import traceback
         rec["error"] = f"{type(e).__name__}: {e}"
@@ -237,6 +238,18 @@ def _child_start(spec, rec):
     if device.type == "cuda":
         rec["gpu"] = torch.cuda.get_device_name(device)
         rec["torch"] = torch.__version__
+
+
+def _child_warmup(spec, rec):
+    """Untimed: brings torch's, CUDA's and every loader's libraries into the
+    page cache, so that the first measured process does not read them from disk."""
+    import torch
+    for method in spec["methods"]:
+        try:
+            _import_method(method)
+        except Exception as e:
+            rec.setdefault("import_errors", {})[method] = f"{type(e).__name__}: {e}"
+    _start_cuda(torch, torch.device(spec["device"]), rec)
 
 
 def _import_method(method):
@@ -624,7 +637,11 @@ def main(argv=None):
     doc["warm_s"] = time.monotonic() - t0
     refs = references(args, paths, device, doc)
 
-    # 2. the processes
+    # 2. the processes, after one untimed that imports everything once
+    res = spawn({"role": "warmup", "device": device, "methods": methods}, args.timeout)
+    doc["warmup"] = res
+    if res.get("error") or res.get("import_errors"):
+        C.progress(f"warm-up process: {res.get('error') or res.get('import_errors')}")
     flushed = set()
     for role, method, layout, mode, cache, runs in plan:
         for i in range(runs):
@@ -656,8 +673,12 @@ def main(argv=None):
                                              else f"first call over --budget {args.budget:g} s") + ")")
                 break
     # 3. the summary
+    gpus = [r["gpu"] for r in doc["runs"] if r.get("gpu")]
+    doc["environment"]["gpu"] = gpus[0] if gpus else None
+    doc["environment"]["torch_in_runs"] = next((r["torch"] for r in doc["runs"] if r.get("torch")), None)
     doc["cells"] = summarize(doc)
     print_table(doc)
+    print_side_by_side(doc)
     doc["goals"] = goals(doc, device)
     print_goals(doc["goals"])
     for name, lay in doc["layouts"].items():
@@ -789,6 +810,27 @@ def print_table(doc):
             staging.setdefault(c["staging"], []).append(f"{c['layout']} {c['cache']} {c['mode']}")
     for text, where in staging.items():
         print(f"instant_staging's kept staging buffer ({', '.join(where)}): {text}")
+
+
+def print_side_by_side(doc):
+    """Per layout, cache and mode: each peer's first call and process over ours."""
+    lines = []
+    by = {}
+    for c in doc["cells"]:
+        if c["first_s"]:
+            by.setdefault((c["layout"], c["cache"], c["mode"]), {})[c["method"]] = c
+    for (layout, cache, mode), cells in by.items():
+        ours = cells.get("instant_staging")
+        peers = [m for m in METHODS if m in cells and m != "instant_staging"]
+        if not ours or not peers:
+            continue
+        parts = [f"{m} {cells[m]['first_s'] / ours['first_s']:.1f}x / "
+                 f"{cells[m]['wall_s'] / ours['wall_s']:.2f}x" for m in peers]
+        lines.append(f"  {layout} {cache} {mode}: ours first {ours['first_s']:.3f} s, wall "
+                     f"{ours['wall_s']:.2f} s; " + ", ".join(parts))
+    if lines:
+        print("\nPeers' time over ours (first call / process wall):")
+        print("\n".join(lines))
 
 
 def goals(doc, device):
