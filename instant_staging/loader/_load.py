@@ -149,8 +149,8 @@ def _make_staging(size, segment):
         # 32 MiB (4 for 128 MiB): making the buffer is on the critical path
         # of a load that keeps none, 26-33 ms of a 140 ms MoE load on the
         # H200 host.
-        return StagingBuffer(size, segment_size=segment, prefault_threads=_prefault_threads(size),
-                             hugepages=_hugepages(size))
+        # (Pages: StagingBuffer's own rule, huge where their blocks are free.)
+        return StagingBuffer(size, segment_size=segment, prefault_threads=_prefault_threads(size))
     except StagingError as e:
         # Its message suggests StagingBuffer's own knobs; load_file's are these.
         raise StagingError(
@@ -158,14 +158,6 @@ def _make_staging(size, segment):
             + "; ".join(f"{a.step} failed with {a.name or 'an error'}" for a in e.attempts if not a.ok)
             + "): pass staging=StagingBuffer(size, allow_pageable=True) to load through "
             "unpinned memory, or a smaller chunk_size / io_depth", e.attempts) from None
-
-
-def _hugepages(size):
-    """INSTANT_STAGING_HUGEPAGES where set; else huge pages when the host
-    holds them free (``_hugepages.py``)."""
-    from .._hugepages import env_setting, huge_pages_free
-    setting = env_setting()
-    return huge_pages_free(size) if setting is None else setting
 
 
 def _for_cache(checkpoint):
