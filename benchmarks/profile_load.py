@@ -34,7 +34,8 @@ import bench_load as B
 
 from instant_staging import loader
 from instant_staging.defaults import reader_threads
-from instant_staging.loader import _load as L
+from instant_staging.loader import _run as L
+from instant_staging.loader import _staging_pool
 from instant_staging.loader._checkpoint import _Checkpoint
 from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 from instant_staging.loader._target import _TorchTarget
@@ -111,7 +112,7 @@ def section_phases(torch, name, paths, device, repeat, out):
         depth = min(loader.DEFAULT_IO_DEPTH, plan.n_chunks)
         gpu = device.type == "cuda"
         kept = bool(loader._staging_pool.kept())
-        buf = L._own_staging(target.index, depth * plan.max_chunk, plan.max_chunk) if gpu else None
+        buf = _staging_pool.own(target.index, depth * plan.max_chunk, plan.max_chunk) if gpu else None
         t["staging_kept" if kept else "staging_made"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         pipe = Pipeline(plan, threads=reader_threads(), staging=buf, depth=depth,

@@ -1,5 +1,5 @@
 """Views into device blocks (loader/_blocks.py) and the staging buffer made
-beside the load's start (loader/_load.py's _StagingStart).
+beside the load's start (loader/_run.py's _StagingStart).
 
 The device path runs on the simulated runtime through test_loader's
 SimTarget: blocks are its device allocations, so a copy that strays out of
@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
 import instant_staging as ist
-from instant_staging.loader import _blocks, _checkpoint, _load, _staging_pool, empty_cache
+from instant_staging.loader import _blocks, _checkpoint, _run, _staging_pool, empty_cache
 from instant_staging.loader._header import TensorEntry
 from instant_staging.loader._target import _TorchTarget
 from instant_staging.testing import FaultPlan, SimulatedRuntime
@@ -108,7 +108,7 @@ def sim_pool(monkeypatch):
                                 prefault_threads=0, allow_pageable=state.get("pageable", False))
         made.append(buf)
         return buf
-    monkeypatch.setattr(_load, "_make_staging", make_staging)
+    monkeypatch.setattr(_staging_pool, "_make", make_staging)
     empty_cache()
     yield state, made
     empty_cache()
@@ -123,10 +123,10 @@ def device_load(paths, rt, *, views=True, own_staging=True, staging=None, faults
     target = SimTarget(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
     options = {"chunk_size": chunk, "io_depth": 4, "threads": threads, "staging": staging}
-    start = _load._plan(checkpoint, target, dtypes, chunk, faults and FaultPlan.parse(faults), views)
+    start = _run._plan(checkpoint, target, dtypes, chunk, faults and FaultPlan.parse(faults), views)
     if own_staging:
-        start.staging = _load._begin_staging(target, start.plan, options)
-    it = _load.LoadIterator(checkpoint, target, dtypes, verify=True, start=start, **options)
+        start.staging = _run._begin_staging(target, start.plan, options)
+    it = _run.LoadIterator(checkpoint, target, dtypes, verify=True, start=start, **options)
     with it:
         out = dict(it)          # SimTarget.result: CPU copies of the device bytes
     return out, start
@@ -289,9 +289,9 @@ def test_a_load_never_iterated_gives_the_buffer_being_made_back(tmp_path, sim_po
     target = SimTarget(rt)
     dtypes = [target.check(t, path) for _, t in checkpoint.entries]
     options = {"chunk_size": CHUNK, "io_depth": 4, "threads": 2, "staging": None}
-    start = _load._plan(checkpoint, target, dtypes, CHUNK, None, True)
-    start.staging = _load._begin_staging(target, start.plan, options)
-    it = _load.LoadIterator(checkpoint, target, dtypes, start=start, **options)
+    start = _run._plan(checkpoint, target, dtypes, CHUNK, None, True)
+    start.staging = _run._begin_staging(target, start.plan, options)
+    it = _run.LoadIterator(checkpoint, target, dtypes, start=start, **options)
     if how == "close":
         it.close()
     else:
@@ -312,23 +312,23 @@ def test_fork_while_the_staging_buffer_is_made():
         sys.path.insert(0, TESTS)
         from safetensors.torch import save_file, load_file as st_load
         import instant_staging as ist
-        from instant_staging.loader import _checkpoint, _load, empty_cache
+        from instant_staging.loader import _checkpoint, _run, _staging_pool, empty_cache
         from instant_staging.testing import SimulatedRuntime
         from test_loader import SimTarget
         rt = SimulatedRuntime()
         def make(size, segment):
             time.sleep(0.2)                # still being made at the fork
             return ist.StagingBuffer(size, runtime=rt, segment_size=segment, prefault_threads=0)
-        _load._make_staging = make
+        _staging_pool._make = make
         p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
         save_file({f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)}, p)
         ck = _checkpoint._Checkpoint([p])
         target = SimTarget(rt)
         dtypes = [target.check(t, p) for _, t in ck.entries]
         opts = {"chunk_size": 8192, "io_depth": 4, "threads": 2, "staging": None}
-        start = _load._plan(ck, target, dtypes, 8192, None, True)
-        start.staging = _load._begin_staging(target, start.plan, opts)
-        it = _load.LoadIterator(ck, target, dtypes, start=start, **opts)
+        start = _run._plan(ck, target, dtypes, 8192, None, True)
+        start.staging = _run._begin_staging(target, start.plan, opts)
+        it = _run.LoadIterator(ck, target, dtypes, start=start, **opts)
         pid = os.fork()
         if pid == 0:
             it.close()

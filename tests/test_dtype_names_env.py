@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
-from instant_staging.loader import _load, _progress, iter_load, load_file
+from instant_staging.loader import _progress, _run, iter_load, load_file
 from instant_staging.loader._options import knobs
 
 
@@ -59,7 +59,7 @@ def test_dtype_none_keeps_file_dtypes(path):
 ])
 def test_bad_dtype_before_allocation(path, dtype, error, match, monkeypatch):
     p, _ = path
-    monkeypatch.setattr(_load, "_load", lambda *a, **k: pytest.fail("allocated"))
+    monkeypatch.setattr(_run, "_load", lambda *a, **k: pytest.fail("allocated"))
     with pytest.raises(error, match=match):
         load_file(p, dtype=dtype)
 
@@ -87,7 +87,7 @@ def test_names_reads_only_selected_bytes(path):
 
 def test_unknown_names_keyerror_before_allocation(path, monkeypatch):
     p, _ = path
-    monkeypatch.setattr(_load, "_load", lambda *a, **k: pytest.fail("allocated"))
+    monkeypatch.setattr(_run, "_load", lambda *a, **k: pytest.fail("allocated"))
     with pytest.raises(KeyError, match=r"2 tensor name.*'ghost'.*'nope'"):
         load_file(p, names=["f32", "nope", "ghost"])
     with pytest.raises(TypeError, match="single str"):
@@ -124,12 +124,12 @@ def test_knobs_from_environment(clean_env):
 def test_environment_reaches_the_load(path, clean_env, monkeypatch):
     p, tensors = path
     seen = {}
-    real = _load._load
+    real = _run._load
 
     def spy(*args, chunk_size, io_depth, threads, **kw):
         seen.update(chunk_size=chunk_size, io_depth=io_depth, threads=threads)
         return real(*args, chunk_size=chunk_size, io_depth=io_depth, threads=threads, **kw)
-    monkeypatch.setattr(_load, "_load", spy)
+    monkeypatch.setattr(_run, "_load", spy)
     clean_env.setenv("INSTANT_STAGING_CHUNK_SIZE", "4KiB")
     clean_env.setenv("INSTANT_STAGING_IO_DEPTH", "2")
     clean_env.setenv("INSTANT_STAGING_THREADS", "3")
@@ -148,7 +148,7 @@ def test_environment_reaches_the_load(path, clean_env, monkeypatch):
 def test_bad_environment_value_names_the_variable(path, clean_env, name, value, monkeypatch):
     p, _ = path
     clean_env.setenv(name, value)
-    monkeypatch.setattr(_load, "_load", lambda *a, **k: pytest.fail("allocated"))
+    monkeypatch.setattr(_run, "_load", lambda *a, **k: pytest.fail("allocated"))
     with pytest.raises(ValueError, match=name):
         load_file(p)
 

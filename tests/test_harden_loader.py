@@ -115,17 +115,17 @@ def test_interpreter_exit_while_a_daemon_thread_still_allocates():
     code = """
         import os, tempfile, threading, time, torch
         from safetensors.torch import save_file
-        from instant_staging.loader import _load, _pipeline, iter_load
+        from instant_staging.loader import _pipeline, _run, iter_load
         _pipeline._PARK_WAIT = 60.0
         p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
         save_file({f"t{i:04d}": torch.full((16,), i, dtype=torch.int32) for i in range(2000)}, p)
         allocating = threading.Event()
-        allocate = _load._allocate
+        allocate = _run._allocate
         def slow_allocate(*args):
             allocating.set()
             time.sleep(0.005)          # 2,000 tensors: 10 s of allocating
             return allocate(*args)
-        _load._allocate = slow_allocate
+        _run._allocate = slow_allocate
         def load():
             for _ in iter_load(p, "cpu", threads=2):
                 pass
@@ -249,11 +249,11 @@ def test_cancel_frees_everything_on_the_simulated_device(tmp_path):
     tensors = big_tensors(32, numel=8 << 10, seed=2)
     path = save(tmp_path, tensors)
     rt, buf = sim_staging()
-    from instant_staging.loader import _checkpoint, _load
+    from instant_staging.loader import _checkpoint, _run
     checkpoint = _checkpoint._Checkpoint([path])
     target = SimTarget(rt)
     dtypes = [target.check(t, path) for _, t in checkpoint.entries]
-    it = _load.LoadIterator(checkpoint, target, dtypes, staging=buf, chunk_size=CHUNK, threads=3)
+    it = _run.LoadIterator(checkpoint, target, dtypes, staging=buf, chunk_size=CHUNK, threads=3)
     next(it)
     closer = threading.Thread(target=it.close)
     closer.start()
@@ -317,11 +317,11 @@ def test_any_chunk_size_on_the_simulated_device(tmp_path, chunk):
     path = save(tmp_path, tensors)
     rt = SimulatedRuntime(faults="register#1=invalid_value")      # SEGMENTED
     buf = ist.StagingBuffer(32 << 20, runtime=rt, segment_size=3 << 20, prefault_threads=0)
-    from instant_staging.loader import _checkpoint, _load
+    from instant_staging.loader import _checkpoint, _run
     checkpoint = _checkpoint._Checkpoint([path])
     target = SimTarget(rt)
     dtypes = [target.check(t, path) for _, t in checkpoint.entries]
-    with _load.LoadIterator(checkpoint, target, dtypes, staging=buf, chunk_size=chunk) as it:
+    with _run.LoadIterator(checkpoint, target, dtypes, staging=buf, chunk_size=chunk) as it:
         assert_same(dict(it), tensors)
     assert_same(load_file(path, "cpu", chunk_size=chunk), tensors)
     gc.collect()

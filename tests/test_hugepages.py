@@ -7,7 +7,7 @@ import pytest
 
 import instant_staging as ist
 from instant_staging import _hugepages as H
-from instant_staging.loader import _load
+from instant_staging.loader import _staging_pool
 from instant_staging.testing import SimulatedRuntime
 
 # A real /proc/buddyinfo (the CI machine's, 2026-11-30): Normal holds 41
@@ -148,18 +148,18 @@ def test_loader_own_buffer_follows_the_rule(fake_host, monkeypatch):
     monkeypatch.setattr(runtime, "default_runtime", SimulatedRuntime)
     for thp, buddyinfo, on in ((MADVISE, ENOUGH, True), (MADVISE, SHORT, False)):
         fake_host(thp, buddyinfo)
-        buf = _load._make_staging(BUF, 16 << 20)
+        buf = _staging_pool._make(BUF, 16 << 20)
         try:
             assert buf.hugepages is on
         finally:
             buf.close()
     for value, on in (("1", True), ("0", False), ("off", False), (" YES ", True)):
         monkeypatch.setenv("INSTANT_STAGING_HUGEPAGES", value)
-        buf = _load._make_staging(BUF, 16 << 20)
+        buf = _staging_pool._make(BUF, 16 << 20)
         try:
             assert buf.hugepages is on                      # the variable decides
         finally:
             buf.close()
     monkeypatch.setenv("INSTANT_STAGING_HUGEPAGES", "2")
     with pytest.raises(ValueError, match="INSTANT_STAGING_HUGEPAGES"):
-        _load._make_staging(BUF, 16 << 20)
+        _staging_pool._make(BUF, 16 << 20)

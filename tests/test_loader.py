@@ -24,6 +24,7 @@ from instant_staging.loader import (
     VerifyError,
     _checkpoint,
     _load,
+    _run,
     _target,
     iter_load,
     load_file,
@@ -182,7 +183,7 @@ def sim_load(paths, staging, *, faults=None, threads=None, verify=False, progres
     checkpoint = _checkpoint._Checkpoint(paths if isinstance(paths, list) else [paths])
     target = target or SimTarget(staging.runtime)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    with _load.LoadIterator(checkpoint, target, dtypes, staging=staging, chunk_size=CHUNK,
+    with _run.LoadIterator(checkpoint, target, dtypes, staging=staging, chunk_size=CHUNK,
                             io_depth=4, threads=threads, verify=verify, progress=progress,
                             faults=faults and FaultPlan.parse(faults)) as it:
         return dict(it)

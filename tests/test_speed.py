@@ -15,7 +15,7 @@ import safetensors.torch as st
 import torch
 
 import instant_staging as ist
-from instant_staging.loader import _checkpoint, _load, load_file
+from instant_staging.loader import _checkpoint, _run, load_file
 from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 from instant_staging.testing import SimulatedRuntime
 
@@ -130,7 +130,7 @@ def test_allocation_failure_midway_frees_everything(saved, monkeypatch):
     target.allocate = failing
     ck = _checkpoint._Checkpoint([path])
     dtypes = [target.check(t, path) for _, t in ck.entries]
-    with pytest.raises(MemoryError), _load.LoadIterator(
+    with pytest.raises(MemoryError), _run.LoadIterator(
             ck, target, dtypes, staging=buf, chunk_size=CHUNK, io_depth=4, threads=3) as it:
         dict(it)
     import gc
@@ -148,7 +148,7 @@ def test_default_io_depth_is_two_slots_per_thread(saved):
     target = SimTarget(rt)
     ck = _checkpoint._Checkpoint([path])
     dtypes = [target.check(t, path) for _, t in ck.entries]
-    with _load.LoadIterator(ck, target, dtypes, staging=buf, chunk_size=CHUNK, threads=3) as it:
+    with _run.LoadIterator(ck, target, dtypes, staging=buf, chunk_size=CHUNK, threads=3) as it:
         first = next(it)
         assert it._state.pipe.slots == 6       # not all 64 slots of the buffer
         got = dict([first, *it])

@@ -17,7 +17,7 @@ pytest.importorskip("safetensors.torch")
 
 import instant_staging as ist
 from instant_staging import defaults
-from instant_staging.loader import _checkpoint, _load, _staging_pool, empty_cache, iter_load, load_file
+from instant_staging.loader import _checkpoint, _run, _staging_pool, empty_cache, iter_load, load_file
 from instant_staging.testing import SimulatedRuntime
 
 from _child import run_child
@@ -131,7 +131,7 @@ def device_load(path, rt, made, **kw):
     checkpoint = _checkpoint._Checkpoint([path])
     target = SimTarget(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    with _load.LoadIterator(checkpoint, target, dtypes, chunk_size=CHUNK, io_depth=4,
+    with _run.LoadIterator(checkpoint, target, dtypes, chunk_size=CHUNK, io_depth=4,
                             threads=2, **kw) as it:
         out = {name: target.result(handle) if isinstance(handle, tuple) else handle
                for name, handle in it}
@@ -147,7 +147,7 @@ def sim_pool(monkeypatch):
         buf = ist.StagingBuffer(size, runtime=rt, segment_size=segment, prefault_threads=0)
         made.append(buf)
         return buf
-    monkeypatch.setattr(_load, "_make_staging", make_staging)
+    monkeypatch.setattr(_staging_pool, "_make", make_staging)
     return rt, made
 
 
@@ -186,7 +186,7 @@ def test_interrupted_load_gives_its_buffer_back(tmp_path, sim_pool):
     checkpoint = _checkpoint._Checkpoint([path])
     target = SimTarget(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    it = _load.LoadIterator(checkpoint, target, dtypes, chunk_size=CHUNK, io_depth=4, threads=2)
+    it = _run.LoadIterator(checkpoint, target, dtypes, chunk_size=CHUNK, io_depth=4, threads=2)
     next(it)
     assert _staging_pool.kept() == {}           # the load holds it
     with pytest.raises(BufferError):

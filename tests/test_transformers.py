@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from instant_staging.integrations import transformers as integration
 from instant_staging.integrations.transformers import from_pretrained
-from instant_staging.loader import _load
+from instant_staging.loader import _run
 
 SMALL = {"vocab_size": 96, "max_position_embeddings": 64}
 AUTO = transformers.AutoModelForCausalLM
@@ -194,13 +194,13 @@ def test_weights_are_read_by_instant_staging(tmp_path, monkeypatch):
     path, _ = save(tmp_path, "mixtral", sharded=True)
     names = checkpoint_names(path)
     read = []
-    real = _load._load
+    real = _run._load
 
     def spy(*args, **kwargs):
         for name, tensor in real(*args, **kwargs):
             read.append(name)
             yield name, tensor
-    monkeypatch.setattr(_load, "_load", spy)
+    monkeypatch.setattr(_run, "_load", spy)
     import safetensors
     monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: pytest.fail("read by safetensors"))
     from_pretrained(path, device="cpu")
@@ -446,7 +446,7 @@ def test_failed_read_frees_everything(tmp_path, monkeypatch):
     from instant_staging.loader import LoadError
     path, _ = save(tmp_path, "llama", sharded=True)
     refs = []
-    real = _load._load
+    real = _run._load
 
     def failing(*args, **kwargs):
         for item in real(*args, **kwargs):
@@ -454,7 +454,7 @@ def test_failed_read_frees_everything(tmp_path, monkeypatch):
             yield item
             item = None           # this spy's frame outlives the failure too
         raise LoadError("injected: the read of the last chunk failed")
-    monkeypatch.setattr(_load, "_load", failing)
+    monkeypatch.setattr(_run, "_load", failing)
     with pytest.raises(LoadError) as info:
         from_pretrained(path, device="cpu")
     assert info.value is not None            # the exception (and its traceback) still alive

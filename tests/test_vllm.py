@@ -31,7 +31,7 @@ from safetensors.torch import load_file as st_load_file
 
 from instant_staging.integrations.vllm import LOAD_FORMAT, _options, _weights
 from instant_staging.integrations.vllm._options import Options, parse
-from instant_staging.loader import _load
+from instant_staging.loader import _load, _run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -164,13 +164,13 @@ def test_keep_filters_before_reading(tmp_path, monkeypatch):
     path = save(tmp_path, "qwen2", sharded=True)
     files = shards(path)
     read = []
-    real = _load._load
+    real = _run._load
 
     def spy(*args, **kwargs):
         for name, tensor in real(*args, **kwargs):
             read.append(name)
             yield name, tensor
-    monkeypatch.setattr(_load, "_load", spy)
+    monkeypatch.setattr(_run, "_load", spy)
 
     def keep(name):
         return ".layers.1." not in name

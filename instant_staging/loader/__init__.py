@@ -29,7 +29,8 @@ or pass one with ``staging=`` to reuse it across loads (its depth is then
 what fits in it).  A load that made its own buffer keeps it for the next
 load to the same device (``_staging_pool.py``; ``empty_cache()`` releases
 it, ``INSTANT_STAGING_KEEP_STAGING=0`` turns keeping off).  A load holds
-its staging buffer and its files until its reader threads are joined (``_load.py``, ``_pipeline.pyx``).
+its staging buffer and its files until its reader threads are joined
+(``_run.py``, ``_pipeline.pyx``).
 
 torch is imported only when a load starts: ``import instant_staging``
 works without it.
@@ -41,7 +42,8 @@ from ._bytes import load
 from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
 from ._header import SafetensorsError
-from ._load import LoadIterator, iter_load, load_file
+from ._load import iter_load, load_file
+from ._run import LoadIterator
 from ._safe_open import safe_open
 from ._staging_pool import empty_cache
 

@@ -63,9 +63,9 @@ import traceback
 from types import SimpleNamespace
 
 from ..defaults import DISTRIBUTED_TIMEOUT, io_depth_for, reader_threads
-from . import _staging_pool
+from . import _run, _staging_pool
 from ._errors import LoadError
-from ._load import LoadIterator
+from ._run import LoadIterator
 
 log = logging.getLogger("instant_staging")
 
@@ -427,7 +427,6 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
                 io_depth, threads, verify, progress, faults):
     """The generator behind a group's LoadIterator (``state`` as the plain
     load's; ``info`` receives the ranks' kinds and this rank's share)."""
-    from . import _load as L
     from ._pipeline import DEVICE, Pipeline, Plan
     torch = target.torch
     everything = _all_entries(checkpoint)
@@ -456,7 +455,7 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
                 io_depth = io_depth_for(io_depth, threads)
                 depth = min(io_depth, read_plan.n_chunks)
                 owned = staging is None and device is not None
-                buf = (L._own_staging(device, depth * read_plan.max_chunk, read_plan.max_chunk)
+                buf = (_staging_pool.own(device, depth * read_plan.max_chunk, read_plan.max_chunk)
                        if owned else staging)
                 pipe = Pipeline(read_plan, threads=threads, staging=buf,
                                 depth=depth, device=device)
@@ -508,7 +507,7 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
         if error is not None or waiter.left:
             view = SimpleNamespace(entries=[everything[u.entry] for u in items],
                                    paths=checkpoint.paths, fds=checkpoint.fds)
-            local = (L._error(pipe, read_plan, view, runtime) if error is not None else
+            local = (_run.load_error(pipe, read_plan, view, runtime) if error is not None else
                      LoadError(f"the load ended with {waiter.left} part(s) unread and no error recorded"))
             post = (False, str(local), issued_all)
         else:
@@ -530,7 +529,7 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
             if k in tensors:
                 handle = tensors.pop(k)
                 if verify:
-                    _verify_one(L, checkpoint, i, t, target, handle)
+                    _verify_one(checkpoint, i, t, target, handle)
                 yield t.name, target.result(handle)
     except BaseException as e:
         traceback.clear_frames(e.__traceback__)
@@ -544,9 +543,9 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
         checkpoint.close()
 
 
-def _verify_one(L, checkpoint, file_index, entry, target, handle):
+def _verify_one(checkpoint, file_index, entry, target, handle):
     view = SimpleNamespace(entries=[(file_index, entry)], paths=checkpoint.paths, fds=checkpoint.fds)
-    L._verify(view, 0, target, handle)
+    _run.verify_tensor(view, 0, target, handle)
 
 
 class _Waiter:
@@ -572,16 +571,14 @@ class _Waiter:
             self.stopped = True
 
     def until(self, item):
-        from ._load import _POLL_SECONDS
         while not self.done[item] and not self.stopped:
-            self._poll(_POLL_SECONDS)
+            self._poll(_run.POLL_SECONDS)
         if not self.done[item] and not self.stopped:
             self._poll(0)
 
     def until_all(self):
-        from ._load import _POLL_SECONDS
         while self.left and not self.stopped:
-            self._poll(_POLL_SECONDS)
+            self._poll(_run.POLL_SECONDS)
 
 
 def _exchange(group, unit, view):

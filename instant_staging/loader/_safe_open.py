@@ -43,8 +43,9 @@ from . import _staging_pool
 from ._checkpoint import _Checkpoint
 from ._errors import MissingTensorError
 from ._header import DTYPE_SIZES, SafetensorsError, TensorEntry
-from ._load import LoadIterator, _check_args, _fault_plan, _own_staging
+from ._load import _check_args
 from ._options import knobs
+from ._run import LoadIterator, fault_plan
 from ._target import _import_torch, _TorchTarget
 from ._typing import Device, PathLike
 
@@ -145,15 +146,15 @@ class _File:
                 io_depth = max(1, min(io_depth, -(-view.total_bytes // chunk_size)))
             elif self.handle_open:
                 if self.staging is None:
-                    self.staging = _own_staging(target.index, io_depth * chunk_size, chunk_size)
+                    self.staging = _staging_pool.own(target.index, io_depth * chunk_size, chunk_size)
                 staging = self.staging
             else:
-                staging = own = _own_staging(target.index, io_depth * chunk_size, chunk_size)
+                staging = own = _staging_pool.own(target.index, io_depth * chunk_size, chunk_size)
             self.reading = True
             try:
                 with LoadIterator(view, target, [dtypes[e] for _, e in view.entries], staging=staging,
                                   chunk_size=chunk_size, io_depth=io_depth, threads=self.threads,
-                                  faults=_fault_plan(staging)) as it:
+                                  faults=fault_plan(staging)) as it:
                     # Yielded in completion order; one read holds each name once.
                     loaded = dict(it)
             finally:
