@@ -141,7 +141,9 @@ def test_readme_first_python_example_runs_on_this_host(tmp_path):
     proc = subprocess.run([sys.executable, "-c", first], cwd=str(tmp_path), env=child_env(),
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Kind.REGISTERED" in proc.stdout, proc.stdout + proc.stderr
+    # Pinned, whichever path this host's driver takes (simulated: REGISTERED).
+    assert re.search(r"^Kind\.(REGISTERED|SEGMENTED|RUNTIME_PINNED) True ", proc.stdout, re.M), \
+        proc.stdout + proc.stderr
 
 
 def test_importing_an_unbuilt_checkout_says_how_to_build(tmp_path):
