@@ -9,8 +9,8 @@ docs/design.md ("Measured") applies.  Every file it reads and the one
 variable it looks at are parameters, so tests feed it fake /proc and /sys
 content.  It returns a plain dict (what ``--json`` prints);
 ``format_text()`` renders it and ``exit_code()`` gives the command's status:
-1 when a check found a problem (a warning or an error with a verdict), else
-0.  Nothing here prints.
+1 when a check found a problem (any warning or error), else 0.  Nothing
+here prints.
 """
 
 import os
@@ -207,8 +207,9 @@ def check_thp(thp_path):
         return _check("info", None, "unknown", "transparent huge pages not available")
     if mode == "always":
         return _check("warn", mode, mode,
-                      "THP 'always': any fault of any process may start a compaction of fragmented memory, "
-                      "which stalled registration for minutes on hosts in the field; "
+                      "THP 'always': any fault of any process may start a compaction of "
+                      "fragmented memory, which stalled registration for minutes on hosts "
+                      "in the field; "
                       "set the mode to madvise (StagingBuffer asks for huge pages itself)")
     if mode == "madvise":
         return _check("ok", mode, mode, "StagingBuffer asks for huge pages where their "
