@@ -95,6 +95,17 @@ def main(spec_path, rank):
                             progress=lambda done, total, calls=calls: calls.append((done, total)))
             out[name] = dict(ok=True, equal=equal(got, everything), owns=owns_memory(got),
                              progress=calls)
+        elif name == "progress_true":   # progress=True: the lines each rank prints
+            import io
+            stderr, sys.stderr = sys.stderr, io.StringIO()
+            try:
+                got = load_file(shards, process_group=pg, chunk_size=chunk, threads=2,
+                                progress=True)
+                lines = sys.stderr.getvalue().splitlines()
+            finally:
+                sys.stderr = stderr
+            out[name] = dict(ok=True, equal=equal(got, everything), owns=owns_memory(got),
+                             lines=lines)
         elif name == "dtype_and_directory":   # dtype= and a directory source under a group
             got = load_file(os.path.dirname(shards[0]), dtype=torch.float32, process_group=pg,
                             chunk_size=chunk)

@@ -81,6 +81,7 @@ def host(tmp_path):
         kw["hugepages_env"] = hugepages_env
         kw["runtime"] = SimulatedRuntime()
         return doctor.diagnose(**kw)
+    make.tmp = tmp_path
     return make
 
 
@@ -105,15 +106,29 @@ def test_doctor_healthy_host(host):
     assert doctor.format_text(r)[-1] == "no known failing condition found"
 
 
+def paths_of(host, **kw):
+    """(thp, buddyinfo) paths of the fake host ``host(**kw)`` wrote."""
+    host(**kw)
+    tmp = host.tmp
+    return str(tmp / "thp"), str(tmp / "buddyinfo")
+
+
 def test_doctor_says_what_hugepages_none_chooses_and_why(host):
     c = host(thp="always [madvise] never")["checks"]["hugepages"]
     assert c["status"] == "ok" and c["value"]["on"] is True and c["value"]["size"] == 2 << 30
-    assert c["summary"] == "StagingBuffer(2 GiB) default: huge pages (MADV_HUGEPAGE)"
+    load = c["value"]["load"]
+    assert load["on"] is True and load["size"] == doctor._load_staging_size()
+    assert c["summary"] == ("StagingBuffer(2 GiB) default: huge pages (MADV_HUGEPAGE); a load's "
+                            f"own {ist.format_size(load['size'])} buffer: huge pages (MADV_HUGEPAGE)")
     assert c["verdict"] == c["value"]["why"]
     assert c["verdict"].startswith("auto: THP madvise, 2048 free 2 MiB blocks for the 1024")
-    c = host(thp="always [madvise] never", buddyinfo=BUDDY_FRAGMENTED)["checks"]["hugepages"]
-    assert c["value"]["on"] is False and "4 KiB pages" in c["summary"]
-    assert "40 free 2 MiB blocks" in c["verdict"] and "compact" in c["verdict"]
+    # 40 free blocks: too few for 2 GiB, enough for a 16 MiB load's buffer.
+    c = doctor.check_hugepages(*paths_of(host, thp="always [madvise] never",
+                                         buddyinfo=BUDDY_FRAGMENTED), env="", load_size=16 << 20)
+    assert c["value"]["on"] is False and c["value"]["load"]["on"] is True
+    assert c["summary"].startswith("StagingBuffer(2 GiB) default: 4 KiB pages; a load's own 16 MiB")
+    assert "40 free 2 MiB blocks for the 1024 needed" in c["verdict"] and "compact" in c["verdict"]
+    assert c["verdict"].endswith("; 16 MiB: " + c["value"]["load"]["why"])
     c = host(thp="always madvise [never]")["checks"]["hugepages"]
     assert c["value"]["on"] is False and c["verdict"] == "auto: THP is 'never'"
     # The variable decides where set, and doctor says so.

@@ -223,3 +223,21 @@ def test_load_help_states_the_defaults_this_host_uses():
     assert f"at most {d.MAX_THREADS}: 1 on this host; {d.COLD_THREADS} {cold}" in lines["--threads"]
     assert (f"else {ist.format_size(d.CHUNK_SIZE)}; {ist.format_size(d.COLD_CHUNK_SIZE)} {cold}"
             in lines["--chunk-size"])
+
+
+def test_progress_for_a_rank_names_it_and_the_whole():
+    from instant_staging.loader import _progress
+    out = io.StringIO()
+    bar = _progress.for_rank(load_cmd.Progress(out, bar=True, interval=0), 1, 2, 512_000_000)
+    bar(0, 256_000_000)
+    bar(256_000_000, 256_000_000)
+    bar.close()
+    last = out.getvalue().split("\r")[-1]
+    assert last.startswith("rank 1 of 2: [") and "(its share of 512.00 MB)" in last, last
+    assert "100% 256.00 MB / 256.00 MB" in last
+    # A caller's callable gets this rank's share, as it is; one rank needs no label.
+    calls = []
+    mine = calls.append
+    assert _progress.for_rank(mine, 1, 2, 10) is mine
+    alone = load_cmd.Progress(io.StringIO(), bar=False)
+    assert _progress.for_rank(alone, 0, 1, 10).label is None

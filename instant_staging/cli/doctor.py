@@ -9,8 +9,8 @@ docs/design.md ("Measured") applies.  Every file it reads and the one
 variable it looks at are parameters, so tests feed it fake /proc and /sys
 content.  It returns a plain dict (what ``--json`` prints);
 ``format_text()`` renders it and ``exit_code()`` gives the command's status:
-1 when a check found a problem (a warning or an error with a verdict), else
-0.  Nothing here prints.
+1 when a check found a problem (any warning or error), else 0.  Nothing
+here prints.
 """
 
 import os
@@ -207,8 +207,9 @@ def check_thp(thp_path):
         return _check("info", None, "unknown", "transparent huge pages not available")
     if mode == "always":
         return _check("warn", mode, mode,
-                      "THP 'always': any fault of any process may start a compaction of fragmented memory, "
-                      "which stalled registration for minutes on hosts in the field; "
+                      "THP 'always': any fault of any process may start a compaction of "
+                      "fragmented memory, which stalled registration for minutes on hosts "
+                      "in the field; "
                       "set the mode to madvise (StagingBuffer asks for huge pages itself)")
     if mode == "madvise":
         return _check("ok", mode, mode, "StagingBuffer asks for huge pages where their "
@@ -216,20 +217,34 @@ def check_thp(thp_path):
     return _check("ok", mode, mode, "StagingBuffer uses 4 KiB pages (hugepages=True has no effect)")
 
 
-def check_hugepages(thp_path, buddyinfo_path, env=None, size=defaults.STAGING_SIZE):
+def _load_staging_size():
+    # A default load's own buffer on this host: its slots of CHUNK_SIZE.
+    return defaults.io_depth_for(None, None) * defaults.CHUNK_SIZE
+
+
+def check_hugepages(thp_path, buddyinfo_path, env=None, size=defaults.STAGING_SIZE,
+                    load_size=None):
     """What ``StagingBuffer(size)`` (``hugepages=None``) chooses on this host
-    now, and why (``_hugepages.decide``); ``env``: the text of
+    now, and why (``_hugepages.decide``), and the same for a default load's
+    own buffer (``load_size``; None: this host's); ``env``: the text of
     INSTANT_STAGING_HUGEPAGES (None: the environment's)."""
     thp = _read(thp_path) or ""             # "": unreadable, not "read it yourself"
     buddyinfo = _read(buddyinfo_path) or ""
+    load_size = _load_staging_size() if load_size is None else load_size
     try:
         on, why = decide(size, None, env=env, thp=thp, buddyinfo=buddyinfo)
+        load_on, load_why = decide(load_size, None, env=env, thp=thp, buddyinfo=buddyinfo)
     except ValueError as e:
-        return _check("error", {"on": None, "size": size, "why": str(e)}, "invalid setting",
-                      f"{e}: every StagingBuffer() and load raises ValueError")
-    pages = "huge pages (MADV_HUGEPAGE)" if on else "4 KiB pages"
-    return _check("ok", {"on": on, "size": size, "why": why},
-                  f"StagingBuffer({format_size(size)}) default: {pages}", why)
+        return _check("error", {"on": None, "size": size, "why": str(e), "load": None},
+                      "invalid setting", f"{e}: every StagingBuffer() and load raises ValueError")
+    pages = {True: "huge pages (MADV_HUGEPAGE)", False: "4 KiB pages"}
+    value = {"on": on, "size": size, "why": why,
+             "load": {"on": load_on, "size": load_size, "why": load_why}}
+    summary = (f"StagingBuffer({format_size(size)}) default: {pages[on]}; a load's own "
+               f"{format_size(load_size)} buffer: {pages[load_on]}")
+    # The load's reason only where its choice differs (it needs fewer blocks).
+    verdict = why if load_on == on else f"{why}; {format_size(load_size)}: {load_why}"
+    return _check("ok", value, summary, verdict)
 
 
 def parse_meminfo(text):

@@ -4,7 +4,7 @@ Only parsing and printing live here; the work is in ``probe.py``,
 ``doctor.py`` and ``load.py``, which return dicts.  ``--json`` prints
 that dict as one JSON object on stdout.  Exit codes: 0 success, 1 the
 staging buffer, the copy check or the load failed (or ``--require-gpu``
-without a GPU), 2 bad arguments.
+without a GPU, or ``doctor`` found a problem), 2 bad arguments.
 """
 
 import argparse

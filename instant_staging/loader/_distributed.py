@@ -63,7 +63,7 @@ import traceback
 from types import SimpleNamespace
 
 from ..defaults import DISTRIBUTED_TIMEOUT, io_depth_for, reader_threads
-from . import _run, _staging_pool
+from . import _progress, _run, _staging_pool
 from ._errors import LoadError
 from ._run import LoadIterator
 
@@ -438,6 +438,8 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
     me = group.rank
     items = reads[me]
     info["read_bytes"] = sum(u.end - u.begin for u in items)
+    # Each rank reports its own share; our printers say so, and the whole.
+    progress = _progress.for_rank(progress, me, group.size, sum(u.end - u.begin for r in reads for u in r))
     device = target.index if target.mode == DEVICE else None
     buf = pipe = runtime = None
     owned = False

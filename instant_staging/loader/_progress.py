@@ -14,6 +14,12 @@ and a rate counted from there said 0.8-1.2 GB/s of an MoE load that
 finished at 36 GB/s on the H200 host).  Sizes and rates are in one unit
 system per line, decimal (GB and GB/s, as every benchmark of this
 package reports).
+
+Under a process group each rank reads its own share of the load and
+reports that (a callable gets ``(done, share)`` on every rank); the
+printers made for ``progress=True`` then name the rank and the whole on
+every line (``for_rank``), so that N ranks never print N unlabelled
+"100%" lines each claiming the whole load.
 """
 
 import sys
@@ -41,6 +47,16 @@ def resolve(progress):
     return progress
 
 
+def for_rank(progress, rank, world, whole):
+    """``progress`` for rank ``rank`` of ``world`` reading its share of a
+    load of ``whole`` bytes: the printers of ``progress=True`` label their
+    lines with both; a caller's own callable is returned as it is (it gets
+    this rank's share)."""
+    if world > 1 and isinstance(progress, (Progress, TqdmProgress)):
+        progress.label = (f"rank {rank} of {world}", whole)
+    return progress
+
+
 def _default(stream):
     try:
         import tqdm  # noqa: F401
@@ -58,11 +74,15 @@ class TqdmProgress:
     def __init__(self, stream):
         self._stream = stream
         self._bar = None
+        self.label = None             # (rank text, whole bytes): for_rank()
 
     def __call__(self, done, total):
         if self._bar is None:
             from tqdm import tqdm
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading",
+            desc = "loading"
+            if self.label is not None:
+                desc = f"{self.label[0]}: its share of {format_si(self.label[1])}"
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc,
                              file=self._stream, leave=True)
         self._bar.update(done - self._bar.n)
         if done >= total:
@@ -97,6 +117,7 @@ class Progress:
         self._clock = clock
         self._lock = threading.Lock()
         self._start = None            # (time, bytes) of the first report
+        self.label = None             # (rank text, whole bytes): for_rank()
         self._last_draw = 0.0
         self._last_tenth = 0
         self._drawn = False
@@ -113,6 +134,12 @@ class Progress:
             else:
                 self._plain(done, total, now)
 
+    def _head(self):
+        return "" if self.label is None else f"{self.label[0]}: "
+
+    def _share(self):
+        return "" if self.label is None else f" (its share of {format_si(self.label[1])})"
+
     def _rate(self, done, now):
         """', 36.1 GB/s': the bytes since the first report over the time
         since; '' until there is such an interval."""
@@ -127,8 +154,9 @@ class Progress:
         self._last_draw = now
         frac = done / total if total else 1.0
         filled = int(frac * self.WIDTH)
-        self._stream.write(f"\r[{'#' * filled}{' ' * (self.WIDTH - filled)}] {frac:4.0%} "
-                           f"{format_si(done)} / {format_si(total)}{self._rate(done, now)} ")
+        self._stream.write(f"\r{self._head()}[{'#' * filled}{' ' * (self.WIDTH - filled)}] "
+                           f"{frac:4.0%} {format_si(done)} / {format_si(total)}{self._share()}"
+                           f"{self._rate(done, now)} ")
         self._stream.flush()
         self._drawn = True
 
@@ -137,8 +165,8 @@ class Progress:
         if tenth <= self._last_tenth:
             return
         self._last_tenth = tenth
-        self._stream.write(f"loaded {tenth * 10}%: {format_si(done)} of "
-                           f"{format_si(total)}{self._rate(done, now)}\n")
+        self._stream.write(f"{self._head()}loaded {tenth * 10}%: {format_si(done)} of "
+                           f"{format_si(total)}{self._share()}{self._rate(done, now)}\n")
         self._stream.flush()
 
     def close(self):
