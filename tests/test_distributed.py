@@ -130,6 +130,34 @@ def test_timeout_env(monkeypatch):
     assert D.timeout_from_env() == D.DISTRIBUTED_TIMEOUT
 
 
+def test_the_ranks_agree_on_the_cold_knobs():
+    # Every rank computes this from every rank's post: one answer for all.
+    from instant_staging import defaults
+    cold = {"chunk_size": defaults.COLD_CHUNK_SIZE, "io_depth": None,
+            "threads": defaults.COLD_THREADS}
+    assert D._for_cache([0.0, 0.25]) == cold             # cold on average
+    assert D._for_cache([0.0, 1.0, 1.0]) == {}           # hot on average
+    assert D._for_cache([0.0, False]) == {}              # a rank set a knob: nobody switches
+    assert D._for_cache([None, 0.0]) == cold             # a rank that cannot tell does not vote
+    assert D._for_cache([None, None]) == {}
+
+
+def test_a_group_loads_samples_the_cache_only_where_no_knob_is_set(tmp_path, monkeypatch):
+    from instant_staging.loader import _load
+    path = str(tmp_path / "a.safetensors")
+    st.save_file({"a": torch.ones(3)}, path)
+    seen = []
+
+    def group(prepare, process_group):
+        seen.append(prepare()[3].get("resident", "absent"))
+        raise RuntimeError("stop")
+    monkeypatch.setattr(D, "iter_load_group", group)
+    for kw in ({}, {"threads": 2}):
+        with pytest.raises(RuntimeError, match="stop"):
+            _load.iter_load(path, process_group=object(), **kw)
+    assert seen[0] in (1.0, None) and seen[1] == "absent"
+
+
 def test_error_pickles():
     import pickle
     e = pickle.loads(pickle.dumps(DistributedLoadError("rank 1 failed", {1: "EIO"})))

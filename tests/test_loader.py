@@ -24,6 +24,7 @@ from instant_staging.loader import (
     VerifyError,
     _checkpoint,
     _load,
+    _options,
     _run,
     _target,
     iter_load,
@@ -488,7 +489,7 @@ def test_a_cold_load_uses_the_cold_knobs_unless_one_is_set(tmp_path, monkeypatch
         monkeypatch.delenv(name, raising=False)
     # Cold chunks this file has several of, so that the threads are not
     # cut to its chunk count.
-    monkeypatch.setattr(_load, "COLD_CHUNK_SIZE", 256 << 10)
+    monkeypatch.setattr(_options, "COLD_CHUNK_SIZE", 256 << 10)
     kwargs = {}
     if knob == "threads":
         kwargs["threads"] = 3
@@ -707,3 +708,25 @@ def test_gpu_large_tensors_are_cut_from_one_reserved_block(tmp_path):
     assert_same({n: t.cpu() for n, t in loaded.items()}, tensors)
     ptrs = sorted(t.data_ptr() for n, t in loaded.items() if n != "norm")
     assert ptrs[-1] - ptrs[0] == 39 * (3 << 20)      # one block, cut in order
+
+
+@pytest.mark.parametrize("knob", [None, "env"])
+def test_safe_open_reads_a_cold_file_with_the_cold_knobs(tmp_path, monkeypatch, knob):
+    from instant_staging.loader import _safe_open, safe_open
+    for name in ("INSTANT_STAGING_CHUNK_SIZE", "INSTANT_STAGING_IO_DEPTH", "INSTANT_STAGING_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    if knob == "env":
+        monkeypatch.setenv("INSTANT_STAGING_THREADS", "3")
+    path, tensors = _cold_file(tmp_path)
+    seen = []
+    real = _safe_open.LoadIterator
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["chunk_size"], kwargs["threads"]))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(_safe_open, "LoadIterator", spy)
+    with safe_open(path, "pt") as f:
+        name = sorted(tensors)[-1]
+        assert torch.equal(raw_bytes(f.get_tensor(name)), raw_bytes(tensors[name]))
+    _, threads = seen[0]
+    assert threads == (ist.defaults.COLD_THREADS if knob is None else 3)

@@ -37,7 +37,10 @@ waiting for the others' posts with a timeout (``timeout``, default
 overrides) that names the ranks that never posted:
 
 1. when ``iter_load`` is called: arguments, headers and ``names=`` checked
-   on every rank, and the checkpoint's layout equal on every rank;
+   on every rank, and the checkpoint's layout equal on every rank; the
+   knobs too: where no rank set one, every rank's sample of the page cache
+   travels with it, and a checkpoint the ranks find cold on average is
+   read with the cold defaults on every rank (``_for_cache``);
 2. before the first read: staging buffer made and tensors allocated (the
    staging kinds of all ranks travel with it: ``staging_kinds``);
 3. after the exchange: every rank's reads and copies succeeded.  A rank
@@ -65,6 +68,7 @@ from types import SimpleNamespace
 from ..defaults import DISTRIBUTED_TIMEOUT, io_depth_for, reader_threads
 from . import _progress, _run, _staging_pool
 from ._errors import LoadError
+from ._options import for_cache
 from ._run import LoadIterator
 
 log = logging.getLogger("instant_staging")
@@ -368,13 +372,15 @@ def iter_load_group(prepare, process_group):
     checkpoint = local = None
     try:
         checkpoint, target, dtypes, options = prepare()
+        # A rank that set no knob samples the page cache; absent: it set one.
+        resident = options.pop("resident", False)
         if target.device.type == "cpu" and group.backend == "nccl":
             raise ValueError("an NCCL process group exchanges GPU tensors: load to this rank's "
                              "GPU, or use a gloo group for device='cpu'")
-        post = (True, "", _layout(checkpoint), _wanted_mask(checkpoint))
+        post = (True, "", _layout(checkpoint), _wanted_mask(checkpoint), resident)
     except Exception as e:
         local = e
-        post = (False, _describe(e), None, None)
+        post = (False, _describe(e), None, None, None)
     try:
         values = group.agree("plan", post)
         failed = _failed(values)
@@ -391,7 +397,19 @@ def iter_load_group(prepare, process_group):
         raise
     n = len(_all_entries(checkpoint))
     wanted = [_unpack(v[3], n) for v in values]
+    options.update(_for_cache([v[4] for v in values]))
     return DistributedLoadIterator(group, wanted, checkpoint, target, dtypes, **options)
+
+
+def _for_cache(residents):
+    """The knobs every rank loads with, from every rank's sample of the
+    page cache (``_options.for_cache``): the cold defaults only where no
+    rank set a knob (False) and the ranks' samples average under half; the
+    same answer on every rank, since every rank sees every post."""
+    if any(r is False for r in residents):
+        return {}
+    known = [r for r in residents if r is not None]
+    return for_cache(sum(known) / len(known) if known else None)
 
 
 def _all_entries(checkpoint):

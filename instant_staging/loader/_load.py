@@ -12,11 +12,9 @@ import sys
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Optional
 
-from .._types import format_size
-from ..defaults import COLD_CHUNK_SIZE, COLD_THREADS
 from . import _progress
 from ._checkpoint import _Checkpoint
-from ._options import knobs, left_unset, torch_dtype
+from ._options import for_cache, knobs, left_unset, torch_dtype
 from ._run import LoadIterator, _abandon, _begin_staging, _plan, fault_plan
 from ._source import resolve
 from ._target import _import_torch, _TorchTarget
@@ -33,17 +31,9 @@ log = logging.getLogger("instant_staging")
 # -- arguments -------------------------------------------------------------------
 
 def _for_cache(checkpoint):
-    """The knobs for a checkpoint the page cache mostly lacks (read from
-    disk: larger reads, fewer threads; ``defaults.COLD_CHUNK_SIZE``); none
-    for one it holds, or where that cannot be told."""
-    resident = checkpoint.resident()
-    if resident is None or resident >= 0.5:
-        return {}
-    log.info("%.0f%% of the sampled pages of the checkpoint are in the page cache: reading it "
-             "from disk in %s pieces with %d threads (chunk_size=, io_depth=, threads= or "
-             "INSTANT_STAGING_* choose otherwise)", 100 * resident, format_size(COLD_CHUNK_SIZE),
-             COLD_THREADS)
-    return {"chunk_size": COLD_CHUNK_SIZE, "io_depth": None, "threads": COLD_THREADS}
+    """The knobs for ``checkpoint`` where the page cache mostly lacks it
+    (``_options.for_cache``), else {}."""
+    return for_cache(checkpoint.resident())
 
 
 def _check_staging(staging):
@@ -98,8 +88,11 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
         try:
             src.check(checkpoint)
             checkpoint.select(names)
-            if single and left_unset(chunk_size, io_depth, threads):
-                options.update(_for_cache(checkpoint))
+            if left_unset(chunk_size, io_depth, threads):
+                if single:
+                    options.update(_for_cache(checkpoint))
+                else:           # the ranks agree on it (_distributed.py)
+                    options["resident"] = checkpoint.resident()
             target = _TorchTarget(torch, device, torch_dtype(torch, dtype), open=False)
             dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
             options["faults"] = fault_plan(staging)

@@ -26,9 +26,11 @@ anything is allocated.
 import logging
 import os
 
-from .._types import parse_size
+from .._types import format_size, parse_size
 from ..defaults import (
     CHUNK_SIZE,
+    COLD_CHUNK_SIZE,
+    COLD_THREADS,
     KEEP_STAGING,
     MAX_SLOTS_PER_THREAD,
     THREADS_PER_CPU,
@@ -113,6 +115,21 @@ def left_unset(chunk_size, io_depth, threads) -> bool:
     return (chunk_size is None and io_depth is None and threads is None
             and not any(os.environ.get(name, "").strip()
                         for name in (ENV_CHUNK_SIZE, ENV_IO_DEPTH, ENV_THREADS)))
+
+
+def for_cache(resident) -> dict:
+    """The knobs for a checkpoint of which ``resident`` (a fraction of the
+    sampled pages, ``_Checkpoint.resident()``) is in the page cache: the
+    cold defaults (read from disk: larger reads, fewer threads;
+    ``defaults.COLD_CHUNK_SIZE``) below half, none otherwise or where that
+    cannot be told (None).  Applies only where ``left_unset``."""
+    if resident is None or resident >= 0.5:
+        return {}
+    log.info("%.0f%% of the sampled pages of the checkpoint are in the page cache: reading it "
+             "from disk in %s pieces with %d threads (chunk_size=, io_depth=, threads= or "
+             "INSTANT_STAGING_* choose otherwise)", 100 * resident, format_size(COLD_CHUNK_SIZE),
+             COLD_THREADS)
+    return {"chunk_size": COLD_CHUNK_SIZE, "io_depth": None, "threads": COLD_THREADS}
 
 
 def keep_staging() -> bool:

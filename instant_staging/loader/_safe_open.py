@@ -44,7 +44,7 @@ from ._checkpoint import _Checkpoint
 from ._errors import MissingTensorError
 from ._header import DTYPE_SIZES, SafetensorsError, TensorEntry
 from ._load import _check_args
-from ._options import knobs
+from ._options import for_cache, knobs, left_unset
 from ._run import LoadIterator, fault_plan
 from ._target import _import_torch, _TorchTarget
 from ._typing import Device, PathLike
@@ -181,6 +181,10 @@ class safe_open:
         chunk_size, io_depth, threads = knobs(None, None, None)
         _check_args(chunk_size, io_depth, threads)
         checkpoint = _Checkpoint([filename])
+        if left_unset(None, None, None):     # a file the page cache lacks: load_file's cold rule
+            cold = for_cache(checkpoint.resident())
+            if cold:
+                chunk_size, io_depth, threads = cold["chunk_size"], cold["io_depth"], cold["threads"]
         self._file = _File(checkpoint, torch, target, chunk_size, io_depth, threads)
         header = checkpoint.headers[0]
         self._entries = {t.name: t for t in header.tensors}
