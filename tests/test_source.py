@@ -209,3 +209,26 @@ def test_readme_tables_every_variable_the_code_reads():
     assert set(table) - read == set(), "in README's table, read nowhere"
     for name, (default, where) in table.items():
         assert default and where, name
+
+
+def _loader_imports(module):
+    """The loader's own modules ``loader/<module>.py`` imports, anywhere in it."""
+    import ast
+    with open(os.path.join(PACKAGE, "loader", module + ".py")) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                names.add(node.module)
+            else:
+                names.update(a.name for a in node.names)
+    return names
+
+
+def test_the_loaders_paths_import_one_way():
+    # _load plans and hands the plan to _run or _distributed; they never
+    # reach back (issue 21, 6: the two paths had imported each other).
+    assert not {"_load", "_distributed"} & _loader_imports("_run")
+    assert "_load" not in _loader_imports("_distributed")
+    assert {"_run", "_distributed"} <= _loader_imports("_load")
