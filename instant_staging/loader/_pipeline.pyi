@@ -26,7 +26,8 @@ class Plan:
     """Chunks and pieces of a load over ``(fd, begin, end)`` file ranges."""
 
     def __init__(
-        self, tensors: Sequence[tuple[int, int, int]], chunk_size: int, *, faults: FaultPlan | None = None
+        self, tensors: Sequence[tuple[int, int, int]], chunk_size: int, *, faults: FaultPlan | None = None,
+        packed: bool = False,
     ) -> None: ...
     @property
     def n_chunks(self) -> int: ...
