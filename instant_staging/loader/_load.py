@@ -43,7 +43,7 @@ from ..defaults import (
 from . import _gc, _progress, _staging_pool
 from ._checkpoint import _Checkpoint
 from ._errors import LoadError, VerifyError
-from ._options import knobs, left_unset, torch_dtype
+from ._options import check_backend, knobs, left_unset, torch_dtype
 from ._source import resolve
 from ._target import _import_torch, _TorchTarget
 from ._typing import Device, DType, Names, ProgressArg, Source
@@ -276,13 +276,14 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
               process_group: Optional["ProcessGroup"] = None, chunk_size: Optional[int] = None,
               io_depth: Optional[int] = None, threads: Optional[int] = None,
               staging: Optional["StagingBuffer"] = None, verify: bool = False,
-              progress: ProgressArg = None) -> "LoadIterator":
+              progress: ProgressArg = None, backend: str = "mmap") -> "LoadIterator":
     """Loads safetensors file(s), yielding ``(name, tensor)`` as each finishes.
 
     Headers are parsed and validated when this is called; the load runs
     while the iterator is consumed.  Arguments are those of ``load_file``.
     """
     def prepare():
+        check_backend(backend)
         knobs_ = knobs(chunk_size, io_depth, threads)
         _check_args(*knobs_)
         if staging is not None:
@@ -318,7 +319,7 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
               process_group: Optional["ProcessGroup"] = None, chunk_size: Optional[int] = None,
               io_depth: Optional[int] = None, threads: Optional[int] = None,
               staging: Optional["StagingBuffer"] = None, verify: bool = False,
-              progress: ProgressArg = None) -> dict[str, "torch.Tensor"]:
+              progress: ProgressArg = None, backend: str = "mmap") -> dict[str, "torch.Tensor"]:
     """Loads safetensors file(s) into ``{name: tensor}`` on ``device``.
 
     source      a .safetensors path; a list of them (a name in two shards is an
@@ -355,6 +356,8 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
                 file is the one intended: safetensors carries no checksum.
     progress    progress(done_bytes, total_bytes), called from this thread; or
                 True: a tqdm bar (a plain line per 10% without tqdm or a terminal)
+    backend     "mmap" or "pread", accepted as safetensors' load_file accepts them;
+                either way the bytes are read with pread into the staging slots
 
     Tensors have the file's shape (and dtype, unless ``dtype``) and each owns
     its memory.  A read or copy that fails raises LoadError after waiting for
@@ -363,7 +366,7 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     """
     with iter_load(source, device, dtype=dtype, names=names, process_group=process_group,
                    chunk_size=chunk_size, io_depth=io_depth, threads=threads, staging=staging,
-                   verify=verify, progress=progress) as it:
+                   verify=verify, progress=progress, backend=backend) as it:
         loaded = dict(it)
         return {name: loaded[name] for name in it.names}
 

@@ -165,3 +165,16 @@ def converts(torch, src, dst) -> bool:
         except (NotImplementedError, RuntimeError, TypeError):
             _converts[key] = False
     return _converts[key]
+
+
+# safetensors 0.8's storage backends (safe_open/load_file ``backend=``): it
+# serves bytes from an mmap or with pread(2).  Ours reads with pread into the
+# staging slots whichever is named; the name is still checked, as there.
+BACKENDS = ("mmap", "pread")
+
+
+def check_backend(backend) -> None:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be 'mmap' or 'pread', not {type(backend).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(map(repr, BACKENDS))}")

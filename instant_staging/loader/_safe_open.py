@@ -44,7 +44,7 @@ from ._checkpoint import _Checkpoint
 from ._errors import MissingTensorError
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
 from ._load import LoadIterator, _check_args, _fault_plan, _own_staging
-from ._options import knobs
+from ._options import check_backend, knobs
 from ._target import _import_torch, _TorchTarget
 from ._typing import Device, PathLike
 
@@ -169,7 +169,9 @@ class safe_open:
     """``safetensors.safe_open(filename, framework="pt", device=...)`` read
     through instant_staging (see the module docstring)."""
 
-    def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu"):
+    def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu", *,
+                 backend: str = "mmap"):
+        check_backend(backend)
         if not isinstance(framework, str):
             raise TypeError(f"framework must be a string such as 'pt', not {type(framework).__name__}")
         if framework.lower() not in FRAMEWORKS:
