@@ -79,7 +79,7 @@ def load(data):
     return loader.load(data)
 
 
-safetensors.safe_open = safe_open
+safetensors.safe_open = safe_open  # type: ignore[misc,assignment]
 safetensors.torch.safe_open = safe_open
 safetensors.torch.load_file = load_file
 safetensors.torch.load = load

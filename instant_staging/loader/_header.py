@@ -44,7 +44,7 @@ import struct
 from typing import NamedTuple, Optional
 
 from ._canonical import read as _read_canonical
-from ._errors import UPSTREAM
+from ._errors import UpstreamError
 
 # The JSON header may not exceed this (the safetensors package's own limit).
 MAX_HEADER_BYTES = 100_000_000
@@ -86,7 +86,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _MAX_NUMBER_DIGITS = 400
 
 
-class SafetensorsError(ValueError, *UPSTREAM):
+class SafetensorsError(ValueError, UpstreamError):
     """A malformed safetensors file; ``path`` and ``tensor`` say where.  Also
     a ``safetensors.SafetensorError`` where safetensors is importable."""
 
