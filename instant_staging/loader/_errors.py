@@ -19,11 +19,11 @@ loads models has usually imported it already (transformers does).
 import errno
 
 try:
-    from safetensors import SafetensorError as _SafetensorError
+    from safetensors import SafetensorError as UpstreamError
 except ImportError:          # safetensors is optional
-    UPSTREAM: tuple = ()
-else:
-    UPSTREAM = (_SafetensorError,)
+    class UpstreamError(Exception):  # type: ignore[no-redef]
+        """Without safetensors: what its SafetensorError would be (an empty
+        base, never raised by itself)."""
 
 
 class LoadError(RuntimeError):
@@ -46,7 +46,7 @@ class VerifyError(LoadError):
     """verify=True found a tensor whose memory differs from its file bytes."""
 
 
-class MissingTensorError(KeyError, *UPSTREAM):
+class MissingTensorError(KeyError, UpstreamError):
     """``safe_open`` has no tensor of that name (safetensors raises its
     SafetensorError, torch code expects a KeyError: both catch it)."""
 

@@ -44,7 +44,7 @@ import struct
 from typing import NamedTuple, Optional
 
 from ._canonical import read as _read_canonical
-from ._errors import UPSTREAM
+from ._errors import UpstreamError
 
 # The JSON header may not exceed this (the safetensors package's own limit).
 MAX_HEADER_BYTES = 100_000_000
@@ -60,6 +60,11 @@ DTYPE_BITS = {
     "I32": 32, "U32": 32, "F32": 32,
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
 }
+
+# Dtypes safetensors knows but safetensors.torch cannot load ("Dtype not
+# understood": no torch dtype holds them); named as such, not as unknown.
+NO_TORCH_DTYPE = {"F6_E2M3": "a 6-bit float (2 exponent, 3 mantissa bits)",
+                  "F6_E3M2": "a 6-bit float (3 exponent, 2 mantissa bits)"}
 
 # Bytes per element of the dtypes whose elements are whole bytes (all but F4).
 DTYPE_SIZES = {name: bits // 8 for name, bits in DTYPE_BITS.items() if bits % 8 == 0}
@@ -81,7 +86,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _MAX_NUMBER_DIGITS = 400
 
 
-class SafetensorsError(ValueError, *UPSTREAM):
+class SafetensorsError(ValueError, UpstreamError):
     """A malformed safetensors file; ``path`` and ``tensor`` say where.  Also
     a ``safetensors.SafetensorError`` where safetensors is importable."""
 
@@ -369,6 +374,9 @@ def _entry(name, value, path):
     dtype, shape, offsets = _fields(name, value, path)
     if isinstance(dtype, _Pairs) and len(dtype) == 1 and dtype[0][1] is None:
         dtype = dtype[0][0]           # serde's map form of an enum variant
+    if isinstance(dtype, str) and dtype in NO_TORCH_DTYPE:
+        raise SafetensorsError(f"dtype {dtype} ({NO_TORCH_DTYPE[dtype]}) has no torch dtype: "
+                               "safetensors.torch refuses it too", path, name)
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise SafetensorsError(f"unknown dtype {dtype!r} (known: {', '.join(sorted(DTYPE_BITS))})",
                                path, name)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 
 from . import _progress
 from ._checkpoint import _Checkpoint
-from ._options import for_cache, knobs, left_unset, torch_dtype
+from ._options import check_backend, for_cache, knobs, left_unset, torch_dtype
 from ._run import LoadIterator, _abandon, _begin_staging, _plan, fault_plan
 from ._source import resolve
 from ._target import _import_torch, _TorchTarget
@@ -63,7 +63,8 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
               process_group: Optional["ProcessGroup"] = None, chunk_size: Optional[int] = None,
               io_depth: Optional[int] = None, threads: Optional[int] = None,
               staging: Optional["StagingBuffer"] = None, verify: bool = False,
-              progress: ProgressArg = None, views: bool = True) -> "LoadIterator":
+              progress: ProgressArg = None, views: bool = True,
+              backend: str = "mmap") -> "LoadIterator":
     """Loads safetensors file(s), yielding ``(name, tensor)`` as each finishes.
 
     Headers are parsed and validated when this is called; the load runs
@@ -73,6 +74,7 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
         raise TypeError(f"views must be a bool, not {type(views).__name__}")
 
     def prepare(single=False):
+        check_backend(backend)
         knobs_ = knobs(chunk_size, io_depth, threads)
         _check_args(*knobs_)
         if staging is not None:
@@ -119,7 +121,8 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
               process_group: Optional["ProcessGroup"] = None, chunk_size: Optional[int] = None,
               io_depth: Optional[int] = None, threads: Optional[int] = None,
               staging: Optional["StagingBuffer"] = None, verify: bool = False,
-              progress: ProgressArg = None, views: bool = True) -> dict[str, "torch.Tensor"]:
+              progress: ProgressArg = None, views: bool = True,
+              backend: str = "mmap") -> dict[str, "torch.Tensor"]:
     """Loads safetensors file(s) into ``{name: tensor}`` on ``device``.
 
     source      a .safetensors path; a list of them (a name in two shards is an
@@ -161,6 +164,8 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
                 many tensors it holds); a view keeps its whole block alive.
                 False: each tensor owns its memory, as on the CPU, for tensors
                 that dtype= converts, and under a process group (loader/_blocks.py)
+    backend     "mmap" or "pread", accepted as safetensors' load_file accepts them;
+                either way the bytes are read with pread into the staging slots
 
     Tensors have the file's shape (and dtype, unless ``dtype``).  A read or
     copy that fails raises LoadError after waiting for the copies in flight
@@ -168,7 +173,7 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     """
     with iter_load(source, device, dtype=dtype, names=names, process_group=process_group,
                    chunk_size=chunk_size, io_depth=io_depth, threads=threads, staging=staging,
-                   verify=verify, progress=progress, views=views) as it:
+                   verify=verify, progress=progress, views=views, backend=backend) as it:
         loaded = dict(it)
         return {name: loaded[name] for name in it.names}
 

@@ -159,4 +159,39 @@ def torch_dtype(torch, dtype):
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype (floating tensors are converted to it, "
                          f"integer and bool tensors are kept), not {dtype}")
+    if not converts(torch, torch.float32, dtype):
+        # float4_e2m1fn_x2: two values packed in a byte, which .to() cannot make
+        raise ValueError(f"dtype {dtype} cannot be a conversion target: torch cannot convert "
+                         "floating tensors to it")
     return dtype
+
+
+_converts: dict = {}
+
+
+def converts(torch, src, dst) -> bool:
+    """Whether torch converts ``src`` tensors to ``dst`` (``Tensor.to``),
+    tried once per pair on a one-element CPU tensor: torch 2.13 has no
+    conversion from or to float4_e2m1fn_x2 (NotImplementedError), and one
+    found only after a load read its bytes named neither file nor tensor."""
+    key = (src, dst)
+    if key not in _converts:
+        try:
+            torch.zeros(src.itemsize, dtype=torch.uint8).view(src).to(dst)
+            _converts[key] = True
+        except (NotImplementedError, RuntimeError, TypeError):
+            _converts[key] = False
+    return _converts[key]
+
+
+# safetensors 0.8's storage backends (safe_open/load_file ``backend=``): it
+# serves bytes from an mmap or with pread(2).  Ours reads with pread into the
+# staging slots whichever is named; the name is still checked, as there.
+BACKENDS = ("mmap", "pread")
+
+
+def check_backend(backend) -> None:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be 'mmap' or 'pread', not {type(backend).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(map(repr, BACKENDS))}")

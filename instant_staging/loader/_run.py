@@ -70,7 +70,7 @@ _BATCH = 32
 
 class _StagingStart:
     """A load's own staging buffer, made by a thread of its own
-    (``_own_staging``) while the load goes on: 128 MiB take 6-13 ms to
+    (``_staging_pool.own``) while the load goes on: 128 MiB take 6-13 ms to
     prefault and register on the H200 host, and in a fresh process their
     registration waits for CUDA's context as torch's start does.
 

@@ -42,9 +42,9 @@ from ..defaults import io_depth_for
 from . import _staging_pool
 from ._checkpoint import _Checkpoint
 from ._errors import MissingTensorError
-from ._header import DTYPE_SIZES, SafetensorsError, TensorEntry
+from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
 from ._load import _check_args
-from ._options import for_cache, knobs, left_unset
+from ._options import check_backend, for_cache, knobs, left_unset
 from ._run import LoadIterator, fault_plan
 from ._target import _import_torch, _TorchTarget
 from ._typing import Device, PathLike
@@ -170,7 +170,9 @@ class safe_open:
     """``safetensors.safe_open(filename, framework="pt", device=...)`` read
     through instant_staging (see the module docstring)."""
 
-    def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu"):
+    def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu", *,
+                 backend: str = "mmap"):
+        check_backend(backend)
         if not isinstance(framework, str):
             raise TypeError(f"framework must be a string such as 'pt', not {type(framework).__name__}")
         if framework.lower() not in FRAMEWORKS:
@@ -297,16 +299,21 @@ class _Slice:
         file, entry = self._file, self._entry
         torch = file.torch
         dtype = file.target.check(entry, file.path)
-        # torch's own checks and errors, before anything is read.
-        torch.empty(entry.shape, dtype=dtype, device="meta")[index]
-        rows = _rows(index, entry.shape)
+        packed = DTYPE_BITS[entry.dtype] < 8
+        # torch's own checks and errors, in the file's shape, before anything
+        # is read (a packed dtype's are checked as bytes of that shape).
+        torch.empty(entry.shape, dtype=torch.uint8 if packed else dtype, device="meta")[index]
+        if packed:
+            _check_packed_index(index, entry, file.path)
+        rows = None if packed and len(entry.shape) == 1 else _rows(index, entry.shape)
         if rows is None:
             part, shifted = entry, index
         else:
             lo, hi, shifted = rows
-            row_bytes = DTYPE_SIZES[entry.dtype]
+            row_bits = DTYPE_BITS[entry.dtype]
             for d in entry.shape[1:]:
-                row_bytes *= d
+                row_bits *= d
+            row_bytes = row_bits // 8       # whole: F4's last dimension is even
             part = TensorEntry(entry.name, entry.dtype, (hi - lo,) + tuple(entry.shape[1:]),
                                entry.begin + lo * row_bytes, entry.begin + hi * row_bytes)
         covering = file.read([part])[0]
@@ -317,6 +324,33 @@ class _Slice:
             # its values): the rows read do not outlive the error
             covering = None
             raise
+
+
+def _check_packed_index(index, entry, path):
+    """F4 packs two values of the last dimension in a byte (torch's
+    float4_e2m1fn_x2, whose last dimension is half the file's): a slice of it
+    may index the other dimensions (ints, slices, None, Ellipsis) and must
+    take the last one whole; the result is packed as ``get_tensor``'s.
+    safetensors' own slices of F4 fail (its view has the file's shape over
+    half the bytes)."""
+    items = index if isinstance(index, tuple) else (index,)
+    basic = all(i is None or i is Ellipsis or isinstance(i, slice)
+                or (isinstance(i, int) and not isinstance(i, bool)) for i in items)
+    last = None
+    if basic:
+        consuming = [i for i in items if i is not None]
+        if Ellipsis in consuming:
+            after = consuming[consuming.index(Ellipsis) + 1:]
+            last = after[-1] if after else None
+        elif len(consuming) == len(entry.shape):
+            last = consuming[-1]
+    n = entry.shape[-1]
+    if basic and (last is None or (isinstance(last, slice) and last.indices(n) == (0, n, 1))):
+        return
+    raise SafetensorsError(
+        f"dtype {entry.dtype} packs two values of the last dimension in each byte (torch's "
+        f"float4_e2m1fn_x2): a slice must take that dimension whole ({n} values) and index the "
+        f"others with ints, slices, None or Ellipsis only, not {index!r}", path, entry.name)
 
 
 def _rows(index, shape):

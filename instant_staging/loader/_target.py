@@ -7,6 +7,7 @@ works without it.
 import os
 
 from ._header import SafetensorsError, torch_shape
+from ._options import converts
 
 # torch's caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests of
 # at most 1 MiB come from its small pool; larger ones are rounded up to
@@ -65,6 +66,11 @@ class _TorchTarget:
         if dtype is None:
             raise SafetensorsError(f"dtype {entry.dtype} is not supported by torch "
                                    f"{self.torch.__version__}", path, entry.name)
+        if (self.dtype is not None and dtype.is_floating_point and dtype != self.dtype
+                and not converts(self.torch, dtype, self.dtype)):
+            raise ValueError(f"{path or '<safetensors>'}: tensor {entry.name!r}: dtype {entry.dtype} "
+                             f"({dtype}) cannot be converted to {self.dtype} by torch: load it "
+                             "without dtype= (or leave it out with names=)")
         if not entry.nbytes:
             try:
                 self._empty(entry, dtype, "cpu")      # no memory: zero elements
