@@ -481,3 +481,12 @@ def test_gpu_same_parameters(tmp_path, gpu):
         assert n == m and c.device == b.device and torch.equal(b, c), n
     ours = from_pretrained(path, device_map="auto", torch_dtype=torch.bfloat16)
     assert ours.model.embed_tokens.weight.device.type == "cuda"
+
+
+def test_gpu_without_accelerate_is_an_error_before_reading(tmp_path, monkeypatch):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    no_read(monkeypatch)
+    monkeypatch.setattr(integration, "_resolve_device", lambda torch, d: torch.device(d))
+    monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda: False)
+    with pytest.raises(ImportError, match="accelerate"):
+        from_pretrained(path, device="cuda:0")

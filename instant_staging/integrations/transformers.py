@@ -142,6 +142,9 @@ def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dty
     # needed (its default places everything there, and a .to("cpu") of a CPU
     # tensor is a no-op).
     device_map = None if device.type == "cpu" else {"": device}
+    if device_map is not None and not transformers.utils.is_accelerate_available():
+        raise ImportError(f"loading onto {device} needs accelerate (transformers' device_map does): "
+                          "pip install accelerate, or 'instant_staging[transformers]'")
 
     t0 = time.perf_counter()
     state = load_file(model_dir, device)
