@@ -33,6 +33,8 @@ from instant_staging.integrations.vllm import LOAD_FORMAT, _options, _weights
 from instant_staging.integrations.vllm._options import Options, parse
 from instant_staging.loader import _load
 
+from _child import child_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -206,6 +208,46 @@ def test_bad_file_is_an_error_before_anything_is_loaded(tmp_path, monkeypatch):
         list(_weights.iter_weights(files, "cpu"))
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shared_read(tmp_path, files, *extra):
+    procs, outs = [], []
+    port = free_port()
+    for rank in range(2):
+        out = tmp_path / f"rank{rank}.json"
+        outs.append(out)
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_vllm_shared.py"), str(port),
+                                       str(rank), "2", str(out), *files, *extra],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=child_env(), cwd=tmp_path))
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def test_shared_read_over_a_group(tmp_path):
+    # Each rank keeps other tensors of the same collective batches (as with
+    # vLLM's expert-parallel filter): each ends with exactly its own.
+    path = save(tmp_path, "llama", sharded=True)
+    results = shared_read(tmp_path, shards(path))
+    for rank, r in enumerate(results):
+        assert r.get("equal") is True, (rank, r)
+        assert r["batches"] > 1 and r["kinds"] == ["none (cpu)"]
+    assert results[0]["tensors"] == results[1]["tensors"]     # 2 layers: one dropped by each
+
+
+def test_shared_read_with_other_files_on_one_rank_is_an_error(tmp_path):
+    path = save(tmp_path, "llama", sharded=True)
+    results = shared_read(tmp_path, shards(path), "--drop-last")
+    for r in results:
+        assert "ValueError" in r.get("error", "") and "rank(s) [1]" in r["error"], r
+
+
 @pytest.mark.gpu
 def test_pairs_on_the_gpu(tmp_path, gpu):
     path = save(tmp_path, "llama", sharded=True, dtype=torch.bfloat16)
@@ -307,9 +349,9 @@ def test_llm_generates_the_same_tokens(tmp_path, vllm, arch, sharded):
     if reason:
         pytest.skip(reason)
     path = save(tmp_path, arch, sharded)
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1")
+    env = child_env({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"})
     run = subprocess.run([sys.executable, os.path.join(HERE, "_vllm_generate.py"), str(path)],
-                         env=env, capture_output=True, text=True, timeout=600)
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     tokens = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(tokens["safetensors"]) == 8
