@@ -22,6 +22,8 @@ transformers' own, and tensor-parallel slices through safe_open.
    dtype=bfloat16, device_map=DEVICE)`` as ours calls it (allocator warm-up
    skipped), and ``assemble_with_warmup``, the same with transformers'
    warm-up left on (what the skip saves, in seconds and peak memory).
+   Ours runs the two at once (the model is built while the tensors
+   arrive), so its total is below their sum by about the meta build.
 3. TP=2: for every 2-D tensor, each rank's half along dimension 0 and
    along dimension 1 through ``instant_staging.loader.safe_open(...,
    device=DEVICE).get_slice(name)[...]``, compared with

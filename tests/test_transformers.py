@@ -207,6 +207,26 @@ def test_weights_are_read_by_instant_staging(tmp_path, monkeypatch):
     assert sorted(read) == sorted(names)
 
 
+def test_the_model_is_built_while_the_weights_are_read(tmp_path, monkeypatch):
+    # The read may not deliver a tensor before transformers has started to
+    # build the model: only a route that overlaps the two finishes.
+    import threading
+    path, cls = save(tmp_path, "llama", sharded=True)
+    building = threading.Event()
+    real_init, real_load = cls.__init__, _load._load
+
+    def init(self, *args, **kwargs):
+        building.set()
+        real_init(self, *args, **kwargs)
+
+    def load(*args, **kwargs):
+        assert building.wait(30), "the weights were read before the model was built"
+        yield from real_load(*args, **kwargs)
+    monkeypatch.setattr(cls, "__init__", init)
+    monkeypatch.setattr(_load, "_load", load)
+    assert_same_model(from_pretrained(path, device="cpu"), AUTO.from_pretrained(path))
+
+
 def test_model_class_and_auto_class(tmp_path):
     path, cls = save(tmp_path, "llama", sharded=False)
     ref = cls.from_pretrained(path)
