@@ -262,6 +262,9 @@ def test_pairs_on_the_gpu(tmp_path, gpu):
 
 @pytest.fixture
 def vllm():
+    if not torch.cuda.is_available():
+        # vLLM cannot tell its platform on a host without a GPU unless told
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     return pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm installs it)")
 
 
@@ -312,14 +315,19 @@ def test_bad_extra_config_is_a_clear_error(tmp_path, vllm):
         loader_of(vllm, load_format=LOAD_FORMAT, model_loader_extra_config={"chunk": "8MiB"})
     with pytest.raises(ValueError, match="threads=0"):
         loader_of(vllm, load_format=LOAD_FORMAT, model_loader_extra_config={"threads": 0})
-    # as vLLM's command line passes it: a JSON string through EngineArgs
+    # as vLLM's command line passes it: --model-loader-extra-config's JSON,
+    # parsed by vLLM's own parser, through EngineArgs' LoadConfig
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     path = save(tmp_path, "llama", sharded=False)
-    args = EngineArgs(model=str(path), load_format=LOAD_FORMAT,
-                      model_loader_extra_config=json.loads('{"io_depth": "many"}'))
+    cli = parser.parse_args(["--model", str(path), "--load-format", LOAD_FORMAT,
+                             "--model-loader-extra-config", '{"io_depth": "many"}'])
+    args = EngineArgs(model=cli.model, load_format=cli.load_format,
+                      model_loader_extra_config=cli.model_loader_extra_config)
     with pytest.raises(ValueError, match="io_depth='many'"):
-        loader_of(vllm, **{"load_format": args.load_format,
-                           "model_loader_extra_config": args.model_loader_extra_config})
+        get_model_loader(args.create_load_config())
 
 
 def test_a_checkpoint_without_safetensors_is_an_error(tmp_path, vllm):
