@@ -298,9 +298,11 @@ def test_hub_id_and_revision_from_the_cache(tmp_path, offline, revision):
         kwargs["revision"] = revision
     ref = AUTO.from_pretrained("org/tiny", **kwargs)
     ours = from_pretrained("org/tiny", device="cpu", **kwargs)
-    ref.config.name_or_path = ours.config.name_or_path     # transformers records the id, we the snapshot
+    assert ours.config.name_or_path == ref.config.name_or_path == "org/tiny"
     assert_same_model(ours, ref)
-    assert ours.config.name_or_path.endswith(("a" if revision in (None, "main") else "b") * 40)
+    other = from_pretrained("org/tiny", device="cpu", cache_dir=str(cache),
+                            revision="main" if revision in ("v2", "b" * 40) else "v2")
+    assert not torch.equal(other.lm_head.weight, ours.lm_head.weight)   # another revision, other weights
 
 
 def test_hub_id_not_in_the_cache(tmp_path, offline):

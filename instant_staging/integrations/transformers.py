@@ -137,6 +137,8 @@ def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dty
     torch = _import_torch()
     transformers = _import_transformers()
     passed = _check_kwargs(kwargs)
+    name_or_path = os.fsdecode(os.fspath(model_dir)) if isinstance(model_dir, (str, bytes, os.PathLike)) \
+        else model_dir
     model_dir = _local_dir(model_dir, revision=revision, cache_dir=cache_dir, token=token,
                            local_files_only=local_files_only)
     device = _target_device(torch, device, device_map)
@@ -178,7 +180,7 @@ def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dty
     if missing:
         raise KeyError(f"{model_dir}: {len(missing)} weight(s) of {type(model).__name__} are not in the "
                        f"checkpoint: " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
-    _set_name_or_path(model, model_dir)
+    _set_name_or_path(model, name_or_path)
     logger.info("from_pretrained %s: %s in %.3f s", model_dir, type(model).__name__, t1 - t0)
     return model
 
@@ -444,7 +446,8 @@ def _no_allocator_warmup(transformers):
 
 
 def _set_name_or_path(model, model_dir):
-    # transformers' from_pretrained(None, ...) records None; its own records the path.
+    # transformers' from_pretrained(None, ...) records None; its own records
+    # what it was given (the path, or the hub id).
     model.config.name_or_path = model_dir
     for module in model.modules():
         config = getattr(module, "config", None)
