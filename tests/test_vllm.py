@@ -310,6 +310,32 @@ def test_pairs_equal_vllms_default_iterator(tmp_path, vllm, arch, sharded):
     assert ours.stats.tensors == len(pairs) and ours.stats.batches > 1     # 300 KiB of 642 KiB a batch
 
 
+def test_expert_parallel_filter_reads_only_local_experts(tmp_path, vllm, monkeypatch):
+    # vLLM's expert-parallel weight filter (DefaultModelLoader.local_expert_ids):
+    # the experts of other ranks are neither yielded nor read, as with vLLM's iterator.
+    from vllm.model_executor.model_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **llama_config())
+    torch.manual_seed(0)
+    path = tmp_path / "mixtral"
+    transformers.MixtralForCausalLM(config).save_pretrained(path, max_shard_size="300KB")
+    ours = loader_of(vllm, load_format=LOAD_FORMAT, device="cpu")
+    ours.local_expert_ids = {0, 2}
+    read = []
+    real = _load._load
+
+    def spy(*args, **kwargs):
+        for name, tensor in real(*args, **kwargs):
+            read.append(name)
+            yield name, tensor
+    monkeypatch.setattr(_load, "_load", spy)
+    pairs = list(ours._get_weights_iterator(DefaultModelLoader.Source(str(path), revision=None)))
+    ref = dict(safetensors_weights_iterator(shards(path), False, local_expert_ids={0, 2}))
+    assert_same_pairs(pairs, ref)
+    assert any(".experts.0." in n for n in ref) and not any(".experts.1." in n for n in ref)
+    assert sorted(read) == sorted(ref)
+
+
 def test_bad_extra_config_is_a_clear_error(tmp_path, vllm):
     with pytest.raises(ValueError, match="'chunk'"):
         loader_of(vllm, load_format=LOAD_FORMAT, model_loader_extra_config={"chunk": "8MiB"})
