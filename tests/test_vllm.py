@@ -182,6 +182,29 @@ def test_keep_filters_before_reading(tmp_path, monkeypatch):
     assert sorted(read) == sorted(ref)                 # the others were never read
 
 
+def test_knobs_from_the_extra_config_else_the_environment(tmp_path, monkeypatch):
+    path = save(tmp_path, "llama", sharded=False)
+    files = shards(path)
+    seen = []
+    real = _load.iter_load
+
+    def spy(source, device="cpu", **kw):
+        it = real(source, device, **kw)
+        seen.append((kw["chunk_size"], kw["io_depth"], kw["threads"], it))
+        return it
+    monkeypatch.setattr(_weights, "iter_load", spy)
+    list(_weights.iter_weights(files, "cpu", parse({"chunk_size": "64KiB", "threads": 2, "io_depth": 4})))
+    assert seen[0][:3] == (64 << 10, 4, 2) and seen[0][3].threads == 2
+    # left out: the loader's environment variable, checked as the loader checks it
+    monkeypatch.setenv("INSTANT_STAGING_THREADS", "0")
+    with pytest.raises(ValueError, match="INSTANT_STAGING_THREADS"):
+        list(_weights.iter_weights(files, "cpu", parse({})))
+    monkeypatch.setenv("INSTANT_STAGING_THREADS", "1")
+    seen.clear()
+    list(_weights.iter_weights(files, "cpu", parse({})))
+    assert seen[0][2] is None and seen[0][3].threads == 1
+
+
 def test_files_in_vllms_order():
     files = ["/m/model-00010-of-00010.safetensors", "/m/model-00002-of-00010.safetensors",
              "/m/model-00001-of-00010.safetensors"]
