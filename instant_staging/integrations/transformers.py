@@ -137,8 +137,7 @@ def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dty
     torch = _import_torch()
     transformers = _import_transformers()
     passed = _check_kwargs(kwargs)
-    name_or_path = os.fsdecode(os.fspath(model_dir)) if isinstance(model_dir, (str, bytes, os.PathLike)) \
-        else model_dir
+    given = model_dir
     model_dir = _local_dir(model_dir, revision=revision, cache_dir=cache_dir, token=token,
                            local_files_only=local_files_only)
     device = _target_device(torch, device, device_map)
@@ -178,9 +177,10 @@ def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dty
     t1 = time.perf_counter()
     missing = sorted(info.get("missing_keys") or ())
     if missing:
-        raise KeyError(f"{model_dir}: {len(missing)} weight(s) of {type(model).__name__} are not in the "
-                       f"checkpoint: " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
-    _set_name_or_path(model, name_or_path)
+        name, model = type(model).__name__, None       # not kept alive by the traceback
+        raise KeyError(f"{model_dir}: {len(missing)} weight(s) of {name} are not in the checkpoint: "
+                       + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+    _set_name_or_path(model, os.fsdecode(os.fspath(given)))
     logger.info("from_pretrained %s: %s in %.3f s", model_dir, type(model).__name__, t1 - t0)
     return model
 
