@@ -207,6 +207,26 @@ def test_weights_are_read_by_instant_staging(tmp_path, monkeypatch):
     assert sorted(read) == sorted(names)
 
 
+def test_the_model_is_built_while_the_weights_are_read(tmp_path, monkeypatch):
+    # The read may not deliver a tensor before transformers has started to
+    # build the model: only a route that overlaps the two finishes.
+    import threading
+    path, cls = save(tmp_path, "llama", sharded=True)
+    building = threading.Event()
+    real_init, real_load = cls.__init__, _load._load
+
+    def init(self, *args, **kwargs):
+        building.set()
+        real_init(self, *args, **kwargs)
+
+    def load(*args, **kwargs):
+        assert building.wait(30), "the weights were read before the model was built"
+        yield from real_load(*args, **kwargs)
+    monkeypatch.setattr(cls, "__init__", init)
+    monkeypatch.setattr(_load, "_load", load)
+    assert_same_model(from_pretrained(path, device="cpu"), AUTO.from_pretrained(path))
+
+
 def test_model_class_and_auto_class(tmp_path):
     path, cls = save(tmp_path, "llama", sharded=False)
     ref = cls.from_pretrained(path)
@@ -278,9 +298,11 @@ def test_hub_id_and_revision_from_the_cache(tmp_path, offline, revision):
         kwargs["revision"] = revision
     ref = AUTO.from_pretrained("org/tiny", **kwargs)
     ours = from_pretrained("org/tiny", device="cpu", **kwargs)
-    ref.config.name_or_path = ours.config.name_or_path     # transformers records the id, we the snapshot
+    assert ours.config.name_or_path == ref.config.name_or_path == "org/tiny"
     assert_same_model(ours, ref)
-    assert ours.config.name_or_path.endswith(("a" if revision in (None, "main") else "b") * 40)
+    other = from_pretrained("org/tiny", device="cpu", cache_dir=str(cache),
+                            revision="main" if revision in ("v2", "b" * 40) else "v2")
+    assert not torch.equal(other.lm_head.weight, ours.lm_head.weight)   # another revision, other weights
 
 
 def test_hub_id_not_in_the_cache(tmp_path, offline):
@@ -481,3 +503,12 @@ def test_gpu_same_parameters(tmp_path, gpu):
         assert n == m and c.device == b.device and torch.equal(b, c), n
     ours = from_pretrained(path, device_map="auto", torch_dtype=torch.bfloat16)
     assert ours.model.embed_tokens.weight.device.type == "cuda"
+
+
+def test_gpu_without_accelerate_is_an_error_before_reading(tmp_path, monkeypatch):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    no_read(monkeypatch)
+    monkeypatch.setattr(integration, "_resolve_device", lambda torch, d: torch.device(d))
+    monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda: False)
+    with pytest.raises(ImportError, match="accelerate"):
+        from_pretrained(path, device="cuda:0")

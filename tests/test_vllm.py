@@ -33,6 +33,8 @@ from instant_staging.integrations.vllm import LOAD_FORMAT, _options, _weights
 from instant_staging.integrations.vllm._options import Options, parse
 from instant_staging.loader import _load, _run
 
+from _child import child_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -180,6 +182,29 @@ def test_keep_filters_before_reading(tmp_path, monkeypatch):
     assert sorted(read) == sorted(ref)                 # the others were never read
 
 
+def test_knobs_from_the_extra_config_else_the_environment(tmp_path, monkeypatch):
+    path = save(tmp_path, "llama", sharded=False)
+    files = shards(path)
+    seen = []
+    real = _load.iter_load
+
+    def spy(source, device="cpu", **kw):
+        it = real(source, device, **kw)
+        seen.append((kw["chunk_size"], kw["io_depth"], kw["threads"], it))
+        return it
+    monkeypatch.setattr(_weights, "iter_load", spy)
+    list(_weights.iter_weights(files, "cpu", parse({"chunk_size": "64KiB", "threads": 2, "io_depth": 4})))
+    assert seen[0][:3] == (64 << 10, 4, 2) and seen[0][3].threads == 2
+    # left out: the loader's environment variable, checked as the loader checks it
+    monkeypatch.setenv("INSTANT_STAGING_THREADS", "0")
+    with pytest.raises(ValueError, match="INSTANT_STAGING_THREADS"):
+        list(_weights.iter_weights(files, "cpu", parse({})))
+    monkeypatch.setenv("INSTANT_STAGING_THREADS", "1")
+    seen.clear()
+    list(_weights.iter_weights(files, "cpu", parse({})))
+    assert seen[0][2] is None and seen[0][3].threads == 1
+
+
 def test_files_in_vllms_order():
     files = ["/m/model-00010-of-00010.safetensors", "/m/model-00002-of-00010.safetensors",
              "/m/model-00001-of-00010.safetensors"]
@@ -206,6 +231,46 @@ def test_bad_file_is_an_error_before_anything_is_loaded(tmp_path, monkeypatch):
         list(_weights.iter_weights(files, "cpu"))
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shared_read(tmp_path, files, *extra):
+    procs, outs = [], []
+    port = free_port()
+    for rank in range(2):
+        out = tmp_path / f"rank{rank}.json"
+        outs.append(out)
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_vllm_shared.py"), str(port),
+                                       str(rank), "2", str(out), *files, *extra],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=child_env(), cwd=tmp_path))
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def test_shared_read_over_a_group(tmp_path):
+    # Each rank keeps other tensors of the same collective batches (as with
+    # vLLM's expert-parallel filter): each ends with exactly its own.
+    path = save(tmp_path, "llama", sharded=True)
+    results = shared_read(tmp_path, shards(path))
+    for rank, r in enumerate(results):
+        assert r.get("equal") is True, (rank, r)
+        assert r["batches"] > 1 and r["kinds"] == ["none (cpu)"]
+    assert results[0]["tensors"] == results[1]["tensors"]     # 2 layers: one dropped by each
+
+
+def test_shared_read_with_other_files_on_one_rank_is_an_error(tmp_path):
+    path = save(tmp_path, "llama", sharded=True)
+    results = shared_read(tmp_path, shards(path), "--drop-last")
+    for r in results:
+        assert "ValueError" in r.get("error", "") and "rank(s) [1]" in r["error"], r
+
+
 @pytest.mark.gpu
 def test_pairs_on_the_gpu(tmp_path, gpu):
     path = save(tmp_path, "llama", sharded=True, dtype=torch.bfloat16)
@@ -220,6 +285,9 @@ def test_pairs_on_the_gpu(tmp_path, gpu):
 
 @pytest.fixture
 def vllm():
+    if not torch.cuda.is_available():
+        # vLLM cannot tell its platform on a host without a GPU unless told
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     return pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm installs it)")
 
 
@@ -265,19 +333,50 @@ def test_pairs_equal_vllms_default_iterator(tmp_path, vllm, arch, sharded):
     assert ours.stats.tensors == len(pairs) and ours.stats.batches > 1     # 300 KiB of 642 KiB a batch
 
 
+def test_expert_parallel_filter_reads_only_local_experts(tmp_path, vllm, monkeypatch):
+    # vLLM's expert-parallel weight filter (DefaultModelLoader.local_expert_ids):
+    # the experts of other ranks are neither yielded nor read, as with vLLM's iterator.
+    from vllm.model_executor.model_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **llama_config())
+    torch.manual_seed(0)
+    path = tmp_path / "mixtral"
+    transformers.MixtralForCausalLM(config).save_pretrained(path, max_shard_size="300KB")
+    ours = loader_of(vllm, load_format=LOAD_FORMAT, device="cpu")
+    ours.local_expert_ids = {0, 2}
+    read = []
+    real = _load._load
+
+    def spy(*args, **kwargs):
+        for name, tensor in real(*args, **kwargs):
+            read.append(name)
+            yield name, tensor
+    monkeypatch.setattr(_load, "_load", spy)
+    pairs = list(ours._get_weights_iterator(DefaultModelLoader.Source(str(path), revision=None)))
+    ref = dict(safetensors_weights_iterator(shards(path), False, local_expert_ids={0, 2}))
+    assert_same_pairs(pairs, ref)
+    assert any(".experts.0." in n for n in ref) and not any(".experts.1." in n for n in ref)
+    assert sorted(read) == sorted(ref)
+
+
 def test_bad_extra_config_is_a_clear_error(tmp_path, vllm):
     with pytest.raises(ValueError, match="'chunk'"):
         loader_of(vllm, load_format=LOAD_FORMAT, model_loader_extra_config={"chunk": "8MiB"})
     with pytest.raises(ValueError, match="threads=0"):
         loader_of(vllm, load_format=LOAD_FORMAT, model_loader_extra_config={"threads": 0})
-    # as vLLM's command line passes it: a JSON string through EngineArgs
+    # as vLLM's command line passes it: --model-loader-extra-config's JSON,
+    # parsed by vLLM's own parser, through EngineArgs' LoadConfig
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     path = save(tmp_path, "llama", sharded=False)
-    args = EngineArgs(model=str(path), load_format=LOAD_FORMAT,
-                      model_loader_extra_config=json.loads('{"io_depth": "many"}'))
+    cli = parser.parse_args(["--model", str(path), "--load-format", LOAD_FORMAT,
+                             "--model-loader-extra-config", '{"io_depth": "many"}'])
+    args = EngineArgs(model=cli.model, load_format=cli.load_format,
+                      model_loader_extra_config=cli.model_loader_extra_config)
     with pytest.raises(ValueError, match="io_depth='many'"):
-        loader_of(vllm, **{"load_format": args.load_format,
-                           "model_loader_extra_config": args.model_loader_extra_config})
+        get_model_loader(args.create_load_config())
 
 
 def test_a_checkpoint_without_safetensors_is_an_error(tmp_path, vllm):
@@ -307,9 +406,9 @@ def test_llm_generates_the_same_tokens(tmp_path, vllm, arch, sharded):
     if reason:
         pytest.skip(reason)
     path = save(tmp_path, arch, sharded)
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1")
+    env = child_env({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"})
     run = subprocess.run([sys.executable, os.path.join(HERE, "_vllm_generate.py"), str(path)],
-                         env=env, capture_output=True, text=True, timeout=600)
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     tokens = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(tokens["safetensors"]) == 8

@@ -30,6 +30,7 @@ it keeps).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
@@ -118,6 +119,8 @@ def iter_weights(files: list[str], device: Any, options: Options | None = None, 
     if keep is not None and process_group is None:
         sizes = [(path, [(n, b) for n, b in entries if keep(n)]) for path, entries in sizes]
     batches = plan(sizes, options.batch_bytes)
+    if process_group is not None:
+        _check_same_plan(batches, process_group)
     total = sum(b.nbytes for b in batches)
     knobs = {"chunk_size": options.chunk_size, "io_depth": options.io_depth, "threads": options.threads,
              "verify": options.verify}
@@ -143,6 +146,21 @@ def iter_weights(files: list[str], device: Any, options: Options | None = None, 
         stats.batches += 1
     stats.seconds = time.perf_counter() - start
     stats.kinds = sorted(kinds)
+
+
+def _check_same_plan(batches: list[Batch], group: Any) -> None:
+    """Every rank of a shared read makes the same batches (the same files
+    and tensors), else the collective loads would pair different batches:
+    a ValueError on every rank, naming the ranks that differ."""
+    import torch.distributed as dist
+    mine = [([re.split(r"[\\/]", f)[-1] for f in b.files], list(b.names)) for b in batches]
+    digest = hashlib.sha256(repr(mine).encode()).hexdigest()
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, digest, group=group)
+    differ = [rank for rank, d in enumerate(everyone) if d != everyone[0]]
+    if differ:
+        raise ValueError(f"shared_read: rank(s) {differ} would read other files or tensors than rank 0; "
+                         "every rank of the group must load the same checkpoint (turn shared_read off)")
 
 
 def _kinds(it) -> list[str]:
