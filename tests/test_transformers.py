@@ -213,7 +213,7 @@ def test_the_model_is_built_while_the_weights_are_read(tmp_path, monkeypatch):
     import threading
     path, cls = save(tmp_path, "llama", sharded=True)
     building = threading.Event()
-    real_init, real_load = cls.__init__, _load._load
+    real_init, real_load = cls.__init__, _run._load
 
     def init(self, *args, **kwargs):
         building.set()
@@ -223,7 +223,7 @@ def test_the_model_is_built_while_the_weights_are_read(tmp_path, monkeypatch):
         assert building.wait(30), "the weights were read before the model was built"
         yield from real_load(*args, **kwargs)
     monkeypatch.setattr(cls, "__init__", init)
-    monkeypatch.setattr(_load, "_load", load)
+    monkeypatch.setattr(_run, "_load", load)
     assert_same_model(from_pretrained(path, device="cpu"), AUTO.from_pretrained(path))
 
 
