@@ -9,13 +9,12 @@ plan is handed to.  Imports go one way: ``_load`` -> ``_distributed`` ->
 
 import logging
 import sys
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Optional
 
 from . import _progress
 from ._checkpoint import _Checkpoint
 from ._options import check_backend, for_cache, knobs, left_unset, torch_dtype
-from ._run import LoadIterator, _abandon, _begin_staging, _plan, fault_plan
+from ._run import LoadIterator, _begin_staging, _plan, fault_plan
 from ._source import resolve
 from ._target import _import_torch, _TorchTarget
 from ._typing import Device, DType, Names, ProgressArg, Source
@@ -105,7 +104,8 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
             if start is not None:
                 start.staging = _begin_staging(target, start.plan, options)
         except BaseException:
-            _abandon(SimpleNamespace(start=start))
+            if start is not None:
+                start.abandon()     # a staging buffer being made goes to the pool
             checkpoint.close()
             raise
         return checkpoint, target, dtypes, options

@@ -116,7 +116,6 @@ class _StagingStart:
         # release in a child only drops the child's mapping)
 
 
-
 def fault_plan(staging):
     """The plan whose ``read`` and ``copy`` rules this load obeys: that of the
     staging buffer's runtime if it has one, else INSTANT_STAGING_FAULTS."""
@@ -128,7 +127,6 @@ def fault_plan(staging):
         if isinstance(runtime, (FaultyRuntime, SimulatedRuntime)) and runtime.plan is not None:
             return runtime.plan
     return FaultPlan.from_env()
-
 
 
 class _LoadState:
@@ -145,7 +143,6 @@ class _LoadState:
         self.threads = None
         self.finished = False
         self.cancelled = False
-
 
 
 class LoadIterator:
@@ -245,7 +242,6 @@ class LoadIterator:
             pass
 
 
-
 class _Start:
     """What ``iter_load`` prepared for a load of its own: the plan, its runs
     (``_blocks.py``) and the staging buffer being made (or None)."""
@@ -255,6 +251,12 @@ class _Start:
     def __init__(self, plan, run_list):
         self.plan, self.runs, self.staging = plan, run_list, None
 
+    def abandon(self):
+        """Gives back the staging buffer being made, if the load has not
+        taken it."""
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.abandon()
 
 
 def _plan(checkpoint, target, dtypes, chunk_size, faults, views):
@@ -268,11 +270,16 @@ def _plan(checkpoint, target, dtypes, chunk_size, faults, views):
     return _Start(plan, run_list)
 
 
-
 def _depth(plan, io_depth, threads):
     # No load uses more slots than it has chunks (io_depth=10**11 is fine).
     return min(io_depth_for(io_depth, threads), max(plan.n_chunks, 1))
 
+
+def _own_size(plan, depth):
+    """``(bytes, slot bytes)`` of a load's own staging buffer: ``depth`` slots
+    as long as the plan's longest chunk."""
+    slot = max(plan.max_chunk, 1)
+    return depth * slot, slot
 
 
 def _begin_staging(target, plan, options):
@@ -281,17 +288,14 @@ def _begin_staging(target, plan, options):
     if options["staging"] is not None or target.mode != DEVICE:
         return None
     depth = _depth(plan, options["io_depth"], reader_threads(options["threads"]))
-    slot = max(plan.max_chunk, 1)
-    return _StagingStart(target.index, depth * slot, slot)
-
+    return _StagingStart(target.index, *_own_size(plan, depth))
 
 
 def _abandon(state):
     """Gives back what a load's ``_Start`` still holds (nothing once taken)."""
     start, state.start = state.start, None
-    if start is not None and start.staging is not None:
-        start.staging.abandon()
-
+    if start is not None:
+        start.abandon()
 
 
 def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, threads,
@@ -320,8 +324,7 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
                   if any(r.block for r in run_list) else {})
         if owned:
             making, start.staging = start.staging, None
-            buf = (making.take() if making is not None else
-                   _staging_pool.own(device, depth * max(plan.max_chunk, 1), max(plan.max_chunk, 1)))
+            buf = making.take() if making is not None else _staging_pool.own(device, *_own_size(plan, depth))
         # Holds buf from here until its threads are joined (pipe.close()).
         pipe = Pipeline(plan, threads=threads, staging=buf, depth=depth, device=device)
         state.pipe = pipe
@@ -345,7 +348,6 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
         if owned and buf is not None:
             _staging_pool.give(device, buf)     # kept for the next load, or closed
         checkpoint.close()         # only now: no reader can use a reused fd number
-
 
 
 def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
@@ -384,13 +386,11 @@ def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
         pipe.done_providing()
 
 
-
 def _allocate(handles, target, entry, dtype):
     """Allocates one tensor into ``handles``; returns its address."""
     handle, ptr = target.allocate(entry, dtype)
     handles.append(handle)
     return ptr
-
 
 
 def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
@@ -414,7 +414,6 @@ def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
             break
     if left:
         raise LoadError(f"the load ended with {left} tensor(s) unfinished and no error recorded")
-
 
 
 def load_error(pipe, plan, checkpoint, runtime):
@@ -446,7 +445,6 @@ def load_error(pipe, plan, checkpoint, runtime):
             text = ""
         return LoadError(f"{where}{call} failed with {name}{text}", path, tensor, code)
     return LoadError(f"could not start reader threads: {os.strerror(code)}", code=code)
-
 
 
 def verify_tensor(checkpoint, index, target, handle):
