@@ -293,6 +293,8 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
         if sys.byteorder != "little":
             raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
         torch = _import_torch()
+        # device and dtype first: a bad one is named before any file is opened
+        target = _TorchTarget(torch, device, torch_dtype(torch, dtype))
         src = resolve(source)
         checkpoint = _Checkpoint(src.paths)
         try:
@@ -300,7 +302,6 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
             checkpoint.select(names)
             if process_group is None and left_unset(chunk_size, io_depth, threads):
                 options.update(_for_cache(checkpoint))
-            target = _TorchTarget(torch, device, torch_dtype(torch, dtype))
             dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
             options["faults"] = _fault_plan(staging)
         except BaseException:
