@@ -90,3 +90,25 @@ def test_from_pretrained_names_the_device(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="device '' is not a device"):
         from_pretrained(tmp_path, device="")
+
+
+@pytest.mark.parametrize("device", ["", "mps", -1])
+def test_the_device_is_checked_before_the_source(tmp_path, device, touched_files):
+    """A bad device is named even when the source is bad too, and no file is
+    opened for it."""
+    missing = tmp_path / "absent.safetensors"
+    for call in (lambda: load_file(missing, device), lambda: iter_load(missing, device),
+                 lambda: safe_open(missing, "pt", device), lambda: load(b"", device)):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert named(device, str(e.value)), str(e.value)
+    assert not touched_files
+
+
+@pytest.fixture
+def touched_files(monkeypatch):
+    import os
+    seen = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: seen.append(p) or real_open(p, *a, **k))
+    return seen

@@ -44,11 +44,11 @@ def load(data: bytes, device: Device = "cpu") -> dict[str, torch.Tensor]:
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
     if sys.byteorder != "little":
         raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
+    torch = _import_torch()
+    target = _TorchTarget(torch, device)      # a bad device is named first
     size = len(view)
     length = header_length(bytes(view[:8]), size, None)
     header = parse_header(bytes(view[8:8 + length]), None, size)
-    torch = _import_torch()
-    target = _TorchTarget(torch, device)
     entries = header.tensors
     dtypes = [target.check(t, None) for t in entries]
     out = {}

@@ -39,24 +39,14 @@ def _import_torch():
 class _TorchTarget:
     """Allocates one torch tensor per file tensor on ``device``."""
 
-    def __init__(self, torch, device, dtype=None, *, open=True):
+    def __init__(self, torch, device, dtype=None):
         from ._pipeline import DEVICE, HOST
         self.torch = torch
-        self.device = _parse_device(torch, device)
+        self.device = _resolve_device(torch, device)
         # dtype=: floating tensors are converted on the device once loaded
         # (as transformers does); integer and bool tensors keep theirs.
         self.dtype = dtype
         self.mode = HOST if self.device.type == "cpu" else DEVICE
-        # None until open() where the device names no index ("cuda").
-        self.index = 0 if self.mode == HOST else self.device.index
-        if open:
-            self.open()
-
-    def open(self):
-        """Checks that the device is there (``open=False`` defers it: in a
-        fresh process this is CUDA's start, 0.2 s on the H200 host, which
-        the load overlaps with making its staging buffer)."""
-        self.device = _check_device(self.torch, self.device)
         self.index = self.device.index or 0
 
     def check(self, entry, path):
@@ -196,14 +186,10 @@ def _caching(torch):
 
 
 def _resolve_device(torch, device):
-    return _check_device(torch, _parse_device(torch, device))
-
-
-def _parse_device(torch, device):
     """The torch.device of ``device`` ("cpu", "cuda:N", an int, a
-    torch.device), without asking CUDA: TypeError for another type,
-    ValueError naming it for anything torch cannot parse or this loader
-    cannot load to."""
+    torch.device), with its index, once CUDA says it is there: TypeError
+    for another type, ValueError naming it for anything torch cannot parse,
+    this loader cannot load to, or this host does not have."""
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise TypeError(f"device must be 'cpu', 'cuda:N', a GPU index or a torch.device, "
                         f"not {type(device).__name__} {device!r}")
@@ -215,11 +201,6 @@ def _parse_device(torch, device):
         raise ValueError(f"device {given!r} is not a device: {e}") from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device ('cuda:N'), not {given!r}")
-    return device
-
-
-def _check_device(torch, device):
-    """A parsed device, with its index, once CUDA says it is there."""
     if device.type == "cpu":
         return device
     # Checked here, before anything is allocated: without a GPU the first
