@@ -308,6 +308,10 @@ def test_entry_point_is_discovered(vllm):
     assert type(loader) is InstantStagingModelLoader
     from vllm.model_executor.model_loader import DefaultModelLoader
     assert isinstance(loader, DefaultModelLoader)
+    # DefaultModelLoader's own key reaches it
+    tracked = loader_of(vllm, load_format=LOAD_FORMAT,
+                        model_loader_extra_config={"enable_weights_track": False})
+    assert tracked.enable_weights_track is False and loader.enable_weights_track is None
     # registering again (vLLM loads plugins in every process, maybe twice) changes nothing
     found[0].load()()
     assert type(loader_of(vllm, load_format=LOAD_FORMAT)) is InstantStagingModelLoader
