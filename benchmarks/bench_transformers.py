@@ -24,7 +24,9 @@ transformers' own, and tensor-parallel slices through safe_open.
    skipped), and ``assemble_with_warmup``, the same with transformers'
    warm-up left on (what the skip saves, in seconds and peak memory).
    Ours runs the two at once (the model is built while the tensors
-   arrive), so its total is below their sum by about the meta build.
+   arrive), so its total is below their sum by about the meta build;
+   ``sequential``, the two one after the other in one timing, is the
+   route without that overlap.
 3. TP=2: for every 2-D tensor, each rank's half along dimension 0 and
    along dimension 1 through ``instant_staging.loader.safe_open(...,
    device=DEVICE).get_slice(name)[...]``, compared with
@@ -180,6 +182,9 @@ def phases(path, device, repeat):
         result[key + "_s"] = [round(t, 4) for t in times]
         if peaks:
             result[key + "_peak_reserved_gb"] = round(max(peaks) / 1e9, 2)
+    # The route without the overlap: read everything, then assemble.
+    times, _ = timed(lambda: assemble(load_file(path, device), False), device, repeat)
+    result["sequential_s"] = [round(t, 4) for t in times]
     release(device)
     return result
 
