@@ -4,6 +4,7 @@ transformers' own, and tensor-parallel slices through safe_open.
 
     python benchmarks/bench_transformers.py [--dir DIR] [--device cuda:0]
         [--repeat 2] [--json PATH] [--small] [--layers N] [--skip-phases] [--skip-slices]
+        [--vllm-batches]
 
 1. A Llama-3-8B-shaped checkpoint (hidden 4096, intermediate 14336, 32
    layers, 32 heads, 8 kv heads, vocab 128256, untied, bf16: 291 tensors,
@@ -23,12 +24,21 @@ transformers' own, and tensor-parallel slices through safe_open.
    skipped), and ``assemble_with_warmup``, the same with transformers'
    warm-up left on (what the skip saves, in seconds and peak memory).
    Ours runs the two at once (the model is built while the tensors
-   arrive), so its total is below their sum by about the meta build.
+   arrive), so its total is below their sum by about the meta build;
+   ``sequential``, the two one after the other in one timing, is the
+   route without that overlap.
 3. TP=2: for every 2-D tensor, each rank's half along dimension 0 and
    along dimension 1 through ``instant_staging.loader.safe_open(...,
    device=DEVICE).get_slice(name)[...]``, compared with
    ``safetensors.safe_open``'s on the same device (values, shape, dtype,
    strides of the dimensions longer than 1); total time of each.
+
+4. With --vllm-batches: the (name, tensor) pairs the vLLM load format
+   feeds ``model.load_weights`` (``integrations.vllm._weights.iter_weights``,
+   no vLLM needed), each dropped as it comes as vLLM does, over the same
+   checkpoint with batch_bytes of 1 TiB (one load), 4 GiB (the default) and
+   1 GiB: seconds, GB/s, batches, staging kinds, and the peak of memory
+   allocated on the GPU (what a batch holds beside the model).
 
 Prints one JSON object (also written to --json).  ``--small`` uses a tiny
 config (a smoke test that runs on the CPU in seconds).  Takes under 3
@@ -172,6 +182,9 @@ def phases(path, device, repeat):
         result[key + "_s"] = [round(t, 4) for t in times]
         if peaks:
             result[key + "_peak_reserved_gb"] = round(max(peaks) / 1e9, 2)
+    # The route without the overlap: read everything, then assemble.
+    times, _ = timed(lambda: assemble(load_file(path, device), False), device, repeat)
+    result["sequential_s"] = [round(t, 4) for t in times]
     release(device)
     return result
 
@@ -195,6 +208,32 @@ def compare_models(ours, ref):
         bad.append("buffer names differ")
     bad += [f"buffer {n}" for n in ref_b if n in ours_b and not same(ours_b[n], ref_b[n])]
     return bad
+
+
+def vllm_batches(path, device, repeat):
+    from instant_staging.integrations.vllm._options import Options
+    from instant_staging.integrations.vllm._weights import Stats, iter_weights
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    result = {}
+    for batch_bytes in (1 << 40, 4 << 30, 1 << 30):
+        best = None
+        for _ in range(repeat):
+            release(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            stats = Stats()
+            t0 = time.perf_counter()
+            for _name, tensor in iter_weights(files, device, Options(batch_bytes=batch_bytes), stats=stats):
+                del tensor
+            sync(device)
+            seconds = time.perf_counter() - t0
+            if best is None or seconds < best["seconds"]:
+                best = {"seconds": round(seconds, 4), "gbps": round(stats.bytes / seconds / 1e9, 2),
+                        "batches": stats.batches, "kinds": stats.kinds,
+                        "peak_allocated_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+                        if device.type == "cuda" else None}
+        result[f"{batch_bytes >> 20}MiB"] = best
+    return result
 
 
 def tp2_slices(path, device):
@@ -250,6 +289,8 @@ def main(argv=None):
                         help="decoder layers of the Llama-3-8B layout (default 32; fewer fit a CPU host)")
     parser.add_argument("--skip-slices", action="store_true")
     parser.add_argument("--skip-phases", action="store_true", help="do not time read and assembly alone")
+    parser.add_argument("--vllm-batches", action="store_true",
+                        help="time the vLLM load format's pairs at three batch sizes (no vLLM needed)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     path = args.dir or (DEFAULT_DIR + ("-small" if args.small else "")
@@ -298,6 +339,8 @@ def main(argv=None):
     }
     if not args.skip_phases:
         result["phases"] = phases(path, device, args.repeat)
+    if args.vllm_batches:
+        result["vllm_batches"] = vllm_batches(path, device, args.repeat)
     if not args.skip_slices:
         result["tp2_slices"] = tp2_slices(path, device)
     text = json.dumps(result, indent=2)

@@ -512,3 +512,24 @@ def test_gpu_without_accelerate_is_an_error_before_reading(tmp_path, monkeypatch
     monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda: False)
     with pytest.raises(ImportError, match="accelerate"):
         from_pretrained(path, device="cuda:0")
+
+
+def test_transformers_error_while_reading_is_that_error(tmp_path, monkeypatch):
+    # transformers fails while the read still runs: its error comes out (not
+    # the cancel of the read that follows it), and the read is stopped.
+    import threading
+    path, cls = save(tmp_path, "llama", sharded=True)
+    real_load, stop = _load._load, threading.Event()
+
+    def slow(*args, **kwargs):
+        assert stop.wait(30)
+        yield from real_load(*args, **kwargs)
+
+    def init(self, *args, **kwargs):
+        stop.set()                # the read starts as transformers fails
+        raise RuntimeError("injected: the model cannot be built")
+    monkeypatch.setattr(_load, "_load", slow)
+    monkeypatch.setattr(cls, "__init__", init)
+    with pytest.raises(RuntimeError, match="injected: the model cannot be built"):
+        from_pretrained(path, device="cpu")
+    assert not [t for t in threading.enumerate() if t.name == "instant_staging-from_pretrained"]

@@ -46,12 +46,15 @@ def llama_config(**kw):
     return sizes
 
 
-def save(tmp_path, arch, sharded, dtype=torch.float32):
+def save(tmp_path, arch, sharded, dtype=torch.float32, spread=False):
+    # spread: weights drawn wider than transformers' 0.02, so that a random
+    # tiny model's greedy tokens vary (at 0.02 they repeat one token)
+    kw = llama_config(initializer_range=0.5 if spread else 0.02)
     if arch == "llama":
-        config = transformers.LlamaConfig(tie_word_embeddings=False, **llama_config())
+        config = transformers.LlamaConfig(tie_word_embeddings=False, **kw)
         cls = transformers.LlamaForCausalLM
     else:
-        config = transformers.Qwen2Config(tie_word_embeddings=True, **llama_config())
+        config = transformers.Qwen2Config(tie_word_embeddings=True, **kw)
         cls = transformers.Qwen2ForCausalLM
     torch.manual_seed(0)
     model = cls(config).to(dtype)
@@ -308,6 +311,10 @@ def test_entry_point_is_discovered(vllm):
     assert type(loader) is InstantStagingModelLoader
     from vllm.model_executor.model_loader import DefaultModelLoader
     assert isinstance(loader, DefaultModelLoader)
+    # DefaultModelLoader's own key reaches it
+    tracked = loader_of(vllm, load_format=LOAD_FORMAT,
+                        model_loader_extra_config={"enable_weights_track": False})
+    assert tracked.enable_weights_track is False and loader.enable_weights_track is None
     # registering again (vLLM loads plugins in every process, maybe twice) changes nothing
     found[0].load()()
     assert type(loader_of(vllm, load_format=LOAD_FORMAT)) is InstantStagingModelLoader
@@ -400,17 +407,29 @@ def cpu_kernels():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, sharded", [("llama", False), ("qwen2", True)])
-def test_llm_generates_the_same_tokens(tmp_path, vllm, arch, sharded):
+@pytest.mark.parametrize("arch, sharded, tp", [("llama", False, 1), ("qwen2", True, 1), ("qwen2", True, 2)],
+                         ids=["llama-single", "qwen2-sharded", "qwen2-sharded-tp2"])
+def test_llm_generates_the_same_tokens(tmp_path, vllm, arch, sharded, tp):
     reason = cpu_kernels()
     if reason:
         pytest.skip(reason)
-    path = save(tmp_path, arch, sharded)
-    env = child_env({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    run = subprocess.run([sys.executable, os.path.join(HERE, "_vllm_generate.py"), str(path)],
-                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    if tp > (os.cpu_count() or 1):
+        pytest.skip(f"tensor_parallel_size={tp} needs a core per CPU worker")
+    path = save(tmp_path, arch, sharded, spread=True)
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in range(tp))   # a core per worker
+    run = subprocess.run([sys.executable, os.path.join(HERE, "_vllm_generate.py"), str(path), str(tp)],
+                         env=child_env(env), cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    tokens = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(tokens["safetensors"]) == 8
-    assert tokens[LOAD_FORMAT] == tokens["safetensors"]
-    assert "instant_staging read" in run.stderr + run.stdout      # the INFO line, from the worker
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    ref = results.pop("safetensors")
+    assert len(ref["tokens"]) == 8 and len(set(ref["tokens"])) > 1      # a model that says something
+    assert set(results) == ({LOAD_FORMAT, f"{LOAD_FORMAT} shared_read"} if tp > 1 else {LOAD_FORMAT})
+    for name, got in results.items():
+        assert got == ref, name                      # the same tokens and log-probabilities, bit for bit
+    log = run.stderr + run.stdout                    # the INFO line of every worker
+    for rank in range(tp):
+        assert f"onto cpu, staging none (cpu), rank {rank} of {tp}" in log
+    if tp > 1:
+        assert "shared read" in log

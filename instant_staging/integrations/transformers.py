@@ -201,12 +201,13 @@ def _assemble_while_reading(transformers, cls, model_dir, device, kwargs):
         state.clear()
         load.finish()
     except BaseException as e:
+        failed = load.error            # the read's own failure, not the cancel that close() causes
         load.close()
         model = info = state = None
         # The traceback's frames would keep the tensors read so far alive.
         traceback.clear_frames(e.__traceback__)
-        if load.error is not None and e is not load.error:
-            raise load.error from None
+        if failed is not None and e is not failed:
+            raise failed from None
         raise
     return model, info
 
