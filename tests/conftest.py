@@ -116,3 +116,18 @@ def drop_from_page_cache(path):
     _drop(path)
     if _cached_fraction(path) > 0.1:
         pytest.skip("the page cache keeps this file (tmpfs?): nothing to drop")
+
+
+def record_reads(monkeypatch):
+    """The names the loader's single path yields from now on (in the
+    order read), recorded by wrapping its generator (loader/_run.py's
+    ``_load``): what the integrations actually read through us."""
+    from instant_staging.loader import _run
+    read, real = [], _run._load
+
+    def spy(*args, **kwargs):
+        for name, tensor in real(*args, **kwargs):
+            read.append(name)
+            yield name, tensor
+    monkeypatch.setattr(_run, "_load", spy)
+    return read

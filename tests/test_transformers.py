@@ -26,6 +26,8 @@ from instant_staging.integrations import transformers as integration
 from instant_staging.integrations.transformers import from_pretrained
 from instant_staging.loader import _run
 
+from conftest import record_reads
+
 SMALL = {"vocab_size": 96, "max_position_embeddings": 64}
 AUTO = transformers.AutoModelForCausalLM
 
@@ -193,14 +195,7 @@ def test_rotary_buffers_equal_transformers(tmp_path):
 def test_weights_are_read_by_instant_staging(tmp_path, monkeypatch):
     path, _ = save(tmp_path, "mixtral", sharded=True)
     names = checkpoint_names(path)
-    read = []
-    real = _run._load
-
-    def spy(*args, **kwargs):
-        for name, tensor in real(*args, **kwargs):
-            read.append(name)
-            yield name, tensor
-    monkeypatch.setattr(_run, "_load", spy)
+    read = record_reads(monkeypatch)
     import safetensors
     monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: pytest.fail("read by safetensors"))
     from_pretrained(path, device="cpu")
@@ -519,7 +514,7 @@ def test_transformers_error_while_reading_is_that_error(tmp_path, monkeypatch):
     # the cancel of the read that follows it), and the read is stopped.
     import threading
     path, cls = save(tmp_path, "llama", sharded=True)
-    real_load, stop = _load._load, threading.Event()
+    real_load, stop = _run._load, threading.Event()
 
     def slow(*args, **kwargs):
         assert stop.wait(30)
@@ -528,7 +523,7 @@ def test_transformers_error_while_reading_is_that_error(tmp_path, monkeypatch):
     def init(self, *args, **kwargs):
         stop.set()                # the read starts as transformers fails
         raise RuntimeError("injected: the model cannot be built")
-    monkeypatch.setattr(_load, "_load", slow)
+    monkeypatch.setattr(_run, "_load", slow)
     monkeypatch.setattr(cls, "__init__", init)
     with pytest.raises(RuntimeError, match="injected: the model cannot be built"):
         from_pretrained(path, device="cpu")

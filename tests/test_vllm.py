@@ -31,9 +31,10 @@ from safetensors.torch import load_file as st_load_file
 
 from instant_staging.integrations.vllm import LOAD_FORMAT, _options, _weights
 from instant_staging.integrations.vllm._options import Options, parse
-from instant_staging.loader import _load, _run
+from instant_staging.loader import _load
 
 from _child import child_env
+from conftest import record_reads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -168,14 +169,7 @@ def test_batches_bound_what_is_allocated_at_once(tmp_path, monkeypatch, batch_by
 def test_keep_filters_before_reading(tmp_path, monkeypatch):
     path = save(tmp_path, "qwen2", sharded=True)
     files = shards(path)
-    read = []
-    real = _run._load
-
-    def spy(*args, **kwargs):
-        for name, tensor in real(*args, **kwargs):
-            read.append(name)
-            yield name, tensor
-    monkeypatch.setattr(_run, "_load", spy)
+    read = record_reads(monkeypatch)
 
     def keep(name):
         return ".layers.1." not in name
@@ -351,14 +345,7 @@ def test_expert_parallel_filter_reads_only_local_experts(tmp_path, vllm, monkeyp
     transformers.MixtralForCausalLM(config).save_pretrained(path, max_shard_size="300KB")
     ours = loader_of(vllm, load_format=LOAD_FORMAT, device="cpu")
     ours.local_expert_ids = {0, 2}
-    read = []
-    real = _load._load
-
-    def spy(*args, **kwargs):
-        for name, tensor in real(*args, **kwargs):
-            read.append(name)
-            yield name, tensor
-    monkeypatch.setattr(_load, "_load", spy)
+    read = record_reads(monkeypatch)
     pairs = list(ours._get_weights_iterator(DefaultModelLoader.Source(str(path), revision=None)))
     ref = dict(safetensors_weights_iterator(shards(path), False, local_expert_ids={0, 2}))
     assert_same_pairs(pairs, ref)
