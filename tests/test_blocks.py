@@ -436,3 +436,44 @@ def test_torch_views_under_inference_mode_and_no_grad(tmp_path, views_on_the_cpu
         assert all(torch.equal(loaded[n].view(torch.int16), t.view(torch.int16))
                    for n, t in tensors.items())
         assert torch.equal(param.detach().view(torch.int16), tensors[first].view(torch.int16))
+
+
+def test_interpreter_exit_while_the_staging_buffer_is_made():
+    # The making thread is not a daemon: the exit waits for it (a bounded
+    # call), then the staging module's exit hook releases the buffer no load
+    # took.  A check registered before instant_staging is imported runs after
+    # that hook.
+    code = """
+        import atexit, os, sys, tempfile, time
+        state = {}
+        atexit.register(lambda: print(
+            "made", sum(c[0] == "host_register" and c[-1] == 0 for c in state["rt"].calls),
+            "live", state["rt"].live_registrations, flush=True))
+        sys.path.insert(0, TESTS)
+        import torch
+        from safetensors.torch import save_file
+        import instant_staging as ist
+        from instant_staging.loader import _checkpoint, _run, _staging_pool
+        from instant_staging.testing import SimulatedRuntime
+        from test_loader import SimTarget
+        rt = state["rt"] = SimulatedRuntime()
+        def make(size, segment):
+            time.sleep(0.3)
+            return ist.StagingBuffer(size, runtime=rt, segment_size=segment, prefault_threads=0)
+        _staging_pool._make = make
+        p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+        save_file({f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)}, p)
+        ck = _checkpoint._Checkpoint([p])
+        target = SimTarget(rt)
+        dtypes = [target.check(t, p) for _, t in ck.entries]
+        opts = {"chunk_size": 8192, "io_depth": 4, "threads": 2, "staging": None}
+        start = _run._plan(ck, target, dtypes, 8192, None, True)
+        start.staging = _run._begin_staging(target, start.plan, opts)
+        keep = _run.LoadIterator(ck, target, dtypes, start=start, **opts)   # never iterated
+        print("exiting", flush=True)
+    """
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = run_child(f"TESTS = {tests!r}\n" + textwrap.dedent(code), timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # made 1: the exit waited for the buffer; live 0: and released it
+    assert r.stdout.split() == ["exiting", "made", "1", "live", "0"], (r.stdout, r.stderr[-2000:])

@@ -81,6 +81,9 @@ class _StagingStart:
     def __init__(self, device, size, slot_bytes):
         self._device, self._pid = device, os.getpid()
         self._buf = self._error = None
+        # Not a daemon: an exit waits for the (bounded) making, and the
+        # staging module's exit hook then releases the buffer; a daemon
+        # would be dropped inside the runtime's calls.
         self._thread = threading.Thread(target=self._make, args=(device, size, slot_bytes),
                                         name="instant_staging-staging")
         try:
