@@ -477,3 +477,24 @@ def test_interpreter_exit_while_the_staging_buffer_is_made():
     assert r.returncode == 0, r.stderr[-2000:]
     # made 1: the exit waited for the buffer; live 0: and released it
     assert r.stdout.split() == ["exiting", "made", "1", "live", "0"], (r.stdout, r.stderr[-2000:])
+
+
+def test_an_interrupt_while_waiting_for_the_staging_buffer_gives_it_back(tmp_path, sim_pool, monkeypatch):
+    # Ctrl-C arrives while the load waits for the buffer being made: the
+    # load ends, and the buffer, once made, goes to the pool (not lost).
+    state, made = sim_pool
+    rt = state["rt"]
+    path = save(tmp_path, moe_tensors())
+    real_take = _run._StagingStart.take
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(_run._StagingStart, "take", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        device_load(path, rt)
+    monkeypatch.setattr(_run._StagingStart, "take", real_take)
+    assert len(made) == 1 and _staging_pool.kept() == {0: made[0]}
+    gc.collect()
+    assert rt.live_device_allocs == 0
+    empty_cache()
+    assert rt.live_registrations == 0

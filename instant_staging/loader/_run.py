@@ -326,8 +326,13 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
         blocks = (target.allocate_blocks(run_list, entries, dtypes)
                   if any(r.block for r in run_list) else {})
         if owned:
-            making, start.staging = start.staging, None
-            buf = making.take() if making is not None else _staging_pool.own(device, *_own_size(plan, depth))
+            if start.staging is not None:
+                # Given up by the start only once taken: a Ctrl-C while
+                # waiting for it leaves it to _abandon below.
+                buf = start.staging.take()
+                start.staging = None
+            else:
+                buf = _staging_pool.own(device, *_own_size(plan, depth))
         # Holds buf from here until its threads are joined (pipe.close()).
         pipe = Pipeline(plan, threads=threads, staging=buf, depth=depth, device=device)
         state.pipe = pipe
