@@ -16,6 +16,8 @@ import struct
 import textwrap
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
 
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
@@ -498,3 +500,115 @@ def test_an_interrupt_while_waiting_for_the_staging_buffer_gives_it_back(tmp_pat
     assert rt.live_device_allocs == 0
     empty_cache()
     assert rt.live_registrations == 0
+
+
+# -- random layouts (hypothesis) ----------------------------------------------------
+
+_RANDOM_DTYPES = list(_DT)
+
+
+@hs.composite
+def random_layouts(draw):
+    """Files of tensors in a random order (unaligned offsets, zero-size
+    ones), a random names= subset, a chunk size from 1 byte up."""
+    n = draw(hs.integers(1, 12))
+    tensors = {}
+    for k in range(n):
+        dtype = draw(hs.sampled_from(_RANDOM_DTYPES))
+        shape = draw(hs.lists(hs.integers(0, 9), max_size=3))
+        tensors[f"t{k}"] = random_tensor(dtype, shape, k)
+    names = list(tensors)
+    order = draw(hs.permutations(names))
+    cuts = sorted(draw(hs.sets(hs.integers(1, max(n - 1, 1)), max_size=2))) if n > 1 else []
+    files = [order[a:b] for a, b in zip([0] + cuts, cuts + [n]) if order[a:b]]
+    keep = draw(hs.none() | hs.sets(hs.sampled_from(names), min_size=1))
+    chunk = draw(hs.integers(1, 600))
+    return tensors, files, keep, chunk
+
+
+@settings(max_examples=int(os.environ.get("HYP_N", 60)), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=random_layouts())
+def test_random_layouts_through_views_equal_safetensors(tmp_path_factory, sim_pool, layout):
+    state, _ = sim_pool
+    tensors, files, keep, chunk = layout
+    empty_cache()           # (a buffer kept from an example before is another runtime's)
+    rt = state["rt"] = SimulatedRuntime()
+    d = tmp_path_factory.mktemp("random")
+    paths = [write_unsorted(d, {n: tensors[n] for n in f}, f"{i}.safetensors") for i, f in enumerate(files)]
+    expected = {}
+    for p in paths:
+        expected.update(st.load_file(p))
+    if keep is not None:
+        expected = {n: t for n, t in expected.items() if n in keep}
+    names = sorted(keep) if keep is not None else None
+    loaded, start = device_load(paths, rt, names=names, chunk=chunk)
+    apart, _ = device_load(paths, rt, names=names, chunk=chunk, views=False)
+    assert_same(loaded, expected)
+    assert_same(apart, expected)
+    assert start.plan.total_bytes == sum(t.nbytes for t in expected.values())
+    gc.collect()
+    assert rt.live_device_allocs == 0
+    empty_cache()
+    assert rt.live_registrations == 0 and rt.live_host_allocs == 0
+
+
+@settings(max_examples=int(os.environ.get("HYP_N", 40)), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=random_layouts(), rule=hs.tuples(hs.sampled_from(["copy", "read"]), hs.integers(1, 6),
+                                               hs.sampled_from(["invalid_value", "EIO", "short"])))
+def test_random_faults_through_views_fail_or_equal_and_free_everything(tmp_path_factory, sim_pool,
+                                                                       layout, rule):
+    from instant_staging.loader import LoadError
+    state, _ = sim_pool
+    tensors, files, keep, chunk = layout
+    op, n, error = rule
+    if (op == "copy") != (error == "invalid_value"):
+        error = "invalid_value" if op == "copy" else "EIO"
+    empty_cache()
+    rt = state["rt"] = SimulatedRuntime()
+    d = tmp_path_factory.mktemp("faults")
+    paths = [write_unsorted(d, {n: tensors[n] for n in f}, f"{i}.safetensors") for i, f in enumerate(files)]
+    expected = {}
+    for p in paths:
+        expected.update(st.load_file(p))
+    if keep is not None:
+        expected = {k: t for k, t in expected.items() if k in keep}
+    try:
+        loaded, _ = device_load(paths, rt, names=sorted(keep) if keep is not None else None,
+                                chunk=chunk, faults=f"{op}#{n}={error}")
+    except LoadError:
+        pass
+    else:
+        assert_same(loaded, expected)
+    gc.collect()
+    assert rt.live_device_allocs == 0
+    empty_cache()
+    assert rt.live_registrations == 0 and rt.live_host_allocs == 0
+
+
+@settings(max_examples=int(os.environ.get("HYP_N", 40)), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=random_layouts())
+def test_random_layouts_as_torch_views_look_like_safetensors(tmp_path_factory, views_on_the_cpu, layout):
+    from instant_staging.loader import load_file
+    tensors, files, keep, chunk = layout
+    d = tmp_path_factory.mktemp("torchviews")
+    paths = [write_unsorted(d, {n: tensors[n] for n in f}, f"{i}.safetensors") for i, f in enumerate(files)]
+    expected = {}
+    for p in paths:
+        expected.update(st.load_file(p))
+    names = sorted(keep) if keep is not None else None
+    loaded = load_file(paths, "cpu", names=names, chunk_size=chunk, threads=2)
+    apart = load_file(paths, "cpu", names=names, chunk_size=chunk, threads=2, views=False)
+    assert list(loaded) == list(apart)
+    assert set(loaded) == (set(expected) if keep is None else set(keep))
+    for name, got in loaded.items():
+        ref = expected[name]
+        assert got.dtype == ref.dtype and got.shape == ref.shape and got.stride() == ref.stride(), name
+        assert got.is_contiguous() and not got.requires_grad, name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), name
+        if got.numel():         # (an empty one is a view of an empty one, as safetensors')
+            assert got._base is None and got.data_ptr() % _blocks.ALIGN == 0, name
+            ends = got.storage_offset() * got.element_size() + got.nbytes
+            assert ends <= got.untyped_storage().nbytes(), name
