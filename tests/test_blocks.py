@@ -502,6 +502,59 @@ def test_an_interrupt_while_waiting_for_the_staging_buffer_gives_it_back(tmp_pat
     assert rt.live_registrations == 0
 
 
+def test_a_close_from_another_thread_while_the_buffer_is_made_cancels_the_next(tmp_path, sim_pool,
+                                                                               monkeypatch):
+    # A watchdog closes the load while its next() waits for the staging
+    # buffer being made (the pipeline not yet there): that next() raises
+    # the cancel, as LoadIterator says, instead of handing out a tensor.
+    import threading
+    import time
+
+    from instant_staging.loader import LoadError
+    state, made = sim_pool
+    rt = state["rt"]
+    path = save(tmp_path, moe_tensors())
+    release, waiting = threading.Event(), threading.Event()
+    real_take = _run._StagingStart.take
+
+    def slow_take(self):
+        waiting.set()
+        release.wait(10)
+        return real_take(self)
+    monkeypatch.setattr(_run._StagingStart, "take", slow_take)
+    checkpoint = _checkpoint._Checkpoint([path])
+    target = SimTarget(rt)
+    dtypes = [target.check(t, path) for _, t in checkpoint.entries]
+    options = {"chunk_size": CHUNK, "io_depth": 4, "threads": 2, "staging": None}
+    start = _run._plan(checkpoint, target, dtypes, CHUNK, None, True)
+    start.staging = _run._begin_staging(target, start.plan, options)
+    it = _run.LoadIterator(checkpoint, target, dtypes, start=start, **options)
+    got = []
+
+    def consume():
+        try:
+            got.append(next(it))
+        except Exception as e:
+            got.append(e)
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert waiting.wait(10)
+    closer = threading.Thread(target=it.close)
+    closer.start()
+    time.sleep(0.2)             # the close has seen no pipeline and waits for the lock
+    release.set()
+    consumer.join(10)
+    closer.join(10)
+    assert not consumer.is_alive() and not closer.is_alive()
+    assert len(got) == 1 and isinstance(got[0], LoadError) and "cancelled" in str(got[0]), got
+    got.clear()
+    gc.collect()
+    assert rt.live_device_allocs == 0 and checkpoint.fds == []
+    assert len(made) == 1 and _staging_pool.kept() == {0: made[0]}
+    empty_cache()
+    assert rt.live_registrations == 0
+
+
 # -- random layouts (hypothesis) ----------------------------------------------------
 
 _RANDOM_DTYPES = list(_DT)

@@ -336,6 +336,11 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
         # Holds buf from here until its threads are joined (pipe.close()).
         pipe = Pipeline(plan, threads=threads, staging=buf, depth=depth, device=device)
         state.pipe = pipe
+        if state.cancelled:
+            # Closed from another thread while there was no pipeline to
+            # cancel (the staging buffer still being made): this next()
+            # raises the cancel (wait() reports it), as close() promises.
+            pipe.close()
         state.staging_kind = buf.kind if buf is not None else None
         state.threads = pipe.n_threads
         _start(pipe, handles, target, entries, dtypes, run_list, blocks)
