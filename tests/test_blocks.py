@@ -665,3 +665,29 @@ def test_random_layouts_as_torch_views_look_like_safetensors(tmp_path_factory, v
             assert got._base is None and got.data_ptr() % _blocks.ALIGN == 0, name
             ends = got.storage_offset() * got.element_size() + got.nbytes
             assert ends <= got.untyped_storage().nbytes(), name
+
+
+def test_deterministic_fill_of_new_gpu_memory_is_waited_for_before_copies(monkeypatch):
+    # torch.use_deterministic_algorithms(True) makes torch.empty fill new
+    # memory with a kernel on the current stream, which the readers' copies
+    # (other streams) would race: the target waits for it after allocating
+    # a block or a tensor of its own.  (A CPU stand-in for the GPU's torch.)
+    from types import SimpleNamespace
+    synced = []
+    fake = SimpleNamespace(
+        empty=lambda *a, device=None, **k: torch.empty(*a, **k),
+        uint8=torch.uint8, utils=torch.utils,
+        are_deterministic_algorithms_enabled=lambda: torch.are_deterministic_algorithms_enabled(),
+        cuda=SimpleNamespace(OutOfMemoryError=torch.cuda.OutOfMemoryError,
+                             current_stream=lambda d: SimpleNamespace(synchronize=lambda: synced.append(d))))
+    target = _TorchTarget(torch, "cpu")
+    target.torch, target.device = fake, torch.device("cuda", 0)
+    entry = TensorEntry("a", "F32", (4,), 0, 16)
+    run = _blocks.Run(0, 1, 0, 16, True)
+    target.allocate(entry, torch.float32)
+    target.allocate_blocks([run], [(0, entry)], [torch.float32])
+    assert synced == []                     # nothing filled: nothing to wait for
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    target.allocate(entry, torch.float32)
+    target.allocate_blocks([run], [(0, entry)], [torch.float32])
+    assert len(synced) == 2

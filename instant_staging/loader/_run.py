@@ -375,7 +375,9 @@ def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
     of their size, ~4 ms for 3.6 GB there).
 
     (``before_copies`` ran first: allocating queues no GPU work, so every
-    block handed out here was freed by work that has finished.)"""
+    block handed out here was freed by work that has finished; where it
+    does, torch's deterministic fill of new memory, the target waits for
+    it before handing the address out: ``_target.py``'s ``_after_fill``.)"""
     try:
         with _gc.paused():
             pipe.start([], more=True)

@@ -79,7 +79,18 @@ class _TorchTarget:
             t = self._empty(entry, dtype, self.device)
         else:
             t = self.torch.empty(torch_shape(entry), dtype=dtype, device=self.device)
+            self._after_fill()
         return t, t.data_ptr()
+
+    def _after_fill(self):
+        # Under torch.use_deterministic_algorithms(True) torch.empty fills new
+        # memory (NaN, or the dtype's largest value) with a kernel queued on
+        # the current stream; our copies run on other streams and would race
+        # it (a loaded byte overwritten after its copy).  So wait for it.
+        torch = self.torch
+        if (self.device.type != "cpu" and torch.are_deterministic_algorithms_enabled()
+                and torch.utils.deterministic.fill_uninitialized_memory):
+            torch.cuda.current_stream(self.device).synchronize()
 
     def joins(self, dtype, nbytes, views):
         """Whether a tensor of ``dtype`` may be a view into a block
@@ -101,6 +112,8 @@ class _TorchTarget:
                     blocks[r] = self.torch.empty(run.nbytes, dtype=self.torch.uint8, device=self.device)
                 except self.torch.cuda.OutOfMemoryError:
                     pass
+        if blocks:
+            self._after_fill()
         return blocks
 
     def place(self, run, block, entries, dtypes):
