@@ -642,8 +642,9 @@ def test_random_faults_through_views_fail_or_equal_and_free_everything(tmp_path_
 
 @settings(max_examples=int(os.environ.get("HYP_N", 40)), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(layout=random_layouts())
-def test_random_layouts_as_torch_views_look_like_safetensors(tmp_path_factory, views_on_the_cpu, layout):
+@given(layout=random_layouts(), dtype=hs.sampled_from([None, None, torch.float32, torch.bfloat16]))
+def test_random_layouts_as_torch_views_look_like_safetensors(tmp_path_factory, views_on_the_cpu, layout,
+                                                             dtype):
     from instant_staging.loader import load_file
     tensors, files, keep, chunk = layout
     d = tmp_path_factory.mktemp("torchviews")
@@ -652,12 +653,16 @@ def test_random_layouts_as_torch_views_look_like_safetensors(tmp_path_factory, v
     for p in paths:
         expected.update(st.load_file(p))
     names = sorted(keep) if keep is not None else None
-    loaded = load_file(paths, "cpu", names=names, chunk_size=chunk, threads=2)
-    apart = load_file(paths, "cpu", names=names, chunk_size=chunk, threads=2, views=False)
+    loaded = load_file(paths, "cpu", names=names, chunk_size=chunk, threads=2, dtype=dtype)
+    apart = load_file(paths, "cpu", names=names, chunk_size=chunk, threads=2, views=False, dtype=dtype)
     assert list(loaded) == list(apart)
     assert set(loaded) == (set(expected) if keep is None else set(keep))
     for name, got in loaded.items():
         ref = expected[name]
+        if dtype is not None and ref.is_floating_point():
+            ref = ref.to(dtype)         # (converted: a tensor of its own, as views=False's)
+            assert torch.equal(got.reshape(-1).view(torch.uint8),
+                               apart[name].reshape(-1).view(torch.uint8)), name
         assert got.dtype == ref.dtype and got.shape == ref.shape and got.stride() == ref.stride(), name
         assert got.is_contiguous() and not got.requires_grad, name
         assert torch.equal(got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), name
