@@ -30,7 +30,7 @@ from instant_staging.testing import FaultPlan, SimulatedRuntime
 
 from _child import run_child
 from conftest import KIND_FAULTS
-from test_loader import CHUNK, SimTarget, assert_same, random_tensor, save
+from test_loader import CHUNK, SimBlock, SimTarget, assert_same, random_tensor, save
 
 # -- the layouts, small -----------------------------------------------------------
 
@@ -216,6 +216,34 @@ def test_faults_fail_the_same_piece_with_views(tmp_path, sim_pool):
         assert rt.live_device_allocs == 0, spec
     empty_cache()
     assert rt.live_registrations == 0
+
+
+class BackToBack(SimTarget):
+    """Tensors of their own that happen to lie back to back in device
+    memory (one simulated allocation carved in reading order, as two
+    cudaMalloc's may follow each other)."""
+
+    def __init__(self, rt):
+        super().__init__(rt)
+        self.pool, self.used = SimBlock(rt, 1 << 20), 0
+
+    def allocate(self, entry, dtype):
+        ptr, self.used = self.pool.ptr + self.used, self.used + entry.nbytes
+        assert self.used <= self.pool.nbytes
+        return (self.pool, entry, dtype, ptr - self.pool.ptr), ptr
+
+
+def test_tensors_of_their_own_are_never_one_copy_even_back_to_back(tmp_path, sim_pool):
+    # Only the tensors of one block are joined into one copy: two
+    # allocations that merely follow each other are copied apart (a copy
+    # spanning two allocations is no valid range for the driver).
+    state, _ = sim_pool
+    rt = state["rt"]
+    tensors = moe_tensors()
+    path = save(tmp_path, tensors)
+    loaded, start = device_load(path, rt, views=False, target_type=BackToBack, chunk=1 << 14)
+    assert_same(loaded, st.load_file(path))
+    assert len(copies(rt)) == start.plan.n_pieces > start.plan.n_chunks
 
 
 # -- the staging buffer made beside the start ----------------------------------

@@ -6,8 +6,8 @@ move 0.2-0.4 GB/s, and checkpoints of many small tensors (a MoE shard's
 1,188, an AWQ checkpoint's 739) lost 10-20% of the link to them.  So a
 load to a GPU allocates one block per *run*, copies each chunk into it at
 the chunk's place in the file (the pipeline joins the pieces of a chunk
-whose destinations follow each other into one copy: ``_pipeline.pyx``'s
-``_next_copy``), and hands out each tensor as a view of its block.
+that continue one block into one copy: ``_pipeline.pyx``'s ``_next_copy``,
+``Plan(joins=)``), and hands out each tensor as a view of its block.
 
 A tensor continues the run before it when it lies in the same file right
 where that one ends, at a multiple of ``ALIGN`` bytes from the run's start

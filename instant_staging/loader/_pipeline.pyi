@@ -27,7 +27,7 @@ class Plan:
 
     def __init__(
         self, tensors: Sequence[tuple[int, int, int]], chunk_size: int, *, faults: FaultPlan | None = None,
-        packed: bool = False,
+        packed: bool = False, joins: Sequence[bool] | None = None,
     ) -> None: ...
     @property
     def n_chunks(self) -> int: ...

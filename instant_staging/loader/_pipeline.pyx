@@ -7,7 +7,7 @@ whole per-chunk path runs in plain C threads:
 
     claim the next chunk -> wait for the slot's previous copy (its event)
     -> pread the chunk into the slot -> copy each piece to its tensor
-       (pieces whose destinations follow each other as one copy)
+       (the pieces of one device block's tensors as one copy)
     -> record the slot's event
 
 A *chunk* is a contiguous file range of at most ``chunk_size`` bytes; a
@@ -139,6 +139,7 @@ cdef struct Piece:
     size_t dst_offset       # in the tensor
     size_t nbytes
     int fault               # copy fault: 0 or the runtime code
+    bint joins              # its destination continues the piece before's (one block)
 
 
 cdef struct Shared:
@@ -295,8 +296,13 @@ cdef Py_ssize_t _next_copy(Shared* sh, Chunk* ch, Py_ssize_t i, size_t* src, cha
     ``loader/_blocks.py``: a chunk of 4 MiB holding 500 norms is one copy,
     not 500): sets the copy's offset in the slot, its destination and its
     length; returns the piece after it.  Pieces tile their chunk in order,
-    so the slot side is always contiguous.  A piece with a copy fault ends
-    the copy before it (the caller fails that piece, as ``copy#N`` says)."""
+    so the slot side is always contiguous.  Only a piece the plan says
+    joins (``Plan(joins=)``: its tensor continues the block of the one
+    before) extends a copy: two allocations that merely happen to be
+    adjacent are two copies (a copy spanning two allocations is no valid
+    range for the driver, as one spanning two registrations is not).  A
+    piece with a copy fault ends the copy before it (the caller fails that
+    piece, as ``copy#N`` says)."""
     cdef Py_ssize_t end = ch.first_piece + ch.n_pieces
     cdef Piece* p = &sh.pieces[i]
     src[0] = p.offset
@@ -305,7 +311,8 @@ cdef Py_ssize_t _next_copy(Shared* sh, Chunk* ch, Py_ssize_t i, size_t* src, cha
     i += 1
     while i < end:
         p = &sh.pieces[i]
-        if p.fault != 0 or <char*>(sh.dsts[p.tensor] + <intptr_t>p.dst_offset) != dst[0] + nbytes[0]:
+        if (p.fault != 0 or not p.joins
+                or <char*>(sh.dsts[p.tensor] + <intptr_t>p.dst_offset) != dst[0] + nbytes[0]):
             break
         nbytes[0] += p.nbytes
         i += 1
@@ -441,8 +448,8 @@ cdef bint _has_copy_entries(RuntimeTable* t) noexcept:
 # -- the plan ----------------------------------------------------------------
 
 cdef class Plan:
-    """Plan(tensors, chunk_size, *, faults=None, packed=False): chunks and
-    pieces of a load.
+    """Plan(tensors, chunk_size, *, faults=None, packed=False, joins=None):
+    chunks and pieces of a load.
 
     ``tensors`` is a sequence of ``(fd, begin, end)`` file ranges, in
     reading order (file, then offset); tensor i is the i-th of them.
@@ -451,6 +458,10 @@ cdef class Plan:
     copy however many tensors it holds, and chunks are cut every
     ``chunk_size`` bytes; otherwise a tensor that fits in one chunk starts
     a new chunk rather than being split (one copy per tensor).
+    ``joins[i]`` (None: none): tensor i's destination continues tensor
+    i - 1's, in one allocation (a view of the same block), so a chunk
+    holding both copies them as one; pieces of other tensors are copied
+    one by one, wherever their destinations lie.
     ``faults`` is a ``FaultPlan`` (or None) whose ``read`` and ``copy``
     rules are resolved here, by position (see the module docstring).
     Allocates nothing but its own tables; no file is read.
@@ -465,7 +476,7 @@ cdef class Plan:
     cdef readonly size_t max_chunk       # the longest chunk: what a slot must hold
     cdef readonly unsigned long long total_bytes
 
-    def __init__(self, tensors, chunk_size, *, faults=None, bint packed=False):
+    def __init__(self, tensors, chunk_size, *, faults=None, bint packed=False, joins=None):
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
             raise TypeError(f"chunk_size must be an int, not {type(chunk_size).__name__}")
         if chunk_size < 1:
@@ -479,12 +490,15 @@ cdef class Plan:
         total = sum(e - b for _, b, e in ranges)
         # A chunk never exceeds what there is to read (so a huge chunk_size
         # neither overflows nor asks for huge slots).
-        self._cut(ranges, min(chunk_size, max(total, 1)), packed)
+        joins = [bool(j) for j in joins] if joins is not None else [False] * len(ranges)
+        if len(joins) != len(ranges):
+            raise ValueError(f"{len(joins)} joins for {len(ranges)} tensors")
+        self._cut(ranges, min(chunk_size, max(total, 1)), packed, joins)
         self.total_bytes = total
         if faults is not None:
             self._faults(faults)
 
-    cdef _cut(self, list ranges, size_t chunk_size, bint packed):
+    cdef _cut(self, list ranges, size_t chunk_size, bint packed, list joins):
         """Cuts the tensors into chunks of at most chunk_size and their pieces.
 
         Consecutive tensors of one file share a chunk while they fit whole
@@ -531,6 +545,7 @@ cdef class Plan:
                 self.pieces[np_].offset = length
                 self.pieces[np_].dst_offset = <size_t>(pos - b)
                 self.pieces[np_].nbytes = take
+                self.pieces[np_].joins = pos == b and joins[i]
                 np_ += 1
                 self.chunks[nc].n_pieces += 1
                 length += take

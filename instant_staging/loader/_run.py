@@ -268,8 +268,10 @@ def _plan(checkpoint, target, dtypes, chunk_size, faults, views):
     entries = checkpoint.entries
     joins = [views and target.joins(d, t.nbytes, views) for (_, t), d in zip(entries, dtypes)]
     run_list = _blocks.runs(entries, joins)
+    # A tensor's copy joins the one before only inside one block.
+    joined = [r.block and k > r.first for r in run_list for k in range(r.first, r.stop)]
     plan = Plan([(checkpoint.fds[i], t.begin, t.end) for i, t in entries], chunk_size,
-                faults=faults, packed=_blocks.packed(run_list))
+                faults=faults, packed=_blocks.packed(run_list), joins=joined)
     return _Start(plan, run_list)
 
 
