@@ -333,46 +333,60 @@ def test_a_load_never_iterated_gives_the_buffer_being_made_back(tmp_path, sim_po
     assert rt.live_registrations == 0 and rt.live_device_allocs == 0
 
 
+# A child process's load to the simulated device whose staging buffer takes
+# SLEEP seconds to make: ``it``, never iterated yet; ``rt`` is also
+# ``state["rt"]`` (``state``, ``TESTS`` and ``SLEEP`` come first).
+SLOW_START = """
+import os, sys, tempfile, time
+sys.path.insert(0, TESTS)
+import torch
+from safetensors.torch import save_file
+import instant_staging as ist
+from instant_staging.loader import _checkpoint, _run, _staging_pool, empty_cache
+from instant_staging.testing import SimulatedRuntime
+from test_loader import SimTarget
+rt = state["rt"] = SimulatedRuntime()
+def make(size, segment):
+    time.sleep(SLEEP)
+    return ist.StagingBuffer(size, runtime=rt, segment_size=segment, prefault_threads=0)
+_staging_pool._make = make
+p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+save_file({f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)}, p)
+ck = _checkpoint._Checkpoint([p])
+target = SimTarget(rt)
+dtypes = [target.check(t, p) for _, t in ck.entries]
+opts = {"chunk_size": 8192, "io_depth": 4, "threads": 2, "staging": None}
+start = _run._plan(ck, target, dtypes, 8192, None, True)
+start.staging = _run._begin_staging(target, start.plan, opts)
+it = _run.LoadIterator(ck, target, dtypes, start=start, **opts)
+"""
+
+
+def run_slow_start(before, after, sleep):
+    """Runs ``before`` + SLOW_START + ``after`` in a child (dedented)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    return run_child(f"TESTS = {tests!r}\nSLEEP = {sleep!r}\n" + textwrap.dedent(before)
+                     + SLOW_START + textwrap.dedent(after), timeout=60)
+
+
 def test_fork_while_the_staging_buffer_is_made():
     # The child inherits the load (and maybe the buffer being made) but not
     # the thread: closing it there neither waits forever nor touches the
     # parent's registration; the parent's load still finishes.
-    code = """
-        import os, sys, tempfile, torch, time
-        sys.path.insert(0, TESTS)
-        from safetensors.torch import save_file, load_file as st_load
-        import instant_staging as ist
-        from instant_staging.loader import _checkpoint, _run, _staging_pool, empty_cache
-        from instant_staging.testing import SimulatedRuntime
-        from test_loader import SimTarget
-        rt = SimulatedRuntime()
-        def make(size, segment):
-            time.sleep(0.2)                # still being made at the fork
-            return ist.StagingBuffer(size, runtime=rt, segment_size=segment, prefault_threads=0)
-        _staging_pool._make = make
-        p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
-        save_file({f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)}, p)
-        ck = _checkpoint._Checkpoint([p])
-        target = SimTarget(rt)
-        dtypes = [target.check(t, p) for _, t in ck.entries]
-        opts = {"chunk_size": 8192, "io_depth": 4, "threads": 2, "staging": None}
-        start = _run._plan(ck, target, dtypes, 8192, None, True)
-        start.staging = _run._begin_staging(target, start.plan, opts)
-        it = _run.LoadIterator(ck, target, dtypes, start=start, **opts)
+    r = run_slow_start("state = {}", """
         pid = os.fork()
         if pid == 0:
             it.close()
             os._exit(0)
         _, status = os.waitpid(pid, 0)
         out = dict(it)
+        from safetensors.torch import load_file as st_load
         ref = st_load(p)
         assert all(torch.equal(out[n], ref[n]) for n in ref)
         it.close()
         empty_cache()
         print("ok", status, rt.live_registrations, flush=True)
-    """
-    tests = os.path.dirname(os.path.abspath(__file__))
-    r = run_child(f"TESTS = {tests!r}\n" + textwrap.dedent(code), timeout=60)
+    """, sleep=0.2)                       # still being made at the fork
     assert r.returncode == 0 and "ok 0 0" in r.stdout, r.stderr[-2000:]
 
 
@@ -473,37 +487,15 @@ def test_interpreter_exit_while_the_staging_buffer_is_made():
     # call), then the staging module's exit hook releases the buffer no load
     # took.  A check registered before instant_staging is imported runs after
     # that hook.
-    code = """
-        import atexit, os, sys, tempfile, time
+    r = run_slow_start("""
+        import atexit
         state = {}
         atexit.register(lambda: print(
             "made", sum(c[0] == "host_register" and c[-1] == 0 for c in state["rt"].calls),
             "live", state["rt"].live_registrations, flush=True))
-        sys.path.insert(0, TESTS)
-        import torch
-        from safetensors.torch import save_file
-        import instant_staging as ist
-        from instant_staging.loader import _checkpoint, _run, _staging_pool
-        from instant_staging.testing import SimulatedRuntime
-        from test_loader import SimTarget
-        rt = state["rt"] = SimulatedRuntime()
-        def make(size, segment):
-            time.sleep(0.3)
-            return ist.StagingBuffer(size, runtime=rt, segment_size=segment, prefault_threads=0)
-        _staging_pool._make = make
-        p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
-        save_file({f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)}, p)
-        ck = _checkpoint._Checkpoint([p])
-        target = SimTarget(rt)
-        dtypes = [target.check(t, p) for _, t in ck.entries]
-        opts = {"chunk_size": 8192, "io_depth": 4, "threads": 2, "staging": None}
-        start = _run._plan(ck, target, dtypes, 8192, None, True)
-        start.staging = _run._begin_staging(target, start.plan, opts)
-        keep = _run.LoadIterator(ck, target, dtypes, start=start, **opts)   # never iterated
-        print("exiting", flush=True)
-    """
-    tests = os.path.dirname(os.path.abspath(__file__))
-    r = run_child(f"TESTS = {tests!r}\n" + textwrap.dedent(code), timeout=60)
+    """, """
+        print("exiting", flush=True)       # it: never iterated
+    """, sleep=0.3)
     assert r.returncode == 0, r.stderr[-2000:]
     # made 1: the exit waited for the buffer; live 0: and released it
     assert r.stdout.split() == ["exiting", "made", "1", "live", "0"], (r.stdout, r.stderr[-2000:])
