@@ -116,10 +116,11 @@ def sim_pool(monkeypatch):
     empty_cache()
 
 
-def device_load(paths, rt, *, views=True, own_staging=True, staging=None, faults=None,
-                names=None, chunk=CHUNK, threads=3, target_type=None):
-    """iter_load's single path on the simulated device: the plan and its
-    runs, the staging buffer started beside it, then the load."""
+def begin_device_load(paths, rt, *, views=True, own_staging=True, staging=None, faults=None,
+                      names=None, chunk=CHUNK, threads=3, target_type=None, verify=True):
+    """iter_load's single path on the simulated device, up to its iterator:
+    the plan and its runs, and the staging buffer started beside it.
+    Returns ``(LoadIterator, its _Start, the checkpoint)``."""
     checkpoint = _checkpoint._Checkpoint(paths if isinstance(paths, list) else [paths])
     checkpoint.select(names)
     target = (target_type or SimTarget)(rt)
@@ -128,7 +129,13 @@ def device_load(paths, rt, *, views=True, own_staging=True, staging=None, faults
     start = _run._plan(checkpoint, target, dtypes, chunk, faults and FaultPlan.parse(faults), views)
     if own_staging:
         start.staging = _run._begin_staging(target, start.plan, options)
-    it = _run.LoadIterator(checkpoint, target, dtypes, verify=True, start=start, **options)
+    it = _run.LoadIterator(checkpoint, target, dtypes, verify=verify, start=start, **options)
+    return it, start, checkpoint
+
+
+def device_load(paths, rt, **kw):
+    """The same load, consumed: ``({name: CPU copy}, its _Start)``."""
+    it, start, _ = begin_device_load(paths, rt, **kw)
     with it:
         out = dict(it)          # SimTarget.result: CPU copies of the device bytes
     return out, start
@@ -315,13 +322,7 @@ def test_a_load_never_iterated_gives_the_buffer_being_made_back(tmp_path, sim_po
     state, made = sim_pool
     rt = state["rt"]
     path = save(tmp_path, moe_tensors())
-    checkpoint = _checkpoint._Checkpoint([path])
-    target = SimTarget(rt)
-    dtypes = [target.check(t, path) for _, t in checkpoint.entries]
-    options = {"chunk_size": CHUNK, "io_depth": 4, "threads": 2, "staging": None}
-    start = _run._plan(checkpoint, target, dtypes, CHUNK, None, True)
-    start.staging = _run._begin_staging(target, start.plan, options)
-    it = _run.LoadIterator(checkpoint, target, dtypes, start=start, **options)
+    it, _, checkpoint = begin_device_load(path, rt, threads=2, verify=False)
     if how == "close":
         it.close()
     else:
@@ -542,13 +543,7 @@ def test_a_close_from_another_thread_while_the_buffer_is_made_cancels_the_next(t
         release.wait(10)
         return real_take(self)
     monkeypatch.setattr(_run._StagingStart, "take", slow_take)
-    checkpoint = _checkpoint._Checkpoint([path])
-    target = SimTarget(rt)
-    dtypes = [target.check(t, path) for _, t in checkpoint.entries]
-    options = {"chunk_size": CHUNK, "io_depth": 4, "threads": 2, "staging": None}
-    start = _run._plan(checkpoint, target, dtypes, CHUNK, None, True)
-    start.staging = _run._begin_staging(target, start.plan, options)
-    it = _run.LoadIterator(checkpoint, target, dtypes, start=start, **options)
+    it, _, checkpoint = begin_device_load(path, rt, threads=2, verify=False)
     got = []
 
     def consume():
@@ -609,22 +604,39 @@ def random_layouts(draw):
     return tensors, files, keep, chunk
 
 
+def assert_freed(rt):
+    """Nothing of the loads on ``rt`` is left: no device allocation once
+    the garbage is collected, no registration or runtime allocation once
+    the kept staging buffer is released."""
+    gc.collect()
+    assert rt.live_device_allocs == 0
+    empty_cache()
+    assert rt.live_registrations == 0 and rt.live_host_allocs == 0
+
+
+def write_layout(directory, layout):
+    """A random layout's files in ``directory``: ``(paths, safetensors' own
+    load of the selected tensors, names= for the load)``."""
+    tensors, files, keep, _ = layout
+    paths = [write_unsorted(directory, {n: tensors[n] for n in f}, f"{i}.safetensors")
+             for i, f in enumerate(files)]
+    expected = {}
+    for p in paths:
+        expected.update(st.load_file(p))
+    if keep is None:
+        return paths, expected, None
+    return paths, {n: t for n, t in expected.items() if n in keep}, sorted(keep)
+
+
 @settings(max_examples=int(os.environ.get("HYP_N", 60)), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layout=random_layouts())
 def test_random_layouts_through_views_equal_safetensors(tmp_path_factory, sim_pool, layout):
     state, _ = sim_pool
-    tensors, files, keep, chunk = layout
+    chunk = layout[3]
     empty_cache()           # (a buffer kept from an example before is another runtime's)
     rt = state["rt"] = SimulatedRuntime()
-    d = tmp_path_factory.mktemp("random")
-    paths = [write_unsorted(d, {n: tensors[n] for n in f}, f"{i}.safetensors") for i, f in enumerate(files)]
-    expected = {}
-    for p in paths:
-        expected.update(st.load_file(p))
-    if keep is not None:
-        expected = {n: t for n, t in expected.items() if n in keep}
-    names = sorted(keep) if keep is not None else None
+    paths, expected, names = write_layout(tmp_path_factory.mktemp("random"), layout)
     loaded, start = device_load(paths, rt, names=names, chunk=chunk)
     apart, _ = device_load(paths, rt, names=names, chunk=chunk, views=False)
     fallback, _ = device_load(paths, rt, names=names, chunk=chunk, target_type=OddBlocksOnly)
@@ -632,10 +644,7 @@ def test_random_layouts_through_views_equal_safetensors(tmp_path_factory, sim_po
     assert_same(apart, expected)
     assert_same(fallback, expected)
     assert start.plan.total_bytes == sum(t.nbytes for t in expected.values())
-    gc.collect()
-    assert rt.live_device_allocs == 0
-    empty_cache()
-    assert rt.live_registrations == 0 and rt.live_host_allocs == 0
+    assert_freed(rt)
 
 
 @settings(max_examples=int(os.environ.get("HYP_N", 40)), deadline=None,
@@ -646,30 +655,20 @@ def test_random_faults_through_views_fail_or_equal_and_free_everything(tmp_path_
                                                                        layout, rule):
     from instant_staging.loader import LoadError
     state, _ = sim_pool
-    tensors, files, keep, chunk = layout
+    chunk = layout[3]
     op, n, error = rule
     if (op == "copy") != (error == "invalid_value"):
         error = "invalid_value" if op == "copy" else "EIO"
     empty_cache()
     rt = state["rt"] = SimulatedRuntime()
-    d = tmp_path_factory.mktemp("faults")
-    paths = [write_unsorted(d, {n: tensors[n] for n in f}, f"{i}.safetensors") for i, f in enumerate(files)]
-    expected = {}
-    for p in paths:
-        expected.update(st.load_file(p))
-    if keep is not None:
-        expected = {k: t for k, t in expected.items() if k in keep}
+    paths, expected, names = write_layout(tmp_path_factory.mktemp("faults"), layout)
     try:
-        loaded, _ = device_load(paths, rt, names=sorted(keep) if keep is not None else None,
-                                chunk=chunk, faults=f"{op}#{n}={error}")
+        loaded, _ = device_load(paths, rt, names=names, chunk=chunk, faults=f"{op}#{n}={error}")
     except LoadError:
         pass
     else:
         assert_same(loaded, expected)
-    gc.collect()
-    assert rt.live_device_allocs == 0
-    empty_cache()
-    assert rt.live_registrations == 0 and rt.live_host_allocs == 0
+    assert_freed(rt)
 
 
 @settings(max_examples=int(os.environ.get("HYP_N", 40)), deadline=None,
@@ -678,17 +677,12 @@ def test_random_faults_through_views_fail_or_equal_and_free_everything(tmp_path_
 def test_random_layouts_as_torch_views_look_like_safetensors(tmp_path_factory, views_on_the_cpu, layout,
                                                              dtype):
     from instant_staging.loader import load_file
-    tensors, files, keep, chunk = layout
-    d = tmp_path_factory.mktemp("torchviews")
-    paths = [write_unsorted(d, {n: tensors[n] for n in f}, f"{i}.safetensors") for i, f in enumerate(files)]
-    expected = {}
-    for p in paths:
-        expected.update(st.load_file(p))
-    names = sorted(keep) if keep is not None else None
+    chunk = layout[3]
+    paths, expected, names = write_layout(tmp_path_factory.mktemp("torchviews"), layout)
     loaded = load_file(paths, "cpu", names=names, chunk_size=chunk, threads=2, dtype=dtype)
     apart = load_file(paths, "cpu", names=names, chunk_size=chunk, threads=2, views=False, dtype=dtype)
     assert list(loaded) == list(apart)
-    assert set(loaded) == (set(expected) if keep is None else set(keep))
+    assert set(loaded) == set(expected)
     for name, got in loaded.items():
         ref = expected[name]
         if dtype is not None and ref.is_floating_point():
