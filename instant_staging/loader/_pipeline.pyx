@@ -453,11 +453,11 @@ cdef class Plan:
 
     ``tensors`` is a sequence of ``(fd, begin, end)`` file ranges, in
     reading order (file, then offset); tensor i is the i-th of them.
-    ``packed``: the tensors' destinations follow each other wherever their
-    file ranges do (views into device blocks), so a chunk's pieces are one
-    copy however many tensors it holds, and chunks are cut every
-    ``chunk_size`` bytes; otherwise a tensor that fits in one chunk starts
-    a new chunk rather than being split (one copy per tensor).
+    ``packed``: the tensors with bytes are views of device blocks (see
+    ``joins``), so a chunk is one copy per block however many tensors it
+    holds, and chunks are cut every ``chunk_size`` bytes; otherwise a
+    tensor that fits in one chunk starts a new chunk rather than being
+    split (one copy per tensor).
     ``joins[i]`` (None: none): tensor i's destination continues tensor
     i - 1's, in one allocation (a view of the same block), so a chunk
     holding both copies them as one; pieces of other tensors are copied
