@@ -157,8 +157,6 @@ class SimTarget:
         return {r: SimBlock(self.rt, run.nbytes) for r, run in enumerate(run_list) if run.block}
 
     def place(self, run, block, entries, dtypes):
-        if block is None:
-            return [self.allocate(entries[k][1], dtypes[k]) for k in range(run.first, run.stop)]
         return [((block, entries[k][1], dtypes[k], entries[k][1].begin - run.begin),
                  block.ptr + entries[k][1].begin - run.begin) for k in range(run.first, run.stop)]
 

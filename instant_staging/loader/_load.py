@@ -7,7 +7,6 @@ plan is handed to.  Imports go one way: ``_load`` -> ``_distributed`` ->
 ``_run``.
 """
 
-import logging
 import sys
 from typing import TYPE_CHECKING, Optional
 
@@ -24,8 +23,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from .._staging import StagingBuffer
-
-log = logging.getLogger("instant_staging")
 
 # -- arguments -------------------------------------------------------------------
 

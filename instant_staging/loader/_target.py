@@ -118,10 +118,8 @@ class _TorchTarget:
 
     def place(self, run, block, entries, dtypes):
         """``[(handle, address), ...]`` for the tensors of ``run``: views of
-        ``block`` (made when ``tensor()`` is asked for, as each finishes),
-        or their own allocations where ``block`` is None."""
-        if block is None:
-            return [self.allocate(entries[k][1], dtypes[k]) for k in range(run.first, run.stop)]
+        ``block``, made when ``tensor()`` is asked for, as each finishes
+        (tensors of their own are ``allocate()``'s)."""
         base = block.data_ptr()
         out = []
         for k in range(run.first, run.stop):
