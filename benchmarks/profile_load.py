@@ -109,10 +109,10 @@ def section_phases(torch, name, paths, device, repeat, out):
         blocks = target.allocate_blocks(start.runs, ck.entries, dtypes)
         t["blocks"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        depth = min(loader.DEFAULT_IO_DEPTH, plan.n_chunks)
+        depth = L.slot_count(plan, None, None)
         gpu = device.type == "cuda"
         kept = bool(loader._staging_pool.kept())
-        buf = _staging_pool.own(target.index, depth * plan.max_chunk, plan.max_chunk) if gpu else None
+        buf = _staging_pool.own(target.index, *L.staging_size(plan, depth)) if gpu else None
         t["staging_kept" if kept else "staging_made"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         pipe = Pipeline(plan, threads=reader_threads(), staging=buf, depth=depth,

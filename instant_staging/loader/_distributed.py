@@ -65,7 +65,7 @@ import pickle
 import traceback
 from types import SimpleNamespace
 
-from ..defaults import DISTRIBUTED_TIMEOUT, io_depth_for, reader_threads
+from ..defaults import DISTRIBUTED_TIMEOUT, reader_threads
 from . import _progress, _run, _staging_pool
 from ._errors import LoadError
 from ._options import for_cache
@@ -472,10 +472,9 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
                              chunk_size, faults=faults)
             if read_plan.n_chunks:
                 threads = reader_threads(threads)
-                io_depth = io_depth_for(io_depth, threads)
-                depth = min(io_depth, read_plan.n_chunks)
+                depth = _run.slot_count(read_plan, io_depth, threads)
                 owned = staging is None and device is not None
-                buf = (_staging_pool.own(device, depth * read_plan.max_chunk, read_plan.max_chunk)
+                buf = (_staging_pool.own(device, *_run.staging_size(read_plan, depth))
                        if owned else staging)
                 pipe = Pipeline(read_plan, threads=threads, staging=buf,
                                 depth=depth, device=device)

@@ -275,12 +275,13 @@ def _plan(checkpoint, target, dtypes, chunk_size, faults, views):
     return _Start(plan, run_list)
 
 
-def _depth(plan, io_depth, threads):
-    # No load uses more slots than it has chunks (io_depth=10**11 is fine).
+def slot_count(plan, io_depth, threads):
+    """A load's slots: ``io_depth`` (``defaults.io_depth_for``), never more
+    than its chunks (io_depth=10**11 is fine)."""
     return min(io_depth_for(io_depth, threads), max(plan.n_chunks, 1))
 
 
-def _own_size(plan, depth):
+def staging_size(plan, depth):
     """``(bytes, slot bytes)`` of a load's own staging buffer: ``depth`` slots
     as long as the plan's longest chunk."""
     slot = max(plan.max_chunk, 1)
@@ -292,8 +293,8 @@ def _begin_staging(target, plan, options):
     from ._pipeline import DEVICE
     if options["staging"] is not None or target.mode != DEVICE:
         return None
-    depth = _depth(plan, options["io_depth"], reader_threads(options["threads"]))
-    return _StagingStart(target.index, *_own_size(plan, depth))
+    depth = slot_count(plan, options["io_depth"], reader_threads(options["threads"]))
+    return _StagingStart(target.index, *staging_size(plan, depth))
 
 
 def _abandon(state):
@@ -321,7 +322,7 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
                                         faults if faults is not None else fault_plan(staging), False)
         plan, run_list = start.plan, start.runs
         threads = reader_threads(threads)
-        depth = _depth(plan, io_depth, threads)
+        depth = slot_count(plan, io_depth, threads)
         # torch's CUDA (in a fresh process, its start) and the tensors'
         # blocks, while the staging buffer is made.
         target.before_copies()
@@ -334,7 +335,7 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
                 buf = start.staging.take()
                 start.staging = None
             else:
-                buf = _staging_pool.own(device, *_own_size(plan, depth))
+                buf = _staging_pool.own(device, *staging_size(plan, depth))
         # Holds buf from here until its threads are joined (pipe.close()).
         pipe = Pipeline(plan, threads=threads, staging=buf, depth=depth, device=device)
         state.pipe = pipe
