@@ -103,6 +103,10 @@ class _StagingStart:
         if self._thread is not None:
             self._thread.join()
 
+    def ready(self):
+        """Whether ``take()`` would return at once."""
+        return self._thread is None or not self._thread.is_alive()
+
     def take(self):
         self._join()
         buf, error, self._buf, self._error = self._buf, self._error, None, None
@@ -323,11 +327,12 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
         plan, run_list = start.plan, start.runs
         threads = reader_threads(threads)
         depth = slot_count(plan, io_depth, threads)
-        # torch's CUDA (in a fresh process, its start) and the tensors'
-        # blocks, while the staging buffer is made.
+        # torch's CUDA (in a fresh process, its start) while the staging
+        # buffer is made; the blocks too if it is still being made (``_place``).
         target.before_copies()
-        blocks = (target.allocate_blocks(run_list, entries, dtypes)
-                  if any(r.block for r in run_list) else {})
+        placed = None
+        if owned and start.staging is not None and not start.staging.ready():
+            placed = _place(target, run_list, entries, dtypes)
         if owned:
             if start.staging is not None:
                 # Given up by the start only once taken: a Ctrl-C while
@@ -346,8 +351,8 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
             pipe.close()
         state.staging_kind = buf.kind if buf is not None else None
         state.threads = pipe.n_threads
-        _start(pipe, handles, target, entries, dtypes, run_list, blocks)
-        del blocks                  # the views hold them now
+        _start(pipe, handles, target, entries, dtypes, run_list, placed)
+        placed = None               # handles hold the views now
         runtime = buf.runtime if buf is not None else None
         yield from _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime)
         state.finished = True
@@ -360,22 +365,42 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
         if pipe is not None:
             pipe.close()           # stop, join: no copy in flight into what we free next
         handles.clear()
+        placed = None               # views not handed out (a failure before _start)
         _abandon(state)            # a buffer still being made when the load failed
         if owned and buf is not None:
             _staging_pool.give(device, buf)     # kept for the next load, or closed
         checkpoint.close()         # only now: no reader can use a reused fd number
 
 
-def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
+def _place(target, run_list, entries, dtypes):
+    """``{run index: [(handle, address), ...]}``: each block run's block
+    allocated and its tensors placed in it as views (a block torch cannot
+    allocate is left out: its tensors get their own allocations).
+
+    All before the first copy: a cudaMalloc made while copies run cost more
+    than one made before (``_target.allocate_blocks``).  Where the load's
+    staging buffer is still being made (a fresh one: 7-10 ms for 128 MiB on
+    the H200 host) this runs while the loading thread would wait for it;
+    otherwise (a kept or passed buffer) just after the readers start, while
+    they fill the first slots, as the copies wait for the addresses anyway.
+    1.5 ms for the MoE shard's block there, 1 ms to place its 1,188 views."""
+    if not any(r.block for r in run_list):
+        return {}
+    blocks = target.allocate_blocks(run_list, entries, dtypes)
+    return {r: target.place(run_list[r], block, entries, dtypes) for r, block in blocks.items()}
+
+
+def _start(pipe, handles, target, entries, dtypes, run_list, placed):
     """Starts the pipeline, then hands it every tensor's address in reading
-    order: views of a block at once (``blocks``: allocated before), tensors
-    of their own as they are allocated, while the threads already read, in
-    batches: a thread waits only for the tensors of its own chunk.  1,188
-    tensors of a MoE shard took 26 ms to allocate one by one on the H200
-    host, a third of the 76 ms their bytes take to load; before, every byte
-    waited for the last allocation.  The threads also fill their slots
-    while torch reserves those tensors' memory (``reserve``: one cudaMalloc
-    of their size, ~4 ms for 3.6 GB there).
+    order: views of a block at once (``placed``: ``_place``'s, made before,
+    or None to make them now), tensors of their own as they are allocated,
+    while the threads already read, in batches: a thread waits only for the
+    tensors of its own chunk.  1,188 tensors of a MoE shard took 26 ms to
+    allocate one by one on the H200 host, a third of the 76 ms their bytes
+    take to load; before, every byte waited for the last allocation.  The
+    threads also fill their slots while torch reserves those tensors'
+    memory (``reserve``: one cudaMalloc of their size, ~4 ms for 3.6 GB
+    there).
 
     (``before_copies`` ran first: allocating queues no GPU work, so every
     block handed out here was freed by work that has finished; where it
@@ -384,13 +409,15 @@ def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
     try:
         with _gc.paused():
             pipe.start([], more=True)
-            target.reserve([entries[k][1] for r, run in enumerate(run_list) if r not in blocks
+            if placed is None:
+                placed = _place(target, run_list, entries, dtypes)
+            target.reserve([entries[k][1] for r, run in enumerate(run_list) if r not in placed
                             for k in range(run.first, run.stop)])
             ptrs, batch = [], _FIRST_BATCH
             for r, run in enumerate(run_list):
-                block = blocks.get(r)
-                if block is not None:
-                    for handle, ptr in target.place(run, block, entries, dtypes):
+                views = placed.get(r)
+                if views is not None:
+                    for handle, ptr in views:
                         handles.append(handle)
                         ptrs.append(ptr)
                 else:
