@@ -483,6 +483,30 @@ def test_torch_views_under_inference_mode_and_no_grad(tmp_path, views_on_the_cpu
         assert torch.equal(param.detach().view(torch.int16), tensors[first].view(torch.int16))
 
 
+def test_the_staging_buffer_is_made_on_the_loads_device(monkeypatch):
+    # A load to device 1 registers its buffer with device 1 current in the
+    # making thread, not device 0 (a new thread's): no context on a GPU the
+    # process may never use.
+    import instant_staging.runtime as runtime_module
+    rt = SimulatedRuntime(device_count=2)
+    current = []
+
+    def make_staging(size, segment):
+        current.append(rt.get_device())
+        return ist.StagingBuffer(size, runtime=rt, segment_size=segment, prefault_threads=0)
+    monkeypatch.setattr(runtime_module, "default_runtime", lambda: rt)
+    monkeypatch.setattr(_staging_pool, "_make", make_staging)
+    empty_cache()
+    start = _run._StagingStart(1, 1 << 20, 1 << 16)
+    buf = start.take()
+    try:
+        assert current == [(0, 1)]
+        assert ("set_device", 1, 0) in rt.calls
+    finally:
+        buf.close()
+    assert rt.live_registrations == 0
+
+
 def test_interpreter_exit_while_the_staging_buffer_is_made():
     # The making thread is not a daemon: the exit waits for it (a bounded
     # call), then the staging module's exit hook releases the buffer no load

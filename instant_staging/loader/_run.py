@@ -94,6 +94,7 @@ class _StagingStart:
 
     def _make(self, device, size, slot_bytes):
         try:
+            _use_device(device)
             self._buf = _staging_pool.own(device, size, slot_bytes)
         except BaseException as e:      # raised by take(), in the load's thread
             self._error = e
@@ -121,6 +122,20 @@ class _StagingStart:
             _staging_pool.give(self._device, buf)
         # (a forked child's copy goes with the object: StagingBuffer's
         # release in a child only drops the child's mapping)
+
+
+def _use_device(device):
+    """Makes ``device`` this thread's current device (the staging thread's
+    own, so no caller's current device changes).  A registration belongs to
+    the context of the thread's current device, and a new thread's is device
+    0: without this a load to cuda:1 created device 0's context in a process
+    that may never use it (a vLLM worker of rank 1 sees every GPU and sets
+    its own), which costs that GPU hundreds of MiB and the load the time to
+    create it.  The memory is pinned for every device either way (on a UVA
+    host cudaHostRegisterDefault is portable).  A failure is left to the
+    registration, which reports its own."""
+    from ..runtime import default_runtime
+    default_runtime().set_device(device)
 
 
 def fault_plan(staging):
