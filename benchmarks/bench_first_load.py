@@ -500,10 +500,17 @@ def versions():
 
 
 def commit():
+    """HEAD's short hash, with "+changes" where tracked files differ from it
+    (a run of an uncommitted tree once recorded the commit below it)."""
     import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
     try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
+        head = git("rev-parse", "--short", "HEAD")
+        return (head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+                if head else None)
     except Exception:
         return None
 
