@@ -507,6 +507,29 @@ def test_the_staging_buffer_is_made_on_the_loads_device(monkeypatch):
     assert rt.live_registrations == 0
 
 
+def test_a_load_dropped_by_the_collector_on_the_making_thread_gives_the_buffer_back(sim_pool,
+                                                                                   monkeypatch):
+    # The garbage collector may run a dropped load's close (abandon) on the
+    # thread that makes its buffer, inside the making: a thread cannot join
+    # itself, so the buffer, once made, goes to the pool from there.
+    state, made = sim_pool
+    rt = state["rt"]
+    holder = []
+    real_make = _staging_pool._make
+
+    def make_then_collected(size, segment):
+        holder[0].abandon()         # as a __del__ run by the collector here would
+        return real_make(size, segment)
+    monkeypatch.setattr(_staging_pool, "_make", make_then_collected)
+    holder.append(_run._StagingStart.__new__(_run._StagingStart))
+    holder[0].__init__(0, 1 << 20, 1 << 16)        # starts the thread: holder[0] is there
+    holder[0]._thread.join(10)
+    assert not holder[0]._thread.is_alive()
+    assert len(made) == 1 and _staging_pool.kept() == {0: made[0]}
+    empty_cache()
+    assert rt.live_registrations == 0
+
+
 def test_interpreter_exit_while_the_staging_buffer_is_made():
     # The making thread is not a daemon: the exit waits for it (a bounded
     # call), then the staging module's exit hook releases the buffer no load

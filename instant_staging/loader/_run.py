@@ -81,10 +81,11 @@ class _StagingStart:
     def __init__(self, device, size, slot_bytes):
         self._device, self._pid = device, os.getpid()
         self._buf = self._error = None
+        self._abandoned = False
         # Not a daemon: an exit waits for the (bounded) making, and the
         # staging module's exit hook then releases the buffer; a daemon
         # would be dropped inside the runtime's calls.
-        self._thread = threading.Thread(target=self._make, args=(device, size, slot_bytes),
+        self._thread = threading.Thread(target=self._run, args=(device, size, slot_bytes),
                                         name="instant_staging-staging")
         try:
             self._thread.start()
@@ -92,9 +93,14 @@ class _StagingStart:
             self._thread = None
             self._make(device, size, slot_bytes)
 
+    def _run(self, device, size, slot_bytes):
+        _use_device(device)             # this thread's own: no caller's device changes
+        self._make(device, size, slot_bytes)
+        if self._abandoned:
+            self._give_back()
+
     def _make(self, device, size, slot_bytes):
         try:
-            _use_device(device)
             self._buf = _staging_pool.own(device, size, slot_bytes)
         except BaseException as e:      # raised by take(), in the load's thread
             self._error = e
@@ -116,7 +122,16 @@ class _StagingStart:
         return buf
 
     def abandon(self):
+        if self._thread is threading.current_thread():
+            # The garbage collector ran a dropped load's close on this very
+            # thread, inside the making (a thread cannot join itself): the
+            # end of _run gives the buffer back.
+            self._abandoned = True
+            return
         self._join()
+        self._give_back()
+
+    def _give_back(self):
         buf, self._buf, self._error = self._buf, None, None
         if buf is not None and os.getpid() == self._pid:
             _staging_pool.give(self._device, buf)
