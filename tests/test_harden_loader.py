@@ -180,6 +180,10 @@ def test_ctrl_c_during_a_load_stops_it_and_frees_everything():
         import instant_staging as ist
         from instant_staging.loader import iter_load
         from instant_staging.testing import SimulatedRuntime
+        # Python makes SIGINT a KeyboardInterrupt only where the parent did
+        # not ignore it; a job started with & by a non-interactive shell (a
+        # CI runner's) ignores it, and this child would inherit that.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         d = tempfile.mkdtemp()
         p = os.path.join(d, "m.safetensors")
         save_file({f"t{i}": torch.full((1 << 18,), i, dtype=torch.int32) for i in range(64)}, p)
