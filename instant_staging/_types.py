@@ -1,6 +1,7 @@
 """The public value types of the state machine: Kind, Attempt and the errors."""
 
 import enum
+import math
 from typing import NamedTuple, Optional
 
 
@@ -134,6 +135,8 @@ def parse_size(text) -> int:
         value = float(s) if "." in s else int(s, 10)
     except ValueError:
         raise ValueError(f"not a size: {text!r} (use bytes or a KiB/MiB/GiB suffix)") from None
+    if not math.isfinite(value * scale):      # "1.e999": int() of inf would raise OverflowError
+        raise ValueError(f"not a size: {text!r} (beyond any number of bytes)")
     result = int(value * scale)
     if result != value * scale or result < 0:
         raise ValueError(f"not a whole, non-negative number of bytes: {text!r}")

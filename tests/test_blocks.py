@@ -530,6 +530,85 @@ def test_a_load_dropped_by_the_collector_on_the_making_thread_gives_the_buffer_b
     assert rt.live_registrations == 0
 
 
+def test_ctrl_c_while_next_waits_for_the_buffer_keeps_the_making_thread_waited_for():
+    # A Ctrl-C (here SIGALRM raising it) lands while next() waits for the
+    # buffer being made: the buffer once made goes to the pool; and an exit
+    # that follows such an interrupt waits for the making, then releases it
+    # (an interrupted Thread.join() marked the running thread stopped, and
+    # the exit finalized the interpreter inside its registration).
+    r = run_slow_start("""
+        import atexit, signal, threading
+        state = {}
+        atexit.register(lambda: print(
+            "exit: made", sum(c[0] == "host_register" and c[-1] == 0 for c in state["rt"].calls),
+            "live", state["rt"].live_registrations, flush=True))
+        def interrupt(*args):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGALRM, interrupt)
+    """, """
+        making = [t for t in threading.enumerate() if t.name == "instant_staging-staging"]
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        try:
+            next(it)
+        except KeyboardInterrupt:
+            pass
+        making[0].join(10)
+        print("kept", len(_staging_pool.kept()), flush=True)
+        empty_cache()
+        second = _run._StagingStart(0, 1 << 20, 1 << 16)
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        try:
+            second.take()           # interrupted; the program then ends
+        except KeyboardInterrupt:
+            print("interrupted again", flush=True)
+    """, sleep=0.5)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # kept: pooled once made; the exit waited for the second making (made 2)
+    # and released both (live 0)
+    assert r.stdout.split() == ["kept", "1", "interrupted", "again",
+                                "exit:", "made", "2", "live", "0"], (r.stdout, r.stderr[-2000:])
+
+
+def test_no_allocation_under_the_pools_lock(sim_pool, monkeypatch):
+    # A collection that runs while the pool's lock is held (any allocation
+    # of a tracked object may start one) would deadlock when a finalizer
+    # gives a buffer back: with every allocation collecting, none runs there.
+    import threading
+    state, _ = sim_pool
+    rt = state["rt"]
+    held_during_collection = []
+    lock = threading.Lock()
+
+    class Watched:
+        def __enter__(self):
+            lock.acquire()
+
+        def __exit__(self, *exc):
+            lock.release()
+    monkeypatch.setattr(_staging_pool, "_lock", Watched())
+
+    def watch(phase, info):
+        if phase == "start":
+            held_during_collection.append(lock.locked())
+    bufs = [ist.StagingBuffer(1 << 16, runtime=rt, prefault_threads=0) for _ in range(3)]
+    threshold = gc.get_threshold()
+    gc.callbacks.append(watch)
+    gc.set_threshold(1)
+    try:
+        _staging_pool.give(0, bufs[0])
+        _staging_pool.give(1, bufs[1])
+        _staging_pool.kept()
+        taken = _staging_pool.take(0, 1 << 16, 1, lambda: bufs[2])
+        _staging_pool.give(0, taken)
+        empty_cache()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(watch)
+    assert held_during_collection and not any(held_during_collection)
+    bufs[2].close()
+    assert rt.live_registrations == 0
+
+
 def test_interpreter_exit_while_the_staging_buffer_is_made():
     # The making thread is not a daemon: the exit waits for it (a bounded
     # call), then the staging module's exit hook releases the buffer no load

@@ -63,6 +63,21 @@ def test_user_errors_are_one_line_exit_2(model, args, words):
     assert len(proc.stderr.strip().splitlines()) == 1 and words in proc.stderr
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--chunk-size", "1.e999"], "not a size"), (["--staging-size", "1.e999"], "not a size"),
+    (["--device", "foo"], "--device"), (["--device", "mps"], "--device"),
+    (["--device", "cuda:x"], "--device"),
+])
+def test_sizes_beyond_any_number_and_unknown_devices_are_one_line_exit_2(model, args, words):
+    # "1.e999" is a float infinity (int() of it raised OverflowError, a
+    # traceback); a device of no kind we load to was found only after the
+    # staging buffer was made.
+    proc = cli("load", model, *args)
+    no_traceback(proc)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and words in proc.stderr, proc.stderr
+
+
 def test_missing_file_and_bad_command_are_one_line_exit_2(tmp_path):
     for args in (["load", str(tmp_path / "nope.safetensors")], ["frobnicate"],
                  ["probe", "--faults", "read=EBOGUS"]):

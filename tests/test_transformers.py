@@ -13,6 +13,7 @@ attn_implementation, trust_remote_code, a config without architectures)
 against transformers given the same, and the errors.
 """
 
+import gc
 import json
 import os
 import shutil
@@ -148,6 +149,57 @@ def test_same_model_with_dtype(tmp_path, arch, dtype):
     assert_same_model(from_pretrained(path, device="cpu", dtype=dtype), ref)
     # torch_dtype, transformers' older name, is an alias
     assert_same_model(from_pretrained(path, device="cpu", torch_dtype=dtype), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_converted_weights_do_not_outlive_their_conversion(tmp_path, monkeypatch, dtype):
+    # transformers keeps only its converted copy; the loaded tensor must not
+    # stay alive beside the model until from_pretrained returns (2x the
+    # checkpoint on the device for fp16 loaded as bf16).
+    import weakref
+    path, cls = save(tmp_path, "llama", sharded=True)
+    cls.from_pretrained(path).half().save_pretrained(tmp_path / "fp16", max_shard_size="24KB")
+    handed, alive_at_end = [], []
+    real_wait, real_finish = integration._BackgroundLoad.wait, integration._BackgroundLoad.finish
+
+    def wait(self, name):
+        tensor = real_wait(self, name)
+        handed.append(weakref.ref(tensor))
+        return tensor
+
+    def finish(self):               # transformers' from_pretrained has returned
+        gc.collect()
+        alive_at_end.append(sum(r() is not None for r in handed))
+        return real_finish(self)
+    monkeypatch.setattr(integration._BackgroundLoad, "wait", wait)
+    monkeypatch.setattr(integration._BackgroundLoad, "finish", finish)
+    model = from_pretrained(tmp_path / "fp16", device="cpu", dtype=dtype)
+    assert handed and alive_at_end == [0]
+    assert_same_model(model, AUTO.from_pretrained(tmp_path / "fp16", dtype=dtype))
+
+
+@pytest.mark.parametrize("case", ["single-over-sharded", "sharded-over-single", "variant-beside"])
+def test_the_weights_transformers_reads_in_a_mixed_directory(tmp_path, case):
+    # transformers' own saves leave both forms behind, and hub repos hold
+    # variants: we read the files transformers reads (model.safetensors
+    # first, then the index), so the model is its model.
+    config, cls = configs()["llama"]
+    path = tmp_path / "mixed"
+    torch.manual_seed(1)
+    first = cls(config)
+    torch.manual_seed(2)
+    second = cls(config)
+    if case == "single-over-sharded":        # the index and its shards stay
+        first.save_pretrained(path, max_shard_size="24KB")
+        second.save_pretrained(path)
+    elif case == "sharded-over-single":      # model.safetensors stays
+        first.save_pretrained(path)
+        second.save_pretrained(path, max_shard_size="24KB")
+    else:
+        first.save_pretrained(path)
+        second.half().save_pretrained(path, variant="fp16")
+    assert (path / "model.safetensors").is_file()
+    assert_same_model(from_pretrained(path, device="cpu"), AUTO.from_pretrained(path))
 
 
 def test_dtype_auto_takes_the_config_dtype(tmp_path):

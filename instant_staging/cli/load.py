@@ -38,6 +38,19 @@ def staging_size(chunk_size, io_depth, data_bytes=None):
     return chunk_size * io_depth
 
 
+def device_error(device):
+    """The usage error of ``--device`` (one line), or None: a name torch
+    cannot parse, or one of a kind this loader does not load to."""
+    import torch
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        return f"--device {device!r} is not a device ({e}): 'cpu' or 'cuda:N'"
+    if parsed.type not in ("cpu", "cuda"):
+        return f"--device must be 'cpu' or 'cuda:N' (a CUDA or ROCm GPU), not {device!r}"
+    return None
+
+
 def _check_device(device):
     # Before any allocation, and in plain words (torch's own is an
     # AssertionError deep inside the first allocation).
@@ -45,6 +58,9 @@ def _check_device(device):
     if not torch.cuda.is_available():
         raise NoDevice(f"cannot load to {device}: torch {torch.__version__} sees no GPU "
                        "(torch.cuda.is_available() is False); --device cpu loads to memory")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise NoDevice(f"cannot load to {device}: torch sees {torch.cuda.device_count()} GPU(s)")
 
 
 def _synchronize(device):

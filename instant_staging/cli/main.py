@@ -218,6 +218,12 @@ def run_load(args, parser):
         parser.error(str(e))
     if args.staging_size is not None and args.staging_size < chunk_size:
         parser.error("--staging-size must hold at least one chunk of --chunk-size")
+    try:
+        bad_device = load_cmd.device_error(args.device)
+    except ImportError:         # no torch: the load says so (exit 1)
+        bad_device = None
+    if bad_device:
+        parser.error(bad_device)
     tty = sys.stderr.isatty()
     progress = load_cmd.Progress(sys.stderr, bar=tty, quiet=args.json)
     try:

@@ -20,7 +20,8 @@ reading is ours; everything else is transformers' own machinery:
    ``architectures``, the one ``AutoModelForCausalLM`` maps its type to (as
    the Auto class does).  An Auto class as ``model_class`` is resolved the
    same way.
-3. ``iter_load(model_dir, device)`` reads every tensor in the file's dtype
+3. ``iter_load(weights, device)`` (``_weights``: the files transformers
+   would read there) reads every tensor in the file's dtype
    onto the device (one read of each byte, no host copy), in a thread of
    its own (``_BackgroundLoad``), while
 4. ``cls.from_pretrained(None, config=..., state_dict=..., dtype=...,
@@ -66,6 +67,7 @@ import os
 import threading
 import time
 import traceback
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from ..loader._load import iter_load, load_file
@@ -166,7 +168,7 @@ def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dty
     t0 = time.perf_counter()
     if "quantization_config" in passed or getattr(config, "quantization_config", None) is not None:
         # Quantizers read tensors in ways of their own: hand them real ones.
-        state = load_file(model_dir, device)
+        state = load_file(_weights(model_dir), device)
         try:
             with _no_allocator_warmup(transformers):
                 model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
@@ -192,7 +194,7 @@ def _assemble_while_reading(transformers, cls, model_dir, device, kwargs):
     being read (``_Arriving``): it builds the model on meta while the load
     runs, and takes each tensor as it arrives.  A failed read raises its
     LoadError (transformers would log it as a conversion error and go on)."""
-    load = _BackgroundLoad(model_dir, device)
+    load = _BackgroundLoad(_weights(model_dir), device)
     model = info = None
     try:
         state = {name: _Arriving(load, name, shape, dtype) for name, (shape, dtype) in load.layout.items()}
@@ -206,7 +208,7 @@ def _assemble_while_reading(transformers, cls, model_dir, device, kwargs):
         model = info = state = None
         # The traceback's frames would keep the tensors read so far alive.
         traceback.clear_frames(e.__traceback__)
-        if failed is not None and e is not failed:
+        if failed is not None and e is not failed and not isinstance(e, KeyboardInterrupt):
             raise failed from None
         raise
     return model, info
@@ -222,6 +224,11 @@ class _BackgroundLoad:
         self.layout = _layout(paths)
         self.error = None
         self._tensors = {}
+        # Handed out once (wait() drops ours): where transformers converts a
+        # tensor (dtype=) it keeps only its copy, and ours would otherwise
+        # stay on the device beside the model until the call ends (2x an fp16
+        # checkpoint loaded as bf16).  A second ask gets it while it lives.
+        self._handed = {}
         self._done = False
         self._cond = threading.Condition()
         self._it = iter_load(source, device)
@@ -247,18 +254,27 @@ class _BackgroundLoad:
     def wait(self, name):
         with self._cond:
             while name not in self._tensors:
+                handed = self._handed.get(name)
+                tensor = handed() if handed is not None else None
+                if tensor is not None:
+                    return tensor
+                if handed is not None:
+                    raise RuntimeError(f"{name} was asked for again after transformers dropped it")
                 if self.error is not None:
                     raise self.error
                 if self._done:
                     raise KeyError(f"{name} was not loaded")
                 self._cond.wait()
-            return self._tensors[name]
+            tensor = self._tensors.pop(name)
+            self._handed[name] = weakref.ref(tensor)
+            return tensor
 
     def finish(self):
         """Waits for the load; raises its error; drops our references."""
         self._thread.join()
         with self._cond:
             self._tensors.clear()
+            self._handed.clear()
         if self.error is not None:
             raise self.error
 
@@ -269,6 +285,7 @@ class _BackgroundLoad:
         self._thread.join()
         with self._cond:
             self._tensors.clear()
+            self._handed.clear()
 
 
 class _Arriving:
@@ -312,6 +329,22 @@ def _check_kwargs(kwargs):
                         "device, device_map, dtype, torch_dtype, model_class, revision, trust_remote_code, "
                         "cache_dir, token, local_files_only, " + ", ".join(PASSED_THROUGH))
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _weights(model_dir):
+    """The weights transformers' from_pretrained reads in ``model_dir``:
+    model.safetensors where it is a file, else the shards
+    model.safetensors.index.json lists, else (beyond transformers) every
+    *.safetensors there.  transformers' own saves leave both behind (a
+    one-file save over a sharded one keeps the index, and the other way
+    round the old file), and a hub repo may hold a variant
+    (model.fp16.safetensors) beside them: loading the directory as
+    ``load_file`` does read the other set, or both."""
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            return path
+    return model_dir
 
 
 def _local_dir(model_dir, *, revision, cache_dir, token, local_files_only):

@@ -24,10 +24,10 @@ class _Checkpoint:
                     self._open(os.fspath(path))
             self.entries = [(i, t) for i, h in enumerate(self.headers) for t in h.tensors]
             self._check_duplicates()
-        except BaseException:
+            self.total_bytes = sum(t.nbytes for _, t in self.entries)
+        except BaseException:           # a Ctrl-C too: nobody else holds the fds yet
             self.close()
             raise
-        self.total_bytes = sum(t.nbytes for _, t in self.entries)
 
     def _open(self, path):
         try:

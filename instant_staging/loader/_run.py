@@ -76,12 +76,18 @@ class _StagingStart:
 
     ``take()`` waits for it and hands it over (or raises its error);
     ``abandon()``, for a load that ends before taking it, waits for it and
-    gives it to ``_staging_pool``.  Exactly one of the two is called."""
+    gives it to ``_staging_pool``.  Exactly one of the two is called.
+
+    They wait on an event the thread sets, never with ``Thread.join()``: a
+    Ctrl-C that interrupts a join makes CPython 3.11 mark the thread stopped
+    while it runs (bpo-45274's handling), and the exit then no longer waits
+    for it, finalizing the interpreter inside its registration."""
 
     def __init__(self, device, size, slot_bytes):
         self._device, self._pid = device, os.getpid()
         self._buf = self._error = None
         self._abandoned = False
+        self._made = threading.Event()
         # Not a daemon: an exit waits for the (bounded) making, and the
         # staging module's exit hook then releases the buffer; a daemon
         # would be dropped inside the runtime's calls.
@@ -92,12 +98,20 @@ class _StagingStart:
         except RuntimeError:            # no thread to be had: make it here
             self._thread = None
             self._make(device, size, slot_bytes)
+            self._made.set()
+            error = self._error
+            if error is not None and not isinstance(error, Exception):
+                self._error = None
+                raise error from None   # a Ctrl-C in the caller's own thread is its own
 
     def _run(self, device, size, slot_bytes):
-        _use_device(device)             # this thread's own: no caller's device changes
-        self._make(device, size, slot_bytes)
-        if self._abandoned:
-            self._give_back()
+        try:
+            _use_device(device)         # this thread's own: no caller's device changes
+            self._make(device, size, slot_bytes)
+        finally:
+            self._made.set()
+            if self._abandoned:
+                self._give_back()
 
     def _make(self, device, size, slot_bytes):
         try:
@@ -105,30 +119,36 @@ class _StagingStart:
         except BaseException as e:      # raised by take(), in the load's thread
             self._error = e
 
-    def _join(self):
-        # In a forked child the thread is not there: join() returns at once.
-        if self._thread is not None:
-            self._thread.join()
+    def _wait(self):
+        # In a forked child the thread is not there (and the event may never
+        # be set): nothing to wait for.
+        if os.getpid() == self._pid:
+            self._made.wait()
 
     def ready(self):
         """Whether ``take()`` would return at once."""
-        return self._thread is None or not self._thread.is_alive()
+        return self._made.is_set() or os.getpid() != self._pid
 
     def take(self):
-        self._join()
+        self._wait()
         buf, error, self._buf, self._error = self._buf, self._error, None, None
         if error is not None:
             raise error
+        if buf is None:
+            raise LoadError("the staging buffer's thread ended without a buffer or an error")
         return buf
 
     def abandon(self):
         if self._thread is threading.current_thread():
             # The garbage collector ran a dropped load's close on this very
-            # thread, inside the making (a thread cannot join itself): the
-            # end of _run gives the buffer back.
-            self._abandoned = True
+            # thread (a thread cannot wait for itself): inside the making,
+            # the end of _run gives the buffer back; after it, here.
+            if self._made.is_set():
+                self._give_back()
+            else:
+                self._abandoned = True
             return
-        self._join()
+        self._wait()
         self._give_back()
 
     def _give_back(self):
@@ -150,7 +170,10 @@ def _use_device(device):
     host cudaHostRegisterDefault is portable).  A failure is left to the
     registration, which reports its own."""
     from ..runtime import default_runtime
-    default_runtime().set_device(device)
+    try:
+        default_runtime().set_device(device)
+    except Exception:           # no runtime to be had: making the buffer says why
+        pass
 
 
 def fault_plan(staging):

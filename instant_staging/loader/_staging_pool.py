@@ -36,6 +36,10 @@ from .._types import format_size
 from ..defaults import KEEP_STAGING_MAX, reader_threads, staging_segment_size
 from ._options import keep_staging
 
+# Nothing that the garbage collector tracks is allocated while _lock is
+# held: such an allocation may run a collection, whose finalizers (a
+# dropped load's close) give buffers back here, taking _lock on the same
+# thread, and a plain lock would wait for itself forever.
 _lock = threading.Lock()
 _kept = {}      # device index -> StagingBuffer, none held by a load
 
@@ -111,17 +115,20 @@ def empty_cache() -> None:
     """Closes the staging buffers kept for later loads (``load_file`` keeps
     the one it made, per device, unless INSTANT_STAGING_KEEP_STAGING=0).
     Loads running now keep theirs."""
+    global _kept
+    fresh = {}
     with _lock:
-        bufs = list(_kept.values())
-        _kept.clear()
-    for buf in bufs:
+        bufs, _kept = _kept, fresh
+    for buf in bufs.values():
         _close(buf)
 
 
 def kept() -> dict:
     """``{device: StagingBuffer}`` kept now (for tests and benchmarks)."""
+    out = {}
     with _lock:
-        return dict(_kept)
+        out.update(_kept)
+    return out
 
 
 def _close(buf):
