@@ -363,6 +363,17 @@ it = _run.LoadIterator(ck, target, dtypes, start=start, **opts)
 """
 
 
+# Registered before instant_staging is imported, so it runs after the
+# staging module's exit hook: the buffers made, and those still registered.
+EXIT_REPORT = """
+import atexit
+state = {}
+atexit.register(lambda: print(
+    "made", sum(c[0] == "host_register" and c[-1] == 0 for c in state["rt"].calls),
+    "live", state["rt"].live_registrations, flush=True))
+"""
+
+
 def run_slow_start(before, after, sleep):
     """Runs ``before`` + SLOW_START + ``after`` in a child (dedented)."""
     tests = os.path.dirname(os.path.abspath(__file__))
@@ -536,16 +547,12 @@ def test_ctrl_c_while_next_waits_for_the_buffer_keeps_the_making_thread_waited_f
     # that follows such an interrupt waits for the making, then releases it
     # (an interrupted Thread.join() marked the running thread stopped, and
     # the exit finalized the interpreter inside its registration).
-    r = run_slow_start("""
-        import atexit, signal, threading
-        state = {}
-        atexit.register(lambda: print(
-            "exit: made", sum(c[0] == "host_register" and c[-1] == 0 for c in state["rt"].calls),
-            "live", state["rt"].live_registrations, flush=True))
+    r = run_slow_start(EXIT_REPORT + textwrap.dedent("""
+        import signal, threading
         def interrupt(*args):
             raise KeyboardInterrupt
         signal.signal(signal.SIGALRM, interrupt)
-    """, """
+    """), """
         making = [t for t in threading.enumerate() if t.name == "instant_staging-staging"]
         signal.setitimer(signal.ITIMER_REAL, 0.1)
         try:
@@ -566,7 +573,7 @@ def test_ctrl_c_while_next_waits_for_the_buffer_keeps_the_making_thread_waited_f
     # kept: pooled once made; the exit waited for the second making (made 2)
     # and released both (live 0)
     assert r.stdout.split() == ["kept", "1", "interrupted", "again",
-                                "exit:", "made", "2", "live", "0"], (r.stdout, r.stderr[-2000:])
+                                "made", "2", "live", "0"], (r.stdout, r.stderr[-2000:])
 
 
 def test_no_allocation_under_the_pools_lock(sim_pool, monkeypatch):
@@ -614,13 +621,7 @@ def test_interpreter_exit_while_the_staging_buffer_is_made():
     # call), then the staging module's exit hook releases the buffer no load
     # took.  A check registered before instant_staging is imported runs after
     # that hook.
-    r = run_slow_start("""
-        import atexit
-        state = {}
-        atexit.register(lambda: print(
-            "made", sum(c[0] == "host_register" and c[-1] == 0 for c in state["rt"].calls),
-            "live", state["rt"].live_registrations, flush=True))
-    """, """
+    r = run_slow_start(EXIT_REPORT, """
         print("exiting", flush=True)       # it: never iterated
     """, sleep=0.3)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -29,8 +29,10 @@ Who owns what, at each moment:
   the readers, so no reader can ever read a reused descriptor number;
 - a staging buffer being made belongs to the load's ``_StagingStart``
   (its thread, then the start itself) until the load takes it; a load
-  that ends before that (an error, a close, Ctrl-C) joins the thread and
-  gives the buffer to ``_staging_pool`` (a forked child drops its copy);
+  that ends before that (an error, a close, Ctrl-C) waits for the making
+  and gives the buffer to ``_staging_pool`` (a forked child drops its
+  copy; a load dropped by the collector on the making thread leaves that
+  to the thread);
 - the staging buffer is held by the Pipeline from its construction until
   its threads are joined (``StagingBuffer.close()`` raises meanwhile); a
   buffer the load made itself (or took from an earlier load) then goes
