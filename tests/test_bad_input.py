@@ -317,3 +317,28 @@ def test_edge_spans_are_accepted():
         assert buf.spans(0, 0) == [] and buf.spans(SIZE) == [] and buf.spans(SIZE, 0) == []
         assert buf.spans(SIZE - 1, 1) == [(buf.ptr + SIZE - 1, 1)]
         assert buf.spans() == [(buf.ptr, SIZE)]
+
+
+def test_a_fifo_or_a_device_is_an_error_not_a_wait(tmp_path):
+    # Opening a FIFO for reading waits for a writer: load_file and safe_open
+    # waited forever.  Now they refuse whatever is not a regular file, and
+    # leave no descriptor open.
+    import os
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    out = run_child(f"""
+        import os
+        from instant_staging.loader import SafetensorsError, load_file, safe_open
+        fds = len(os.listdir("/proc/self/fd"))
+        for call in (lambda: load_file({str(fifo)!r}), lambda: safe_open({str(fifo)!r}, "pt"),
+                     lambda: load_file("/dev/zero")):
+            try:
+                call()
+            except SafetensorsError as e:
+                assert "not a regular file" in str(e), e
+            else:
+                raise SystemExit("no error")
+        assert len(os.listdir("/proc/self/fd")) == fds
+        print("ok")
+    """, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -78,6 +78,19 @@ def test_sizes_beyond_any_number_and_unknown_devices_are_one_line_exit_2(model, 
     assert len(proc.stderr.strip().splitlines()) == 1 and words in proc.stderr, proc.stderr
 
 
+def test_a_fifo_and_a_bad_fault_spec_are_one_line_exit_2(model, tmp_path):
+    import os
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    proc = cli("load", "--device", "cpu", str(fifo))
+    no_traceback(proc)
+    assert proc.returncode == 2 and "not a regular file" in proc.stderr, proc.stderr
+    proc = cli("load", "--device", "cpu", model, env={"INSTANT_STAGING_FAULTS": "garbage"})
+    no_traceback(proc)
+    assert proc.returncode == 2 and "INSTANT_STAGING_FAULTS" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_missing_file_and_bad_command_are_one_line_exit_2(tmp_path):
     for args in (["load", str(tmp_path / "nope.safetensors")], ["frobnicate"],
                  ["probe", "--faults", "read=EBOGUS"]):

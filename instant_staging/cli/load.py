@@ -110,6 +110,8 @@ def sources(args):
         paths = resolve(arg).paths
         for path in paths:
             if not os.path.isfile(path):
+                if os.path.exists(path):        # a FIFO, a device: reads that need not end
+                    raise ValueError(f"not a regular file: {path}")
                 raise FileNotFoundError(f"no such file: {path}")
             if any(os.path.samefile(path, p) for p in shards):
                 raise ValueError(f"{path} is given twice (SOURCE {arg} names it again)")

@@ -199,6 +199,7 @@ def run_doctor(args, parser):
 
 def run_load(args, parser):
     from . import load as load_cmd
+    from . import probe
     try:
         try:
             source = load_cmd.sources(args.sources)
@@ -207,6 +208,7 @@ def run_load(args, parser):
             # reports it (exit 1)
             source = args.sources[0] if len(args.sources) == 1 else list(args.sources)
         chunk_size, io_depth, threads = knobs(args.chunk_size, args.io_depth, args.threads)
+        probe.env_plan()                # a bad INSTANT_STAGING_FAULTS: as probe, a usage error
         if left_unset(args.chunk_size, args.io_depth, args.threads):
             # As load_file: a checkpoint read from disk gets the cold defaults.
             cold = load_cmd.cold_knobs(source)

@@ -62,7 +62,7 @@ def _plan(faults):
     return FaultPlan.parse(faults)
 
 
-def _env_plan():
+def env_plan():
     from ..faults import FaultPlan
     try:
         return FaultPlan.from_env()
@@ -105,7 +105,7 @@ def select_runtime(*, simulate=False, faults=None, require_gpu=False,
             return None, info
         info["simulated"] = True
     if plan is None:
-        plan = _env_plan()
+        plan = env_plan()
         if plan is not None:
             info["faults"], info["faults_from"] = str(plan), "INSTANT_STAGING_FAULTS"
     from .._simulated import SimulatedRuntime

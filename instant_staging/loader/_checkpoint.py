@@ -6,6 +6,7 @@ code that owns the load once its reader threads have stopped.
 """
 
 import os
+import stat
 
 from ..defaults import COLD_SAMPLES
 from . import _gc
@@ -30,11 +31,18 @@ class _Checkpoint:
             raise
 
     def _open(self, path):
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
+        # writer, forever; only a regular file is read (O_NONBLOCK, which
+        # reads of one ignore, is then cleared).
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise not_found(os.fsdecode(path)) from None
         self.fds.append(fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SafetensorsError("not a regular file (a FIFO, a device or a directory cannot "
+                                   "be a safetensors file)", os.fsdecode(path))
+        os.set_blocking(fd, True)
         self.paths.append(os.fsdecode(path))     # messages and errors name a str
         self.headers.append(read_header(fd, path))
 
