@@ -193,15 +193,19 @@ def test_load_reads_a_cold_checkpoint_with_the_cold_defaults(tmp_path):
     # As load_file: every knob left unset, a checkpoint the page cache lacks.
     import torch
     from safetensors.torch import save_file
-    path = str(tmp_path / "m.safetensors")
-    save_file({f"t{i:02d}": torch.full([64 << 10], float(i)) for i in range(32)}, path)
-    hot = cli_json("load", path, "--device", "cpu")
-    assert (hot["chunk_size"], hot["threads"]) == (ist.defaults.CHUNK_SIZE, None)
-    drop_from_page_cache(path)
-    cold = cli_json("load", path, "--device", "cpu")
-    assert cold["ok"] and cold["tensors"] == 32
-    assert (cold["chunk_size"], cold["threads"]) == (ist.defaults.COLD_CHUNK_SIZE,
-                                                     ist.defaults.COLD_THREADS)
+    for attempt in range(3):        # a fresh file where the host's RWF_NOWAIT misreports
+        path = str(tmp_path / f"m{attempt}.safetensors")    # (test_loader.on_a_cold_file)
+        save_file({f"t{i:02d}": torch.full([64 << 10], float(i)) for i in range(32)}, path)
+        hot = cli_json("load", path, "--device", "cpu")
+        assert (hot["chunk_size"], hot["threads"]) == (ist.defaults.CHUNK_SIZE, None)
+        drop_from_page_cache(path)
+        cold = cli_json("load", path, "--device", "cpu")
+        assert cold["ok"] and cold["tensors"] == 32
+        if (cold["chunk_size"], cold["threads"]) == (ist.defaults.COLD_CHUNK_SIZE,
+                                                     ist.defaults.COLD_THREADS):
+            return
+    raise AssertionError(f"a cold checkpoint was loaded with {cold['chunk_size']} byte chunks "
+                         f"and {cold['threads']} threads, three times")
 
 
 def test_load_help_states_the_defaults_this_host_uses():

@@ -453,21 +453,39 @@ def _cold_file(tmp_path):
     return path, tensors
 
 
+def on_a_cold_file(tmp_path, check, tries=3):
+    """``check(path, tensors)`` on a freshly dropped file, again on a new one
+    where it fails, up to ``tries`` times.  On this CI host's disk (ext4,
+    kernel 6.18) one file in 7-10, dropped and cold by mincore, had every
+    RWF_NOWAIT sample read succeed as if cached: a host's doing, not
+    resident()'s (a resident() that never tells cold still fails)."""
+    for attempt in range(tries):
+        where = tmp_path / f"try{attempt}"
+        where.mkdir()
+        try:
+            return check(*_cold_file(where))
+        except AssertionError:
+            if attempt == tries - 1:
+                raise
+
+
 def test_resident_tells_a_hot_checkpoint_from_a_cold_one(tmp_path, caplog):
-    path, _ = _cold_file(tmp_path)
-    checkpoint = _checkpoint._Checkpoint([path])
-    try:
-        # One probe only: its sample reads start readahead, so a second
-        # one may find those pages cached.
-        with caplog.at_level("INFO", logger="instant_staging"):
-            assert _load._for_cache(checkpoint) == {"chunk_size": ist.defaults.COLD_CHUNK_SIZE,
-                                                    "io_depth": None,
-                                                    "threads": ist.defaults.COLD_THREADS}
-        assert "reading it from disk in 16 MiB pieces with 4 threads" in caplog.text
-        load_file(path)                          # reading it brings it in
-        assert checkpoint.resident() == 1.0 and _load._for_cache(checkpoint) == {}
-    finally:
-        checkpoint.close()
+    def check(path, _):
+        checkpoint = _checkpoint._Checkpoint([path])
+        try:
+            # One probe only: its sample reads start readahead, so a second
+            # one may find those pages cached.
+            caplog.clear()
+            with caplog.at_level("INFO", logger="instant_staging"):
+                assert _load._for_cache(checkpoint) == {"chunk_size": ist.defaults.COLD_CHUNK_SIZE,
+                                                        "io_depth": None,
+                                                        "threads": ist.defaults.COLD_THREADS}
+            assert "reading it from disk in 16 MiB pieces with 4 threads" in caplog.text
+            load_file(path)                          # reading it brings it in
+            assert checkpoint.resident() == 1.0 and _load._for_cache(checkpoint) == {}
+        finally:
+            checkpoint.close()
+    on_a_cold_file(tmp_path, check)
 
 
 def test_resident_cannot_tell_without_rwf_nowait(tmp_path, monkeypatch):
@@ -482,7 +500,6 @@ def test_resident_cannot_tell_without_rwf_nowait(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("knob", [None, "threads", "env"])
 def test_a_cold_load_uses_the_cold_knobs_unless_one_is_set(tmp_path, monkeypatch, knob):
-    path, tensors = _cold_file(tmp_path)
     for name in ("INSTANT_STAGING_CHUNK_SIZE", "INSTANT_STAGING_IO_DEPTH", "INSTANT_STAGING_THREADS"):
         monkeypatch.delenv(name, raising=False)
     # Cold chunks this file has several of, so that the threads are not
@@ -493,11 +510,14 @@ def test_a_cold_load_uses_the_cold_knobs_unless_one_is_set(tmp_path, monkeypatch
         kwargs["threads"] = 3
     elif knob == "env":
         monkeypatch.setenv("INSTANT_STAGING_IO_DEPTH", "6")
-    with iter_load(path, **kwargs) as it:
-        assert_same(dict(it), tensors)
-        expected = {None: ist.defaults.COLD_THREADS, "threads": 3,
-                    "env": min(ist.defaults.reader_threads(), 6)}[knob]     # <= its slots
-        assert it.threads == expected
+
+    def check(path, tensors):
+        with iter_load(path, **kwargs) as it:
+            assert_same(dict(it), tensors)
+            expected = {None: ist.defaults.COLD_THREADS, "threads": 3,
+                        "env": min(ist.defaults.reader_threads(), 6)}[knob]     # <= its slots
+            assert it.threads == expected
+    on_a_cold_file(tmp_path, check)
 
 
 # -- the staging buffer: every kind, reuse, odd segments -----------------------
@@ -715,7 +735,6 @@ def test_safe_open_reads_a_cold_file_with_the_cold_knobs(tmp_path, monkeypatch, 
         monkeypatch.delenv(name, raising=False)
     if knob == "env":
         monkeypatch.setenv("INSTANT_STAGING_THREADS", "3")
-    path, tensors = _cold_file(tmp_path)
     seen = []
     real = _safe_open.LoadIterator
 
@@ -723,8 +742,12 @@ def test_safe_open_reads_a_cold_file_with_the_cold_knobs(tmp_path, monkeypatch, 
         seen.append((kwargs["chunk_size"], kwargs["threads"]))
         return real(*args, **kwargs)
     monkeypatch.setattr(_safe_open, "LoadIterator", spy)
-    with safe_open(path, "pt") as f:
-        name = sorted(tensors)[-1]
-        assert torch.equal(raw_bytes(f.get_tensor(name)), raw_bytes(tensors[name]))
-    _, threads = seen[0]
-    assert threads == (ist.defaults.COLD_THREADS if knob is None else 3)
+
+    def check(path, tensors):
+        seen.clear()
+        with safe_open(path, "pt") as f:
+            name = sorted(tensors)[-1]
+            assert torch.equal(raw_bytes(f.get_tensor(name)), raw_bytes(tensors[name]))
+        _, threads = seen[0]
+        assert threads == (ist.defaults.COLD_THREADS if knob is None else 3)
+    on_a_cold_file(tmp_path, check)
