@@ -39,15 +39,13 @@ def staging_size(chunk_size, io_depth, data_bytes=None):
 
 
 def device_error(device):
-    """The usage error of ``--device`` (one line), or None: a name torch
-    cannot parse, or one of a kind this loader does not load to."""
-    import torch
+    """The usage error of ``--device`` (one line), or None: a name the
+    loader refuses whatever the host (``loader._target.parse_device``)."""
+    from ..loader._target import _import_torch, parse_device
     try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError) as e:
-        return f"--device {device!r} is not a device ({e}): 'cpu' or 'cuda:N'"
-    if parsed.type not in ("cpu", "cuda"):
-        return f"--device must be 'cpu' or 'cuda:N' (a CUDA or ROCm GPU), not {device!r}"
+        parse_device(_import_torch(), device)
+    except ValueError as e:
+        return f"--device: {e}"
     return None
 
 

@@ -201,17 +201,7 @@ def _resolve_device(torch, device):
     torch.device), with its index, once CUDA says it is there: TypeError
     for another type, ValueError naming it for anything torch cannot parse,
     this loader cannot load to, or this host does not have."""
-    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise TypeError(f"device must be 'cpu', 'cuda:N', a GPU index or a torch.device, "
-                        f"not {type(device).__name__} {device!r}")
-    given = device
-    try:
-        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    except (RuntimeError, ValueError, OverflowError) as e:
-        # torch's RuntimeError ("Device string must not be empty") names nothing
-        raise ValueError(f"device {given!r} is not a device: {e}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device ('cuda:N'), not {given!r}")
+    device = parse_device(torch, device)
     if device.type == "cpu":
         return device
     # Checked here, before anything is allocated: without a GPU the first
@@ -224,4 +214,22 @@ def _resolve_device(torch, device):
     if device.index >= torch.cuda.device_count():
         raise ValueError(f"device {device} is not available: this torch sees "
                          f"{torch.cuda.device_count()} GPU(s)")
+    return device
+
+
+def parse_device(torch, device):
+    """The torch.device ``device`` names, of a kind this loader loads to
+    (the CPU, a CUDA or ROCm GPU), whether or not this host has it:
+    ``_resolve_device``'s rules for the name alone (the CLI's usage check)."""
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be 'cpu', 'cuda:N', a GPU index or a torch.device, "
+                        f"not {type(device).__name__} {device!r}")
+    given = device
+    try:
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, ValueError, OverflowError) as e:
+        # torch's RuntimeError ("Device string must not be empty") names nothing
+        raise ValueError(f"device {given!r} is not a device: {e}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device ('cuda:N'), not {given!r}")
     return device
