@@ -5,7 +5,10 @@ Side by side, in one process, for each size (default 256 MiB, 2 GiB, 8 GiB)
 and median of --runs runs (default 5), runs interleaved and the order of
 kinds rotated every run so that drift and position do not favour one kind:
 
-  registered          StagingBuffer default: mmap, parallel prefault, one register
+  default             StagingBuffer(size): huge pages where the auto rule finds
+                      them free (its choice and reason are printed)
+  registered          StagingBuffer(hugepages=False): mmap, parallel prefault
+                      of 4 KiB pages, one register
   hugepages           StagingBuffer(hugepages=True): MADV_HUGEPAGE as well
   no_prefault         StagingBuffer(prefault_threads=0)
   segmented           forced: whole registration fails ('register#1=invalid_value');
@@ -40,11 +43,12 @@ import _common as C
 import instant_staging as ist
 from instant_staging.testing import inject_faults
 
-DEFAULT_KINDS = ("registered", "hugepages", "no_prefault", "segmented", "runtime_pinned",
+DEFAULT_KINDS = ("default", "registered", "hugepages", "no_prefault", "segmented", "runtime_pinned",
                  "host_alloc", "torch_pinned", "register_untouched")
 EXTRA_KINDS = ("populate_write", "runtime_pinned_hugepages")
 DESCRIPTIONS = {
-    "registered": "StagingBuffer default",
+    "default": "StagingBuffer(size), auto pages",
+    "registered": "StagingBuffer hugepages=False",
     "hugepages": "StagingBuffer hugepages=True",
     "no_prefault": "StagingBuffer prefault_threads=0",
     "segmented": "StagingBuffer, whole register refused",
@@ -55,7 +59,7 @@ DESCRIPTIONS = {
     "register_untouched": "mmap + 1 register, untouched",
     "populate_write": "mmap + POPULATE_WRITE x4 + register",
 }
-EXPECTED_KIND = {"registered": ist.Kind.REGISTERED, "hugepages": ist.Kind.REGISTERED,
+EXPECTED_KIND = {"default": ist.Kind.REGISTERED, "registered": ist.Kind.REGISTERED, "hugepages": ist.Kind.REGISTERED,
                  "no_prefault": ist.Kind.REGISTERED, "segmented": ist.Kind.SEGMENTED,
                  "runtime_pinned": ist.Kind.RUNTIME_PINNED,
                  "runtime_pinned_hugepages": ist.Kind.RUNTIME_PINNED}
@@ -67,8 +71,9 @@ class Made:
     """One allocation: how to release it, and what it turned out to be."""
 
     def __init__(self, release, reached=None, attempts=(), prefaulted=False,
-                 own_mapping=False):
+                 own_mapping=False, pages=None):
         self.release = release
+        self.pages = pages              # a StagingBuffer's choice of pages, and why
         self.reached = reached
         self.attempts = attempts
         self.prefaulted = prefaulted
@@ -79,7 +84,8 @@ def make(kind, size, setup, torch):
     """Allocates `size` bytes the way `kind` says; returns a Made."""
     rt = setup.runtime
     if kind in EXPECTED_KIND:
-        kw = dict(hugepages=kind in ("hugepages", "runtime_pinned_hugepages"))
+        kw = {} if kind == "default" else dict(
+            hugepages=kind in ("hugepages", "runtime_pinned_hugepages"))
         if kind == "no_prefault":
             kw["prefault_threads"] = 0
         # A fresh plan each run: '#1' counts the calls of one plan.
@@ -89,7 +95,8 @@ def make(kind, size, setup, torch):
         buf = ist.StagingBuffer(size, runtime=runtime, **kw)
         own = buf.kind in (ist.Kind.REGISTERED, ist.Kind.SEGMENTED, ist.Kind.PAGEABLE)
         return Made(buf.close, buf.kind.name, buf.attempts,
-                    any(a.step == "prefault" and a.ok for a in buf.attempts), own)
+                    any(a.step == "prefault" and a.ok for a in buf.attempts), own,
+                    pages=f"{'huge' if buf.hugepages else '4 KiB'} pages: {buf.hugepages_reason}")
     if kind == "host_alloc":
         ptr = rt.check(*rt.host_alloc(size), call="host_alloc")
 
@@ -155,7 +162,7 @@ def measure_once(kind, size, setup, torch, check_memory):
     finally:
         gc.enable()
     rec = dict(create_s=t1 - t0, release_s=t3 - t2, reached=made.reached,
-               phases=phases(made.attempts))
+               phases=phases(made.attempts), pages=made.pages)
     if probe:
         # Pages are resident once a driver pinned them, or once prefaulted;
         # on the simulated runtime registration faults nothing in.
@@ -208,6 +215,7 @@ def summarise(entry, size):
     entry["create_median_s"] = C.median(entry["create_s"])
     entry["release_median_s"] = C.median(entry["release_s"])
     entry["reached"] = sorted({x["reached"] for x in runs}) if runs else []
+    entry["pages"] = sorted({x["pages"] for x in runs if x["pages"]})
     expected = EXPECTED_KIND.get(entry["kind"])
     entry["expected"] = expected.name if expected else None
     entry["reached_expected"] = (expected is None or entry["reached"] == [expected.name])
@@ -266,6 +274,9 @@ def print_table(results):
     for e in results:
         if e["error"]:
             print(f"  ERROR {C.fmt_size(e['size'])} {e['kind']}: {e['error']}")
+        if e["kind"] == "default":
+            for pages in e["pages"]:
+                print(f"  {C.fmt_size(e['size'])} default: {pages}")
         mem = e.get("memory")
         if mem and mem["problems"]:
             print(f"  MEMORY {C.fmt_size(e['size'])} {e['kind']}: {'; '.join(mem['problems'])}")
@@ -292,6 +303,30 @@ def fallback_breakdown(results, size):
     return "no runtime_pinned record"
 
 
+# Issue 19: a 2 GiB StagingBuffer() with the defaults, where huge pages are free.
+DEFAULT_HUGE_S = 0.12
+
+
+def default_pages(T, results, size, four_k):
+    """StagingBuffer() with the defaults: <= DEFAULT_HUGE_S where the auto
+    rule chose huge pages; else no slower than 4 KiB pages forced (within
+    LINEAR_SLACK: no stall)."""
+    name = f"{C.fmt_size(size)} StagingBuffer() with defaults"
+    entry = next((e for e in results if e["kind"] == "default" and e["size"] == size), None)
+    if entry is None or not entry["create_median_s"]:
+        T.check(name, None, None, "needs default at that size")
+        return
+    t, pages = entry["create_median_s"], "; ".join(entry["pages"])
+    if all(p.startswith("huge") for p in entry["pages"]):
+        T.check(name + f" <= {DEFAULT_HUGE_S} s (huge pages free)", t <= DEFAULT_HUGE_S, t,
+                f"{t:.3f} s ({pages})")
+    elif four_k is None:
+        T.check(name + ", 4 KiB pages: no stall", None, None, "needs registered at that size")
+    else:
+        T.check(name + ", 4 KiB pages: no stall", t <= four_k * LINEAR_SLACK, t,
+                f"{t:.3f} s vs {four_k:.3f} s with hugepages=False ({pages})")
+
+
 def evaluate(results, setup):
     T = C.Targets(setup)
     g2, g8 = 2 << 30, 8 << 30
@@ -306,8 +341,9 @@ def evaluate(results, setup):
         T.check(name, x >= at_least, x,
                 f"{x:.2f}x (target >= {at_least}x; {fast} {a:.3f} s, {slow} {b:.3f} s)")
 
-    ratio("2 GiB default vs cudaHostAlloc", "registered", "host_alloc", 5)
-    ratio("2 GiB default vs register of untouched pages", "registered", "register_untouched", 3)
+    ratio("2 GiB 4 KiB pages vs cudaHostAlloc", "registered", "host_alloc", 5)
+    ratio("2 GiB 4 KiB pages vs register of untouched pages", "registered", "register_untouched", 3)
+    default_pages(T, results, g2, reg2)
     ratio("2 GiB hugepages vs cudaHostAlloc", "hugepages", "host_alloc", 10)
     seg2 = lookup(results, "segmented", g2)
     if seg2 is None or reg2 is None:

@@ -418,9 +418,9 @@ def test_torch_views_have_the_files_shape_and_bytes(dtype):
     entries = [(0, TensorEntry("a", "X", (3, 5), 100, 100 + a.nbytes)),
                (0, TensorEntry("b", "X", (7,), 100 + off, 100 + off + b.nbytes))]
     run = _blocks.Run(0, 2, 100, raw.numel(), True)
-    placed = target.place(run, raw, entries, [dtype, dtype])
-    assert [p for _, p in placed] == [raw.data_ptr(), raw.data_ptr() + off]
-    va, vb = (target.tensor(h) for h, _ in placed)
+    assert target.addresses(run, raw, entries) == [raw.data_ptr(), raw.data_ptr() + off]
+    placed = target.views(run, raw, entries, [dtype, dtype])
+    va, vb = (target.tensor(h) for h in placed)
     assert va.dtype == dtype and va.shape == (3, 5) and va.is_contiguous() and va._base is None
     assert torch.equal(va, a) and torch.equal(vb, b) and vb.data_ptr() == raw.data_ptr() + off
     assert off % item == 0
@@ -437,10 +437,10 @@ def views_on_the_cpu(monkeypatch):
     chunk into the blocks (one copy per run of adjacent destinations)."""
     rule = _TorchTarget.joins
 
-    def joins(self, dtype, nbytes, views):
+    def joins(self, dtype, views):
         device, self.device = self.device, torch.device("cuda", 0)
         try:
-            return rule(self, dtype, nbytes, views)
+            return rule(self, dtype, views)
         finally:
             self.device = device
     monkeypatch.setattr(_TorchTarget, "joins", joins)

@@ -150,15 +150,18 @@ class SimTarget:
 
     # Views (loader/_blocks.py): a handle is (block, entry, dtype, offset).
 
-    def joins(self, dtype, nbytes, views):
-        return views and nbytes > 0         # (no dtype= on this target)
+    def joins(self, dtype, views):
+        return views                        # (no dtype= on this target)
 
     def allocate_blocks(self, run_list, entries, dtypes):
         return {r: SimBlock(self.rt, run.nbytes) for r, run in enumerate(run_list) if run.block}
 
-    def place(self, run, block, entries, dtypes):
-        return [((block, entries[k][1], dtypes[k], entries[k][1].begin - run.begin),
-                 block.ptr + entries[k][1].begin - run.begin) for k in range(run.first, run.stop)]
+    def addresses(self, run, block, entries):
+        return [block.ptr + entries[k][1].begin - run.begin for k in range(run.first, run.stop)]
+
+    def views(self, run, block, entries, dtypes):
+        return [(block, entries[k][1], dtypes[k], entries[k][1].begin - run.begin)
+                for k in range(run.first, run.stop)]
 
     def tensor(self, handle):
         return handle

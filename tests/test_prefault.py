@@ -412,7 +412,7 @@ def test_bench_alloc_runs_end_to_end(tmp_path):
     check_common(doc, "alloc")
     assert "torch_pinned" in doc["skipped"]
     by_kind = {e["kind"]: e for e in doc["results"]}
-    assert set(by_kind) == {"registered", "hugepages", "no_prefault", "segmented",
+    assert set(by_kind) == {"default", "registered", "hugepages", "no_prefault", "segmented",
                             "runtime_pinned", "host_alloc", "register_untouched"}
     for kind, e in by_kind.items():
         assert e["size"] == 8 << 20 and e["error"] is None, (kind, e["error"])
@@ -426,6 +426,9 @@ def test_bench_alloc_runs_end_to_end(tmp_path):
     assert by_kind["segmented"]["reached"] == ["SEGMENTED"]
     assert by_kind["runtime_pinned"]["reached"] == ["RUNTIME_PINNED"]
     assert "register" in by_kind["registered"]["phases_median_s"]
+    # The default's choice of pages is the auto rule's, with its reason.
+    (pages,) = {p.split(":")[0] for p in by_kind["default"]["pages"]}
+    assert pages in ("huge pages", "4 KiB pages") and "auto" in by_kind["default"]["pages"][0]
     assert "runtime_alloc" in by_kind["runtime_pinned"]["phases_median_s"]
     assert "Targets" in out and "SKIP" in out
 

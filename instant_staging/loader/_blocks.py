@@ -44,8 +44,9 @@ class Run(NamedTuple):
 
 def runs(entries, joins):
     """The runs of ``entries`` (``[(file_index, TensorEntry), ...]`` in
-    reading order); ``joins[k]``: whether tensor k may be a view (not
-    converted, has bytes)."""
+    reading order); ``joins[k]``: whether tensor k may be a view by its
+    dtype (the target's rule: not converted); a tensor without bytes never
+    is one."""
     out = []
     run = None              # the open block run: [first, file index, begin, end]
 
@@ -54,18 +55,30 @@ def runs(entries, joins):
         out.append(Run(first, stop, begin, end - begin, True))
 
     for k, (i, t) in enumerate(entries):
-        if run is not None and not (joins[k] and i == run[1] and t.begin == run[3]
+        view = joins[k] and t.end > t.begin
+        if run is not None and not (view and i == run[1] and t.begin == run[3]
                                     and (t.begin - run[2]) % ALIGN == 0):
             close(k)
             run = None
-        if not joins[k]:
-            out.append(Run(k, k + 1, t.begin, t.nbytes, False))
+        if not view:
+            out.append(Run(k, k + 1, t.begin, t.end - t.begin, False))
         elif run is None:
             run = [k, i, t.begin, t.end]
         else:
             run[3] = t.end
     if run is not None:
         close(len(entries))
+    return out
+
+
+def joined(run_list):
+    """``Plan(joins=)``: whether each tensor's copy continues the one before
+    it, which it does only inside one block."""
+    out = []
+    for r in run_list:
+        out.append(False)
+        if r.block:
+            out.extend([True] * (r.stop - r.first - 1))
     return out
 
 

@@ -3,3 +3,6 @@
 _Entry = tuple[str, str, tuple[int, ...], int, int]
 
 def read(raw: bytes, dtypes: dict[bytes, str]) -> tuple[dict[str, str] | None, list[_Entry]] | None: ...
+
+def checked(tensors: list[_Entry], data_start: int, bits: dict[str, int],
+            entry: type) -> tuple[list, int] | None: ...

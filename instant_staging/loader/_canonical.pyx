@@ -183,3 +183,55 @@ def read(bytes raw, dict dtypes):
             return (metadata, entries) if c.pos == c.end else None
         if not _char(&c, c','):
             return None
+
+
+# -- the entries' rules, accepted in C ------------------------------------------
+
+cdef extern from *:
+    """
+    static inline int _is_mul_overflow(unsigned long long a, unsigned long long b,
+                                       unsigned long long* out) {
+        return __builtin_mul_overflow(a, b, out);
+    }
+    """
+    bint _is_mul_overflow(unsigned long long a, unsigned long long b,
+                          unsigned long long* out) noexcept nogil
+
+cdef unsigned long long _TORCH_DIM_LIMIT = 1ULL << 63
+
+
+def checked(list tensors, unsigned long long data_start, dict bits, type entry):
+    """``(entries, end)`` for ``tensors`` (``(name, dtype, shape, begin,
+    end)`` sorted by offsets) where every one passes ``_header``'s entry
+    rules (coverage, byte counts, what torch can hold): each made as
+    ``entry`` with absolute offsets (``data_start`` added); else None, and
+    ``_header`` applies the rules itself and words the error.  Like
+    ``read``, this only decides whether the fast path applies.
+
+    0.1 ms for the MoE shard's 1,188 entries where the Python loops took
+    0.8 ms on the CPU host."""
+    cdef unsigned long long start = 0, b, e, numel, nbits, d, dtype_bits
+    cdef Py_ssize_t k
+    out = []
+    try:
+        for item in tensors:
+            name, dtype, shape, begin, stop = item
+            b, e = begin, stop
+            if b != start or e < b:
+                return None
+            start = e
+            numel = 1
+            for dim in shape:
+                d = dim
+                if d >= _TORCH_DIM_LIMIT or _is_mul_overflow(numel, d, &numel):
+                    return None
+            dtype_bits = bits[dtype]
+            if _is_mul_overflow(numel, dtype_bits, &nbits) or nbits % 8 or e - b != nbits // 8:
+                return None
+            if dtype == "F4" and (not shape or shape[len(shape) - 1] % 2):
+                return None
+            out.append(tuple.__new__(entry, (name, dtype, shape, begin + data_start,
+                                             stop + data_start)))
+    except (OverflowError, TypeError, KeyError, ValueError):
+        return None
+    return out, start

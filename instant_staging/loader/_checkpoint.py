@@ -19,13 +19,16 @@ class _Checkpoint:
 
     def __init__(self, paths):
         self.paths, self.fds, self.headers = [], [], []
+        self._every_tensor = True       # until select() leaves some out
         try:
             with _gc.paused():
                 for path in paths:
                     self._open(os.fspath(path))
             self.entries = [(i, t) for i, h in enumerate(self.headers) for t in h.tensors]
-            self._check_duplicates()
-            self.total_bytes = sum(t.nbytes for _, t in self.entries)
+            if len(self.headers) > 1:       # (one header's names are its own keys: unique)
+                self._check_duplicates()
+            # (the tensors of a header cover its data section exactly)
+            self.total_bytes = sum(h.file_size - h.data_start for h in self.headers)
         except BaseException:           # a Ctrl-C too: nobody else holds the fds yet
             self.close()
             raise
@@ -74,6 +77,7 @@ class _Checkpoint:
                                + ", ".join(repr(n) for n in sorted(unknown, key=str)[:20])
                                + (" ..." if len(unknown) > 20 else ""))
         self.entries = [(i, t) for i, t in self.entries if t.name in keep]
+        self._every_tensor = False
         self.total_bytes = sum(t.nbytes for _, t in self.entries)
 
     def resident(self, samples=COLD_SAMPLES):
@@ -83,7 +87,11 @@ class _Checkpoint:
         sample is a one-byte read that never waits for the disk (on a page
         not cached it starts that page's readahead, as any read would)."""
         nowait = getattr(os, "RWF_NOWAIT", None)
-        ranges = [(self.fds[i], t.begin, t.nbytes) for i, t in self.entries if t.nbytes]
+        if self._every_tensor:      # the data sections, which the tensors cover exactly
+            ranges = [(fd, h.data_start, h.file_size - h.data_start)
+                      for fd, h in zip(self.fds, self.headers) if h.file_size > h.data_start]
+        else:
+            ranges = [(self.fds[i], t.begin, t.nbytes) for i, t in self.entries if t.nbytes]
         if nowait is None or not ranges:
             return None
         total = sum(n for _, _, n in ranges)

@@ -38,11 +38,13 @@ ValueError or a TypeError, whatever the path type (str, bytes, PathLike).
 
 import json
 import math
+import operator
 import os
 import re
 import struct
 from typing import NamedTuple, Optional
 
+from ._canonical import checked as _checked
 from ._canonical import read as _read_canonical
 from ._errors import UpstreamError
 
@@ -78,6 +80,7 @@ _I64_MIN = -(1 << 63)
 _TORCH_DIM_LIMIT = 1 << 63          # torch sizes are int64
 _FIELDS = ("dtype", "shape", "data_offsets")
 _FIELD_SET = frozenset(_FIELDS)
+_OFFSETS = operator.itemgetter(3, 4)    # of (name, dtype, shape, begin, end)
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 # Only a \uD800-\uDFFF escape can put a surrogate into a parsed string (the
 # UTF-8 decoder refuses encoded ones): without one, no string is walked.
@@ -175,18 +178,34 @@ def parse_header(raw: bytes, path, file_size: int) -> Header:
     text = _utf8(raw, path)
     canonical = _canonical(raw)
     metadata, tensors = canonical if canonical is not None else _parse(text, raw, path)
-    tensors.sort(key=lambda t: (t[3], t[4]))
+    tensors.sort(key=_OFFSETS)
+    fast = _checked(tensors, data_start, DTYPE_BITS, TensorEntry)
+    if fast is None:            # a rule fails (or a number is out of C's range)
+        return _checked_slowly(tensors, path, file_size, data_start, metadata)
+    out, end = fast
+    _check_end(end, path, file_size, data_start)
+    return Header(path, file_size, data_start, out, metadata)
+
+
+def _checked_slowly(tensors, path, file_size, data_start, metadata):
+    """parse_header's rules, applied one by one in Python: the error each
+    raises is the file's (``_canonical.checked`` accepts only what passes
+    them all)."""
     end = _check_coverage(tensors, path)
-    if data_start + end != file_size:
-        raise SafetensorsError(
-            f"the tensors cover {end} bytes of data but the file holds {file_size - data_start} "
-            "after the header: the header length is wrong or the file has a gap or trailing "
-            "bytes (safetensors requires the data to be covered exactly)", path)
+    _check_end(end, path, file_size, data_start)
     out = [TensorEntry(name, dtype, shape, data_start + b, data_start + e)
            for name, dtype, shape, b, e in tensors]
     for t in out:
         _check_torch(t, path)
     return Header(path, file_size, data_start, out, metadata)
+
+
+def _check_end(end, path, file_size, data_start):
+    if data_start + end != file_size:
+        raise SafetensorsError(
+            f"the tensors cover {end} bytes of data but the file holds {file_size - data_start} "
+            "after the header: the header length is wrong or the file has a gap or trailing "
+            "bytes (safetensors requires the data to be covered exactly)", path)
 
 
 def _parse(text, raw, path):
@@ -404,11 +423,14 @@ def _check_coverage(tensors, path) -> int:
                 f"data_offsets [{begin}, {end}] do not begin where the previous tensor ends "
                 f"({start}): a gap or an overlap", path, name)
         start = end
-        numel = 1
-        for d in shape:
-            numel *= d
-            if numel >= _U64:
-                raise SafetensorsError(f"shape {list(shape)} overflows 64 bits", path, name)
+        numel = math.prod(shape)
+        if not 0 < numel < _U64:
+            # (A product under 2**64 of nonzero dimensions had no step over.)
+            numel = 1
+            for d in shape:
+                numel *= d
+                if numel >= _U64:
+                    raise SafetensorsError(f"shape {list(shape)} overflows 64 bits", path, name)
         bits = numel * DTYPE_BITS[dtype]
         if bits >= _U64:
             raise SafetensorsError(f"shape {list(shape)} of {dtype} overflows 64 bits", path, name)
@@ -422,7 +444,7 @@ def _check_coverage(tensors, path) -> int:
 
 
 def _check_torch(t, path):
-    if any(d >= _TORCH_DIM_LIMIT for d in t.shape):
+    if t.shape and max(t.shape) >= _TORCH_DIM_LIMIT:
         raise SafetensorsError(f"shape {list(t.shape)} has a dimension >= 2**63, which torch "
                                "cannot hold", path, t.name)
     if t.dtype == "F4" and (not t.shape or t.shape[-1] % 2):

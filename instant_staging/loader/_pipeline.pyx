@@ -483,14 +483,16 @@ cdef class Plan:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if self.chunks != NULL:
             raise RuntimeError("Plan.__init__ may run only once")
-        ranges = [(int(fd), int(b), int(e)) for fd, b, e in tensors]
-        for i, (fd, b, e) in enumerate(ranges):
+        ranges = tensors if type(tensors) is list else list(tensors)
+        cdef int64_t b, e
+        cdef unsigned long long total = 0
+        for i, (_, b, e) in enumerate(ranges):
             if b < 0 or e < b:
                 raise ValueError(f"tensor {i}: bad file range [{b}, {e})")
-        total = sum(e - b for _, b, e in ranges)
+            total += <unsigned long long>(e - b)
         # A chunk never exceeds what there is to read (so a huge chunk_size
         # neither overflows nor asks for huge slots).
-        joins = [bool(j) for j in joins] if joins is not None else [False] * len(ranges)
+        joins = list(joins) if joins is not None else [False] * len(ranges)
         if len(joins) != len(ranges):
             raise ValueError(f"{len(joins)} joins for {len(ranges)} tensors")
         self._cut(ranges, min(chunk_size, max(total, 1)), packed, joins)

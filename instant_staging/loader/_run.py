@@ -74,7 +74,8 @@ class _StagingStart:
     """A load's own staging buffer, made by a thread of its own
     (``_staging_pool.own``) while the load goes on: 128 MiB take 6-13 ms to
     prefault and register on the H200 host, and in a fresh process their
-    registration waits for CUDA's context as torch's start does.
+    registration waits for CUDA's context as torch's start does.  (One
+    that an earlier load kept is taken at once, without the thread.)
 
     ``take()`` waits for it and hands it over (or raises its error);
     ``abandon()``, for a load that ends before taking it, waits for it and
@@ -90,6 +91,14 @@ class _StagingStart:
         self._buf = self._error = None
         self._abandoned = False
         self._made = threading.Event()
+        # A buffer an earlier load kept is taken here, with no thread: starting
+        # one and setting its device cost 0.4-0.8 ms of a 78 ms MoE load on
+        # the H200 host, for a take of 20 us.
+        self._buf = _staging_pool.take_kept(device, size, slot_bytes)
+        if self._buf is not None:
+            self._thread = None
+            self._made.set()
+            return
         # Not a daemon: an exit waits for the (bounded) making, and the
         # staging module's exit hook then releases the buffer; a daemon
         # would be dropped inside the runtime's calls.
@@ -325,12 +334,11 @@ def _plan(checkpoint, target, dtypes, chunk_size, faults, views):
     """The load's ``_Start``: which tensors share a block, and the chunks."""
     from ._pipeline import Plan
     entries = checkpoint.entries
-    joins = [views and target.joins(d, t.nbytes, views) for (_, t), d in zip(entries, dtypes)]
-    run_list = _blocks.runs(entries, joins)
-    # A tensor's copy joins the one before only inside one block.
-    joined = [r.block and k > r.first for r in run_list for k in range(r.first, r.stop)]
+    # (the rule asked once per dtype: per tensor, 0.3 ms of a MoE shard's setup)
+    viewable = {d: target.joins(d, views) for d in set(dtypes)}
+    run_list = _blocks.runs(entries, [viewable[d] for d in dtypes])
     plan = Plan([(checkpoint.fds[i], t.begin, t.end) for i, t in entries], chunk_size,
-                faults=faults, packed=_blocks.packed(run_list), joins=joined)
+                faults=faults, packed=_blocks.packed(run_list), joins=_blocks.joined(run_list))
     return _Start(plan, run_list)
 
 
@@ -383,11 +391,11 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
         threads = reader_threads(threads)
         depth = slot_count(plan, io_depth, threads)
         # torch's CUDA (in a fresh process, its start) while the staging
-        # buffer is made; the blocks too if it is still being made (``_place``).
+        # buffer is made; the blocks too if it is still being made (``_allocate_blocks``).
         target.before_copies()
-        placed = None
+        blocks = None
         if owned and start.staging is not None and not start.staging.ready():
-            placed = _place(target, run_list, entries, dtypes)
+            blocks = _allocate_blocks(target, run_list, entries, dtypes)
         if owned:
             if start.staging is not None:
                 # Given up by the start only once taken: a Ctrl-C while
@@ -406,8 +414,8 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
             pipe.close()
         state.staging_kind = buf.kind if buf is not None else None
         state.threads = pipe.n_threads
-        _start(pipe, handles, target, entries, dtypes, run_list, placed)
-        placed = None               # handles hold the views now
+        _start(pipe, handles, target, entries, dtypes, run_list, blocks)
+        blocks = None               # handles hold the views now
         runtime = buf.runtime if buf is not None else None
         yield from _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime)
         state.finished = True
@@ -420,16 +428,15 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
         if pipe is not None:
             pipe.close()           # stop, join: no copy in flight into what we free next
         handles.clear()
-        placed = None               # views not handed out (a failure before _start)
+        blocks = None               # blocks not handed out (a failure before _start)
         _abandon(state)            # a buffer still being made when the load failed
         if owned and buf is not None:
             _staging_pool.give(device, buf)     # kept for the next load, or closed
         checkpoint.close()         # only now: no reader can use a reused fd number
 
 
-def _place(target, run_list, entries, dtypes):
-    """``{run index: [(handle, address), ...]}``: each block run's block
-    allocated and its tensors placed in it as views (a block torch cannot
+def _allocate_blocks(target, run_list, entries, dtypes):
+    """``{run index: block}``: each block run's block (a block torch cannot
     allocate is left out: its tensors get their own allocations).
 
     All before the first copy: a cudaMalloc made while copies run cost more
@@ -437,25 +444,26 @@ def _place(target, run_list, entries, dtypes):
     staging buffer is still being made (a fresh one: 7-10 ms for 128 MiB on
     the H200 host) this runs while the loading thread would wait for it;
     otherwise (a kept or passed buffer) just after the readers start, while
-    they fill the first slots, as the copies wait for the addresses anyway.
-    1.5 ms for the MoE shard's block there, 1 ms to place its 1,188 views."""
+    they fill the first slots, as the copies wait for the addresses anyway
+    (0.5-1.5 ms for the MoE shard's block there)."""
     if not any(r.block for r in run_list):
         return {}
-    blocks = target.allocate_blocks(run_list, entries, dtypes)
-    return {r: target.place(run_list[r], block, entries, dtypes) for r, block in blocks.items()}
+    return target.allocate_blocks(run_list, entries, dtypes)
 
 
-def _start(pipe, handles, target, entries, dtypes, run_list, placed):
+def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
     """Starts the pipeline, then hands it every tensor's address in reading
-    order: views of a block at once (``placed``: ``_place``'s, made before,
-    or None to make them now), tensors of their own as they are allocated,
-    while the threads already read, in batches: a thread waits only for the
-    tensors of its own chunk.  1,188 tensors of a MoE shard took 26 ms to
-    allocate one by one on the H200 host, a third of the 76 ms their bytes
-    take to load; before, every byte waited for the last allocation.  The
-    threads also fill their slots while torch reserves those tensors'
-    memory (``reserve``: one cudaMalloc of their size, ~4 ms for 3.6 GB
-    there).
+    order: a block's at once (``blocks``: ``_allocate_blocks``'s, made
+    before, or None to make them now), tensors of their own as they are
+    allocated, while the threads already read, in batches: a thread waits
+    only for the tensors of its own chunk.  1,188 tensors of a MoE shard
+    took 26 ms to allocate one by one on the H200 host, a third of the 76 ms
+    their bytes take to load; before, every byte waited for the last
+    allocation.  The threads also fill their slots while torch reserves
+    those tensors' memory (``reserve``: one cudaMalloc of their size, ~4 ms
+    for 3.6 GB there).  The views of a block are made last, once every
+    address is given (1.3 ms for the MoE shard's 1,188 there, which the
+    copies waited for when they were made first).
 
     (``before_copies`` ran first: allocating queues no GPU work, so every
     block handed out here was freed by work that has finished; where it
@@ -464,17 +472,16 @@ def _start(pipe, handles, target, entries, dtypes, run_list, placed):
     try:
         with _gc.paused():
             pipe.start([], more=True)
-            if placed is None:
-                placed = _place(target, run_list, entries, dtypes)
-            target.reserve([entries[k][1] for r, run in enumerate(run_list) if r not in placed
+            if blocks is None:
+                blocks = _allocate_blocks(target, run_list, entries, dtypes)
+            target.reserve([entries[k][1] for r, run in enumerate(run_list) if r not in blocks
                             for k in range(run.first, run.stop)])
             ptrs, batch = [], _FIRST_BATCH
             for r, run in enumerate(run_list):
-                views = placed.get(r)
-                if views is not None:
-                    for handle, ptr in views:
-                        handles.append(handle)
-                        ptrs.append(ptr)
+                block = blocks.get(r)
+                if block is not None:
+                    handles.extend([None] * (run.stop - run.first))     # its views, below
+                    ptrs.extend(target.addresses(run, block, entries))
                 else:
                     ptrs.extend(_allocate(handles, target, entries[k][1], dtypes[k])
                                 for k in range(run.first, run.stop))
@@ -482,6 +489,9 @@ def _start(pipe, handles, target, entries, dtypes, run_list, placed):
                     if not pipe.provide(ptrs):
                         break       # cancelled: _drive reports it
                     ptrs, batch = [], _BATCH
+            for r, block in blocks.items():
+                run = run_list[r]
+                handles[run.first:run.stop] = target.views(run, block, entries, dtypes)
     finally:
         pipe.done_providing()
 

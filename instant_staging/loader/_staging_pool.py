@@ -90,10 +90,27 @@ def take(device, size, segment_size, make):
     with _lock:
         buf = _kept.pop(device, None)
     if buf is not None:
-        if not buf.closed and buf.size >= size and buf.segment_size >= segment_size:
+        if _fits(buf, size, segment_size):
             return buf
         _close(buf)
     return make()
+
+
+def take_kept(device, size, slot_bytes):
+    """The kept buffer ``own(device, size, slot_bytes)`` would take, or None
+    (then nothing changes: a kept buffer that does not fit stays for
+    ``own()`` to close).  Never makes, closes or waits for anything."""
+    segment = staging_segment_size(slot_bytes)
+    with _lock:
+        buf = _kept.get(device)
+        if buf is None or not _fits(buf, size, segment):
+            return None
+        del _kept[device]
+    return buf
+
+
+def _fits(buf, size, segment_size):
+    return not buf.closed and buf.size >= size and buf.segment_size >= segment_size
 
 
 def give(device, buf):

@@ -48,10 +48,18 @@ class _TorchTarget:
         self.dtype = dtype
         self.mode = HOST if self.device.type == "cpu" else DEVICE
         self.index = self.device.index or 0
+        self._checked = {}      # file dtype -> torch dtype, once check() passed it
 
     def check(self, entry, path):
         """The torch dtype of ``entry``; SafetensorsError if torch lacks it
         or cannot give it its shape."""
+        dtype = self._checked.get(entry.dtype) if entry.nbytes else None
+        if dtype is None:
+            dtype = self._check(entry, path)
+            self._checked[entry.dtype] = dtype
+        return dtype
+
+    def _check(self, entry, path):
         dtype = getattr(self.torch, _TORCH_DTYPES[entry.dtype], None)
         if dtype is None:
             raise SafetensorsError(f"dtype {entry.dtype} is not supported by torch "
@@ -92,11 +100,11 @@ class _TorchTarget:
                 and torch.utils.deterministic.fill_uninitialized_memory):
             torch.cuda.current_stream(self.device).synchronize()
 
-    def joins(self, dtype, nbytes, views):
+    def joins(self, dtype, views):
         """Whether a tensor of ``dtype`` may be a view into a block
-        (``_blocks.py``): views asked for, a GPU target, bytes to hold, and
-        no conversion after loading."""
-        return (views and self.device.type != "cpu" and nbytes > 0
+        (``_blocks.py``, where a tensor without bytes never is one): views
+        asked for, a GPU target, and no conversion after loading."""
+        return (views and self.device.type != "cpu"
                 and not (self.dtype is not None and dtype.is_floating_point and dtype != self.dtype))
 
     def allocate_blocks(self, run_list, entries, dtypes):
@@ -116,20 +124,20 @@ class _TorchTarget:
             self._after_fill()
         return blocks
 
-    def place(self, run, block, entries, dtypes):
-        """``[(handle, address), ...]`` for the tensors of ``run``: views of
-        ``block``, made when ``tensor()`` is asked for, as each finishes
-        (tensors of their own are ``allocate()``'s)."""
-        base = block.data_ptr()
-        out = []
-        for k in range(run.first, run.stop):
-            entry = entries[k][1]
-            offset = entry.begin - run.begin
-            out.append((_View(block, offset, entry, dtypes[k]), base + offset))
-        return out
+    def addresses(self, run, block, entries):
+        """The device address of each tensor of ``run`` in ``block``."""
+        base = block.data_ptr() - run.begin
+        return [base + entries[k][1].begin for k in range(run.first, run.stop)]
+
+    def views(self, run, block, entries, dtypes):
+        """The handles of ``run``'s tensors in ``block``: views, made when
+        ``tensor()`` is asked for, as each finishes (tensors of their own
+        are ``allocate()``'s)."""
+        return [_View(block, entries[k][1].begin - run.begin, entries[k][1], dtypes[k])
+                for k in range(run.first, run.stop)]
 
     def tensor(self, handle):
-        """The tensor of a handle of ``allocate()`` or ``place()``."""
+        """The tensor of a handle of ``allocate()`` or ``views()``."""
         if type(handle) is not _View:
             return handle
         dtype = handle.dtype
