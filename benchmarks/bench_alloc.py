@@ -59,7 +59,8 @@ DESCRIPTIONS = {
     "register_untouched": "mmap + 1 register, untouched",
     "populate_write": "mmap + POPULATE_WRITE x4 + register",
 }
-EXPECTED_KIND = {"default": ist.Kind.REGISTERED, "registered": ist.Kind.REGISTERED, "hugepages": ist.Kind.REGISTERED,
+EXPECTED_KIND = {"default": ist.Kind.REGISTERED, "registered": ist.Kind.REGISTERED,
+                 "hugepages": ist.Kind.REGISTERED,
                  "no_prefault": ist.Kind.REGISTERED, "segmented": ist.Kind.SEGMENTED,
                  "runtime_pinned": ist.Kind.RUNTIME_PINNED,
                  "runtime_pinned_hugepages": ist.Kind.RUNTIME_PINNED}
