@@ -22,7 +22,7 @@ def wrap(mod, attr, label=None):
     setattr(mod, attr, w)
 for a in ("_Checkpoint", "_for_cache", "_plan", "_begin_staging", "_TorchTarget", "resolve", "fault_plan", "_import_torch"):
     wrap(LL, a)
-for a in ("_place", "_start", "_abandon"):
+for a in ("_allocate_blocks", "_start", "_abandon"):
     wrap(R, a)
 wrap(SP, "own", "pool.own"); wrap(SP, "give", "pool.give")
 wrap(R._StagingStart, "take", "staging.take"); wrap(R._StagingStart, "_run", "staging.thread")

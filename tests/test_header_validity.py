@@ -485,3 +485,56 @@ def test_canonical_reading_never_differs_from_the_parser(spec, metadata, edits):
     if fast is not None:
         assert not isinstance(exact, Exception), (text, exact)
         assert fast[0] == exact[0] and fast[1] == exact[1], text
+
+
+def _entry_rules(tensors, data_start):
+    """Both readings of the entries' rules: the C one (None: declined) and
+    the Python one (its Header's tensors, or the error it raised)."""
+    from instant_staging.loader import _canonical
+    from instant_staging.loader import _header as H
+    fast = _canonical.checked([tuple(t) for t in tensors], data_start, H.DTYPE_BITS, H.TensorEntry)
+    try:
+        end = H._check_coverage(tensors, "x")
+        exact = H._checked_slowly(tensors, "x", data_start + end, data_start, None).tensors
+    except SafetensorsError as e:
+        exact = e
+    return fast, exact
+
+
+_BIG = [2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 2 ** 32]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=valid_file(), data_start=hs.integers(8, 10 ** 6),
+       edits=hs.lists(hs.tuples(hs.sampled_from(["dim", "begin", "end", "dtype", "f4"]),
+                                hs.integers(0, 99), hs.sampled_from(_BIG + [0, 1, 2, 3])),
+                      max_size=2))
+def test_c_entry_rules_never_differ_from_the_python_rules(spec, data_start, edits):
+    """Entries sorted by offset, edited where a rule decides (a dimension, an
+    offset, the dtype): the C check accepts exactly what the Python rules
+    accept, with the same entries, and declines (None) the rest; it never
+    declines an entry list safetensors' writer makes."""
+    from instant_staging.loader import _header as H
+    tensors = [[n, d, tuple(s), b, e] for n, d, s, b, e in spec[0]]
+    if tensors:
+        fast, exact = _entry_rules(tensors, data_start)
+        assert fast is not None and fast[0] == exact
+    for what, k, value in edits:
+        if not tensors:
+            break
+        t = tensors[k % len(tensors)]
+        if what == "dim" and t[2]:
+            t[2] = t[2][:-1] + (value,)
+        elif what == "begin":
+            t[3] = value
+        elif what == "end":
+            t[4] = value
+        elif what == "dtype":
+            t[1] = sorted(H.DTYPE_BITS)[value % len(H.DTYPE_BITS)]
+        elif what == "f4":
+            t[1], t[2] = "F4", t[2] + (value,)
+    tensors.sort(key=lambda t: (t[3], t[4]))
+    fast, exact = _entry_rules(tensors, data_start)
+    if fast is not None:
+        assert not isinstance(exact, Exception), (tensors, exact)
+        assert fast[0] == exact and all(type(t) is H.TensorEntry for t in fast[0])

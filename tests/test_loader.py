@@ -491,6 +491,33 @@ def test_resident_tells_a_hot_checkpoint_from_a_cold_one(tmp_path, caplog):
     on_a_cold_file(tmp_path, check)
 
 
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT here")
+def test_resident_samples_the_same_bytes_with_every_tensor_or_a_selection_of_all(tmp_path, monkeypatch):
+    # With every tensor selected it samples the data sections (no list of
+    # every tensor); a selection naming all of them must read the same bytes.
+    paths = [save(tmp_path, {f"s{s}.{k}": v for k, v in mixed_tensors(count=9, seed=s).items()},
+                  f"s{s}.safetensors") for s in (1, 2)]
+    where = []
+    real = os.preadv
+
+    def preadv(fd, buffers, offset, *flags):
+        where.append((os.readlink(f"/proc/self/fd/{fd}"), offset))
+        return real(fd, buffers, offset, *flags)
+    monkeypatch.setattr(os, "preadv", preadv)
+    seen = []
+    for names in (None, lambda name: True):
+        checkpoint = _checkpoint._Checkpoint(paths)
+        try:
+            checkpoint.select(names)
+            assert checkpoint._every_tensor is (names is None)
+            where.clear()
+            assert checkpoint.resident(samples=16) is not None
+            seen.append(list(where))
+        finally:
+            checkpoint.close()
+    assert len(seen[0]) == 16 and seen[0] == seen[1]
+
+
 def test_resident_cannot_tell_without_rwf_nowait(tmp_path, monkeypatch):
     path = save(tmp_path, {"a": torch.zeros(8)})
     monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)

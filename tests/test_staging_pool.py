@@ -124,6 +124,47 @@ def test_closed_kept_buffer_is_not_handed_out():
     assert rt.live_registrations == 0
 
 
+def test_take_kept_takes_only_a_fitting_buffer_and_never_makes_or_closes():
+    rt = SimulatedRuntime()
+    segment = defaults.staging_segment_size(PAGE)       # what a load of PAGE slots asks for
+    fine = ist.StagingBuffer(4 * PAGE, runtime=rt, segment_size=SEGMENT, prefault_threads=0)
+    _staging_pool.give(0, fine)
+    assert _staging_pool.take_kept(0, 4 * PAGE, PAGE) is None       # finer segments
+    assert _staging_pool.kept() == {0: fine} and not fine.closed    # left for own() to close
+    empty_cache()
+    buf = ist.StagingBuffer(4 * PAGE, runtime=rt, segment_size=segment, prefault_threads=0)
+    _staging_pool.give(0, buf)
+    assert _staging_pool.take_kept(0, 8 * PAGE, PAGE) is None       # too small
+    assert _staging_pool.take_kept(1, 4 * PAGE, PAGE) is None       # another device's
+    assert _staging_pool.kept() == {0: buf} and not buf.closed
+    assert _staging_pool.take_kept(0, 4 * PAGE, PAGE) is buf
+    assert _staging_pool.kept() == {}
+    _staging_pool.give(0, buf)
+    empty_cache()
+    assert rt.live_registrations == 0
+
+
+def test_a_kept_buffer_is_taken_without_the_staging_thread(monkeypatch):
+    # _StagingStart takes what the pool holds at once (no thread, ready at
+    # once); abandon() gives it back; without one, the thread makes it.
+    rt, made = SimulatedRuntime(), []
+    size, segment = 4 * PAGE, defaults.staging_segment_size(PAGE)
+    buf = ist.StagingBuffer(size, runtime=rt, segment_size=segment, prefault_threads=0)
+    _staging_pool.give(0, buf)
+    start = _run._StagingStart(0, size, PAGE)
+    assert start._thread is None and start.ready() and _staging_pool.kept() == {}
+    start.abandon()
+    assert _staging_pool.kept() == {0: buf}
+    start = _run._StagingStart(0, size, PAGE)
+    assert start.take() is buf and _staging_pool.kept() == {}
+    monkeypatch.setattr(_staging_pool, "_make", lambda size_, segment: made.append(1) or buf)
+    start = _run._StagingStart(0, size, PAGE)           # nothing kept: the thread makes one
+    assert start._thread is not None and start.take() is buf and made == [1]
+    _staging_pool.give(0, buf)
+    empty_cache()
+    assert rt.live_registrations == 0
+
+
 # -- through loads -------------------------------------------------------------
 
 def device_load(path, rt, made, **kw):

@@ -1,0 +1,350 @@
+#!/usr/bin/env python3
+"""Where a load's time goes, measured on bench_load.py's layouts.
+
+The loader is taken apart on the same files (page cache hot), each number
+the best of --repeat runs, GB/s over the layout's bytes:
+
+  phases     one load_file with the defaults, step by step: headers, tensor
+             allocation, staging buffer, planning, the pipeline run (threads
+             start to last copy), the consumer's yields, release
+  reads      pread only (the pipeline with SKIP_COPY, ordinary memory):
+             T threads over one file vs the 4 dense shards vs one dense shard
+  copies     copies only (SKIP_READ: the slots are copied as they are) with
+             the layout's piece pattern: the per-copy and per-tensor cost
+  pipeline   read + copy into pre-allocated tensors through one reused
+             staging buffer (no fixed per-load costs): chunk x depth x threads
+  spin       the same with events that sleep (cudaEventBlockingSync) instead
+             of spinning
+  load_file  the whole call with a few settings, and with a reused buffer
+  host       the pipeline and load_file into CPU memory
+
+    python benchmarks/profile_load.py [--layouts dense,moe] [--dir DIR] [--json PATH]
+        [--sections phases,reads,copies,pipeline,spin,load_file,host] [--quick]
+"""
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C
+import bench_load as B
+
+from instant_staging import loader
+from instant_staging.defaults import reader_threads
+from instant_staging.loader import _run as L
+from instant_staging.loader import _staging_pool
+from instant_staging.loader._checkpoint import _Checkpoint
+from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
+from instant_staging.loader._target import _TorchTarget
+
+MiB = C.MiB
+SECTIONS = ("phases", "reads", "copies", "pipeline", "spin", "load_file", "host")
+
+
+def best(fn, repeat, *args, reset=None, **kwargs):
+    """The fastest of ``repeat`` calls; ``reset()`` runs untimed before each
+    (load_file rows: torch's cache emptied, as bench_load does, so that each
+    load pays its own cudaMalloc)."""
+    times = []
+    for _ in range(repeat):
+        if reset is not None:
+            reset()
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+class Files:
+    """A layout's files, opened and parsed once; tensors allocated once."""
+
+    def __init__(self, torch, paths, device):
+        self.torch, self.paths, self.device = torch, paths, device
+        self.ck = _Checkpoint(paths)
+        self.nbytes = self.ck.total_bytes
+        self.target = _TorchTarget(torch, device)
+        dtypes = [self.target.check(t, paths[i]) for i, t in self.ck.entries]
+        self.handles = []
+        self.dsts = [L._allocate(self.handles, self.target, e, d)
+                     for (_, e), d in zip(self.ck.entries, dtypes)]
+        self.ranges = [(self.ck.fds[i], t.begin, t.end) for i, t in self.ck.entries]
+        self.plans = {}
+
+    def plan(self, chunk):
+        if chunk not in self.plans:
+            self.plans[chunk] = Plan(self.ranges, chunk)
+        return self.plans[chunk]
+
+    def close(self):
+        self.handles.clear()
+        self.ck.close()
+
+
+def run_pipe(plan, dsts, threads, staging=None, depth=None, device=None, skip=0):
+    pipe = Pipeline(plan, threads=threads, staging=staging, depth=depth, device=device, skip=skip)
+    B.run_to_end(pipe, dsts)
+    return pipe
+
+
+def section_phases(torch, name, paths, device, repeat, out):
+    """One default load, step by step (what _load does, timed; the staging
+    buffer here in this thread, where a load makes it beside the blocks)."""
+    rows = []
+    for _ in range(repeat):
+        t = {}
+        t0 = time.perf_counter()
+        ck = _Checkpoint(paths)
+        target = _TorchTarget(torch, device)
+        dtypes = [target.check(e, paths[i]) for i, e in ck.entries]
+        t["headers"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        start = L._plan(ck, target, dtypes, loader.DEFAULT_CHUNK_SIZE, None, True)
+        plan = start.plan
+        t["plan"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        target.before_copies()
+        blocks = target.allocate_blocks(start.runs, ck.entries, dtypes)
+        t["blocks"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        depth = L.slot_count(plan, None, None)
+        gpu = device.type == "cuda"
+        kept = bool(loader._staging_pool.kept())
+        buf = _staging_pool.own(target.index, *L.staging_size(plan, depth)) if gpu else None
+        t["staging_kept" if kept else "staging_made"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        pipe = Pipeline(plan, threads=reader_threads(), staging=buf, depth=depth,
+                        device=target.index if gpu else None)
+        t["pipeline"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        handles = []
+        L._start(pipe, handles, target, ck.entries, dtypes, start.runs, blocks)
+        del blocks
+        t["allocate_while_running"] = time.perf_counter() - t1
+        first = None
+        while True:
+            finished, _, exited, failed = pipe.wait(0.05)
+            if finished and first is None:
+                first = time.perf_counter() - t1
+            if exited or failed:
+                break
+        t["run"] = time.perf_counter() - t1
+        t["first_tensor_in_run"] = first
+        t1 = time.perf_counter()
+        pipe.close()
+        t["join"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        if buf is not None:
+            loader._staging_pool.give(target.index, buf)
+        t["give_back_staging"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        handles.clear()
+        ck.close()
+        t["free"] = time.perf_counter() - t1
+        t["total"] = time.perf_counter() - t0
+        t["run_gbps"] = ck.total_bytes / t["run"] / 1e9
+        t["total_gbps"] = ck.total_bytes / t["total"] / 1e9
+        t["threads"] = pipe.n_threads
+        t["slots"] = pipe.slots
+        t["chunks"] = pipe.n_chunks
+        rows.append(t)
+        B._free(torch, device)
+    for r in rows[:1]:      # the first run made the buffer: its cost, apart
+        out.append(dict(section="phases", layout=name, what="first run", **r))
+        C.progress(f"  {name} phases, first run: staging made {r.get('staging_made', 0) * 1e3:.1f} ms, "
+                   f"total {r['total'] * 1e3:.1f} ms")
+    bestrow = min(rows, key=lambda r: r["total"])
+    out.append(dict(section="phases", layout=name, **bestrow))
+    C.progress(f"  {name} phases: " + ", ".join(
+        f"{k} {v * 1e3:.1f} ms" if isinstance(v, float) and not k.endswith("gbps") else f"{k} {v:.4g}"
+        for k, v in bestrow.items() if v is not None))
+    # Allocating the tensors alone (no threads running), torch's cache empty:
+    # per tensor, and after reserve() (one block, then cut).
+    for label, reserve in (("allocate_alone", False), ("allocate_alone_reserved", True)):
+        ck = _Checkpoint(paths)
+        target = _TorchTarget(torch, device)
+        dtypes = [target.check(e, paths[i]) for i, e in ck.entries]
+        times = []
+        for _ in range(repeat):
+            B._free(torch, device)
+            handles = []
+            t1 = time.perf_counter()
+            if reserve:
+                target.reserve([e for _, e in ck.entries])
+            for (_, e), d in zip(ck.entries, dtypes):
+                L._allocate(handles, target, e, d)
+            B.sync(torch, device)
+            times.append(time.perf_counter() - t1)
+            handles.clear()
+        ck.close()
+        out.append({"section": "phases", "layout": name, "what": label, "seconds": min(times)})
+        C.progress(f"  {name} {label}: {min(times) * 1e3:.1f} ms")
+    B._free(torch, device)
+    loader.empty_cache()
+    # The same through load_file, for the consumer's share.
+    tl = best(lambda: loader.load_file(paths, str(device)), repeat,
+              reset=lambda: B._free(torch, device))
+    B._free(torch, device)
+    out.append({"section": "phases", "layout": name, "what": "load_file", "seconds": tl,
+                    "gbps": ck.total_bytes / tl / 1e9})
+    C.progress(f"  {name} load_file defaults {tl * 1e3:.1f} ms = {ck.total_bytes / tl / 1e9:.1f} GB/s")
+
+
+def section_reads(name, paths, repeat, out, threads_list, chunks):
+    from instant_staging import StagingBuffer
+    sets = [(name, paths)]
+    if len(paths) > 1:
+        sets.append((name + "[shard 1]", paths[:1]))
+    for label, files in sets:
+        fds = [os.open(p, os.O_RDONLY) for p in files]
+        total = sum(os.fstat(fd).st_size for fd in fds)
+        try:
+            for chunk, threads in itertools.product(chunks, threads_list):
+                plan = Plan([(fd, 0, os.fstat(fd).st_size) for fd in fds], chunk)
+                buf = StagingBuffer(threads * chunk, allow_pageable=True)
+                try:
+                    s = best(run_pipe, repeat, plan, [0] * len(fds), threads, staging=buf,
+                             skip=SKIP_COPY)
+                finally:
+                    buf.close()
+                out.append({"section": "reads", "layout": label, "chunk": chunk, "threads": threads,
+                                "seconds": s, "gbps": total / s / 1e9})
+                C.progress(f"  {label} reads {threads} threads x {chunk // MiB} MiB: "
+                           f"{total / s / 1e9:.1f} GB/s")
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def staging_for(chunk, depth):
+    from instant_staging import StagingBuffer
+    return StagingBuffer(depth * chunk, copy_unit=chunk)
+
+
+def section_pipeline(torch, name, f, repeat, out, grid, skip=0, label="pipeline"):
+    for chunk, depth, threads in grid:
+        buf = staging_for(chunk, depth)
+        plan = f.plan(chunk)
+        try:
+            s = best(run_pipe, repeat, plan, f.dsts, threads, staging=buf,
+                     device=f.target.index, skip=skip)
+        finally:
+            buf.close()
+        out.append({"section": label, "layout": name, "chunk": chunk, "depth": depth, "threads": threads,
+                        "seconds": s, "gbps": f.nbytes / s / 1e9})
+        C.progress(f"  {name} {label} {chunk // MiB} MiB / depth {depth} / {threads} threads: "
+                   f"{f.nbytes / s / 1e9:.1f} GB/s")
+
+
+def section_load_file(torch, name, paths, device, repeat, out, settings):
+    nbytes = sum(os.path.getsize(p) for p in paths)
+    for chunk, depth, threads in settings:
+        s = best(loader.load_file, repeat, paths, str(device), chunk_size=chunk, io_depth=depth,
+                 threads=threads, reset=lambda: B._free(torch, device))
+        B._free(torch, device)
+        out.append({"section": "load_file", "layout": name, "chunk": chunk, "depth": depth,
+                        "threads": threads, "seconds": s, "gbps": nbytes / s / 1e9})
+        C.progress(f"  {name} load_file {chunk // MiB} MiB / {depth} / {threads}: "
+                   f"{nbytes / s / 1e9:.1f} GB/s")
+    buf = staging_for(loader.DEFAULT_CHUNK_SIZE, loader.DEFAULT_IO_DEPTH)
+    try:
+        s = best(lambda: loader.load_file(paths, str(device), staging=buf), repeat,
+                 reset=lambda: B._free(torch, device))
+    finally:
+        buf.close()
+    B._free(torch, device)
+    out.append({"section": "load_file", "layout": name, "what": "reused staging", "seconds": s,
+                    "gbps": nbytes / s / 1e9})
+    C.progress(f"  {name} load_file defaults, reused staging: {nbytes / s / 1e9:.1f} GB/s")
+
+
+def section_host(torch, name, paths, repeat, out):
+    if sum(os.path.getsize(p) for p in paths) > (8 << 30):
+        return      # fresh CPU tensors of 16 GB measure page faults, not the loader
+    f = Files(torch, paths, torch.device("cpu"))
+    try:
+        for chunk, threads in ((loader.DEFAULT_CHUNK_SIZE, 16), (4 * MiB, 8)):
+            s = best(run_pipe, repeat, f.plan(chunk), f.dsts, threads, depth=2 * threads)
+            out.append({"section": "host", "layout": name, "chunk": chunk, "threads": threads,
+                            "seconds": s, "gbps": f.nbytes / s / 1e9, "what": "pipeline, tensors resident"})
+            C.progress(f"  {name} host pipeline {chunk // MiB} MiB x {threads}: "
+                       f"{f.nbytes / s / 1e9:.1f} GB/s")
+    finally:
+        f.close()
+    s = best(lambda: loader.load_file(paths, "cpu"), repeat)
+    out.append({"section": "host", "layout": name, "what": "load_file cpu", "seconds": s,
+                    "gbps": f.nbytes / s / 1e9})
+    C.progress(f"  {name} host load_file(cpu): {f.nbytes / s / 1e9:.1f} GB/s")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", default="dense,moe")
+    ap.add_argument("--dir", default=B.DEFAULT_DIR)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--chunks", default="2MiB,4MiB,8MiB")
+    ap.add_argument("--depths", default="16,32,64")
+    ap.add_argument("--threads", default="8,12,16")
+    ap.add_argument("--settings", default="8MiB/16/16,4MiB/16/8,2MiB/16/8,4MiB/32/16,8MiB/32/16,4MiB/64/16",
+                    help="load_file section: chunk/io_depth/threads, comma-separated")
+    ap.add_argument("--quick", action="store_true", help="tiny layouts, CPU allowed")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    C.quiet_logging(False)
+    import torch
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    sections = args.sections.split(",")
+    chunks = C.parse_sizes(args.chunks)
+    depths = [int(x) for x in args.depths.split(",")]
+    threads_list = [int(x) for x in args.threads.split(",")]
+    settings = [(C.parse_sizes(c)[0], int(d), int(t))
+                for c, d, t in (x.split("/") for x in args.settings.split(","))]
+    os.makedirs(args.dir, exist_ok=True)
+    out = []
+    t_start = time.perf_counter()
+    for name, files in B.layouts(args.layouts.split(","), 64 if args.quick else 1,
+                                 C.parse_sizes("4GiB")[0]):
+        paths = B.generate(args.dir, files)
+        B.warm(paths)
+        C.progress(f"{name}: {sum(os.path.getsize(p) for p in paths) / 1e9:.2f} GB")
+        if "phases" in sections:
+            section_phases(torch, name, paths, device, args.repeat + 1, out)
+        if "reads" in sections:
+            section_reads(name, paths, args.repeat, out, threads_list, chunks)
+        gpu = device.type == "cuda"
+        if gpu and {"copies", "pipeline", "spin"} & set(sections):
+            f = Files(torch, paths, device)
+            try:
+                d = loader.DEFAULT_CHUNK_SIZE, loader.DEFAULT_IO_DEPTH, 16
+                if "copies" in sections:
+                    section_pipeline(torch, name, f, args.repeat, out,
+                                     [d, (4 * MiB, 16, 8), (2 * MiB, 32, 16)], SKIP_READ, "copies")
+                if "pipeline" in sections:
+                    section_pipeline(torch, name, f, args.repeat, out,
+                                     list(itertools.product(chunks, depths, threads_list)))
+                if "spin" in sections:
+                    from instant_staging import _cuda
+                    _cuda._set_event_blocking_sync(True)
+                    try:
+                        section_pipeline(torch, name, f, args.repeat, out,
+                                         [d, (4 * MiB, 16, 8), (4 * MiB, 32, 16), (8 * MiB, 32, 16)],
+                                         0, "blocking-sync")
+                    finally:
+                        _cuda._set_event_blocking_sync(False)
+            finally:
+                f.close()
+                B._free(torch, device)
+        if gpu and "load_file" in sections:
+            section_load_file(torch, name, paths, device, args.repeat, out, settings)
+        if "host" in sections:
+            section_host(torch, name, paths, args.repeat, out)
+    print(f"profile total {time.perf_counter() - t_start:.0f} s")
+    C.write_json(args.json, {"results": out, "device": str(device)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

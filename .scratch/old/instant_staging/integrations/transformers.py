@@ -1,0 +1,492 @@
+"""A ready transformers model, its weights read by instant_staging.
+
+    from instant_staging.integrations.transformers import from_pretrained
+    model = from_pretrained("Llama-3-8B/", device="cuda:0", dtype=torch.bfloat16)
+    model = from_pretrained("meta-llama/Meta-Llama-3-8B", device_map="auto", torch_dtype="auto")
+
+The contract: what transformers' ``from_pretrained`` returns for the same
+checkpoint and arguments (class, parameters, buffers, tying, dtypes, config,
+generation config, eval mode), with the safetensors bytes read by
+``instant_staging.loader.iter_load`` straight onto the one device.  Only the
+reading is ours; everything else is transformers' own machinery:
+
+1. ``model_dir`` is a local directory, or a hub id resolved through
+   ``huggingface_hub.snapshot_download`` (its cache; with
+   ``HF_HUB_OFFLINE=1`` or ``local_files_only=True`` nothing is fetched).
+2. The config comes from ``AutoConfig.from_pretrained`` (``revision``,
+   ``trust_remote_code``); the class is ``model_class``, else the one
+   ``config.architectures`` names (remote code through transformers'
+   ``get_class_from_dynamic_module``), else, for a config without
+   ``architectures``, the one ``AutoModelForCausalLM`` maps its type to (as
+   the Auto class does).  An Auto class as ``model_class`` is resolved the
+   same way.
+3. ``iter_load(weights, device)`` (``_weights``: the files transformers
+   would read there) reads every tensor in the file's dtype
+   onto the device (one read of each byte, no host copy), in a thread of
+   its own (``_BackgroundLoad``), while
+4. ``cls.from_pretrained(None, config=..., state_dict=..., dtype=...,
+   device_map={"": device}, ...)`` runs: transformers builds the model on
+   the meta device and maps the tensors in: its key renaming, the fusing of
+   per-expert MoE tensors (its conversion mapping), ``dtype`` and
+   ``_keep_in_fp32_modules``, quantizers, tied weights, non-persistent
+   buffers.  The state dict holds ``_Arriving`` values where transformers'
+   own loading holds safetensors slices (``t[...]`` materialises one):
+   each waits for its tensor, so building the model (0.11 s of meta
+   construction for the Llama-3-8B layout on a 2-core CPU) overlaps the
+   read instead of following it.  A tensor already on its device in its
+   dtype is assigned, not copied (``core_model_loading._materialize_copy``:
+   ``t[...]`` and a ``.to()`` that is a no-op).  Its allocator warm-up is
+   skipped for this call (``_no_allocator_warmup``): every tensor gets its
+   own allocation from the load, so the warm-up could only reserve a second
+   model-sized block on the GPU (2x the peak memory, an OOM for a model over
+   half the device).  With a quantization config the whole checkpoint is
+   read first and real tensors handed over (quantizers read them in ways of
+   their own).
+5. A weight the model has and the checkpoint lacks is a ``KeyError`` naming
+   it (transformers would initialise it randomly and warn); a read that
+   fails raises its ``LoadError`` (transformers would log it as a
+   conversion error and go on), nothing of the model kept.
+
+Arguments transformers users pass: ``device_map`` (a device, ``{"": device}``
+or ``"auto"`` where torch sees at most one GPU), ``torch_dtype`` (an alias of
+``dtype``), ``revision``, ``attn_implementation``, ``trust_remote_code``,
+``quantization_config``, ``cache_dir``, ``token``, ``local_files_only``.
+Anything else, and a model spread over several devices, is an error naming
+it before anything is read.
+
+transformers is an optional dependency: ``pip install
+'instant_staging[transformers]'`` (with accelerate, which transformers
+needs for a GPU ``device_map``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import traceback
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ..loader._load import iter_load, load_file
+from ..loader._options import torch_dtype as _check_dtype
+from ..loader._safe_open import safe_open
+from ..loader._source import resolve
+from ..loader._target import _TORCH_DTYPES, _import_torch, _resolve_device
+from ..loader._typing import Device, DType, PathLike
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("instant_staging")
+
+# The default device of DESIGN.md's signature.
+DEFAULT_DEVICE = "cuda:0"
+# What a hub snapshot needs for this function: the configs, the safetensors
+# shards and their index, and the code of a trust_remote_code model.
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.py")
+# The Auto class whose mapping a config without `architectures` goes through.
+DEFAULT_AUTO_CLASS = "AutoModelForCausalLM"
+# Keyword arguments passed on to transformers as they are (others are an error).
+PASSED_THROUGH = ("attn_implementation", "quantization_config")
+# transformers' device_map strategies that spread a model over devices.
+SPREADING = ("balanced", "balanced_low_0", "sequential")
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("instant_staging.integrations.transformers needs transformers: "
+                          "pip install 'instant_staging[transformers]'") from None
+    return transformers
+
+
+def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dtype: DType = None,
+                    model_class: type[Any] | None = None, device_map: Any = None,
+                    torch_dtype: DType = None, revision: str | None = None,
+                    trust_remote_code: bool = False, cache_dir: PathLike | None = None,
+                    token: str | bool | None = None, local_files_only: bool = False,
+                    **kwargs: Any) -> torch.nn.Module:
+    """A ready model (eval mode): transformers' ``from_pretrained`` with the
+    weights read by instant_staging.
+
+    model_dir      a local directory (config.json and safetensors weights: one
+                   file, shards with model.safetensors.index.json, or shards),
+                   or a hub id (resolved through huggingface_hub's cache)
+    device         where the weights go: "cuda:N" (default "cuda:0"), "cpu", ...
+    device_map     as transformers': a device, {"": device}, or "auto" (the one
+                   GPU torch sees, else the CPU); overrides ``device``
+    dtype          None or "auto" (transformers' default: the config's dtype,
+                   else the checkpoint's), or a floating torch dtype (or its name);
+                   ``torch_dtype`` is an alias
+    model_class    a transformers model class or Auto class; None: the class
+                   config.json's ``architectures`` names, else
+                   AutoModelForCausalLM's for the config's model_type
+    revision, trust_remote_code, cache_dir, token, local_files_only
+                   as transformers' (revision and the hub ones matter for a hub id)
+    attn_implementation, quantization_config
+                   passed on to transformers
+
+    Errors come before anything is read: TypeError for an argument this
+    function does not take (naming it), ValueError for a bad value or a
+    model spread over several devices, FileNotFoundError for a directory
+    without config.json or weights.  A weight missing from the checkpoint is
+    a KeyError naming it.
+    """
+    torch = _import_torch()
+    transformers = _import_transformers()
+    passed = _check_kwargs(kwargs)
+    given = model_dir
+    model_dir = _local_dir(model_dir, revision=revision, cache_dir=cache_dir, token=token,
+                           local_files_only=local_files_only)
+    device = _target_device(torch, device, device_map)
+    dtype = _one_dtype(torch, dtype, torch_dtype)
+    if model_class is not None and not isinstance(model_class, type):
+        raise TypeError(f"model_class must be a class, not {type(model_class).__name__}")
+    if not isinstance(trust_remote_code, bool):
+        raise TypeError(f"trust_remote_code must be a bool, not {type(trust_remote_code).__name__}")
+
+    config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    cls = _model_class(transformers, config, model_class, model_dir, trust_remote_code)
+    extra = dict(passed)
+    generation = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(generation):
+        extra["generation_config"] = transformers.GenerationConfig.from_pretrained(model_dir)
+    # transformers needs accelerate for any device_map; on the CPU none is
+    # needed (its default places everything there, and a .to("cpu") of a CPU
+    # tensor is a no-op).
+    device_map = None if device.type == "cpu" else {"": device}
+    if device_map is not None and not transformers.utils.is_accelerate_available():
+        raise ImportError(f"loading onto {device} needs accelerate (transformers' device_map does): "
+                          "pip install accelerate, or 'instant_staging[transformers]'")
+
+    kwargs = dict(config=config, dtype=dtype, device_map=device_map, output_loading_info=True,
+                  trust_remote_code=trust_remote_code, **extra)
+    t0 = time.perf_counter()
+    if "quantization_config" in passed or getattr(config, "quantization_config", None) is not None:
+        # Quantizers read tensors in ways of their own: hand them real ones.
+        state = load_file(_weights(model_dir), device)
+        try:
+            with _no_allocator_warmup(transformers):
+                model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
+        finally:
+            state.clear()      # the model holds what it took; nothing else outlives the call
+    else:
+        model, info = _assemble_while_reading(transformers, cls, model_dir, device, kwargs)
+    t1 = time.perf_counter()
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        name, model = type(model).__name__, None       # not kept alive by the traceback
+        raise KeyError(f"{model_dir}: {len(missing)} weight(s) of {name} are not in the checkpoint: "
+                       + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+    _set_name_or_path(model, os.fsdecode(os.fspath(given)))
+    logger.info("from_pretrained %s: %s in %.3f s", model_dir, type(model).__name__, t1 - t0)
+    return model
+
+
+# -- the steps ----------------------------------------------------------------------
+
+def _assemble_while_reading(transformers, cls, model_dir, device, kwargs):
+    """transformers' from_pretrained on a state dict whose tensors are still
+    being read (``_Arriving``): it builds the model on meta while the load
+    runs, and takes each tensor as it arrives.  A failed read raises its
+    LoadError (transformers would log it as a conversion error and go on)."""
+    load = _BackgroundLoad(_weights(model_dir), device)
+    model = info = None
+    try:
+        state = {name: _Arriving(load, name, shape, dtype) for name, (shape, dtype) in load.layout.items()}
+        with _no_allocator_warmup(transformers):
+            model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
+        state.clear()
+        load.finish()
+    except BaseException as e:
+        failed = load.error            # the read's own failure, not the cancel that close() causes
+        load.close()
+        model = info = state = None
+        # The traceback's frames would keep the tensors read so far alive.
+        traceback.clear_frames(e.__traceback__)
+        if failed is not None and e is not failed and not isinstance(e, KeyboardInterrupt):
+            raise failed from None
+        raise
+    return model, info
+
+
+class _BackgroundLoad:
+    """``iter_load(source, device)`` consumed by a thread of its own into
+    ``{name: tensor}``; ``wait(name)`` blocks until that tensor is there.
+    The headers are read (and checked) in the caller's thread, at once."""
+
+    def __init__(self, source, device):
+        paths = resolve(source).paths
+        self.layout = _layout(paths)
+        self.error = None
+        self._tensors = {}
+        # Handed out once (wait() drops ours): where transformers converts a
+        # tensor (dtype=) it keeps only its copy, and ours would otherwise
+        # stay on the device beside the model until the call ends (2x an fp16
+        # checkpoint loaded as bf16).  A second ask gets it while it lives.
+        self._handed = {}
+        self._done = False
+        self._cond = threading.Condition()
+        self._it = iter_load(source, device)
+        self._thread = threading.Thread(target=self._run, name="instant_staging-from_pretrained",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        try:
+            for name, tensor in self._it:
+                with self._cond:
+                    self._tensors[name] = tensor
+                    self._cond.notify_all()
+                tensor = None
+        except BaseException as e:
+            with self._cond:
+                self.error = e
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def wait(self, name):
+        with self._cond:
+            while name not in self._tensors:
+                handed = self._handed.get(name)
+                tensor = handed() if handed is not None else None
+                if tensor is not None:
+                    return tensor
+                if handed is not None:
+                    raise RuntimeError(f"{name} was asked for again after transformers dropped it")
+                if self.error is not None:
+                    raise self.error
+                if self._done:
+                    raise KeyError(f"{name} was not loaded")
+                self._cond.wait()
+            tensor = self._tensors.pop(name)
+            self._handed[name] = weakref.ref(tensor)
+            return tensor
+
+    def finish(self):
+        """Waits for the load; raises its error; drops our references."""
+        self._thread.join()
+        with self._cond:
+            self._tensors.clear()
+            self._handed.clear()
+        if self.error is not None:
+            raise self.error
+
+    def close(self):
+        """Cancels the load (from this thread: LoadIterator.close may come
+        from any thread), joins the consumer, drops every tensor."""
+        self._it.close()
+        self._thread.join()
+        with self._cond:
+            self._tensors.clear()
+            self._handed.clear()
+
+
+class _Arriving:
+    """A checkpoint tensor still being read, standing where transformers'
+    own loading puts a safetensors slice (``safe_open(...).get_slice(k)``):
+    ``t[...]`` is the tensor (it waits for it); shape and dtype come from
+    the header."""
+
+    __slots__ = ("_load", "dtype", "name", "shape")
+
+    def __init__(self, load, name, shape, dtype):
+        self._load, self.name, self.shape, self.dtype = load, name, shape, dtype
+
+    def get_shape(self):
+        return list(self.shape)
+
+    def is_floating_point(self):
+        return self.dtype.is_floating_point
+
+    def __getitem__(self, index):
+        return self._load.wait(self.name)[index]
+
+
+def _layout(paths):
+    """{name: (torch.Size, torch dtype)} of every shard, from the headers."""
+    torch = _import_torch()
+    layout = {}
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open is not iterable, as safetensors')
+                view = f.get_slice(name)
+                layout[name] = (torch.Size(view.get_shape()),
+                                getattr(torch, _TORCH_DTYPES[view.get_dtype()]))
+    return layout
+
+
+def _check_kwargs(kwargs):
+    unknown = sorted(set(kwargs) - set(PASSED_THROUGH))
+    if unknown:
+        raise TypeError(f"from_pretrained() does not take {', '.join(map(repr, unknown))}: it takes "
+                        "device, device_map, dtype, torch_dtype, model_class, revision, trust_remote_code, "
+                        "cache_dir, token, local_files_only, " + ", ".join(PASSED_THROUGH))
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _weights(model_dir):
+    """The weights transformers' from_pretrained reads in ``model_dir``:
+    model.safetensors where it is a file, else the shards
+    model.safetensors.index.json lists, else (beyond transformers) every
+    *.safetensors there.  transformers' own saves leave both behind (a
+    one-file save over a sharded one keeps the index, and the other way
+    round the old file), and a hub repo may hold a variant
+    (model.fp16.safetensors) beside them: loading the directory as
+    ``load_file`` does read the other set, or both."""
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            return path
+    return model_dir
+
+
+def _local_dir(model_dir, *, revision, cache_dir, token, local_files_only):
+    """The local directory of ``model_dir``: itself, or the snapshot of a hub
+    id in huggingface_hub's cache (fetched as transformers would, unless
+    offline or ``local_files_only``)."""
+    if not isinstance(model_dir, (str, bytes, os.PathLike)):
+        raise TypeError(f"model_dir must be a path or a hub id, not {type(model_dir).__name__}")
+    path = os.fsdecode(os.fspath(model_dir))
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{path} has no config.json")
+        return path
+    if revision is not None and not isinstance(revision, str):
+        raise TypeError(f"revision must be a str, not {type(revision).__name__}")
+    if os.path.isabs(path) or path.startswith(".") or path.count("/") > 1 or not path:
+        raise FileNotFoundError(f"no such model directory: {path}")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    try:
+        snapshot = snapshot_download(path, revision=revision, cache_dir=cache_dir, token=token,
+                                     local_files_only=local_files_only, allow_patterns=list(HUB_PATTERNS))
+    except HFValidationError:
+        raise FileNotFoundError(f"no such model directory: {path} (nor a valid hub id)") from None
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(f"{path}: neither a local directory nor in huggingface_hub's cache "
+                                f"(offline, or local_files_only=True): {e}") from None
+    if not os.path.isfile(os.path.join(snapshot, "config.json")):
+        raise FileNotFoundError(f"{path} (revision {revision or 'main'}) has no config.json")
+    return snapshot
+
+
+def _target_device(torch, device, device_map):
+    """The one device of ``device``, or of ``device_map`` where given."""
+    if device_map is None:
+        return _resolve_device(torch, device)
+    if isinstance(device_map, str) and device_map == "auto":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count > 1:
+            raise ValueError(f"device_map='auto' would spread the model over the {count} GPUs torch sees; "
+                             "this loader loads onto one device: pass device_map='cuda:N' "
+                             "(or set CUDA_VISIBLE_DEVICES)")
+        mapped = "cuda:0" if count == 1 else "cpu"
+    elif isinstance(device_map, str) and device_map in SPREADING:
+        raise ValueError(f"device_map={device_map!r} spreads the model over several devices; "
+                         "this loader loads onto one device: pass a device")
+    elif isinstance(device_map, dict):
+        devices = {str(_resolve_device(torch, d)) if not (isinstance(d, str) and d == "disk") else d
+                   for d in device_map.values()}
+        if len(devices) != 1 or "disk" in devices:
+            raise ValueError(f"device_map spreads the model over {sorted(devices)}; this loader loads onto "
+                             "one device: pass a device")
+        mapped = devices.pop()
+    elif isinstance(device_map, (str, int, torch.device)) and not isinstance(device_map, bool):
+        mapped = device_map
+    else:
+        raise TypeError(f"device_map must be a device, a dict or 'auto', not {type(device_map).__name__}")
+    mapped = _resolve_device(torch, mapped)
+    if device != DEFAULT_DEVICE and _resolve_device(torch, device) != mapped:
+        raise ValueError(f"device={device!r} and device_map={device_map!r} name different devices")
+    return mapped
+
+
+def _one_dtype(torch, dtype, alias):
+    """``dtype`` or its alias ``torch_dtype`` (not both, unless equal); None
+    and "auto" are transformers' "auto"."""
+    values = []
+    for name, value in (("dtype", dtype), ("torch_dtype", alias)):
+        if value is None or (isinstance(value, str) and value == "auto"):
+            continue
+        values.append((name, _check_dtype(torch, value)))
+    if len({v for _, v in values}) > 1:
+        raise ValueError(f"dtype={dtype!r} and torch_dtype={alias!r} differ: pass one of them")
+    return values[0][1] if values else "auto"
+
+
+def _model_class(transformers, config, model_class, model_dir, trust_remote_code):
+    if model_class is None:
+        names = getattr(config, "architectures", None) or []
+        if not names:
+            model_class = getattr(transformers, DEFAULT_AUTO_CLASS)
+        else:
+            model_class = getattr(transformers, names[0], None)
+            if model_class is None:
+                return _remote_class(transformers, config, names[0], model_dir, trust_remote_code)
+    if getattr(model_class, "_model_mapping", None) is None:
+        return model_class
+    # An Auto class: remote code where the config maps this Auto class to
+    # some, else its mapping, as the Auto class's from_pretrained does.
+    auto_map = getattr(config, "auto_map", None) or {}
+    if model_class.__name__ in auto_map:
+        return _remote_class(transformers, config, model_class.__name__, model_dir, trust_remote_code)
+    try:
+        return model_class._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"{model_class.__name__} has no model for {type(config).__name__} "
+                         f"({model_dir}/config.json, model_type {getattr(config, 'model_type', None)!r}): "
+                         "pass model_class=") from None
+
+
+def _remote_class(transformers, config, name, model_dir, trust_remote_code):
+    auto_map = getattr(config, "auto_map", None) or {}
+    ref = auto_map.get(name) or next((v for k, v in auto_map.items()
+                                      if isinstance(v, str) and v.endswith("." + name)), None)
+    if ref is None:
+        raise ValueError(f"transformers {transformers.__version__} has no class {name!r} "
+                         f"(config.json's architectures) and config.json's auto_map names none: "
+                         "pass model_class=")
+    if not trust_remote_code:
+        raise ValueError(f"{model_dir} needs its own code for {name} ({ref}): pass trust_remote_code=True "
+                         "to run it")
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+    if isinstance(ref, (list, tuple)):
+        ref = ref[0]
+    return get_class_from_dynamic_module(ref, model_dir)
+
+
+@contextlib.contextmanager
+def _no_allocator_warmup(transformers):
+    """transformers' caching_allocator_warmup off for one call (see the module
+    docstring, step 4).  A module attribute: another thread's from_pretrained
+    meanwhile would skip its warm-up too (slower, never wrong)."""
+    modeling = getattr(transformers, "modeling_utils", None)
+    original = getattr(modeling, "caching_allocator_warmup", None)
+    if original is None:
+        yield
+        return
+    modeling.caching_allocator_warmup = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        modeling.caching_allocator_warmup = original
+
+
+def _set_name_or_path(model, model_dir):
+    # transformers' from_pretrained(None, ...) records None; its own records
+    # what it was given (the path, or the hub id).
+    model.config.name_or_path = model_dir
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and config is not model.config and getattr(config, "name_or_path", "") is None:
+            config.name_or_path = model_dir
+
+
+__all__ = ["from_pretrained"]

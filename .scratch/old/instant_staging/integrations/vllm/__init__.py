@@ -1,0 +1,61 @@
+"""vLLM's load format ``instant_staging``: vLLM's weights read through
+instant_staging's staging buffer onto each worker's GPU.
+
+    pip install 'instant_staging[vllm]'
+    vllm serve MODEL --load-format instant_staging
+    LLM(model=MODEL, load_format="instant_staging")
+
+The contract:
+
+- Discovery: the ``vllm.general_plugins`` entry point ``instant_staging``
+  (``pyproject.toml``) names ``register``, which vLLM calls in every process
+  it starts (the API server, the engine core, each worker) before it makes
+  a model loader; ``register`` registers ``InstantStagingModelLoader``
+  under ``LOAD_FORMAT`` through vLLM's ``register_model_loader``, once per
+  process (vLLM may call it more than once).
+- The loader (``_loader.py``) is vLLM's ``DefaultModelLoader`` with the
+  weights iterator replaced: the same files (vLLM's own resolution of local
+  directories and hub ids, its filters), the same ``(name, tensor)`` pairs
+  as vLLM's ``safetensors_weights_iterator`` (names, dtypes, shapes, bytes),
+  but each tensor on the worker's device, read by ``iter_load`` in batches
+  of at most ``batch_bytes`` (``_weights.py``), into ``model.load_weights``:
+  vLLM's per-model mapping (stacked qkv, gate/up, tensor-parallel slicing)
+  is untouched.
+- Knobs: ``--model-loader-extra-config`` keys (``_options.py``: chunk_size,
+  io_depth, threads, progress, verify, batch_bytes, shared_read,
+  enable_weights_track), an unknown key or a bad value a ValueError naming
+  it when vLLM makes the loader; keys left out come from instant_staging's
+  environment variables (``INSTANT_STAGING_CHUNK_SIZE`` ...), else the
+  loader's defaults.
+- Tensor parallel: every worker loads the whole checkpoint onto its own GPU
+  with its own staging buffer (vLLM slices each tensor as it copies it).
+  ``{"shared_read": true}`` makes the batches collective loads over vLLM's
+  world group (``process_group=``: each rank reads 1/N of the bytes);
+  off by default until measured inside vLLM.
+- One INFO line per worker on vLLM's logger: bytes, tensors, seconds, GB/s,
+  the device, the staging kind, the rank.
+- Only safetensors checkpoints: a checkpoint without them, or a
+  torchao-serialized one, is a ValueError naming the load format to use.
+
+vLLM is imported only by ``register`` and ``_loader``; ``_options`` and
+``_weights`` work without it.
+"""
+
+from __future__ import annotations
+
+LOAD_FORMAT = "instant_staging"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: registers the loader class
+    under ``LOAD_FORMAT`` (idempotent)."""
+    from vllm.model_executor import model_loader
+
+    from ._loader import InstantStagingModelLoader
+    registry = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", None)
+    if registry is not None and registry.get(LOAD_FORMAT) is InstantStagingModelLoader:
+        return                 # already registered in this process: no "overwritten" warning
+    model_loader.register_model_loader(LOAD_FORMAT)(InstantStagingModelLoader)
+
+
+__all__ = ["LOAD_FORMAT", "register"]

@@ -1,0 +1,137 @@
+"""The vLLM model loader of load format ``instant_staging`` (imports vLLM).
+
+A ``DefaultModelLoader`` whose weights iterator is ``_weights.iter_weights``;
+everything else is vLLM's own: the files (``_prepare_weights`` of a
+DefaultModelLoader for load format ``safetensors``: local directories, hub
+ids through huggingface_hub's cache and ``--download-dir``, the index's
+shards, ``--ignore-patterns``), its shard filters (``--mm-encoder-only``,
+the model's ``is_unused_checkpoint_weight``), the expert-parallel filter
+(``local_expert_ids``: non-local experts are not read), ``secondary_weights``,
+``model.load_weights(...)`` with vLLM's per-model mapping, and its check
+that every parameter was loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.weight_utils import (
+    filter_mm_encoder_only_safetensors_files,
+    filter_safetensors_files_by_weight_name,
+)
+
+from ..._types import format_size
+from ...loader._progress import resolve as _progress
+from . import LOAD_FORMAT
+from ._options import parse
+from ._weights import Stats, iter_weights
+
+# A child of vLLM's logger: its handler and format (vLLM configures "vllm").
+logger = logging.getLogger("vllm.instant_staging")
+
+
+def _should_skip_weight():
+    try:
+        from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+    except ImportError:            # a vLLM without expert-parallel weight filtering
+        return None
+    return should_skip_weight
+
+
+class InstantStagingModelLoader(DefaultModelLoader):
+    """``--load-format instant_staging``: vLLM's default loader reading the
+    safetensors weights through instant_staging's staging buffer onto the
+    worker's device."""
+
+    def __init__(self, load_config):
+        self.options = parse(load_config.model_loader_extra_config)
+        passed = {} if self.options.enable_weights_track is None else {
+            "enable_weights_track": self.options.enable_weights_track}
+        # DefaultModelLoader's own setup, told only the keys it knows.
+        super().__init__(dataclasses.replace(load_config, model_loader_extra_config=passed))
+        self.load_config = load_config
+        # vLLM's file resolution for safetensors weights: a loader of that format.
+        self._files = DefaultModelLoader(dataclasses.replace(
+            load_config, load_format="safetensors", model_loader_extra_config={}))
+        self.stats = Stats()
+
+    def _prepare_weights(self, model_name_or_path, subfolder, revision, fall_back_to_pt,
+                         allow_patterns_overrides):
+        return self._files._prepare_weights(model_name_or_path, subfolder, revision,
+                                            fall_back_to_pt, allow_patterns_overrides)
+
+    def _get_weights_iterator(self, source):
+        strategy = getattr(self.load_config, "safetensors_load_strategy", None)
+        if strategy == "torchao":
+            raise ValueError("load format instant_staging does not read torchao-serialized checkpoints "
+                             "(their tensor subclasses): use --load-format safetensors")
+        folder, files, use_safetensors, index_file = self._prepare_weights(
+            source.model_or_path, source.subfolder, source.revision, source.fall_back_to_pt,
+            source.allow_patterns_overrides)
+        if not use_safetensors:
+            raise ValueError(f"load format instant_staging reads safetensors checkpoints; "
+                             f"{source.model_or_path} has none")
+        prefixes = getattr(self, "_encoder_only_lm_prefixes", None)
+        if prefixes is not None and files:
+            files = filter_mm_encoder_only_safetensors_files(
+                files, folder, index_file, prefixes,
+                weights_mapper=getattr(self, "_encoder_only_weights_mapper", None))
+            if not files:
+                raise RuntimeError(f"--mm-encoder-only removed every weight file of {source.model_or_path}")
+        unused = getattr(source, "is_unused_weight", None)
+        if unused is not None:
+            files = filter_safetensors_files_by_weight_name(files, unused)
+        if self.counter_before_loading_weights == 0.0:
+            self.counter_before_loading_weights = time.perf_counter()
+        weights = self._iterate(files)
+        return ((source.prefix + name, tensor) for name, tensor in weights)
+
+    def _iterate(self, files):
+        device = self._device()
+        group, rank, world = _world()
+        keep = None
+        skip, experts = _should_skip_weight(), getattr(self, "local_expert_ids", None)
+        if skip is not None and experts is not None:
+            def keep(name):
+                return not skip(name, experts)
+        shared = self.options.shared_read and group is not None
+        show = self.options.progress
+        if show is None:
+            show = self.load_config.use_tqdm_on_load
+        progress = _progress(True) if show and rank == 0 else None
+        stats = Stats()
+        yield from iter_weights(files, device, self.options, keep=keep,
+                                process_group=group if shared else None, progress=progress, stats=stats)
+        self.stats = stats
+        logger.info("instant_staging read %s (%d tensors) in %.2f s (%.2f GB/s) onto %s, staging %s, "
+                    "rank %d of %d%s", format_size(stats.bytes), stats.tensors, stats.seconds, stats.gbps,
+                    device, "/".join(stats.kinds) or "none", rank, world, ", shared read" if shared else "")
+
+    def _device(self):
+        """Where vLLM's load_model puts the model: LoadConfig.device, else the
+        device config's (the worker's own GPU once vLLM set it current)."""
+        if self.load_config.device is not None:
+            return torch.device(self.load_config.device)
+        from vllm.config import get_current_vllm_config_or_none
+        config = get_current_vllm_config_or_none()
+        if config is None:
+            return torch.device("cpu")
+        return torch.device(config.device_config.device)
+
+
+def _world():
+    """(the group for a shared read or None, this rank, the world size)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+        world = get_world_group()
+    except (AssertionError, ImportError):      # no distributed state (a bare loader, tests)
+        return None, 0, 1
+    group = world.device_group if world.world_size > 1 else None
+    return group, world.rank_in_group, world.world_size
+
+
+__all__ = ["LOAD_FORMAT", "InstantStagingModelLoader"]

@@ -1,0 +1,109 @@
+"""The ``--model-loader-extra-config`` keys of load format ``instant_staging``.
+
+    vllm serve MODEL --load-format instant_staging \\
+        --model-loader-extra-config '{"chunk_size": "8MiB", "threads": 8}'
+
+``parse(extra)`` checks the JSON object vLLM passes (a dict) and returns an
+``Options``; an unknown key, or a value of the wrong type, is a ValueError
+naming it and what is accepted, raised when vLLM makes the loader (before
+any model is built or any byte read).  A key left out is None: the loader's
+own knob then comes from its environment variable (``INSTANT_STAGING_CHUNK_SIZE``,
+``INSTANT_STAGING_IO_DEPTH``, ``INSTANT_STAGING_THREADS``), else its measured
+default, exactly as for ``load_file``.  Needs no vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from ..._types import parse_size
+
+# Bytes of checkpoint tensors on the device at once (besides the model's own
+# parameters): vLLM copies each yielded tensor into its parameter (or its
+# tensor-parallel slice of it) and drops it, but a load allocates all of
+# its tensors up front, so an unbounded one would hold a second copy of the
+# whole checkpoint on every GPU (a TP=8 rank would hold 8x its share).  4 GiB:
+# about one shard of a hub checkpoint; a tensor larger than this is a batch
+# of its own.  Unmeasured inside vLLM: each batch is one load (a few ms of
+# start-up each on the H200 host, benchmarks/RESULTS.md).
+BATCH_BYTES = 4 << 30
+
+
+class Options(NamedTuple):
+    """The validated extra config (None: the loader's default)."""
+
+    chunk_size: int | None = None
+    io_depth: int | None = None
+    threads: int | None = None
+    progress: bool | None = None       # None: vLLM's use_tqdm_on_load, on rank 0
+    verify: bool = False
+    batch_bytes: int = BATCH_BYTES
+    shared_read: bool = False             # process_group= over vLLM's world group
+    enable_weights_track: bool | None = None   # vLLM's DefaultModelLoader key, passed on
+
+
+# key: (what it is, in the error message)
+KEYS = {
+    "chunk_size": "bytes per read and copy: an int or a size such as \"8MiB\"",
+    "io_depth": "chunks in flight: an int >= 1",
+    "threads": "reader threads: an int >= 1",
+    "progress": "a progress bar on rank 0: true or false",
+    "verify": "re-read every tensor and compare: true or false",
+    "batch_bytes": "the most bytes of checkpoint tensors on the device at once: an int or a size",
+    "shared_read": "each rank reads 1/N of the bytes and the ranks exchange them: true or false",
+    "enable_weights_track": "vLLM's check that every parameter was loaded: true or false",
+}
+
+
+def parse(extra: Any) -> Options:
+    """``Options`` from vLLM's ``model_loader_extra_config`` (a dict, maybe empty)."""
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"--model-loader-extra-config for load format instant_staging must be a JSON "
+                         f"object, not {type(extra).__name__}")
+    unknown = sorted(k for k in extra if k not in KEYS)
+    if unknown:
+        raise ValueError("unknown --model-loader-extra-config key(s) for load format instant_staging: "
+                         + ", ".join(map(repr, unknown)) + "; accepted: "
+                         + "; ".join(f"{k} ({v})" for k, v in KEYS.items()))
+    values = {}
+    for key, value in extra.items():
+        if value is None:
+            continue
+        if key in ("chunk_size", "batch_bytes"):
+            values[key] = _size(key, value)
+        elif key in ("io_depth", "threads"):
+            values[key] = _count(key, value)
+        else:
+            values[key] = _flag(key, value)
+    return Options(**values)
+
+
+def _bad(key, value):
+    return ValueError(f"--model-loader-extra-config {key}={value!r}: must be {KEYS[key].split(': ', 1)[-1]} "
+                      f"({KEYS[key].split(': ', 1)[0]})")
+
+
+def _size(key, value):
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _bad(key, value)
+    try:
+        size = parse_size(value)
+    except (TypeError, ValueError):
+        raise _bad(key, value) from None
+    if size < 1:
+        raise _bad(key, value)
+    return size
+
+
+def _count(key, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(key, value)
+    return value
+
+
+def _flag(key, value):
+    if not isinstance(value, bool):
+        raise _bad(key, value)
+    return value

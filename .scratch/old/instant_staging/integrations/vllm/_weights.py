@@ -1,0 +1,172 @@
+"""The ``(name, tensor)`` pairs vLLM's ``model.load_weights`` takes, read by
+instant_staging onto the worker's device.  Needs no vLLM.
+
+    stats = Stats()
+    for name, tensor in iter_weights(files, "cuda:0", Options(), stats=stats):
+        ...                      # what vLLM's safetensors_weights_iterator yields
+
+The pairs: every tensor of ``files`` (for which ``keep(name)`` holds), once,
+with the file's name, dtype, shape and bytes, as vLLM's default
+``safetensors_weights_iterator`` yields them, but on ``device`` instead of
+the CPU (vLLM's weight loaders copy each into its parameter, or their
+tensor-parallel slice of it, from any device).  The order is not vLLM's:
+files in vLLM's order (numbers in names compared as numbers), and within
+each batch the order in which tensors finish.
+
+The tensors are read in batches (``plan``): consecutive tensors of the files
+up to ``Options.batch_bytes`` (``_options.BATCH_BYTES``), each batch one
+``iter_load(files, device, names=batch)``, so that no more than one batch
+of checkpoint tensors sits on the device beside the model at any time (a
+load allocates all its tensors when it starts).  The staging buffer is the
+one the loader keeps between loads, so batches pin nothing anew.
+
+``process_group`` (``Options.shared_read``): every rank of the group calls
+with the same files; each batch is then a collective ``iter_load(...,
+process_group=pg)`` (each rank reads about 1/N of its bytes, the ranks
+exchange them), so every rank must make the same batches: ``keep`` then
+filters after the load instead of before (a rank still ends with only what
+it keeps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import time
+from collections.abc import Iterator
+from typing import Any, Callable, NamedTuple
+
+from ...loader import iter_load, safe_open
+from ...loader._header import DTYPE_BITS
+from ._options import Options
+
+
+class Batch(NamedTuple):
+    files: tuple[str, ...]       # the files holding its tensors, in order
+    names: tuple[str, ...]
+    nbytes: int
+
+
+class Stats:
+    """What a finished ``iter_weights`` read (for vLLM's log line)."""
+
+    def __init__(self):
+        self.tensors = 0
+        self.bytes = 0
+        self.batches = 0
+        self.seconds = 0.0
+        self.kinds: list[str] = []          # staging kinds seen (every rank's with a group)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def natural_key(path: str) -> list[Any]:
+    """vLLM's file order: numbers in the base name compared as numbers
+    (model-00002-of-00010 before model-00010-of-00010)."""
+    name = re.split(r"[\\/]", path)[-1]
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def tensor_sizes(files: list[str]) -> list[tuple[str, list[tuple[str, int]]]]:
+    """``[(file, [(name, nbytes), ...]), ...]`` from the headers alone, files in
+    vLLM's order, names as the file lists them (sorted, as safetensors')."""
+    result = []
+    for path in sorted(files, key=natural_key):
+        with safe_open(path, framework="pt") as f:
+            entries = []
+            for name in f.keys():  # noqa: SIM118  (safe_open is not iterable, as safetensors')
+                view = f.get_slice(name)
+                entries.append((name, math.prod(view.get_shape()) * DTYPE_BITS[view.get_dtype()] // 8))
+        result.append((path, entries))
+    return result
+
+
+def plan(sizes: list[tuple[str, list[tuple[str, int]]]], batch_bytes: int) -> list[Batch]:
+    """Consecutive tensors in batches of at most ``batch_bytes`` (a larger
+    tensor alone)."""
+    batches: list[Batch] = []
+    files: list[str] = []
+    names: list[str] = []
+    total = 0
+    for path, entries in sizes:
+        for name, nbytes in entries:
+            if names and total + nbytes > batch_bytes:
+                batches.append(Batch(tuple(files), tuple(names), total))
+                files, names, total = [], [], 0
+            if not files or files[-1] != path:
+                files.append(path)
+            names.append(name)
+            total += nbytes
+    if names:
+        batches.append(Batch(tuple(files), tuple(names), total))
+    return batches
+
+
+def iter_weights(files: list[str], device: Any, options: Options | None = None, *,
+                 keep: Callable[[str], bool] | None = None, process_group: Any = None,
+                 progress: Callable[[int, int], object] | None = None,
+                 stats: Stats | None = None) -> Iterator[tuple[str, Any]]:
+    """Yields ``(name, tensor)`` for every tensor of ``files`` that ``keep``
+    accepts, on ``device`` (see the module docstring).  Every header is read
+    and checked before the first tensor is allocated; ``stats`` is filled
+    when the iteration ends."""
+    options = options if options is not None else Options()
+    stats = stats if stats is not None else Stats()
+    sizes = tensor_sizes(list(files))
+    if keep is not None and process_group is None:
+        sizes = [(path, [(n, b) for n, b in entries if keep(n)]) for path, entries in sizes]
+    batches = plan(sizes, options.batch_bytes)
+    if process_group is not None:
+        _check_same_plan(batches, process_group)
+    total = sum(b.nbytes for b in batches)
+    knobs = {"chunk_size": options.chunk_size, "io_depth": options.io_depth, "threads": options.threads,
+             "verify": options.verify}
+    start = time.perf_counter()
+    done = 0
+    kinds: set[str] = set()
+    for batch in batches:
+        report = None
+        if progress is not None:
+            def report(n, _total, before=done):
+                progress(before + n, total)
+        with iter_load(list(batch.files), device, names=set(batch.names), process_group=process_group,
+                       progress=report, **knobs) as it:
+            for name, tensor in it:
+                kinds.update(_kinds(it))
+                if keep is not None and not keep(name):
+                    continue                 # a shared read loads what other ranks keep
+                stats.tensors += 1
+                stats.bytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+                tensor = None                # the consumer's alone: freed when it drops it
+        done += batch.nbytes
+        stats.batches += 1
+    stats.seconds = time.perf_counter() - start
+    stats.kinds = sorted(kinds)
+
+
+def _check_same_plan(batches: list[Batch], group: Any) -> None:
+    """Every rank of a shared read makes the same batches (the same files
+    and tensors), else the collective loads would pair different batches:
+    a ValueError on every rank, naming the ranks that differ."""
+    import torch.distributed as dist
+    mine = [([re.split(r"[\\/]", f)[-1] for f in b.files], list(b.names)) for b in batches]
+    digest = hashlib.sha256(repr(mine).encode()).hexdigest()
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, digest, group=group)
+    differ = [rank for rank, d in enumerate(everyone) if d != everyone[0]]
+    if differ:
+        raise ValueError(f"shared_read: rank(s) {differ} would read other files or tensors than rank 0; "
+                         "every rank of the group must load the same checkpoint (turn shared_read off)")
+
+
+def _kinds(it) -> list[str]:
+    """The staging kinds of a started load: every rank's with a process
+    group, else its own (none when loading to the CPU)."""
+    ranks = getattr(it, "staging_kinds", None)
+    if ranks is None:
+        ranks = [it.staging_kind]
+    return ["none (cpu)" if k is None else getattr(k, "name", str(k)) for k in ranks]

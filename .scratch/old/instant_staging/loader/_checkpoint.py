@@ -1,0 +1,128 @@
+"""The checkpoint: the shards to read, opened, with validated headers.
+
+Every header is parsed and validated before anything is allocated.  A
+``_Checkpoint`` owns its file descriptors; ``close()`` is called only by the
+code that owns the load once its reader threads have stopped.
+"""
+
+import os
+import stat
+
+from ..defaults import COLD_SAMPLES
+from . import _gc
+from ._errors import not_found
+from ._header import SafetensorsError, read_header
+
+
+class _Checkpoint:
+    """The open shards and their tensors in reading order (shard, offset)."""
+
+    def __init__(self, paths):
+        self.paths, self.fds, self.headers = [], [], []
+        try:
+            with _gc.paused():
+                for path in paths:
+                    self._open(os.fspath(path))
+            self.entries = [(i, t) for i, h in enumerate(self.headers) for t in h.tensors]
+            self._check_duplicates()
+            self.total_bytes = sum(t.nbytes for _, t in self.entries)
+        except BaseException:           # a Ctrl-C too: nobody else holds the fds yet
+            self.close()
+            raise
+
+    def _open(self, path):
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
+        # writer, forever; only a regular file is read (O_NONBLOCK, which
+        # reads of one ignore, is then cleared).
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise not_found(os.fsdecode(path)) from None
+        self.fds.append(fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SafetensorsError("not a regular file (a FIFO, a device or a directory cannot "
+                                   "be a safetensors file)", os.fsdecode(path))
+        os.set_blocking(fd, True)
+        self.paths.append(os.fsdecode(path))     # messages and errors name a str
+        self.headers.append(read_header(fd, path))
+
+    def _check_duplicates(self):
+        seen = {}
+        for i, t in self.entries:
+            if t.name in seen:
+                raise SafetensorsError(f"tensor name appears in two shards: "
+                                       f"{self.paths[seen[t.name]]} and {self.paths[i]}",
+                                       self.paths[i], t.name)
+            seen[t.name] = i
+
+    def select(self, names):
+        """Keeps only the selected tensors (docs/design.md's ``names=``): None for
+        all, an iterable of names (unknown ones are a KeyError listing them),
+        or a predicate ``name -> bool``.  Only their bytes are read."""
+        if names is None:
+            return
+        if callable(names):
+            keep = {t.name for _, t in self.entries if names(t.name)}
+        else:
+            if isinstance(names, (str, bytes)):
+                raise TypeError("names must be an iterable of tensor names or a callable, "
+                                f"not a single {type(names).__name__}")
+            keep = set(names)
+            unknown = keep - {t.name for _, t in self.entries}
+            if unknown:
+                raise KeyError(f"{len(unknown)} tensor name(s) not in the checkpoint: "
+                               + ", ".join(repr(n) for n in sorted(unknown, key=str)[:20])
+                               + (" ..." if len(unknown) > 20 else ""))
+        self.entries = [(i, t) for i, t in self.entries if t.name in keep]
+        self.total_bytes = sum(t.nbytes for _, t in self.entries)
+
+    def resident(self, samples=COLD_SAMPLES):
+        """The fraction of ``samples`` pages, spread evenly over the selected
+        tensors' bytes, that the page cache holds; None where the kernel or
+        the file system cannot tell without reading (no RWF_NOWAIT).  Each
+        sample is a one-byte read that never waits for the disk (on a page
+        not cached it starts that page's readahead, as any read would)."""
+        nowait = getattr(os, "RWF_NOWAIT", None)
+        ranges = [(self.fds[i], t.begin, t.nbytes) for i, t in self.entries if t.nbytes]
+        if nowait is None or not ranges:
+            return None
+        total = sum(n for _, _, n in ranges)
+        targets = iter(total * (2 * k + 1) // (2 * samples) for k in range(samples))
+        byte, hits, tried, base = bytearray(1), 0, 0, 0
+        target = next(targets)
+        for fd, begin, nbytes in ranges:
+            while target is not None and target < base + nbytes:
+                try:
+                    hits += os.preadv(fd, [byte], begin + target - base, nowait) == 1
+                except BlockingIOError:
+                    pass                # not resident
+                except OSError:
+                    return None         # EOPNOTSUPP, EINVAL: this file system cannot say
+                tried += 1
+                target = next(targets, None)
+            base += nbytes
+        return hits / tried if tried else None
+
+    def close(self):
+        """Closes the descriptors (idempotent).  Only the code that joined
+        the load's reader threads calls it: a descriptor number closed under
+        a running reader could be reused by the next open() and the reader
+        would copy another file's bytes."""
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+def _paths(paths):
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        return [paths]
+    try:
+        paths = list(paths)
+    except TypeError:
+        raise TypeError(f"paths must be a path or a list of paths, not {type(paths).__name__}") from None
+    if not paths:
+        raise ValueError("no safetensors file given")
+    for p in paths:
+        if not isinstance(p, (str, bytes, os.PathLike)):
+            raise TypeError(f"paths must be a path or a list of paths, got {type(p).__name__} in the list")
+    return paths

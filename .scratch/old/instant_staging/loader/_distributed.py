@@ -1,0 +1,622 @@
+"""Loading on every rank of a torch.distributed group: each byte read once.
+
+    load_file(paths, "cuda:0", process_group=pg)     # on every rank of pg
+
+Every rank of ``pg`` calls the loader with the same checkpoint (its own
+``device``; ``names=`` may differ per rank).  The ranks agree on a plan:
+each byte that some rank wants is read from the host by exactly one rank
+that wants it, through that rank's own staging buffer into its own
+device; the parts are then exchanged with torch.distributed collectives
+only (NCCL between GPUs, gloo on the CPU), so every rank ends with every
+tensor it asked for, bit-exact, each tensor owning its own memory.
+
+The plan (``plan()``, pure and the same on every rank):
+
+- a tensor wanted by one rank is read by that rank, whole, and never sent;
+- the tensors wanted by the same set of ranks form one byte stream in file
+  order, cut into contiguous parts, one per member, sized so that the
+  members' total reads come out even (water filling over what each already
+  reads); a cut snaps to the nearest tensor boundary when that costs less
+  than 1/64 of a rank's share, else it falls on a 4 KiB boundary inside
+  the tensor;
+- each part is cut again into units of at most ``UNIT_BYTES``: a unit is
+  one pipeline item of its reader and one exchange (a ``broadcast`` when
+  every rank of the group wants it, else batched ``isend``/``irecv`` to the
+  members that want it);
+- every rank issues the exchanges in one global order, sorted by how far
+  into its reader's share each unit ends, so a rank issues its own unit as
+  soon as its pipeline finished it, and the others' units are already
+  queued (asynchronously) behind: the exchange runs while the ranks still
+  read (NCCL and gloo both queue asynchronous work in issue order).
+
+Failure on one rank is an error on every rank, never a hang: the ranks
+agree three times through the group's key-value store (the one
+``init_process_group`` made), each rank posting ``(ok, message, ...)`` and
+waiting for the others' posts with a timeout (``timeout``, default
+``defaults.DISTRIBUTED_TIMEOUT``; ``INSTANT_STAGING_DIST_TIMEOUT``
+overrides) that names the ranks that never posted:
+
+1. when ``iter_load`` is called: arguments, headers and ``names=`` checked
+   on every rank, and the checkpoint's layout equal on every rank; the
+   knobs too: where no rank set one, every rank's sample of the page cache
+   travels with it, and a checkpoint the ranks find cold on average is
+   read with the cold defaults on every rank (``_for_cache``);
+2. before the first read: staging buffer made and tensors allocated (the
+   staging kinds of all ranks travel with it: ``staging_kinds``);
+3. after the exchange: every rank's reads and copies succeeded.  A rank
+   whose read or copy failed still issues every remaining exchange (with
+   the garbage its tensors hold), so nobody waits on it; the agreement
+   then raises everywhere.  Tensors are handed out only after it.
+
+The rank that failed raises its own error (``LoadError``,
+``SafetensorsError``, ``KeyError``...); the others raise
+``DistributedLoadError`` (a ``LoadError``) naming it in ``.ranks``.
+
+Measured on 2 x H200 (docs/design.md, "Two GPUs of one node"): reading is the shared bottleneck
+(both ranks reading all 16 GB at once 0.52-0.55 s each, half each 0.30 s),
+the GPUs' link nearly free (NCCL broadcast of 8 GB 0.022 s).
+"""
+
+import datetime
+import hashlib
+import logging
+import os
+import pickle
+import traceback
+from types import SimpleNamespace
+
+from ..defaults import DISTRIBUTED_TIMEOUT, reader_threads
+from . import _progress, _run, _staging_pool
+from ._errors import LoadError
+from ._options import for_cache
+from ._run import LoadIterator
+
+log = logging.getLogger("instant_staging")
+
+# Largest unit of exchange: a unit is sent once its reader has it, so the
+# exchange of the last unit is what stays exposed after the reads (64 MiB
+# over NVLink: about 0.2 ms at 370 GB/s).
+UNIT_BYTES = 64 << 20
+# Cuts inside a tensor fall on this boundary (relative to the tensor).
+CUT_ALIGN = 4096
+# A cut moves to the nearest tensor boundary when that unbalances the
+# ranks by less than this fraction of one rank's share.
+SNAP_FRACTION = 1 / 64
+
+
+class DistributedLoadError(LoadError):
+    """Another rank of the group failed (or never answered).  ``ranks``
+    maps each failed rank of the group to its message."""
+
+    def __init__(self, message, ranks=None):
+        super().__init__(message)
+        self.ranks = dict(ranks or {})
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.ranks))
+
+
+class DistributedLoadIterator(LoadIterator):
+    """The LoadIterator of a load under a process group: it yields only
+    after every rank agreed that the whole load succeeded.  Every rank must
+    consume (or close) its iterator: a rank that drops it unstarted never
+    reaches the agreements, and the others then name it after the timeout."""
+
+    def __init__(self, group, wanted, checkpoint, target, dtypes, **options):
+        self._group, self._wanted, self._info = group, wanted, {}
+        super().__init__(checkpoint, target, dtypes, **options)
+
+    def _generate(self, state, checkpoint, target, dtypes, **options):
+        return _load_group(state, self._info, self._group, self._wanted, checkpoint, target,
+                           dtypes, **options)
+
+    def close(self):
+        # Closed before loading (never iterated, or dropped): the others
+        # would wait for this rank at the next agreement until the timeout;
+        # tell them now.
+        if not self._info.get("started") and os.getpid() == self._pid:
+            self._info["started"] = True
+            try:
+                self._group.post("ready", (False, f"rank {self._group.rank} closed its iterator "
+                                                  "before loading", None))
+            except Exception:  # a store gone at exit: nobody is waiting
+                pass
+        super().close()
+
+    @property
+    def staging_kinds(self):
+        """The Kind of every rank's staging buffer, in group rank order
+        (None for a rank that loads to the CPU through ordinary memory or
+        has nothing to read), once loading started; None before."""
+        return self._info.get("kinds")
+
+    @property
+    def read_bytes(self):
+        """Bytes this rank reads from the host (its share), once planned."""
+        return self._info.get("read_bytes")
+
+
+# -- the plan ------------------------------------------------------------------
+
+class Unit:
+    """Bytes ``[begin, end)`` of tensor ``entry``, read by ``src`` and sent
+    to ``dsts`` (ranks of the group; empty for a tensor only src wants)."""
+
+    __slots__ = ("begin", "dsts", "end", "entry", "item", "key", "src")
+
+    def __init__(self, entry, begin, end, src, dsts):
+        self.entry, self.begin, self.end, self.src, self.dsts = entry, begin, end, src, dsts
+        self.item = -1      # index among src's read items
+        self.key = None     # position in the global issue order
+
+    def __repr__(self):
+        return f"Unit({self.entry}, {self.begin}, {self.end}, src={self.src}, dsts={self.dsts})"
+
+
+def plan(sizes, wanted, world, unit_bytes=UNIT_BYTES):
+    """Who reads what, and the exchanges, the same on every rank.
+
+    ``sizes[i]``: bytes of tensor i (tensors in reading order); ``wanted[i]``:
+    the ranks that want it.  Returns ``(reads, exchanges)``: ``reads[r]`` the
+    units rank r reads, in file order (unit.item is the index there), and
+    ``exchanges`` the units with receivers, in the global issue order.
+    """
+    loads = [0] * world
+    reads = [[] for _ in range(world)]
+    groups = {}
+    for i, (n, ranks) in enumerate(zip(sizes, wanted)):
+        ranks = tuple(sorted(set(ranks)))
+        if n == 0 or not ranks:
+            continue
+        if len(ranks) == 1:
+            reads[ranks[0]].append(Unit(i, 0, n, ranks[0], ()))
+            loads[ranks[0]] += n
+        else:
+            groups.setdefault(ranks, []).append(i)
+    for members, entries in groups.items():
+        shares = _water_fill([loads[r] for r in members], sum(sizes[i] for i in entries))
+        parts = _cut(entries, sizes, shares)
+        for r, part in zip(members, parts):
+            dsts = tuple(m for m in members if m != r)
+            for i, b, e in part:
+                for ub in range(b, e, unit_bytes):
+                    reads[r].append(Unit(i, ub, min(e, ub + unit_bytes), r, dsts))
+                loads[r] += e - b
+    exchanges = []
+    for r in range(world):
+        reads[r].sort(key=lambda u: (u.entry, u.begin))
+        position = 0
+        for item, u in enumerate(reads[r]):
+            u.item = item
+            position += u.end - u.begin
+            u.key = (position, r)
+            if u.dsts:
+                exchanges.append(u)
+    exchanges.sort(key=lambda u: u.key)
+    return reads, exchanges
+
+
+def _water_fill(loads, total):
+    """Shares of ``total`` that bring ``loads`` as close to level as possible."""
+    order = sorted(range(len(loads)), key=lambda k: loads[k])
+    level, left = 0, total
+    for j, k in enumerate(order):       # raise the lowest j+1 together
+        nxt = loads[order[j + 1]] if j + 1 < len(order) else None
+        width = j + 1
+        if nxt is None or (nxt - loads[k]) * width >= left:
+            level = loads[k] + left / width
+            break
+        left -= (nxt - loads[k]) * width
+    return [max(0.0, level - x) for x in loads]
+
+
+def _cut(entries, sizes, shares):
+    """Cuts the byte stream of ``entries`` into contiguous parts of about
+    ``shares`` bytes: a list of ``(entry, begin, end)`` per part."""
+    starts, pos = [], 0
+    for i in entries:
+        starts.append(pos)
+        pos += sizes[i]
+    total = pos
+    tolerance = max(CUT_ALIGN, int(total / max(1, len(shares)) * SNAP_FRACTION))
+    bounds, acc = [0], 0.0
+    for s in shares[:-1]:
+        acc += s
+        bounds.append(max(bounds[-1], _snap(round(acc), entries, sizes, starts, tolerance)))
+    bounds.append(total)
+    parts = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = []
+        for i, start in zip(entries, starts):
+            b, e = max(lo, start), min(hi, start + sizes[i])
+            if b < e:
+                part.append((i, b - start, e - start))
+        parts.append(part)
+    return parts
+
+
+def _snap(p, entries, sizes, starts, tolerance):
+    for i, start in zip(entries, starts):
+        end = start + sizes[i]
+        if start <= p < end:
+            if p - start <= tolerance or end - p <= tolerance:
+                return start if p - start <= end - p else end
+            inside = (p - start) // CUT_ALIGN * CUT_ALIGN
+            return start + inside if inside > 0 else end
+    return p
+
+
+# -- agreement through the store ----------------------------------------------
+
+_sequence = {}
+
+
+class _Group:
+    """The process group, its ranks, and agreement through its store."""
+
+    def __init__(self, dist, pg, timeout):
+        self.dist, self.pg = dist, pg
+        self.rank = dist.get_rank(pg)
+        self.size = dist.get_world_size(pg)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of process_group")
+        self.globals = dist.get_process_group_ranks(pg)
+        self.backend = str(dist.get_backend(pg)).lower()
+        self.timeout = timeout
+        ident = (getattr(pg, "group_name", None) or "") + "/" + ",".join(map(str, self.globals))
+        seq = _sequence.get(ident, 0)
+        _sequence[ident] = seq + 1
+        # Keys are never deleted: no rank can tell when the others have read
+        # them without one more round, and a load leaves three small ones.
+        self.prefix = f"instant_staging/load/{ident}/{seq}/"
+        self.store = dist.distributed_c10d._get_default_store()
+        self.posted = set()
+
+    def post(self, phase, value):
+        """Posts this rank's ``value`` for ``phase`` (once; later posts of the
+        same phase are ignored)."""
+        if phase not in self.posted:
+            self.posted.add(phase)
+            self.store.set(self.prefix + f"{phase}/{self.rank}", pickle.dumps(value))
+
+    def agree(self, phase, value):
+        """Posts ``value`` for ``phase`` and returns every rank's, in rank
+        order; a rank that does not post within the timeout is an error
+        naming it."""
+        self.post(phase, value)
+        keys = [self.prefix + f"{phase}/{r}" for r in range(self.size)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except Exception as e:   # the store's timeout, or a rank (the store's host) gone
+            missing = [r for r, k in enumerate(keys) if not _check(self.store, k)]
+            if not missing:
+                raise
+            names = ", ".join(f"rank {r} (global rank {self.globals[r]})" for r in missing)
+            raise DistributedLoadError(
+                f"{names} of the process group did not reach the load's {phase!r} step "
+                f"within {self.timeout:g} s (hung or died; INSTANT_STAGING_DIST_TIMEOUT "
+                f"sets this timeout)", {r: "no answer" for r in missing}) from e
+        return [pickle.loads(self.store.get(k)) for k in keys]
+
+    def global_rank(self, r):
+        return self.globals[r]
+
+
+def _check(store, key):
+    try:
+        return store.check([key])
+    except Exception:
+        return False
+
+
+def _failed(values):
+    """{rank: message} of the posts that say failure."""
+    return {r: v[1] for r, v in enumerate(values) if not v[0]}
+
+
+def _raise_others(group, failed, local, step):
+    """Raises the local error, or a DistributedLoadError naming the others."""
+    if local is not None:
+        raise local
+    text = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+    raise DistributedLoadError(f"the load failed on another rank of the process group "
+                               f"({step}): {text}", failed)
+
+
+def _describe(exc):
+    return f"{type(exc).__name__}: {exc}"
+
+
+# -- the entry point ---------------------------------------------------------
+
+def timeout_from_env():
+    value = os.environ.get("INSTANT_STAGING_DIST_TIMEOUT")
+    if not value:
+        return DISTRIBUTED_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"INSTANT_STAGING_DIST_TIMEOUT must be a number of seconds, "
+                         f"not {value!r}") from None
+    if not seconds > 0:
+        raise ValueError(f"INSTANT_STAGING_DIST_TIMEOUT must be > 0, got {value!r}")
+    return seconds
+
+
+def _check_group(process_group):
+    from ._target import _import_torch
+    _import_torch()
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("process_group given but torch.distributed is not initialized "
+                           "(call torch.distributed.init_process_group first)")
+    if process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object()):
+        raise ValueError("this process is not a member of process_group (new_group gave "
+                         "it GroupMember.NON_GROUP_MEMBER): only the group's ranks load through it")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup, "
+                        f"not {type(process_group).__name__}")
+    return dist
+
+
+def iter_load_group(prepare, process_group):
+    """``iter_load`` under a process group.
+
+    ``prepare()`` checks the arguments and returns ``(checkpoint, target,
+    dtypes, options)`` as the plain loader does (or raises); ``options`` are
+    the load's keyword arguments (staging, chunk_size, io_depth, threads,
+    verify, progress, faults).
+    """
+    dist = _check_group(process_group)
+    group = _Group(dist, process_group, timeout_from_env())
+    checkpoint = local = None
+    try:
+        checkpoint, target, dtypes, options = prepare()
+        # A rank that set no knob samples the page cache; absent: it set one.
+        resident = options.pop("resident", False)
+        if target.device.type == "cpu" and group.backend == "nccl":
+            raise ValueError("an NCCL process group exchanges GPU tensors: load to this rank's "
+                             "GPU, or use a gloo group for device='cpu'")
+        post = (True, "", _layout(checkpoint), _wanted_mask(checkpoint), resident)
+    except Exception as e:
+        local = e
+        post = (False, _describe(e), None, None, None)
+    try:
+        values = group.agree("plan", post)
+        failed = _failed(values)
+        if failed:
+            _raise_others(group, failed, local, "checking the checkpoint")
+        differ = [r for r, v in enumerate(values) if v[2] != values[0][2]]
+        if differ:
+            raise DistributedLoadError(
+                f"the ranks see different checkpoints: rank(s) {differ} differ from rank 0 "
+                f"in tensor names, dtypes, shapes or offsets", {r: "different layout" for r in differ})
+    except BaseException:
+        if checkpoint is not None:
+            checkpoint.close()
+        raise
+    n = len(_all_entries(checkpoint))
+    wanted = [_unpack(v[3], n) for v in values]
+    options.update(_for_cache([v[4] for v in values]))
+    return DistributedLoadIterator(group, wanted, checkpoint, target, dtypes, **options)
+
+
+def _for_cache(residents):
+    """The knobs every rank loads with, from every rank's sample of the
+    page cache (``_options.for_cache``): the cold defaults only where no
+    rank set a knob (False) and the ranks' samples average under half; the
+    same answer on every rank, since every rank sees every post."""
+    if any(r is False for r in residents):
+        return {}
+    known = [r for r in residents if r is not None]
+    return for_cache(sum(known) / len(known) if known else None)
+
+
+def _all_entries(checkpoint):
+    return [(i, t) for i, h in enumerate(checkpoint.headers) for t in h.tensors]
+
+
+def _layout(checkpoint):
+    """A digest of every tensor's name, dtype, shape and place: equal on
+    every rank exactly when they read the same layout."""
+    h = hashlib.sha256()
+    for i, t in _all_entries(checkpoint):
+        h.update(repr((i, t.name, t.dtype, t.shape, t.begin, t.end)).encode())
+    return h.hexdigest()
+
+
+def _wanted_mask(checkpoint):
+    """This rank's selection as a bitmask over every tensor of the checkpoint."""
+    keep = {(i, t.name) for i, t in checkpoint.entries}
+    bits = bytearray((len(_all_entries(checkpoint)) + 7) // 8)
+    for k, (i, t) in enumerate(_all_entries(checkpoint)):
+        if (i, t.name) in keep:
+            bits[k // 8] |= 1 << (k % 8)
+    return bytes(bits)
+
+
+def _unpack(mask, n):
+    return [bool(mask[k // 8] & (1 << (k % 8))) for k in range(n)]
+
+
+# -- the load ------------------------------------------------------------------
+
+def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, staging, chunk_size,
+                io_depth, threads, verify, progress, faults):
+    """The generator behind a group's LoadIterator (``state`` as the plain
+    load's; ``info`` receives the ranks' kinds and this rank's share)."""
+    from ._pipeline import DEVICE, Pipeline, Plan
+    torch = target.torch
+    everything = _all_entries(checkpoint)
+    mine = {(i, t.name): dtype for (i, t), dtype in zip(checkpoint.entries, dtypes)}
+    reads, exchanges = plan([t.nbytes for _, t in everything],
+                            [[r for r in range(group.size) if wanted[r][k]] for k in range(len(everything))],
+                            group.size)
+    info["started"] = True
+    me = group.rank
+    items = reads[me]
+    info["read_bytes"] = sum(u.end - u.begin for u in items)
+    # Each rank reports its own share; our printers say so, and the whole.
+    progress = _progress.for_rank(progress, me, group.size, sum(u.end - u.begin for r in reads for u in r))
+    device = target.index if target.mode == DEVICE else None
+    buf = pipe = runtime = None
+    owned = False
+    tensors = {}           # index in `everything` -> this rank's tensor
+    local = None
+    try:
+        # Step 2: the plan of this rank's reads, staging, tensors; then agree.
+        try:
+            read_plan = Plan([(checkpoint.fds[everything[u.entry][0]],
+                               everything[u.entry][1].begin + u.begin,
+                               everything[u.entry][1].begin + u.end) for u in items],
+                             chunk_size, faults=faults)
+            if read_plan.n_chunks:
+                threads = reader_threads(threads)
+                depth = _run.slot_count(read_plan, io_depth, threads)
+                owned = staging is None and device is not None
+                buf = (_staging_pool.own(device, *_run.staging_size(read_plan, depth))
+                       if owned else staging)
+                pipe = Pipeline(read_plan, threads=threads, staging=buf,
+                                depth=depth, device=device)
+                state.pipe = pipe
+                state.threads = pipe.n_threads
+                runtime = buf.runtime if buf is not None else None
+            state.staging_kind = kind = buf.kind if buf is not None else None
+            target.reserve([t for i, t in everything if (i, t.name) in mine])
+            for k, (i, t) in enumerate(everything):
+                if (i, t.name) in mine:
+                    tensors[k] = target.allocate(t, mine[i, t.name])[0]
+            post = (True, "", kind.name if kind is not None else None)
+        except Exception as e:
+            traceback.clear_frames(e.__traceback__)
+            local, post = e, (False, _describe(e), None)
+        values = group.agree("ready", post)
+        failed = _failed(values)
+        if failed:
+            _raise_others(group, failed, local, "making the staging buffer and the tensors")
+        from .._types import Kind
+        info["kinds"] = tuple(Kind[v[2]] if v[2] is not None else None for v in values)
+        _report_kinds([v[2] for v in values])
+        target.before_copies()
+
+        # Step 3: the reads, and the exchanges as the reads finish.
+        flat = {k: t.reshape(-1).view(torch.uint8) for k, t in tensors.items()}
+        if pipe is not None:
+            pipe.start([flat[u.entry].data_ptr() + u.begin for u in items])
+        works, issued_all, error = [], False, None
+        waiter = _Waiter(pipe, len(items), info["read_bytes"], progress)
+        try:
+            for u in exchanges:
+                if u.src == me:
+                    waiter.until(u.item)
+                if u.src == me or me in u.dsts:
+                    works.extend(_exchange(group, u, flat[u.entry][u.begin:u.end]))
+            issued_all = True
+            waiter.until_all()
+            # Read before close(): closing a pipeline cancels it, and reports so.
+            error = pipe.error() if pipe is not None else None
+        except BaseException as e:
+            # Interrupted here (Ctrl-C, a cancel, a broken group): tell the
+            # others at once instead of letting them wait for the timeout.
+            group.post("done", (False, f"interrupted while exchanging: {_describe(e)}", False))
+            raise
+        finally:
+            if pipe is not None:
+                pipe.close()       # joined: nothing writes into the tensors any more
+        if error is not None or waiter.left:
+            view = SimpleNamespace(entries=[everything[u.entry] for u in items],
+                                   paths=checkpoint.paths, fds=checkpoint.fds)
+            local = (_run.load_error(pipe, read_plan, view, runtime) if error is not None else
+                     LoadError(f"the load ended with {waiter.left} part(s) unread and no error recorded"))
+            post = (False, str(local), issued_all)
+        else:
+            post = (True, "", issued_all)
+        values = group.agree("done", post)
+        failed = _failed(values)
+        if all(v[2] for v in values):
+            for w in works:            # every rank issued every exchange: they all finish
+                w.wait()
+        works.clear()
+        if failed:
+            _raise_others(group, failed, local, "reading and exchanging")
+        if target.device.type != "cpu":
+            torch.cuda.current_stream(target.device).synchronize()
+        if progress is not None:
+            progress(info["read_bytes"], info["read_bytes"])
+        state.finished = True
+        for k, (i, t) in enumerate(everything):
+            if k in tensors:
+                handle = tensors.pop(k)
+                if verify:
+                    _verify_one(checkpoint, i, t, target, handle)
+                yield t.name, target.result(handle)
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        if pipe is not None:
+            pipe.close()
+        tensors.clear()
+        if owned and buf is not None:
+            _staging_pool.give(device, buf)
+        checkpoint.close()
+
+
+def _verify_one(checkpoint, file_index, entry, target, handle):
+    view = SimpleNamespace(entries=[(file_index, entry)], paths=checkpoint.paths, fds=checkpoint.fds)
+    _run.verify_tensor(view, 0, target, handle)
+
+
+class _Waiter:
+    """Waits for this rank's pipeline items; never blocks once it failed."""
+
+    def __init__(self, pipe, n, total, progress):
+        self.pipe, self.done, self.total, self.progress = pipe, [False] * n, total, progress
+        self.left, self.stopped, self.reported = n, False, -1
+
+    def _poll(self, timeout):
+        if self.pipe is None:          # nothing to read on this rank
+            self.stopped = True
+            return
+        finished, nbytes, exited, failed = self.pipe.wait(timeout)
+        for i in finished:
+            if not self.done[i]:
+                self.done[i] = True
+                self.left -= 1
+        if self.progress is not None and nbytes != self.reported:
+            self.progress(nbytes, self.total)
+            self.reported = nbytes
+        if failed or exited:
+            self.stopped = True
+
+    def until(self, item):
+        while not self.done[item] and not self.stopped:
+            self._poll(_run.POLL_SECONDS)
+        if not self.done[item] and not self.stopped:
+            self._poll(0)
+
+    def until_all(self):
+        while self.left and not self.stopped:
+            self._poll(_run.POLL_SECONDS)
+
+
+def _exchange(group, unit, view):
+    """Issues the exchange of one unit (asynchronously); returns its works."""
+    dist, pg, me = group.dist, group.pg, group.rank
+    if len(unit.dsts) == group.size - 1:
+        return [dist.broadcast(view, src=group.global_rank(unit.src), group=pg, async_op=True)]
+    if me == unit.src:
+        ops = [dist.P2POp(dist.isend, view, group.global_rank(d), pg) for d in unit.dsts]
+    else:
+        ops = [dist.P2POp(dist.irecv, view, group.global_rank(unit.src), pg)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _report_kinds(kinds):
+    """A WARNING when some rank's staging buffer fell back from REGISTERED."""
+    fell = {r: k for r, k in enumerate(kinds) if k is not None and k != "REGISTERED"}
+    if fell:
+        log.warning("staging kinds of the process group's ranks: %s (rank(s) %s fell back from "
+                    "REGISTERED; see that rank's staging warning for the reason)",
+                    ", ".join(f"rank {r} {k}" for r, k in enumerate(kinds)),
+                    ", ".join(map(str, sorted(fell))))

@@ -1,0 +1,197 @@
+"""The loader's knobs: arguments, else the environment, else the defaults.
+
+``chunk_size``, ``io_depth`` and ``threads`` left at None come from
+``INSTANT_STAGING_CHUNK_SIZE`` (bytes, or a size such as ``8MiB``),
+``INSTANT_STAGING_IO_DEPTH`` and ``INSTANT_STAGING_THREADS`` (integers >= 1)
+where set, else from ``instant_staging/defaults.py`` (threads: one per
+usable CPU, at most ``MAX_THREADS``).  Whichever way they come (argument,
+variable, the CLI's flags, which read the same path), ``threads`` above
+``defaults.max_reader_threads()`` (twice the usable CPUs) and ``io_depth``
+above ``defaults.max_io_depth(threads)`` (64 slots per reader thread) are
+capped there, with a warning on the ``instant_staging`` logger (once per
+value).  Where all three are left unset, a
+load whose checkpoint is not in the page cache uses the cold defaults
+(``COLD_CHUNK_SIZE``, ``COLD_THREADS``) instead.  A variable's value is checked as the
+argument would be; a bad one is a ValueError naming the variable, raised
+before anything is allocated.  An empty variable counts as unset.
+
+``INSTANT_STAGING_KEEP_STAGING=0`` releases a load's own staging buffer
+when the load ends instead of keeping it for the next (``_staging_pool.py``).
+
+``dtype`` is None (the file's dtype) or a floating torch dtype (or its
+name: ``"bfloat16"``, ``"bf16"``, ...); anything else is an error before
+anything is allocated.
+"""
+
+import logging
+import os
+
+from .._types import format_size, parse_size
+from ..defaults import (
+    CHUNK_SIZE,
+    COLD_CHUNK_SIZE,
+    COLD_THREADS,
+    KEEP_STAGING,
+    MAX_SLOTS_PER_THREAD,
+    THREADS_PER_CPU,
+    max_io_depth,
+    max_reader_threads,
+    reader_threads,
+    usable_cpus,
+)
+
+log = logging.getLogger("instant_staging")
+
+ENV_CHUNK_SIZE = "INSTANT_STAGING_CHUNK_SIZE"
+ENV_IO_DEPTH = "INSTANT_STAGING_IO_DEPTH"
+ENV_THREADS = "INSTANT_STAGING_THREADS"
+ENV_KEEP_STAGING = "INSTANT_STAGING_KEEP_STAGING"
+
+# Short names people type for the common floating dtypes (CLI --dtype too).
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
+                 "fp32": "float32", "f32": "float32", "float": "float32",
+                 "fp64": "float64", "f64": "float64", "double": "float64"}
+
+
+def _env_int(name, parse):
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = parse(raw)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < 1:
+        raise ValueError(f"{name}={raw!r}: must be " + (
+            "a size of at least 1 byte (e.g. 8MiB)" if parse is parse_size else "an integer >= 1"))
+    return value
+
+
+def knobs(chunk_size, io_depth, threads):
+    """``(chunk_size, io_depth, threads)`` with None filled from the
+    environment, then the defaults (threads may stay None: the loader's own),
+    threads and io_depth capped to what the host can use."""
+    names = {"io_depth": "io_depth" if io_depth is not None else ENV_IO_DEPTH,
+             "threads": "threads" if threads is not None else ENV_THREADS}
+    if chunk_size is None:
+        chunk_size = _env_int(ENV_CHUNK_SIZE, parse_size) or CHUNK_SIZE
+    if io_depth is None:
+        # None stays None: the loader gives each reader thread
+        # defaults.SLOTS_PER_THREAD slots (IO_DEPTH with 16 threads).
+        io_depth = _env_int(ENV_IO_DEPTH, lambda s: int(s, 10))
+    if threads is None:
+        threads = _env_int(ENV_THREADS, lambda s: int(s, 10))
+    keep_staging()      # a bad value fails here, before anything is allocated
+    threads = _capped(names["threads"], threads, max_reader_threads(),
+                      f"{THREADS_PER_CPU} per usable CPU, {usable_cpus()} here")
+    if threads is None or _is_count(threads):
+        io_depth = _capped(names["io_depth"], io_depth, max_io_depth(threads),
+                           f"{MAX_SLOTS_PER_THREAD} slots per reader thread, "
+                           f"{reader_threads(threads)} threads")
+    return chunk_size, io_depth, threads
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+_warned: set = set()
+
+
+def _capped(name, value, cap, why):
+    """``value`` at most ``cap``, saying so once per value; anything but a
+    count is left for the argument checks to refuse."""
+    if not _is_count(value) or value <= cap:
+        return value
+    if (name, value, cap) not in _warned:
+        _warned.add((name, value, cap))
+        log.warning("%s=%d is more than this host can use: capped at %d (%s)", name, value, cap, why)
+    return cap
+
+
+def left_unset(chunk_size, io_depth, threads) -> bool:
+    """Whether the caller left every knob to the loader: no argument and no
+    variable, so that the loader may choose them for the checkpoint."""
+    return (chunk_size is None and io_depth is None and threads is None
+            and not any(os.environ.get(name, "").strip()
+                        for name in (ENV_CHUNK_SIZE, ENV_IO_DEPTH, ENV_THREADS)))
+
+
+def for_cache(resident) -> dict:
+    """The knobs for a checkpoint of which ``resident`` (a fraction of the
+    sampled pages, ``_Checkpoint.resident()``) is in the page cache: the
+    cold defaults (read from disk: larger reads, fewer threads;
+    ``defaults.COLD_CHUNK_SIZE``) below half, none otherwise or where that
+    cannot be told (None).  Applies only where ``left_unset``."""
+    if resident is None or resident >= 0.5:
+        return {}
+    log.info("%.0f%% of the sampled pages of the checkpoint are in the page cache: reading it "
+             "from disk in %s pieces with %d threads (chunk_size=, io_depth=, threads= or "
+             "INSTANT_STAGING_* choose otherwise)", 100 * resident, format_size(COLD_CHUNK_SIZE),
+             COLD_THREADS)
+    return {"chunk_size": COLD_CHUNK_SIZE, "io_depth": None, "threads": COLD_THREADS}
+
+
+def keep_staging() -> bool:
+    """Whether a load keeps the staging buffer it made for the next load:
+    ``INSTANT_STAGING_KEEP_STAGING`` (1 or 0) where set, else KEEP_STAGING."""
+    raw = os.environ.get(ENV_KEEP_STAGING, "").strip()
+    if not raw:
+        return KEEP_STAGING
+    if raw not in ("0", "1"):
+        raise ValueError(f"{ENV_KEEP_STAGING}={raw!r}: must be 1 (keep) or 0 (release after each load)")
+    return raw == "1"
+
+
+def torch_dtype(torch, dtype):
+    """None, or the floating torch dtype ``dtype`` names."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        name = DTYPE_ALIASES.get(dtype.lower(), dtype)
+        value = getattr(torch, name, None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(  # a str, the right type, naming no dtype
+                f"dtype {dtype!r} is not a torch dtype (e.g. torch.bfloat16 or 'bfloat16')")
+        dtype = value
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be None or a torch.dtype, not {type(dtype).__name__}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype (floating tensors are converted to it, "
+                         f"integer and bool tensors are kept), not {dtype}")
+    if not converts(torch, torch.float32, dtype):
+        # float4_e2m1fn_x2: two values packed in a byte, which .to() cannot make
+        raise ValueError(f"dtype {dtype} cannot be a conversion target: torch cannot convert "
+                         "floating tensors to it")
+    return dtype
+
+
+_converts: dict = {}
+
+
+def converts(torch, src, dst) -> bool:
+    """Whether torch converts ``src`` tensors to ``dst`` (``Tensor.to``),
+    tried once per pair on a one-element CPU tensor: torch 2.13 has no
+    conversion from or to float4_e2m1fn_x2 (NotImplementedError), and one
+    found only after a load read its bytes named neither file nor tensor."""
+    key = (src, dst)
+    if key not in _converts:
+        try:
+            torch.zeros(src.itemsize, dtype=torch.uint8).view(src).to(dst)
+            _converts[key] = True
+        except (NotImplementedError, RuntimeError, TypeError):
+            _converts[key] = False
+    return _converts[key]
+
+
+# safetensors 0.8's storage backends (safe_open/load_file ``backend=``): it
+# serves bytes from an mmap or with pread(2).  Ours reads with pread into the
+# staging slots whichever is named; the name is still checked, as there.
+BACKENDS = ("mmap", "pread")
+
+
+def check_backend(backend) -> None:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be 'mmap' or 'pread', not {type(backend).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(map(repr, BACKENDS))}")

@@ -1,0 +1,562 @@
+"""Running a planned load: the plan, the reader pipeline, the consumer,
+and the iterator both loading paths hand out.
+
+``_load.py`` checks a load's arguments and plans it; a load of one
+process runs here (``_load``), a load under a process group in
+``_distributed.py``, each as the generator of a ``LoadIterator``.  Imports
+go one way: ``_load`` -> ``_distributed`` -> ``_run``.
+
+On a GPU, tensors lying back to back in a file share one device block
+and are handed out as views of it (``_blocks.py``; ``views=False``: each
+its own allocation, as everywhere else), and reader threads
+(``_pipeline.pyx``, C, no GIL) read chunks of ``chunk_size`` into the
+staging buffer's slots and copy them out: to a GPU through the buffer's
+runtime table on their own streams, with an event per slot so that
+a slot is refilled only after its copy finished; to the CPU with memcpy.
+
+A first load in a fresh process pays CUDA's start, its staging buffer and
+its device memory: the buffer is made in a thread of its own
+(``_StagingStart``) once the headers are checked and the device is known
+to be there, while this thread starts torch's CUDA, allocates the blocks
+and starts the readers' plan; the readers copy only once the buffer is
+made (its registration done: no copy from an unregistered range).
+
+Who owns what, at each moment:
+
+- the checkpoint's file descriptors belong to the load from ``iter_load``
+  until the generator's ``finally`` (or ``LoadIterator.close()`` for a load
+  that never started) closes them, always after ``Pipeline.close()`` joined
+  the readers, so no reader can ever read a reused descriptor number;
+- a staging buffer being made belongs to the load's ``_StagingStart``
+  (its thread, then the start itself) until the load takes it; a load
+  that ends before that (an error, a close, Ctrl-C) waits for the making
+  and gives the buffer to ``_staging_pool`` (a forked child drops its
+  copy; a load dropped by the collector on the making thread leaves that
+  to the thread);
+- the staging buffer is held by the Pipeline from its construction until
+  its threads are joined (``StagingBuffer.close()`` raises meanwhile); a
+  buffer the load made itself (or took from an earlier load) then goes
+  back to ``_staging_pool``, which keeps it for the next load or closes it;
+- tensors not yet yielded are freed after the join; yielded ones are the
+  caller's;
+- ``LoadIterator.close()`` may come from any thread: it cancels and joins
+  the pipeline first (no lock needed), then takes the iterator's lock,
+  which a ``next()`` in another thread releases as soon as it sees the
+  cancel, and closes the generator.
+"""
+
+import logging
+import os
+import threading
+import traceback
+from typing import TYPE_CHECKING
+
+from ..defaults import CHUNK_SIZE, io_depth_for, reader_threads
+from . import _blocks, _gc, _staging_pool
+from ._errors import LoadError, VerifyError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("instant_staging")
+
+# How often the consumer wakes to report progress while no tensor finishes.
+POLL_SECONDS = 0.05
+# verify=True compares in pieces of this many bytes.
+_VERIFY_STEP = 64 << 20
+# Tensors in the first hand-over, and in each one after it (each takes the
+# pipeline's lock once).
+_FIRST_BATCH = 4
+_BATCH = 32
+
+
+class _StagingStart:
+    """A load's own staging buffer, made by a thread of its own
+    (``_staging_pool.own``) while the load goes on: 128 MiB take 6-13 ms to
+    prefault and register on the H200 host, and in a fresh process their
+    registration waits for CUDA's context as torch's start does.
+
+    ``take()`` waits for it and hands it over (or raises its error);
+    ``abandon()``, for a load that ends before taking it, waits for it and
+    gives it to ``_staging_pool``.  Exactly one of the two is called.
+
+    They wait on an event the thread sets, never with ``Thread.join()``: a
+    Ctrl-C that interrupts a join makes CPython 3.11 mark the thread stopped
+    while it runs (bpo-45274's handling), and the exit then no longer waits
+    for it, finalizing the interpreter inside its registration."""
+
+    def __init__(self, device, size, slot_bytes):
+        self._device, self._pid = device, os.getpid()
+        self._buf = self._error = None
+        self._abandoned = False
+        self._made = threading.Event()
+        # Not a daemon: an exit waits for the (bounded) making, and the
+        # staging module's exit hook then releases the buffer; a daemon
+        # would be dropped inside the runtime's calls.
+        self._thread = threading.Thread(target=self._run, args=(device, size, slot_bytes),
+                                        name="instant_staging-staging")
+        try:
+            self._thread.start()
+        except RuntimeError:            # no thread to be had: make it here
+            self._thread = None
+            self._make(device, size, slot_bytes)
+            self._made.set()
+            error = self._error
+            if error is not None and not isinstance(error, Exception):
+                self._error = None
+                raise error from None   # a Ctrl-C in the caller's own thread is its own
+
+    def _run(self, device, size, slot_bytes):
+        try:
+            _use_device(device)         # this thread's own: no caller's device changes
+            self._make(device, size, slot_bytes)
+        finally:
+            self._made.set()
+            if self._abandoned:
+                self._give_back()
+
+    def _make(self, device, size, slot_bytes):
+        try:
+            self._buf = _staging_pool.own(device, size, slot_bytes)
+        except BaseException as e:      # raised by take(), in the load's thread
+            self._error = e
+
+    def _wait(self):
+        # In a forked child the thread is not there (and the event may never
+        # be set): nothing to wait for.
+        if os.getpid() == self._pid:
+            self._made.wait()
+
+    def ready(self):
+        """Whether ``take()`` would return at once."""
+        return self._made.is_set() or os.getpid() != self._pid
+
+    def take(self):
+        self._wait()
+        buf, error, self._buf, self._error = self._buf, self._error, None, None
+        if error is not None:
+            raise error
+        if buf is None:
+            raise LoadError("the staging buffer's thread ended without a buffer or an error")
+        return buf
+
+    def abandon(self):
+        if self._thread is threading.current_thread():
+            # The garbage collector ran a dropped load's close on this very
+            # thread (a thread cannot wait for itself): inside the making,
+            # the end of _run gives the buffer back; after it, here.
+            if self._made.is_set():
+                self._give_back()
+            else:
+                self._abandoned = True
+            return
+        self._wait()
+        self._give_back()
+
+    def _give_back(self):
+        buf, self._buf, self._error = self._buf, None, None
+        if buf is not None and os.getpid() == self._pid:
+            _staging_pool.give(self._device, buf)
+        # (a forked child's copy goes with the object: StagingBuffer's
+        # release in a child only drops the child's mapping)
+
+
+def _use_device(device):
+    """Makes ``device`` this thread's current device (the staging thread's
+    own, so no caller's current device changes).  A registration belongs to
+    the context of the thread's current device, and a new thread's is device
+    0: without this a load to cuda:1 created device 0's context in a process
+    that may never use it (a vLLM worker of rank 1 sees every GPU and sets
+    its own), which costs that GPU hundreds of MiB and the load the time to
+    create it.  The memory is pinned for every device either way (on a UVA
+    host cudaHostRegisterDefault is portable).  A failure is left to the
+    registration, which reports its own."""
+    from ..runtime import default_runtime
+    try:
+        default_runtime().set_device(device)
+    except Exception:           # no runtime to be had: making the buffer says why
+        pass
+
+
+def fault_plan(staging):
+    """The plan whose ``read`` and ``copy`` rules this load obeys: that of the
+    staging buffer's runtime if it has one, else INSTANT_STAGING_FAULTS."""
+    from .._faults import FaultyRuntime
+    from .._simulated import SimulatedRuntime
+    from ..faults import FaultPlan
+    if staging is not None:
+        runtime = staging.runtime
+        if isinstance(runtime, (FaultyRuntime, SimulatedRuntime)) and runtime.plan is not None:
+            return runtime.plan
+    return FaultPlan.from_env()
+
+
+class _LoadState:
+    """What a load shares with its LoadIterator.  The generator and the
+    iterator both point here (never at each other), so dropping the
+    iterator frees the load at once."""
+
+    __slots__ = ("cancelled", "finished", "pipe", "staging_kind", "start", "threads")
+
+    def __init__(self, start=None):
+        self.start = start      # a _Start until the generator takes its parts
+        self.pipe = None
+        self.staging_kind = None
+        self.threads = None
+        self.finished = False
+        self.cancelled = False
+
+
+class LoadIterator:
+    """Yields ``(name, tensor)`` as tensors finish.
+
+    ``close()`` (or leaving a ``with`` block, or dropping it) stops the load,
+    waits for in-flight copies, joins the reader threads, frees every tensor
+    not yet yielded, and only then closes the files.  It may be called from
+    any thread (a watchdog's cancel): a ``next()`` running in another thread
+    then raises ``LoadError`` ("cancelled"), and so does every ``next()``
+    after closing an unfinished load.  In a forked child ``next()`` raises
+    ``LoadError`` (the reader threads are the parent's).
+    """
+
+    def __init__(self, checkpoint, target, dtypes, *, staging=None, chunk_size=CHUNK_SIZE,
+                 io_depth=None, threads=None, verify=False, progress=None, faults=None,
+                 start=None):
+        self._state = _LoadState(start)
+        self._lock = threading.RLock()     # one next() or close() at a time
+        self._pid = os.getpid()
+        self._checkpoint = checkpoint
+        self._generator = self._generate(self._state, checkpoint, target, dtypes, staging=staging,
+                                         chunk_size=chunk_size, io_depth=io_depth, threads=threads,
+                                         verify=verify, progress=progress, faults=faults)
+        self.names = [t.name for _, t in checkpoint.entries]
+        self.total_bytes = checkpoint.total_bytes
+
+    def _generate(self, state, checkpoint, target, dtypes, **options):
+        """The generator of the load (a process group's iterator has its own)."""
+        return _load(state, checkpoint, target, dtypes, **options)
+
+    @property
+    def staging_kind(self):
+        """The Kind of the staging buffer in use once loading started (None
+        before, and for ordinary memory when loading to the CPU)."""
+        return self._state.staging_kind
+
+    @property
+    def threads(self):
+        """Reader threads of this load, once it started."""
+        return self._state.threads
+
+    def __iter__(self) -> "LoadIterator":
+        return self
+
+    def __next__(self) -> tuple[str, "torch.Tensor"]:
+        if os.getpid() != self._pid:
+            raise LoadError(f"this load was started by process {self._pid}; a forked child "
+                            "cannot continue it (its reader threads exist only in the parent)")
+        with self._lock:
+            if self._state.cancelled:
+                raise LoadError("the load was cancelled: its iterator was closed before it finished")
+            return next(self._generator)
+
+    def close(self):
+        state = self._state
+        if os.getpid() != self._pid:
+            self._close_in_fork_child()
+            return
+        if not state.finished:
+            state.cancelled = True
+        pipe = state.pipe
+        if pipe is not None:
+            pipe.cancel()
+            pipe.close()     # stop, join: from here on no reader touches anything
+        with self._lock:
+            if self._generator.gi_running:
+                # close() from inside this load (a progress callback): the
+                # generator sees the cancel and cleans up as it unwinds.
+                return
+            self._generator.close()      # frees the tensors and the load's buffer
+            _abandon(state)              # (a generator that never ran took nothing)
+            self._checkpoint.close()     # (the generator's finally did, if it ran)
+
+    def _close_in_fork_child(self):
+        # The parent's threads do not exist here and its locks may have been
+        # copied held: take none; drop the hold and our copies of the fds.
+        self._state.cancelled = True
+        if self._state.pipe is not None:
+            self._state.pipe.close()
+        if not self._generator.gi_running:
+            self._generator.close()
+        _abandon(self._state)
+        self._checkpoint.close()
+
+    def __enter__(self) -> "LoadIterator":
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _Start:
+    """What ``iter_load`` prepared for a load of its own: the plan, its runs
+    (``_blocks.py``) and the staging buffer being made (or None)."""
+
+    __slots__ = ("plan", "runs", "staging")
+
+    def __init__(self, plan, run_list):
+        self.plan, self.runs, self.staging = plan, run_list, None
+
+    def abandon(self):
+        """Gives back the staging buffer being made, if the load has not
+        taken it."""
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.abandon()
+
+
+def _plan(checkpoint, target, dtypes, chunk_size, faults, views):
+    """The load's ``_Start``: which tensors share a block, and the chunks."""
+    from ._pipeline import Plan
+    entries = checkpoint.entries
+    joins = [views and target.joins(d, t.nbytes, views) for (_, t), d in zip(entries, dtypes)]
+    run_list = _blocks.runs(entries, joins)
+    # A tensor's copy joins the one before only inside one block.
+    joined = [r.block and k > r.first for r in run_list for k in range(r.first, r.stop)]
+    plan = Plan([(checkpoint.fds[i], t.begin, t.end) for i, t in entries], chunk_size,
+                faults=faults, packed=_blocks.packed(run_list), joins=joined)
+    return _Start(plan, run_list)
+
+
+def slot_count(plan, io_depth, threads):
+    """A load's slots: ``io_depth`` (``defaults.io_depth_for``), never more
+    than its chunks (io_depth=10**11 is fine)."""
+    return min(io_depth_for(io_depth, threads), max(plan.n_chunks, 1))
+
+
+def staging_size(plan, depth):
+    """``(bytes, slot bytes)`` of a load's own staging buffer: ``depth`` slots
+    as long as the plan's longest chunk."""
+    slot = max(plan.max_chunk, 1)
+    return depth * slot, slot
+
+
+def _begin_staging(target, plan, options):
+    """Starts making the load's own staging buffer (a GPU load given none)."""
+    from ._pipeline import DEVICE
+    if options["staging"] is not None or target.mode != DEVICE:
+        return None
+    depth = slot_count(plan, options["io_depth"], reader_threads(options["threads"]))
+    return _StagingStart(target.index, *staging_size(plan, depth))
+
+
+def _abandon(state):
+    """Gives back what a load's ``_Start`` still holds (nothing once taken)."""
+    start, state.start = state.start, None
+    if start is not None:
+        start.abandon()
+
+
+def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, threads,
+          verify, progress, faults):
+    """The generator behind LoadIterator; ``state`` receives the pipeline,
+    the staging kind and the thread count."""
+    from ._pipeline import DEVICE, Pipeline
+    entries = checkpoint.entries
+    device = target.index if target.mode == DEVICE else None
+    owned = staging is None and device is not None
+    buf = None if owned else staging
+    handles = []
+    pipe = None
+    start = state.start             # this generator's: taken, or abandoned below
+    try:
+        if start is None:           # a LoadIterator made without iter_load
+            start = state.start = _plan(checkpoint, target, dtypes, chunk_size,
+                                        faults if faults is not None else fault_plan(staging), False)
+        plan, run_list = start.plan, start.runs
+        threads = reader_threads(threads)
+        depth = slot_count(plan, io_depth, threads)
+        # torch's CUDA (in a fresh process, its start) while the staging
+        # buffer is made; the blocks too if it is still being made (``_place``).
+        target.before_copies()
+        placed = None
+        if owned and start.staging is not None and not start.staging.ready():
+            placed = _place(target, run_list, entries, dtypes)
+        if owned:
+            if start.staging is not None:
+                # Given up by the start only once taken: a Ctrl-C while
+                # waiting for it leaves it to _abandon below.
+                buf = start.staging.take()
+                start.staging = None
+            else:
+                buf = _staging_pool.own(device, *staging_size(plan, depth))
+        # Holds buf from here until its threads are joined (pipe.close()).
+        pipe = Pipeline(plan, threads=threads, staging=buf, depth=depth, device=device)
+        state.pipe = pipe
+        if state.cancelled:
+            # Closed from another thread while there was no pipeline to
+            # cancel (the staging buffer still being made): this next()
+            # raises the cancel (wait() reports it), as close() promises.
+            pipe.close()
+        state.staging_kind = buf.kind if buf is not None else None
+        state.threads = pipe.n_threads
+        _start(pipe, handles, target, entries, dtypes, run_list, placed)
+        placed = None               # handles hold the views now
+        runtime = buf.runtime if buf is not None else None
+        yield from _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime)
+        state.finished = True
+    except BaseException as e:
+        # The traceback's finished frames would keep tensors alive for as
+        # long as the caller keeps the exception.
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        if pipe is not None:
+            pipe.close()           # stop, join: no copy in flight into what we free next
+        handles.clear()
+        placed = None               # views not handed out (a failure before _start)
+        _abandon(state)            # a buffer still being made when the load failed
+        if owned and buf is not None:
+            _staging_pool.give(device, buf)     # kept for the next load, or closed
+        checkpoint.close()         # only now: no reader can use a reused fd number
+
+
+def _place(target, run_list, entries, dtypes):
+    """``{run index: [(handle, address), ...]}``: each block run's block
+    allocated and its tensors placed in it as views (a block torch cannot
+    allocate is left out: its tensors get their own allocations).
+
+    All before the first copy: a cudaMalloc made while copies run cost more
+    than one made before (``_target.allocate_blocks``).  Where the load's
+    staging buffer is still being made (a fresh one: 7-10 ms for 128 MiB on
+    the H200 host) this runs while the loading thread would wait for it;
+    otherwise (a kept or passed buffer) just after the readers start, while
+    they fill the first slots, as the copies wait for the addresses anyway.
+    1.5 ms for the MoE shard's block there, 1 ms to place its 1,188 views."""
+    if not any(r.block for r in run_list):
+        return {}
+    blocks = target.allocate_blocks(run_list, entries, dtypes)
+    return {r: target.place(run_list[r], block, entries, dtypes) for r, block in blocks.items()}
+
+
+def _start(pipe, handles, target, entries, dtypes, run_list, placed):
+    """Starts the pipeline, then hands it every tensor's address in reading
+    order: views of a block at once (``placed``: ``_place``'s, made before,
+    or None to make them now), tensors of their own as they are allocated,
+    while the threads already read, in batches: a thread waits only for the
+    tensors of its own chunk.  1,188 tensors of a MoE shard took 26 ms to
+    allocate one by one on the H200 host, a third of the 76 ms their bytes
+    take to load; before, every byte waited for the last allocation.  The
+    threads also fill their slots while torch reserves those tensors'
+    memory (``reserve``: one cudaMalloc of their size, ~4 ms for 3.6 GB
+    there).
+
+    (``before_copies`` ran first: allocating queues no GPU work, so every
+    block handed out here was freed by work that has finished; where it
+    does, torch's deterministic fill of new memory, the target waits for
+    it before handing the address out: ``_target.py``'s ``_after_fill``.)"""
+    try:
+        with _gc.paused():
+            pipe.start([], more=True)
+            if placed is None:
+                placed = _place(target, run_list, entries, dtypes)
+            target.reserve([entries[k][1] for r, run in enumerate(run_list) if r not in placed
+                            for k in range(run.first, run.stop)])
+            ptrs, batch = [], _FIRST_BATCH
+            for r, run in enumerate(run_list):
+                views = placed.get(r)
+                if views is not None:
+                    for handle, ptr in views:
+                        handles.append(handle)
+                        ptrs.append(ptr)
+                else:
+                    ptrs.extend(_allocate(handles, target, entries[k][1], dtypes[k])
+                                for k in range(run.first, run.stop))
+                if len(ptrs) >= batch or r == len(run_list) - 1:
+                    if not pipe.provide(ptrs):
+                        break       # cancelled: _drive reports it
+                    ptrs, batch = [], _BATCH
+    finally:
+        pipe.done_providing()
+
+
+def _allocate(handles, target, entry, dtype):
+    """Allocates one tensor into ``handles``; returns its address."""
+    handle, ptr = target.allocate(entry, dtype)
+    handles.append(handle)
+    return ptr
+
+
+def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
+    """Yields tensors as the pipeline finishes them; raises its first error."""
+    total, reported, left = checkpoint.total_bytes, -1, len(handles)
+    while True:
+        finished, done, exited, failed = pipe.wait(POLL_SECONDS)
+        if failed:
+            pipe.close()
+            raise load_error(pipe, plan, checkpoint, runtime)
+        if progress is not None and done != reported:
+            progress(done, total)
+            reported = done
+        for i in finished:
+            handle, handles[i] = target.tensor(handles[i]), None   # the consumer's from now on
+            if verify:
+                verify_tensor(checkpoint, i, target, handle)
+            left -= 1
+            yield checkpoint.entries[i][1].name, target.result(handle)
+        if exited:
+            break
+    if left:
+        raise LoadError(f"the load ended with {left} tensor(s) unfinished and no error recorded")
+
+
+def load_error(pipe, plan, checkpoint, runtime):
+    from ..faults import ERROR_NAMES
+    from ._pipeline import CANCELLED, END_OF_FILE, READ_ERROR, RUNTIME_ERROR
+    kind, code, call, chunk, offset = pipe.error()
+    if kind == CANCELLED:
+        return LoadError("the load was cancelled (its iterator was closed from another "
+                         "thread, or the interpreter is exiting)")
+    index = plan.tensor_at(chunk, offset)
+    path = tensor = None
+    where = ""
+    if index >= 0:
+        file_index, entry = checkpoint.entries[index]
+        path, tensor = checkpoint.paths[file_index], entry.name
+        where = f"{path}: tensor {tensor!r}: "
+    if kind == END_OF_FILE:
+        size = os.fstat(checkpoint.fds[file_index]).st_size if index >= 0 else "?"
+        return LoadError(f"{where}the file ended at byte {offset} while loading (it is now "
+                         f"{size} bytes): was it truncated?", path, tensor, 0)
+    if kind == READ_ERROR:
+        return LoadError(f"{where}reading at byte {offset} failed: {os.strerror(code)}",
+                         path, tensor, code)
+    if kind == RUNTIME_ERROR:
+        if runtime is not None:
+            name, text = runtime.error_name(code), f" ({runtime.error_string(code)})"
+        else:
+            name = ERROR_NAMES.get(code, f"error {code}")
+            text = ""
+        return LoadError(f"{where}{call} failed with {name}{text}", path, tensor, code)
+    return LoadError(f"could not start reader threads: {os.strerror(code)}", code=code)
+
+
+def verify_tensor(checkpoint, index, target, handle):
+    file_index, entry = checkpoint.entries[index]
+    fd, path = checkpoint.fds[file_index], checkpoint.paths[file_index]
+    for offset in range(0, entry.nbytes, _VERIFY_STEP):
+        data = bytearray(min(_VERIFY_STEP, entry.nbytes - offset))
+        got = os.preadv(fd, [data], entry.begin + offset)
+        if got != len(data):
+            raise VerifyError(f"{path}: tensor {entry.name!r}: the file ended while verifying "
+                              f"(byte {entry.begin + offset + got})", path, entry.name)
+        if not target.equal(handle, offset, data):
+            raise VerifyError(f"{path}: tensor {entry.name!r}: bytes [{offset}, "
+                              f"{offset + len(data)}) differ from the file after loading",
+                              path, entry.name)

@@ -1,0 +1,395 @@
+"""``safe_open``: safetensors' lazy reader, through the staging pipeline.
+
+    with safe_open("model.safetensors", framework="pt", device="cuda:0") as f:
+        f.keys(); f.metadata(); f.get_tensor(name)
+        s = f.get_slice(name); s.get_shape(); s.get_dtype(); s[0:128, :]
+
+Returns what ``safetensors.safe_open(..., framework="pt")`` returns for the
+same calls: ``keys()`` sorted, ``offset_keys()`` in file order,
+``metadata()`` the header's ``__metadata__`` (None without one), tensors
+equal bit for bit with the same shape, dtype, device and strides (a slice
+on the CPU is a view, as safetensors' view of its mmap; on a GPU it is what
+``.to(device)`` of that view gives).  An index is checked as torch checks it
+(the same IndexError/ValueError/TypeError), on a meta tensor, before
+anything is read.
+
+Only what is asked is read, through the same reader threads and staging
+slots as ``load_file``: ``get_tensor`` that tensor's bytes; ``slice[...]``
+only the rows of dimension 0 the index needs (an int or a slice, any
+positive step, on dimension 0); the index is then applied on the device to
+those rows, so a slice of a later dimension reads the rows it covers and
+narrows there.  Other index forms (lists, tensors, masks, a leading
+Ellipsis) read the whole tensor and index it on the device.
+
+The file stays open (one descriptor) until ``close()`` or the end of the
+``with`` block, and after it for as long as a slice of it is alive (a slice
+stays usable after its handle closed, as safetensors'; the last one dropped
+closes the file); a GPU handle keeps one pinned staging buffer for its
+reads, made at the first read and given back at close (a slice read after
+close takes one for that read).  Reads through one handle are
+serialised (one staging buffer); use one handle per thread for parallel
+reads.  A missing name is a KeyError, a use after close a ``SafetensorsError``
+("File is closed"), both also safetensors' SafetensorError (``_errors.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+from ..defaults import io_depth_for
+from . import _staging_pool
+from ._checkpoint import _Checkpoint
+from ._errors import MissingTensorError
+from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
+from ._load import _check_args
+from ._options import check_backend, for_cache, knobs, left_unset
+from ._run import LoadIterator, fault_plan
+from ._target import _import_torch, _TorchTarget
+from ._typing import Device, PathLike
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Self
+
+# safetensors' names for torch (safetensors accepts the same three).
+FRAMEWORKS = ("pt", "torch", "pytorch")
+_PAGE = 4096
+
+
+class _View:
+    """The part of a safe_open checkpoint one read loads; the load closes
+    its checkpoint when done, and this one owns nothing (the descriptors
+    are the safe_open's, closed by ``safe_open.close()``)."""
+
+    def __init__(self, checkpoint, entries):
+        self.paths, self.fds = checkpoint.paths, checkpoint.fds
+        self.entries = [(0, e) for e in sorted(entries, key=lambda e: (e.begin, e.end))]
+        self.total_bytes = sum(e.nbytes for e in entries)
+
+    def close(self):
+        pass
+
+
+class _File:
+    """A safe_open's file and what its reads need, shared by the handle and
+    every slice it gave out.  The descriptor is closed once the handle is
+    closed and no slice holds it (a slice outlives its handle, as
+    safetensors' does: its mmap lives as long as any view of it).  The
+    handle's staging buffer (GPU) goes back to the pool at the handle's
+    close; a slice read after that takes one from the pool for that read."""
+
+    def __init__(self, checkpoint, torch, target, chunk_size, io_depth, threads):
+        self.checkpoint: _Checkpoint | None = checkpoint
+        self.path = checkpoint.paths[0]
+        self.torch, self.target = torch, target
+        self.chunk_size, self.io_depth, self.threads = chunk_size, io_depth, threads
+        # One read at a time (one staging buffer).  Reentrant: a collection
+        # inside a read may finalize a dropped slice or handle, which
+        # releases its hold from this same thread.
+        self.lock = threading.RLock()
+        self.staging = None             # the handle's, made at its first GPU read
+        self.handle_open = True
+        self.reading = False
+        self.holders = 1                # the handle, and each slice alive
+
+    def closed_error(self):
+        # safetensors' words and class (a ValueError as well)
+        return SafetensorsError("File is closed (safe_open used after close() or its with block)",
+                                self.path)
+
+    def hold(self):
+        with self.lock:
+            if not self.handle_open:
+                raise self.closed_error()
+            self.holders += 1
+
+    def release(self):
+        with self.lock:
+            self.holders -= 1
+            if self.holders:
+                return
+            checkpoint, self.checkpoint = self.checkpoint, None
+        if checkpoint is not None:
+            checkpoint.close()
+
+    def close_handle(self):
+        with self.lock:
+            if not self.handle_open:
+                return
+            self.handle_open = False
+            # A read in progress (a slice's, while the handle is collected)
+            # still uses the buffer: it gives it back when done.
+            staging = None if self.reading else self.staging
+            if staging is not None:
+                self.staging = None
+        if staging is not None:
+            _staging_pool.give(self.target.index, staging)   # kept for a later load, or closed
+        self.release()
+
+    def read(self, entries):
+        """Loads ``entries`` (TensorEntry, possibly row ranges of one) onto
+        the device; returns their tensors in the order given."""
+        target = self.target
+        with self.lock:
+            if self.checkpoint is None:
+                raise self.closed_error()
+            dtypes = {e: target.check(e, self.path) for e in entries}
+            view = _View(self.checkpoint, entries)
+            chunk_size = self.chunk_size
+            io_depth = io_depth_for(self.io_depth, self.threads)
+            staging = own = None
+            if target.mode == _host_mode():
+                # The pipeline's own slots per read, no larger than the read needs.
+                chunk_size = max(_PAGE, min(chunk_size, -(-view.total_bytes // _PAGE) * _PAGE))
+                io_depth = max(1, min(io_depth, -(-view.total_bytes // chunk_size)))
+            elif self.handle_open:
+                if self.staging is None:
+                    self.staging = _staging_pool.own(target.index, io_depth * chunk_size, chunk_size)
+                staging = self.staging
+            else:
+                staging = own = _staging_pool.own(target.index, io_depth * chunk_size, chunk_size)
+            self.reading = True
+            try:
+                with LoadIterator(view, target, [dtypes[e] for _, e in view.entries], staging=staging,
+                                  chunk_size=chunk_size, io_depth=io_depth, threads=self.threads,
+                                  faults=fault_plan(staging)) as it:
+                    # Yielded in completion order; one read holds each name once.
+                    loaded = dict(it)
+            finally:
+                self.reading = False
+                if own is None and staging is not None and not self.handle_open:
+                    own, self.staging = staging, None    # the handle closed meanwhile
+                if own is not None:
+                    _staging_pool.give(target.index, own)
+        return [loaded[e.name] for e in entries]
+
+
+class safe_open:
+    """``safetensors.safe_open(filename, framework="pt", device=...)`` read
+    through instant_staging (see the module docstring)."""
+
+    def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu", *,
+                 backend: str = "mmap"):
+        check_backend(backend)
+        if not isinstance(framework, str):
+            raise TypeError(f"framework must be a string such as 'pt', not {type(framework).__name__}")
+        if framework.lower() not in FRAMEWORKS:
+            raise ValueError(f"framework {framework!r} is not supported: instant_staging.loader.safe_open "
+                             "returns torch tensors (framework='pt'); use safetensors.safe_open for others")
+        torch = _import_torch()
+        target = _TorchTarget(torch, device)
+        chunk_size, io_depth, threads = knobs(None, None, None)
+        _check_args(chunk_size, io_depth, threads)
+        checkpoint = _Checkpoint([filename])
+        if left_unset(None, None, None):     # a file the page cache lacks: load_file's cold rule
+            cold = for_cache(checkpoint.resident())
+            if cold:
+                chunk_size, io_depth, threads = cold["chunk_size"], cold["io_depth"], cold["threads"]
+        self._file = _File(checkpoint, torch, target, chunk_size, io_depth, threads)
+        header = checkpoint.headers[0]
+        self._entries = {t.name: t for t in header.tensors}
+        self._order = [t.name for t in header.tensors]
+        self._metadata = header.metadata
+        self._path = checkpoint.paths[0]
+
+    # -- what safetensors' handle offers ---------------------------------------
+
+    def keys(self) -> list[str]:
+        """The tensor names, sorted (as safetensors)."""
+        self._check_open()
+        return sorted(self._entries)
+
+    def offset_keys(self) -> list[str]:
+        """The tensor names in the order of their data in the file."""
+        self._check_open()
+        return list(self._order)
+
+    def metadata(self) -> dict[str, str] | None:
+        """The header's ``__metadata__`` (None when the file has none)."""
+        self._check_open()
+        return None if self._metadata is None else dict(self._metadata)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor, reading only its bytes."""
+        entry = self._entry(name)
+        return self._read([entry])[0]
+
+    def get_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor, keyed by name in file order, in one pass over the file."""
+        self._check_open()
+        entries = [self._entries[n] for n in self._order]
+        return dict(zip(self._order, self._read(entries)))
+
+    def get_slice(self, name: str) -> _Slice:
+        """A lazy view: ``get_shape()``, ``get_dtype()``, and indexing reads.
+        It stays usable after the handle is closed (it holds the file until
+        it is dropped)."""
+        return _Slice(self._file, self._entry(name))
+
+    def close(self) -> None:
+        """Closes the handle: the file once no slice of it is left, and gives
+        back the staging buffer (kept for a later load, as load_file's);
+        idempotent."""
+        file = getattr(self, "_file", None)
+        if file is not None:
+            file.close_handle()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # a finaliser never raises
+            pass
+
+    def __repr__(self):
+        state = "closed" if not self._file.handle_open else f"{len(self._entries)} tensors"
+        return f"<instant_staging safe_open {self._path!r} on {self._file.target.device}, {state}>"
+
+    # -- reading ---------------------------------------------------------------
+
+    def _check_open(self):
+        file = getattr(self, "_file", None)
+        if file is None or not file.handle_open:
+            raise (file.closed_error() if file is not None
+                   else SafetensorsError("File is closed", getattr(self, "_path", None)))
+
+    def _entry(self, name):
+        self._check_open()
+        if not isinstance(name, str):
+            raise TypeError(f"tensor name must be a str, not {type(name).__name__}")
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise MissingTensorError(f"{self._path} does not contain tensor {name!r}") from None
+
+    def _read(self, entries):
+        self._check_open()
+        return self._file.read(entries)
+
+
+def _host_mode():
+    from ._pipeline import HOST
+    return HOST
+
+
+class _Slice:
+    """``safe_open.get_slice(name)``: shape and dtype now, bytes when indexed.
+    It holds the handle's file (``_File``) until it is dropped."""
+
+    def __init__(self, file: _File, entry: TensorEntry):
+        file.hold()
+        self._file = file
+        self._entry = entry
+        weakref.finalize(self, file.release)
+
+    def get_shape(self) -> list[int]:
+        return list(self._entry.shape)
+
+    def get_dtype(self) -> str:
+        return self._entry.dtype
+
+    def __getitem__(self, index) -> torch.Tensor:
+        file, entry = self._file, self._entry
+        torch = file.torch
+        dtype = file.target.check(entry, file.path)
+        packed = DTYPE_BITS[entry.dtype] < 8
+        # torch's own checks and errors, in the file's shape, before anything
+        # is read (a packed dtype's are checked as bytes of that shape).
+        torch.empty(entry.shape, dtype=torch.uint8 if packed else dtype, device="meta")[index]
+        if packed:
+            _check_packed_index(index, entry, file.path)
+        rows = None if packed and len(entry.shape) == 1 else _rows(index, entry.shape)
+        if rows is None:
+            part, shifted = entry, index
+        else:
+            lo, hi, shifted = rows
+            row_bits = DTYPE_BITS[entry.dtype]
+            for d in entry.shape[1:]:
+                row_bits *= d
+            row_bytes = row_bits // 8       # whole: F4's last dimension is even
+            part = TensorEntry(entry.name, entry.dtype, (hi - lo,) + tuple(entry.shape[1:]),
+                               entry.begin + lo * row_bytes, entry.begin + hi * row_bytes)
+        covering = file.read([part])[0]
+        try:
+            return _like_safetensors(torch, covering[shifted], covering, file.target.device)
+        except BaseException:
+            # e.g. a tensor index out of bounds (the meta check cannot see
+            # its values): the rows read do not outlive the error
+            covering = None
+            raise
+
+
+def _check_packed_index(index, entry, path):
+    """F4 packs two values of the last dimension in a byte (torch's
+    float4_e2m1fn_x2, whose last dimension is half the file's): a slice of it
+    may index the other dimensions (ints, slices, None, Ellipsis) and must
+    take the last one whole; the result is packed as ``get_tensor``'s.
+    safetensors' own slices of F4 fail (its view has the file's shape over
+    half the bytes)."""
+    items = index if isinstance(index, tuple) else (index,)
+    basic = all(i is None or i is Ellipsis or isinstance(i, slice)
+                or (isinstance(i, int) and not isinstance(i, bool)) for i in items)
+    last = None
+    if basic:
+        consuming = [i for i in items if i is not None]
+        if Ellipsis in consuming:
+            after = consuming[consuming.index(Ellipsis) + 1:]
+            last = after[-1] if after else None
+        elif len(consuming) == len(entry.shape):
+            last = consuming[-1]
+    n = entry.shape[-1]
+    if basic and (last is None or (isinstance(last, slice) and last.indices(n) == (0, n, 1))):
+        return
+    raise SafetensorsError(
+        f"dtype {entry.dtype} packs two values of the last dimension in each byte (torch's "
+        f"float4_e2m1fn_x2): a slice must take that dimension whole ({n} values) and index the "
+        f"others with ints, slices, None or Ellipsis only, not {index!r}", path, entry.name)
+
+
+def _rows(index, shape):
+    """``(lo, hi, shifted)``: the rows [lo, hi) of dimension 0 that ``index``
+    reads and the index rewritten for a tensor of just those rows; None
+    where the whole tensor is read (an index form other than an int or a
+    slice on dimension 0)."""
+    if not shape:
+        return None
+    items = index if isinstance(index, tuple) else (index,)
+    k = next((i for i, item in enumerate(items) if item is not None), None)
+    if k is None:
+        return None
+    item = items[k]
+    n = shape[0]
+    if isinstance(item, bool) or not isinstance(item, (int, slice)):
+        return None
+    if isinstance(item, int):
+        row = item + n if item < 0 else item      # in bounds: the meta check passed
+        lo, hi, new = row, row + 1, 0
+    else:
+        start, stop, step = item.indices(n)       # step > 0: the meta check passed
+        picked = range(start, stop, step)
+        if len(picked) == 0:
+            lo = hi = 0
+            new = slice(0, 0, 1)
+        else:
+            lo, hi = picked[0], picked[-1] + 1
+            new = slice(0, hi - lo, step)
+    return lo, hi, items[:k] + (new,) + items[k + 1:]
+
+
+def _like_safetensors(torch, result, base, device):
+    """What safetensors returns for ``result``, a view of the rows read:
+    on the CPU that view; on a GPU, ``.to(device)`` of a CPU view (the same
+    strides where it is dense, else contiguous), which owns its memory."""
+    if device.type == "cpu":
+        return result
+    if result.numel() == base.numel() and result.data_ptr() == base.data_ptr() \
+            and result.is_contiguous() and result.shape == base.shape:
+        return base
+    return result.clone(memory_format=torch.preserve_format)

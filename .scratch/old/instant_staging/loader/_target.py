@@ -1,0 +1,235 @@
+"""Where tensors go: torch tensors on the CPU or one GPU.
+
+torch is imported only when a load starts: ``import instant_staging``
+works without it.
+"""
+
+import os
+
+from ._header import SafetensorsError, torch_shape
+from ._options import converts
+
+# torch's caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests of
+# at most 1 MiB come from its small pool; larger ones are rounded up to
+# 512 bytes and may be cut out of any larger free block it holds.
+_SMALL_POOL_MAX = 1 << 20
+_BLOCK_ROUND = 512
+
+# safetensors dtype -> torch attribute; absent attributes mean "this torch
+# cannot hold it" and are reported before anything is allocated.
+_TORCH_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+    "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32",
+    "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
+    "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2",
+}
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError:
+        raise ImportError("instant_staging.loader needs torch: "
+                          "pip install 'instant_staging[torch]'") from None
+    return torch
+
+
+class _TorchTarget:
+    """Allocates one torch tensor per file tensor on ``device``."""
+
+    def __init__(self, torch, device, dtype=None):
+        from ._pipeline import DEVICE, HOST
+        self.torch = torch
+        self.device = _resolve_device(torch, device)
+        # dtype=: floating tensors are converted on the device once loaded
+        # (as transformers does); integer and bool tensors keep theirs.
+        self.dtype = dtype
+        self.mode = HOST if self.device.type == "cpu" else DEVICE
+        self.index = self.device.index or 0
+
+    def check(self, entry, path):
+        """The torch dtype of ``entry``; SafetensorsError if torch lacks it
+        or cannot give it its shape."""
+        dtype = getattr(self.torch, _TORCH_DTYPES[entry.dtype], None)
+        if dtype is None:
+            raise SafetensorsError(f"dtype {entry.dtype} is not supported by torch "
+                                   f"{self.torch.__version__}", path, entry.name)
+        if (self.dtype is not None and dtype.is_floating_point and dtype != self.dtype
+                and not converts(self.torch, dtype, self.dtype)):
+            raise ValueError(f"{path or '<safetensors>'}: tensor {entry.name!r}: dtype {entry.dtype} "
+                             f"({dtype}) cannot be converted to {self.dtype} by torch: load it "
+                             "without dtype= (or leave it out with names=)")
+        if not entry.nbytes:
+            try:
+                self._empty(entry, dtype, "cpu")      # no memory: zero elements
+            except (RuntimeError, TypeError, OverflowError) as e:
+                raise SafetensorsError(f"torch cannot make a tensor of shape {list(entry.shape)}: "
+                                       f"{e}", path, entry.name) from None
+        return dtype
+
+    def _empty(self, entry, dtype, device):
+        # As safetensors makes a zero-element tensor (an empty one viewed
+        # with the shape): the same strides, the same shapes refused.
+        return self.torch.empty(0, dtype=dtype, device=device).view(torch_shape(entry))
+
+    def allocate(self, entry, dtype):
+        if not entry.nbytes:
+            t = self._empty(entry, dtype, self.device)
+        else:
+            t = self.torch.empty(torch_shape(entry), dtype=dtype, device=self.device)
+            self._after_fill()
+        return t, t.data_ptr()
+
+    def _after_fill(self):
+        # Under torch.use_deterministic_algorithms(True) torch.empty fills new
+        # memory (NaN, or the dtype's largest value) with a kernel queued on
+        # the current stream; our copies run on other streams and would race
+        # it (a loaded byte overwritten after its copy).  So wait for it.
+        torch = self.torch
+        if (self.device.type != "cpu" and torch.are_deterministic_algorithms_enabled()
+                and torch.utils.deterministic.fill_uninitialized_memory):
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def joins(self, dtype, nbytes, views):
+        """Whether a tensor of ``dtype`` may be a view into a block
+        (``_blocks.py``): views asked for, a GPU target, bytes to hold, and
+        no conversion after loading."""
+        return (views and self.device.type != "cpu" and nbytes > 0
+                and not (self.dtype is not None and dtype.is_floating_point and dtype != self.dtype))
+
+    def allocate_blocks(self, run_list, entries, dtypes):
+        """One allocation per block run (``_blocks.Run``), all before the
+        first copy (a cudaMalloc made while copies run cost more than one
+        made before: benchmarks/RESULTS.md, the withdrawn reserve blocks).
+        Returns ``{run index: block}``; a block torch cannot allocate in
+        one piece is left out, and its tensors get their own allocations."""
+        blocks = {}
+        for r, run in enumerate(run_list):
+            if run.block:
+                try:
+                    blocks[r] = self.torch.empty(run.nbytes, dtype=self.torch.uint8, device=self.device)
+                except self.torch.cuda.OutOfMemoryError:
+                    pass
+        if blocks:
+            self._after_fill()
+        return blocks
+
+    def place(self, run, block, entries, dtypes):
+        """``[(handle, address), ...]`` for the tensors of ``run``: views of
+        ``block``, made when ``tensor()`` is asked for, as each finishes
+        (tensors of their own are ``allocate()``'s)."""
+        base = block.data_ptr()
+        out = []
+        for k in range(run.first, run.stop):
+            entry = entries[k][1]
+            offset = entry.begin - run.begin
+            out.append((_View(block, offset, entry, dtypes[k]), base + offset))
+        return out
+
+    def tensor(self, handle):
+        """The tensor of a handle of ``allocate()`` or ``place()``."""
+        if type(handle) is not _View:
+            return handle
+        dtype = handle.dtype
+        # set_ rather than block[a:b].view(dtype).view(shape): one call, and
+        # the tensor is no autograd view of the block (no ._base).
+        return self.torch.empty(0, dtype=dtype, device=self.device).set_(
+            handle.block.untyped_storage(), handle.offset // dtype.itemsize, torch_shape(handle.entry))
+
+    def reserve(self, entries):
+        """Makes torch's caching allocator hold one free block as large as
+        the load's large tensors together, so that allocating them cuts
+        that block instead of calling cudaMalloc per tensor (or per 20 MiB
+        segment) while the reader threads issue their copies.
+
+        A block freed at once, on the current stream, with no work queued:
+        the tensors allocated next take it.  Nothing happens where torch
+        does not cache (PYTORCH_NO_CUDA_MEMORY_CACHING, another allocator
+        backend) or the block does not fit (the tensors may still fit in
+        blocks torch already holds)."""
+        if self.device.type == "cpu" or not _caching(self.torch):
+            return
+        total = sum(-(-e.nbytes // _BLOCK_ROUND) * _BLOCK_ROUND
+                    for e in entries if e.nbytes > _SMALL_POOL_MAX)
+        if not total:
+            return
+        try:
+            block = self.torch.empty(total, dtype=self.torch.uint8, device=self.device)
+        except self.torch.cuda.OutOfMemoryError:
+            return
+        del block
+
+    def before_copies(self):
+        # A block torch hands out may still be read by kernels queued on
+        # its current stream; our copies run on other streams.
+        if self.device.type != "cpu":
+            self.torch.cuda.current_stream(self.device).synchronize()
+
+    def result(self, handle):
+        if self.dtype is not None and handle.is_floating_point() and handle.dtype != self.dtype:
+            return handle.to(self.dtype)
+        return handle
+
+    def equal(self, handle, offset, data):
+        """Whether the bytes of ``handle`` at ``offset`` are ``data``."""
+        torch = self.torch
+        flat = handle.reshape(-1).view(torch.uint8)
+        expected = torch.frombuffer(data, dtype=torch.uint8).to(self.device)
+        return torch.equal(flat[offset:offset + len(data)], expected)
+
+
+class _View:
+    """A tensor of a block, made when it is handed out."""
+
+    __slots__ = ("block", "dtype", "entry", "offset")
+
+    def __init__(self, block, offset, entry, dtype):
+        self.block, self.offset, self.entry, self.dtype = block, offset, entry, dtype
+
+
+def _caching(torch):
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "") not in ("", "0"):
+        return False
+    backend = getattr(torch.cuda.memory, "get_allocator_backend", None)
+    return backend is None or backend() == "native"
+
+
+def _resolve_device(torch, device):
+    """The torch.device of ``device`` ("cpu", "cuda:N", an int, a
+    torch.device), with its index, once CUDA says it is there: TypeError
+    for another type, ValueError naming it for anything torch cannot parse,
+    this loader cannot load to, or this host does not have."""
+    device = parse_device(torch, device)
+    if device.type == "cpu":
+        return device
+    # Checked here, before anything is allocated: without a GPU the first
+    # failure would otherwise come from pinning the staging buffer.
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device} is not available: this torch sees no GPU "
+                         "(torch.cuda.is_available() is False); load to 'cpu' instead")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device} is not available: this torch sees "
+                         f"{torch.cuda.device_count()} GPU(s)")
+    return device
+
+
+def parse_device(torch, device):
+    """The torch.device ``device`` names, of a kind this loader loads to
+    (the CPU, a CUDA or ROCm GPU), whether or not this host has it:
+    ``_resolve_device``'s rules for the name alone (the CLI's usage check)."""
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be 'cpu', 'cuda:N', a GPU index or a torch.device, "
+                        f"not {type(device).__name__} {device!r}")
+    given = device
+    try:
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, ValueError, OverflowError) as e:
+        # torch's RuntimeError ("Device string must not be empty") names nothing
+        raise ValueError(f"device {given!r} is not a device: {e}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device ('cuda:N'), not {given!r}")
+    return device
