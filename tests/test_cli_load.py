@@ -143,6 +143,16 @@ def test_load_staging_smaller_than_a_chunk_is_a_usage_error(tmp_path):
     assert proc.returncode == 2 and "--staging-size" in proc.stderr
 
 
+def test_load_staging_size_on_the_cpu_is_a_usage_error(weights):
+    # A CPU load stages through memory of its own: a --staging-size there
+    # would be reported as used and not be.
+    path, _, _ = weights
+    proc = cli("load", str(path), "--device", "cpu", "--staging-size", "64MiB")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "--staging-size sizes the pinned buffer of a GPU load" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()[-1]) > 0
+
+
 @pytest.mark.gpu
 def test_load_reports_tensors_bytes_and_kind(weights):
     path, count, nbytes = weights

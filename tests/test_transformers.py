@@ -363,6 +363,36 @@ def test_hub_id_not_in_the_cache(tmp_path, offline):
                         revision="c" * 40)
 
 
+@pytest.mark.parametrize("layout", ["one_file", "sharded", "neither"])
+def test_hub_fetches_only_the_weights_it_reads(tmp_path, monkeypatch, layout):
+    # A repo holding a variant (model.fp16.safetensors) beside its weights:
+    # only what _weights reads is asked for, after the configs.
+    import huggingface_hub
+
+    from instant_staging.integrations import transformers as T
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    if layout == "one_file":
+        (snapshot / "model.safetensors").write_bytes(b"")
+    elif layout == "sharded":
+        (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+            "c": "model-00001-of-00002.safetensors"}}))
+    asked = []
+
+    def snapshot_download(repo, *, allow_patterns, **kwargs):
+        assert repo == "org/tiny" and kwargs == {"revision": "v2", "token": None}
+        asked.append(allow_patterns)
+        return str(snapshot)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert T._snapshot("org/tiny", revision="v2", token=None) == str(snapshot)
+    first = ["*.json", "*.py", "model.safetensors"]
+    assert asked == {"one_file": [first],
+                     "sharded": [first, ["model-00001-of-00002.safetensors",
+                                         "model-00002-of-00002.safetensors"]],
+                     "neither": [first, ["*.safetensors"]]}[layout]
+
+
 REMOTE_CONFIG = '''
 from transformers import LlamaConfig
 

@@ -50,15 +50,15 @@ def device_error(device):
 
 
 def _check_device(device):
-    # Before any allocation, and in plain words (torch's own is an
-    # AssertionError deep inside the first allocation).
+    # Before the staging buffer is made (without a GPU its pinning would be
+    # the first failure): the loader's own rule, as the loader words it.
     import torch
-    if not torch.cuda.is_available():
-        raise NoDevice(f"cannot load to {device}: torch {torch.__version__} sees no GPU "
-                       "(torch.cuda.is_available() is False); --device cpu loads to memory")
-    index = torch.device(device).index
-    if index is not None and index >= torch.cuda.device_count():
-        raise NoDevice(f"cannot load to {device}: torch sees {torch.cuda.device_count()} GPU(s)")
+
+    from ..loader._target import _resolve_device
+    try:
+        _resolve_device(torch, device)
+    except ValueError as e:
+        raise NoDevice(f"cannot load to {device}: {e} (--device cpu loads to memory)") from None
 
 
 def _synchronize(device):

@@ -166,7 +166,8 @@ def build_parser():
                     f"at most {defaults.MAX_THREADS}: {defaults.reader_threads()} on this host; "
                     f"{defaults.COLD_THREADS} {cold})")
     ld.add_argument("--staging-size", type=size_arg, default=None,
-                    help="staging buffer size (default: io-depth x chunk-size, no more than the files hold)")
+                    help="pinned staging buffer of a GPU load (default: io-depth x chunk-size, "
+                    "no more than the files hold)")
     ld.add_argument("--allow-pageable", action="store_true",
                     help="accept unpinned staging memory when nothing can be pinned")
     ld.add_argument("--verify", action="store_true", help="check every tensor after loading")
@@ -226,6 +227,12 @@ def run_load(args, parser):
         bad_device = None
     if bad_device:
         parser.error(bad_device)
+    if args.staging_size is not None and load_cmd._is_cpu(args.device):
+        # (it would be reported as used: a CPU load stages through ordinary
+        # memory of its own, io-depth x chunk-size)
+        parser.error("--staging-size sizes the pinned buffer of a GPU load; a load to the "
+                     "CPU stages through memory of its own (size it with --io-depth and "
+                     "--chunk-size)")
     tty = sys.stderr.isatty()
     progress = load_cmd.Progress(sys.stderr, bar=tty, quiet=args.json)
     try:

@@ -12,7 +12,8 @@ reading is ours; everything else is transformers' own machinery:
 
 1. ``model_dir`` is a local directory, or a hub id resolved through
    ``huggingface_hub.snapshot_download`` (its cache; with
-   ``HF_HUB_OFFLINE=1`` or ``local_files_only=True`` nothing is fetched).
+   ``HF_HUB_OFFLINE=1`` or ``local_files_only=True`` nothing is fetched;
+   of the weights, only the files step 3 reads: ``_snapshot``).
 2. The config comes from ``AutoConfig.from_pretrained`` (``revision``,
    ``trust_remote_code``); the class is ``model_class``, else the one
    ``config.architectures`` names (remote code through transformers'
@@ -84,9 +85,10 @@ logger = logging.getLogger("instant_staging")
 
 # The default device of DESIGN.md's signature.
 DEFAULT_DEVICE = "cuda:0"
-# What a hub snapshot needs for this function: the configs, the safetensors
-# shards and their index, and the code of a trust_remote_code model.
-HUB_PATTERNS = ("*.json", "*.safetensors", "*.py")
+# What a hub snapshot needs for this function beside the weights: the
+# configs, the shards' index, and the code of a trust_remote_code model
+# (the weights: ``_snapshot``).
+HUB_PATTERNS = ("*.json", "*.py")
 # The Auto class whose mapping a config without `architectures` goes through.
 DEFAULT_AUTO_CLASS = "AutoModelForCausalLM"
 # Keyword arguments passed on to transformers as they are (others are an error).
@@ -362,11 +364,10 @@ def _local_dir(model_dir, *, revision, cache_dir, token, local_files_only):
         raise TypeError(f"revision must be a str, not {type(revision).__name__}")
     if os.path.isabs(path) or path.startswith(".") or path.count("/") > 1 or not path:
         raise FileNotFoundError(f"no such model directory: {path}")
-    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
     try:
-        snapshot = snapshot_download(path, revision=revision, cache_dir=cache_dir, token=token,
-                                     local_files_only=local_files_only, allow_patterns=list(HUB_PATTERNS))
+        snapshot = _snapshot(path, revision=revision, cache_dir=cache_dir, token=token,
+                             local_files_only=local_files_only)
     except HFValidationError:
         raise FileNotFoundError(f"no such model directory: {path} (nor a valid hub id)") from None
     except LocalEntryNotFoundError as e:
@@ -375,6 +376,30 @@ def _local_dir(model_dir, *, revision, cache_dir, token, local_files_only):
     if not os.path.isfile(os.path.join(snapshot, "config.json")):
         raise FileNotFoundError(f"{path} (revision {revision or 'main'}) has no config.json")
     return snapshot
+
+
+def _snapshot(repo, **kwargs):
+    """The snapshot of ``repo`` holding what ``_weights`` reads, and only
+    that: the configs and code with model.safetensors; where the repo has
+    none, the shards its index lists; where it has no index either, every
+    *.safetensors.  (One pattern for every *.safetensors fetched a repo's
+    variants too, model.fp16.safetensors beside model.safetensors, and both
+    a one-file and a sharded copy where a repo keeps both.)"""
+    import json
+
+    from huggingface_hub import snapshot_download
+    snapshot = snapshot_download(repo, allow_patterns=[*HUB_PATTERNS, "model.safetensors"], **kwargs)
+    if os.path.isfile(os.path.join(snapshot, "model.safetensors")):
+        return snapshot
+    index = os.path.join(snapshot, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return snapshot_download(repo, allow_patterns=["*.safetensors"], **kwargs)
+    try:
+        with open(index, encoding="utf-8") as f:
+            shards = sorted({str(v) for v in json.load(f)["weight_map"].values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return snapshot             # the load reports what is wrong with the index
+    return snapshot_download(repo, allow_patterns=shards, **kwargs) if shards else snapshot
 
 
 def _target_device(torch, device, device_map):

@@ -213,10 +213,9 @@ def checked(list tensors, unsigned long long data_start, dict bits, type entry):
     ``_header`` applies the rules itself and words the error.  Like
     ``read``, this only decides whether the fast path applies.
 
-    0.1 ms for the MoE shard's 1,188 entries where the Python loops took
+    0.28 ms for the MoE shard's 1,188 entries where the Python rules took
     0.8 ms on the CPU host."""
     cdef unsigned long long start = 0, b, e, numel, nbits, d, dtype_bits
-    cdef Py_ssize_t k
     out = []
     try:
         for item in tensors:
