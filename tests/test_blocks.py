@@ -255,6 +255,45 @@ def test_tensors_of_their_own_are_never_one_copy_even_back_to_back(tmp_path, sim
 
 # -- the staging buffer made beside the start ----------------------------------
 
+class ViewsInterrupted(SimTarget):
+    """Ctrl-C while the views of a block are made, once the readers have
+    its addresses."""
+
+    def views(self, run, block, entries, dtypes):
+        raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_while_the_views_are_made_keeps_the_block_until_the_readers_stop(
+        tmp_path, monkeypatch):
+    # The readers may copy into a block from its first address on: whatever
+    # ends the load, the block lives until they are joined (a block freed
+    # before would be memory torch can hand to another tensor while our
+    # copies still write it).
+    from instant_staging.loader import _pipeline
+    rt = SimulatedRuntime()
+    alive_at_join = []
+
+    class Recording(_pipeline.Pipeline):
+        def close(self):
+            if not alive_at_join:
+                alive_at_join.append(rt.live_device_allocs)
+            super().close()
+    monkeypatch.setattr(_pipeline, "Pipeline", Recording)
+    path = save(tmp_path, moe_tensors())
+    buf = ist.StagingBuffer(8 * CHUNK, runtime=rt, segment_size=2 * CHUNK, prefault_threads=0)
+    it, start, _ = begin_device_load(path, rt, staging=buf, own_staging=False, threads=1,
+                                     target_type=ViewsInterrupted, verify=False)
+    assert [r.block for r in start.runs] == [True]
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    assert alive_at_join == [1]                 # the block, at the readers' join
+    gc.collect()
+    assert rt.live_device_allocs == 0
+    assert not [c for c in rt.calls if c[0] == "memcpy_async" and c[-1] != 0]
+    buf.close()
+    assert rt.live_registrations == 0
+
+
 def registered_at_each_copy(rt):
     """Replays the runtime's log: every host-to-device copy's source lies in
     a live registration or runtime allocation when it is issued (a copy

@@ -37,6 +37,9 @@ Who owns what, at each moment:
   its threads are joined (``StagingBuffer.close()`` raises meanwhile); a
   buffer the load made itself (or took from an earlier load) then goes
   back to ``_staging_pool``, which keeps it for the next load or closes it;
+- a block belongs to the load's handles from its first address given to
+  the readers (the block itself until its views replace it), so it too
+  is freed only after the join;
 - tensors not yet yielded are freed after the join; yielded ones are the
   caller's;
 - ``LoadIterator.close()`` may come from any thread: it cancels and joins
@@ -480,7 +483,11 @@ def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
             for r, run in enumerate(run_list):
                 block = blocks.get(r)
                 if block is not None:
-                    handles.extend([None] * (run.stop - run.first))     # its views, below
+                    # The block itself until its views replace it (below): from
+                    # its first address given, the readers may copy into it,
+                    # and handles hold it until they are joined, whatever
+                    # happens (a Ctrl-C while the views are made).
+                    handles.extend([block] * (run.stop - run.first))
                     ptrs.extend(target.addresses(run, block, entries))
                 else:
                     ptrs.extend(_allocate(handles, target, entries[k][1], dtypes[k])
