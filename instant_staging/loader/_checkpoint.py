@@ -19,7 +19,6 @@ class _Checkpoint:
 
     def __init__(self, paths):
         self.paths, self.fds, self.headers = [], [], []
-        self._every_tensor = True       # until select() leaves some out
         try:
             with _gc.paused():
                 for path in paths:
@@ -77,7 +76,6 @@ class _Checkpoint:
                                + ", ".join(repr(n) for n in sorted(unknown, key=str)[:20])
                                + (" ..." if len(unknown) > 20 else ""))
         self.entries = [(i, t) for i, t in self.entries if t.name in keep]
-        self._every_tensor = False
         self.total_bytes = sum(t.nbytes for _, t in self.entries)
 
     def resident(self, samples=COLD_SAMPLES):
@@ -87,7 +85,8 @@ class _Checkpoint:
         sample is a one-byte read that never waits for the disk (on a page
         not cached it starts that page's readahead, as any read would)."""
         nowait = getattr(os, "RWF_NOWAIT", None)
-        if self._every_tensor:      # the data sections, which the tensors cover exactly
+        if len(self.entries) == sum(len(h.tensors) for h in self.headers):
+            # every tensor: the data sections, which the tensors cover exactly
             ranges = [(fd, h.data_start, h.file_size - h.data_start)
                       for fd, h in zip(self.fds, self.headers) if h.file_size > h.data_start]
         else:

@@ -423,14 +423,11 @@ def _check_coverage(tensors, path) -> int:
                 f"data_offsets [{begin}, {end}] do not begin where the previous tensor ends "
                 f"({start}): a gap or an overlap", path, name)
         start = end
-        numel = math.prod(shape)
-        if not 0 < numel < _U64:
-            # (A product under 2**64 of nonzero dimensions had no step over.)
-            numel = 1
-            for d in shape:
-                numel *= d
-                if numel >= _U64:
-                    raise SafetensorsError(f"shape {list(shape)} overflows 64 bits", path, name)
+        numel = 1
+        for d in shape:
+            numel *= d
+            if numel >= _U64:
+                raise SafetensorsError(f"shape {list(shape)} overflows 64 bits", path, name)
         bits = numel * DTYPE_BITS[dtype]
         if bits >= _U64:
             raise SafetensorsError(f"shape {list(shape)} of {dtype} overflows 64 bits", path, name)
@@ -444,7 +441,7 @@ def _check_coverage(tensors, path) -> int:
 
 
 def _check_torch(t, path):
-    if t.shape and max(t.shape) >= _TORCH_DIM_LIMIT:
+    if any(d >= _TORCH_DIM_LIMIT for d in t.shape):
         raise SafetensorsError(f"shape {list(t.shape)} has a dimension >= 2**63, which torch "
                                "cannot hold", path, t.name)
     if t.dtype == "F4" and (not t.shape or t.shape[-1] % 2):

@@ -91,7 +91,7 @@ class _StagingStart:
 
     def __init__(self, device, size, slot_bytes):
         self._device, self._pid = device, os.getpid()
-        self._buf = self._error = None
+        self._error = None
         self._abandoned = False
         self._made = threading.Event()
         # A buffer an earlier load kept is taken here, with no thread: starting
