@@ -23,7 +23,6 @@ from instant_staging.loader import (
     SafetensorsError,
     VerifyError,
     _checkpoint,
-    _load,
     _options,
     _run,
     _target,
@@ -480,12 +479,12 @@ def test_resident_tells_a_hot_checkpoint_from_a_cold_one(tmp_path, caplog):
             # one may find those pages cached.
             caplog.clear()
             with caplog.at_level("INFO", logger="instant_staging"):
-                assert _load._for_cache(checkpoint) == {"chunk_size": ist.defaults.COLD_CHUNK_SIZE,
+                assert checkpoint.default_knobs() == {"chunk_size": ist.defaults.COLD_CHUNK_SIZE,
                                                         "io_depth": None,
                                                         "threads": ist.defaults.COLD_THREADS}
             assert "reading it from disk in 16 MiB pieces with 4 threads" in caplog.text
             load_file(path)                          # reading it brings it in
-            assert checkpoint.resident() == 1.0 and _load._for_cache(checkpoint) == {}
+            assert checkpoint.resident() == 1.0 and checkpoint.default_knobs() == {}
         finally:
             checkpoint.close()
     on_a_cold_file(tmp_path, check)
@@ -525,7 +524,7 @@ def test_resident_cannot_tell_without_rwf_nowait(tmp_path, monkeypatch):
     monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
     checkpoint = _checkpoint._Checkpoint([path])
     try:
-        assert checkpoint.resident() is None and _load._for_cache(checkpoint) == {}
+        assert checkpoint.resident() is None and checkpoint.default_knobs() == {}
     finally:
         checkpoint.close()
 

@@ -34,6 +34,32 @@ its staging buffer and its files until its reader threads are joined
 
 torch is imported only when a load starts: ``import instant_staging``
 works without it.
+
+The loader's face for its neighbours (the CLI, the integrations, the
+benchmarks), who import nothing from an underscored module of it
+(tests/test_public_face.py):
+
+- ``Checkpoint`` (opened once, headers parsed once), ``LoadOptions``,
+  ``TensorInfo``, ``LoadIterator`` and its ``LoadReport``;
+- ``load_file``, ``iter_load``, ``load``, ``safe_open``, ``empty_cache``;
+- the errors: ``SafetensorsError``, ``LoadError``, ``VerifyError``,
+  ``DistributedLoadError``, ``RemoteChangedError``;
+- ``DEFAULT_CHUNK_SIZE``, ``DEFAULT_IO_DEPTH``; the variables' names
+  ``ENV_CHUNK_SIZE``, ``ENV_IO_DEPTH``, ``ENV_THREADS``, ``ENV_KEEP_STAGING``;
+- ``resolve_source(source)``: the shard files (``.paths``) a local source
+  names, nothing opened (``Checkpoint.open`` does this itself);
+- devices: ``parse_device(torch, device)`` (the name's syntax alone),
+  ``resolve_device(torch, device)`` (also: this host has it);
+  ``import_torch()`` (torch, or an ImportError naming the extra);
+- dtypes: ``torch_dtype(torch, dtype)`` (None or a floating torch dtype,
+  checked), ``DTYPE_ALIASES`` ("bf16" -> "bfloat16", ...), ``TORCH_DTYPES``
+  (safetensors' dtype name -> torch's attribute name), ``DTYPE_BITS``
+  (safetensors' dtype name -> bits per element);
+- progress: ``resolve_progress(progress)`` (``progress=``'s value as a load
+  uses it: None, a callable, or a printer for True), ``Progress`` (the
+  printer: a bar or a line per tenth), ``format_si(n)`` ("16.06 GB");
+- type aliases for annotations: ``Source``, ``PathLike``, ``Device``,
+  ``DType``, ``Names``, ``ProgressArg``.
 """
 
 from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
@@ -41,23 +67,66 @@ from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
 from ._bytes import load
 from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
-from ._header import SafetensorsError
-from ._load import iter_load, load_file
-from ._run import LoadIterator
+from ._header import DTYPE_BITS, SafetensorsError
+from ._load import Checkpoint, LoadOptions, TensorInfo, iter_load, load_file
+from ._options import (
+    DTYPE_ALIASES,
+    ENV_CHUNK_SIZE,
+    ENV_IO_DEPTH,
+    ENV_KEEP_STAGING,
+    ENV_THREADS,
+    torch_dtype,
+)
+from ._progress import Progress, format_si
+from ._progress import resolve as resolve_progress
+from ._remote import RemoteChangedError
+from ._run import LoadIterator, LoadReport
 from ._safe_open import safe_open
+from ._source import resolve as resolve_source
 from ._staging_pool import empty_cache
+from ._target import _TORCH_DTYPES as TORCH_DTYPES
+from ._target import _import_torch as import_torch
+from ._target import _resolve_device as resolve_device
+from ._target import parse_device
+from ._typing import Device, DType, Names, PathLike, ProgressArg, Source
 
 __all__ = [
            "DEFAULT_CHUNK_SIZE",
            "DEFAULT_IO_DEPTH",
+           "DTYPE_ALIASES",
+           "DTYPE_BITS",
+           "ENV_CHUNK_SIZE",
+           "ENV_IO_DEPTH",
+           "ENV_KEEP_STAGING",
+           "ENV_THREADS",
+           "TORCH_DTYPES",
+           "Checkpoint",
+           "DType",
+           "Device",
            "DistributedLoadError",
            "LoadError",
            "LoadIterator",
+           "LoadOptions",
+           "LoadReport",
+           "Names",
+           "PathLike",
+           "Progress",
+           "ProgressArg",
+           "RemoteChangedError",
            "SafetensorsError",
+           "Source",
+           "TensorInfo",
            "VerifyError",
            "empty_cache",
+           "format_si",
+           "import_torch",
            "iter_load",
            "load",
            "load_file",
+           "parse_device",
+           "resolve_device",
+           "resolve_progress",
+           "resolve_source",
            "safe_open",
+           "torch_dtype",
 ]

@@ -5,13 +5,16 @@ Every header is parsed and validated before anything is allocated.  A
 code that owns the load once its reader threads have stopped.
 """
 
+import copy
 import os
 import stat
+import threading
 
 from ..defaults import COLD_SAMPLES
 from . import _gc
 from ._errors import not_found
-from ._header import SafetensorsError, read_header
+from ._header import DTYPE_BITS, SafetensorsError, TensorEntry, read_header
+from ._options import for_cache
 
 
 class _Checkpoint:
@@ -110,6 +113,54 @@ class _Checkpoint:
             base += nbytes
         return hits / tried if tried else None
 
+    def share(self, release):
+        """This checkpoint for one load: its own selection (``select``,
+        ``plan``), the same descriptors; its ``close()`` is ``release``
+        (the owner closes the descriptors once no load holds them)."""
+        view = copy.copy(self)
+        once = threading.Lock()
+
+        def close():
+            if once.acquire(blocking=False):    # a load's owners may each close it
+                release()
+        view.close = close
+        return view
+
+    def plan(self, plan):
+        """Keeps, of each tensor ``plan`` maps to a slice, only those rows of
+        its first dimension (``Checkpoint.load``'s ``plan=``; the selection
+        is then the plan's names): only their bytes are read."""
+        if plan is None:
+            return
+        if not isinstance(plan, dict):
+            raise TypeError(f"plan must be a dict of tensor name -> None or a slice, not "
+                            f"{type(plan).__name__}")
+        self.select(list(plan))
+        self.entries = [(i, rows(t, plan[t.name], self.paths[i])) for i, t in self.entries]
+        self.total_bytes = sum(t.nbytes for _, t in self.entries)
+
+    # The reader threads pread the descriptors (a remote checkpoint's
+    # readers call its fetch instead: ``_remote.py``).
+    fetch = None
+
+    def default_knobs(self):
+        """The knobs for this checkpoint where the caller set none: the cold
+        ones where the page cache mostly lacks it (``_options.for_cache``)."""
+        return for_cache(self.resident())
+
+    def read_bytes(self, index, offset, length):
+        """``length`` bytes at ``offset`` of file ``index``, with plain reads
+        (verify=: not through the staging buffer); fewer where it ended."""
+        data = bytearray(length)
+        got = os.preadv(self.fds[index], [data], offset)
+        return data if got == length else data[:got]
+
+    def current_size(self, index):
+        return os.fstat(self.fds[index]).st_size
+
+    def fetch_error(self):
+        return None
+
     def close(self):
         """Closes the descriptors (idempotent).  Only the code that joined
         the load's reader threads calls it: a descriptor number closed under
@@ -133,3 +184,31 @@ def _paths(paths):
         if not isinstance(p, (str, bytes, os.PathLike)):
             raise TypeError(f"paths must be a path or a list of paths, got {type(p).__name__} in the list")
     return paths
+
+
+def rows(entry, part, path):
+    """``entry`` narrowed to ``part``: None (whole) or a step-1 slice of its
+    first dimension, bounds as Python's (clipped).  The rows must be whole
+    bytes (F4 packs two values a byte: an odd row of it is not)."""
+    if part is None:
+        return entry
+    if not isinstance(part, slice):
+        raise TypeError(f"plan[{entry.name!r}] must be None or a slice of the first dimension, "
+                        f"not {type(part).__name__}")
+    if part.step not in (None, 1):
+        raise ValueError(f"plan[{entry.name!r}]: only step-1 slices are read (a rank's rows), "
+                         f"got step {part.step}")
+    if not entry.shape:
+        raise ValueError(f"plan[{entry.name!r}]: a scalar tensor has no rows to slice")
+    lo, hi, _ = part.indices(entry.shape[0])
+    hi = max(lo, hi)
+    row_bits = DTYPE_BITS[entry.dtype]
+    for d in entry.shape[1:]:
+        row_bits *= d
+    if row_bits % 8:
+        raise SafetensorsError(f"a row of {entry.dtype} tensor {entry.name!r} {list(entry.shape)} "
+                               f"is {row_bits} bits, not whole bytes: it cannot be sliced by rows",
+                               path, entry.name)
+    row = row_bits // 8
+    return TensorEntry(entry.name, entry.dtype, (hi - lo,) + tuple(entry.shape[1:]),
+                       entry.begin + lo * row, entry.begin + hi * row)

@@ -63,7 +63,6 @@ import logging
 import os
 import pickle
 import traceback
-from types import SimpleNamespace
 
 from ..defaults import DISTRIBUTED_TIMEOUT, reader_threads
 from . import _progress, _run, _staging_pool
@@ -477,7 +476,7 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
                 buf = (_staging_pool.own(device, *_run.staging_size(read_plan, depth))
                        if owned else staging)
                 pipe = Pipeline(read_plan, threads=threads, staging=buf,
-                                depth=depth, device=device)
+                                depth=depth, device=device, fetch=checkpoint.fetch)
                 state.pipe = pipe
                 state.threads = pipe.n_threads
                 runtime = buf.runtime if buf is not None else None
@@ -524,9 +523,8 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
             if pipe is not None:
                 pipe.close()       # joined: nothing writes into the tensors any more
         if error is not None or waiter.left:
-            view = SimpleNamespace(entries=[everything[u.entry] for u in items],
-                                   paths=checkpoint.paths, fds=checkpoint.fds)
-            local = (_run.load_error(pipe, read_plan, view, runtime) if error is not None else
+            local = (_run.load_error(pipe, read_plan, checkpoint, runtime,
+                                     [everything[u.entry] for u in items]) if error is not None else
                      LoadError(f"the load ended with {waiter.left} part(s) unread and no error recorded"))
             post = (False, str(local), issued_all)
         else:
@@ -548,7 +546,7 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
             if k in tensors:
                 handle = tensors.pop(k)
                 if verify:
-                    _verify_one(checkpoint, i, t, target, handle)
+                    _run.verify_tensor(checkpoint, (i, t), target, handle)
                 yield t.name, target.result(handle)
     except BaseException as e:
         traceback.clear_frames(e.__traceback__)
@@ -560,11 +558,6 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
         if owned and buf is not None:
             _staging_pool.give(device, buf)
         checkpoint.close()
-
-
-def _verify_one(checkpoint, file_index, entry, target, handle):
-    view = SimpleNamespace(entries=[(file_index, entry)], paths=checkpoint.paths, fds=checkpoint.fds)
-    _run.verify_tensor(view, 0, target, handle)
 
 
 class _Waiter:

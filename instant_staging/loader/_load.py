@@ -1,18 +1,30 @@
-"""The public loading functions: ``load_file`` and ``iter_load``.
+"""The loader's front door: ``Checkpoint``, and ``load_file`` and
+``iter_load`` as thin uses of it.
 
-``iter_load`` checks every argument and header, and plans the load,
-before anything is allocated; the load then runs as a ``LoadIterator``
-(``_run.py``), or under a process group (``_distributed.py``), which the
-plan is handed to.  Imports go one way: ``_load`` -> ``_distributed`` ->
-``_run``.
+A ``Checkpoint`` is opened once from any source (files, a directory, an
+index, a URL: ``_source.py``, ``_remote.py``): its shards resolved and
+every header parsed and validated, before anything is allocated.  It
+answers what is in it without reading data, and loads from it as often
+as asked; each load checks its arguments and plans before anything is
+allocated, then runs as a ``LoadIterator`` (``_run.py``), or under a
+process group (``_distributed.py``), which the plan is handed to.
+Imports go one way: ``_load`` -> ``_distributed`` -> ``_run``.
 """
 
+import dataclasses
+import functools
 import sys
-from typing import TYPE_CHECKING, Optional
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 from . import _progress
 from ._checkpoint import _Checkpoint
-from ._options import check_backend, for_cache, knobs, left_unset, torch_dtype
+from ._options import check_backend, knobs, left_unset, torch_dtype
+from ._remote import _RemoteCheckpoint, _Stores, is_url
+from ._remote import resolve as resolve_url
 from ._run import LoadIterator, _begin_staging, _plan, fault_plan
 from ._source import resolve
 from ._target import _import_torch, _TorchTarget
@@ -25,12 +37,6 @@ if TYPE_CHECKING:
     from .._staging import StagingBuffer
 
 # -- arguments -------------------------------------------------------------------
-
-def _for_cache(checkpoint):
-    """The knobs for ``checkpoint`` where the page cache mostly lacks it
-    (``_options.for_cache``), else {}."""
-    return for_cache(checkpoint.resident())
-
 
 def _check_staging(staging):
     from .._staging import StagingBuffer
@@ -53,6 +59,293 @@ def _check_args(chunk_size, io_depth, threads):
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """How one load runs, built once from the arguments, the environment
+    (``_options.py``'s variables) and the defaults, and checked there,
+    before anything is opened or allocated.  ``chunk_size``, ``io_depth``
+    and ``threads`` are the resolved knobs; ``tuned`` says whether the
+    caller left all three to the loader (which then picks them for the
+    checkpoint: cold, remote)."""
+
+    chunk_size: int
+    io_depth: Optional[int]
+    threads: Optional[int]
+    tuned: bool
+    staging: Optional["StagingBuffer"] = None
+    verify: bool = False
+    progress: Optional[Callable[[int, int], object]] = None
+    views: bool = True
+
+    @classmethod
+    def build(cls, *, chunk_size=None, io_depth=None, threads=None, staging=None, verify=False,
+              progress=None, views=True, backend="mmap") -> "LoadOptions":
+        if not isinstance(views, bool):
+            raise TypeError(f"views must be a bool, not {type(views).__name__}")
+        check_backend(backend)
+        resolved = knobs(chunk_size, io_depth, threads)
+        _check_args(*resolved)
+        if staging is not None:
+            _check_staging(staging)
+        return cls(*resolved, tuned=left_unset(chunk_size, io_depth, threads), staging=staging,
+                   verify=verify, progress=_progress.resolve(progress), views=views)
+
+    def for_checkpoint(self, checkpoint) -> "LoadOptions":
+        """These options with the checkpoint's own knobs where the caller set none."""
+        if not self.tuned:
+            return self
+        return dataclasses.replace(self, **checkpoint.default_knobs())
+
+    def run_kwargs(self, faults) -> dict:
+        """The keyword arguments of a LoadIterator's load."""
+        return {"chunk_size": self.chunk_size, "io_depth": self.io_depth, "threads": self.threads,
+                "staging": self.staging, "verify": self.verify, "progress": self.progress,
+                "faults": faults}
+
+
+class TensorInfo(NamedTuple):
+    """What a checkpoint says of one tensor, read from its header."""
+
+    name: str
+    dtype: str          # safetensors' name: "BF16", "F8_E4M3", ...
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str           # the shard's path or URL
+
+
+class Checkpoint:
+    """A checkpoint opened once: its shards resolved, every header parsed
+    and validated; loaded from as often as asked.
+
+        with Checkpoint.open("model_dir") as ck:      # or s3://bucket/model/
+            ck.names(); ck.info("lm_head.weight").shape; ck.nbytes
+            tensors = ck.load("cuda:0", plan={"lm_head.weight": slice(0, 4096)})
+
+    It holds its files (descriptors) from ``open`` until ``close()`` (or
+    the end of the ``with`` block) and no load of it holds them any more:
+    a load that is still running when the checkpoint is closed keeps them
+    until its reader threads are joined.
+    """
+
+    def __init__(self, shards, source, opened_seconds):
+        """Use ``Checkpoint.open``."""
+        self._shards = shards
+        self._source = source
+        self._lock = threading.Lock()
+        self._holds = 0
+        self._closed = False
+        self.open_seconds = opened_seconds
+        self._infos = {t.name: TensorInfo(t.name, t.dtype, tuple(t.shape), t.nbytes, shards.paths[i])
+                       for i, t in shards.entries}
+
+    @classmethod
+    def open(cls, source: Source, *, storage_options: Optional[Mapping] = None) -> "Checkpoint":
+        """Opens ``source`` (``load_file``'s): resolves its shards (a URL's
+        objects through the object store; ``storage_options`` are passed to
+        it) and parses every header.
+
+        Raises:
+            TypeError, ValueError: a source of the wrong form.
+            FileNotFoundError: a file, a shard or an object that is not there.
+            PermissionError: an object the credentials may not read.
+            SafetensorsError: a file safetensors would refuse, a bad index.
+            ImportError: a URL without the ``remote`` extra installed.
+        """
+        t0 = time.perf_counter()
+        try:
+            shards, src = _open_shards(source, storage_options)
+        except BaseException as e:
+            # The error's frames would keep the object stores (their
+            # connections) alive for as long as the caller keeps the error.
+            traceback.clear_frames(e.__traceback__)
+            raise
+        return cls(shards, src, time.perf_counter() - t0)
+
+    # -- what is in it, no data read ---------------------------------------------
+
+    @property
+    def files(self) -> list[str]:
+        """The shards' paths (or URLs), in reading order."""
+        return list(self._shards.paths)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor's data."""
+        return self._shards.total_bytes
+
+    def names(self) -> list[str]:
+        """The tensor names, in reading order (shard, offset)."""
+        return list(self._infos)
+
+    def info(self, name: str) -> TensorInfo:
+        """``name``'s dtype, shape, bytes and shard (a KeyError if it has none)."""
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint") from None
+
+    def metadata(self) -> Optional[dict[str, str]]:
+        """The first shard's ``__metadata__`` (None without one), as
+        safetensors' ``safe_open(...).metadata()`` gives it."""
+        meta = self._shards.headers[0].metadata
+        return None if meta is None else dict(meta)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- loading -------------------------------------------------------------------
+
+    def load(self, device: Device = "cpu", *, names: Names = None, plan: Optional[dict] = None,
+             dtype: DType = None, process_group: Optional["ProcessGroup"] = None,
+             **options) -> dict[str, "torch.Tensor"]:
+        """Loads into ``{name: tensor}`` on ``device``, in reading order.
+
+        Args:
+            device, dtype, names, process_group: as ``load_file``'s.
+            plan: ``{name: None | slice}``: the tensors to load (``names``
+                must then be None), each whole (None) or only the rows of a
+                step-1 slice of its first dimension (a tensor-parallel
+                rank's share); only those bytes are read and copied.
+            **options: ``chunk_size``, ``io_depth``, ``threads``, ``staging``,
+                ``verify``, ``progress``, ``views``, ``backend`` (``LoadOptions``).
+
+        Returns:
+            The tensors; the load's ``LoadReport`` is ``self.last_report``.
+        """
+        with self.iter_load(device, names=names, plan=plan, dtype=dtype,
+                            process_group=process_group, **options) as it:
+            loaded = dict(it)
+        self.last_report = it.report
+        return {name: loaded[name] for name in it.names}
+
+    def iter_load(self, device: Device = "cpu", *, names: Names = None, plan: Optional[dict] = None,
+                  dtype: DType = None, process_group: Optional["ProcessGroup"] = None,
+                  **options) -> LoadIterator:
+        """As ``load``, yielding ``(name, tensor)`` as each finishes; the
+        iterator's ``report`` is the load's once it finished."""
+        began = time.perf_counter()
+        opts = LoadOptions.build(**options)
+        target = _target(device, dtype)
+        return self._iter_load(target, opts, names, plan, process_group, began)
+
+    def _iter_load(self, target, opts, names, plan, process_group, began, opened=0.0):
+        if names is not None and plan is not None:
+            raise ValueError("pass names= or plan= (whose keys are the names), not both")
+        shards = self._hold()
+        try:
+            prepare = functools.partial(_prepare, shards, target, opts, names, plan)
+            if process_group is not None:
+                from ._distributed import iter_load_group
+                it = iter_load_group(prepare, process_group)
+            else:
+                held, target, dtypes, kwargs = prepare(single=True)
+                it = LoadIterator(held, target, dtypes, **kwargs)
+        except BaseException:
+            shards.close()
+            raise
+        it.timed(began, opened)
+        return it
+
+    def _hold(self):
+        with self._lock:
+            if self._closed:
+                raise ValueError("the checkpoint is closed")
+            self._holds += 1
+        return self._shards.share(self._release)
+
+    def _release(self):
+        with self._lock:
+            self._holds -= 1
+            last = self._closed and self._holds == 0
+        if last:
+            self._shards.close()
+
+    def close(self) -> None:
+        """Closes the checkpoint: its files once no load holds them (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            last = self._holds == 0
+        if last:
+            self._shards.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        state = "closed" if self._closed else f"{len(self._infos)} tensors, {self.nbytes} bytes"
+        return f"<instant_staging Checkpoint of {len(self._shards.paths)} file(s), {state}>"
+
+
+def _open_shards(source, storage_options):
+    """``(shards, Source)``: the open files, or objects, of ``source``."""
+    if is_url(source):
+        src, objects = resolve_url(source, _Stores(storage_options))
+        shards = _RemoteCheckpoint(objects)
+    else:
+        if storage_options is not None:
+            raise ValueError("storage_options apply to a URL source (s3://, gs://, az://, "
+                             "https://), not to files")
+        src = resolve(source)
+        shards = _Checkpoint(src.paths)
+    try:
+        src.check(shards)
+    except BaseException:
+        shards.close()
+        raise
+    return shards, src
+
+
+def _target(device, dtype):
+    """The load's target: ``device`` and ``dtype`` checked (and the device
+    found usable: in a fresh process, CUDA's start) before anything is read."""
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
+    torch = _import_torch()
+    return _TorchTarget(torch, device, torch_dtype(torch, dtype))
+
+
+def _prepare(shards, target, opts, names, plan, single=False):
+    """Selects, plans and starts the staging buffer of one load of ``shards``
+    (a held share: this load's); returns a LoadIterator's arguments.  For a
+    process group (``single=False``) the plan is the group's to make."""
+    start = None
+    try:
+        if plan is not None:
+            shards.plan(plan)
+        else:
+            shards.select(names)
+        extra = {}
+        if single:
+            opts = opts.for_checkpoint(shards)
+        elif opts.tuned:            # the ranks agree on it (_distributed.py)
+            extra["resident"] = shards.resident()
+        dtypes = [target.check(t, shards.paths[i]) for i, t in shards.entries]
+        kwargs = opts.run_kwargs(fault_plan(opts.staging))
+        if single:
+            start = kwargs["start"] = _plan(shards, target, dtypes, opts.chunk_size,
+                                            kwargs["faults"], opts.views)
+            start.staging = _begin_staging(target, start.plan, kwargs)
+    except BaseException:
+        if start is not None:
+            start.abandon()     # a staging buffer being made goes to the pool
+        raise
+    kwargs.update(extra)
+    return shards, target, dtypes, kwargs
+
+
 # -- the public functions ------------------------------------------------------
 
 def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, names: Names = None,
@@ -60,60 +353,43 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
               io_depth: Optional[int] = None, threads: Optional[int] = None,
               staging: Optional["StagingBuffer"] = None, verify: bool = False,
               progress: ProgressArg = None, views: bool = True,
-              backend: str = "mmap") -> "LoadIterator":
+              backend: str = "mmap", storage_options: Optional[Mapping] = None) -> "LoadIterator":
     """Loads safetensors file(s), yielding ``(name, tensor)`` as each finishes.
 
     Headers are parsed and validated when this is called; the load runs
     while the iterator is consumed.  Arguments are those of ``load_file``.
     """
-    if not isinstance(views, bool):
-        raise TypeError(f"views must be a bool, not {type(views).__name__}")
-
-    def prepare(single=False):
-        check_backend(backend)
-        knobs_ = knobs(chunk_size, io_depth, threads)
-        _check_args(*knobs_)
-        if staging is not None:
-            _check_staging(staging)
-        options = dict(zip(("chunk_size", "io_depth", "threads"), knobs_), staging=staging,
-                       verify=verify, progress=_progress.resolve(progress))
-        if sys.byteorder != "little":
-            raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
-        torch = _import_torch()
-        # device and dtype first: a bad one is named before any file is opened
-        # (in a fresh process, asking CUDA whether the device is there is
-        # its start: 0.2 s on the H200 host, before the staging buffer)
-        target = _TorchTarget(torch, device, torch_dtype(torch, dtype))
-        src = resolve(source)
-        checkpoint = _Checkpoint(src.paths)
-        start = None
-        try:
-            src.check(checkpoint)
-            checkpoint.select(names)
-            if left_unset(chunk_size, io_depth, threads):
-                if single:
-                    options.update(_for_cache(checkpoint))
-                else:           # the ranks agree on it (_distributed.py)
-                    options["resident"] = checkpoint.resident()
-            dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-            options["faults"] = fault_plan(staging)
-            if single:
-                start = options["start"] = _plan(checkpoint, target, dtypes, options["chunk_size"],
-                                                 options["faults"], views)
-            if start is not None:
-                start.staging = _begin_staging(target, start.plan, options)
-        except BaseException:
-            if start is not None:
-                start.abandon()     # a staging buffer being made goes to the pool
-            checkpoint.close()
-            raise
-        return checkpoint, target, dtypes, options
-
+    began = time.perf_counter()
     if process_group is not None:
+        # Every step, opening included, inside the group's first agreement:
+        # a rank whose file is bad (or device unusable) tells the others.
+        def prepare(single=False):
+            opts = LoadOptions.build(chunk_size=chunk_size, io_depth=io_depth, threads=threads,
+                                     staging=staging, verify=verify, progress=progress,
+                                     views=views, backend=backend)
+            target = _target(device, dtype)
+            with Checkpoint.open(source, storage_options=storage_options) as checkpoint:
+                shards = checkpoint._hold()
+            try:
+                return _prepare(shards, target, opts, names, None, single)
+            except BaseException:
+                shards.close()
+                raise
         from ._distributed import iter_load_group
-        return iter_load_group(prepare, process_group)
-    checkpoint, target, dtypes, options = prepare(single=True)
-    return LoadIterator(checkpoint, target, dtypes, **options)
+        it = iter_load_group(prepare, process_group)
+        it.timed(began)
+        return it
+    opts = LoadOptions.build(chunk_size=chunk_size, io_depth=io_depth, threads=threads,
+                             staging=staging, verify=verify, progress=progress, views=views,
+                             backend=backend)
+    # device and dtype first: a bad one is named before any file is opened
+    # (in a fresh process, asking CUDA whether the device is there is its
+    # start, before the staging buffer)
+    target = _target(device, dtype)
+    with Checkpoint.open(source, storage_options=storage_options) as checkpoint:
+        # (closing the handle here leaves the files to the load, which holds them)
+        return checkpoint._iter_load(target, opts, names, None, process_group, began,
+                                     checkpoint.open_seconds)
 
 
 def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, names: Names = None,
@@ -121,13 +397,17 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
               io_depth: Optional[int] = None, threads: Optional[int] = None,
               staging: Optional["StagingBuffer"] = None, verify: bool = False,
               progress: ProgressArg = None, views: bool = True,
-              backend: str = "mmap") -> dict[str, "torch.Tensor"]:
+              backend: str = "mmap", storage_options: Optional[Mapping] = None
+              ) -> dict[str, "torch.Tensor"]:
     """Loads safetensors file(s) into ``{name: tensor}`` on ``device``.
 
     source      a .safetensors path; a list of them (a name in two shards is an
                 error); a directory (the shards its model.safetensors.index.json
                 lists, else every *.safetensors in it, sorted); or an
-                *.safetensors.index.json path
+                *.safetensors.index.json path.  Or a URL of the same forms:
+                s3://bucket/prefix/ (a "directory"), s3://bucket/key.safetensors,
+                a list of object URLs, gs://..., az://..., https://... (the
+                ``remote`` extra; loader/_remote.py)
     device      "cpu" (as safetensors), "cuda:N", a torch.device or an int
     dtype       None keeps the file's dtypes; a floating torch dtype (or its name)
                 converts floating tensors on the device after the copy, as
@@ -165,6 +445,9 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
                 that dtype= converts, and under a process group (loader/_blocks.py)
     backend     "mmap" or "pread", accepted as safetensors' load_file accepts them;
                 either way the bytes are read with pread into the staging slots
+    storage_options  for a URL source: passed to the object store's config
+                (keys client_options and retry_config: to those); credentials
+                and endpoints otherwise come from the client's standard chain
 
     Tensors have the file's shape (and dtype, unless ``dtype``).  A read or
     copy that fails raises LoadError after waiting for the copies in flight
@@ -172,7 +455,8 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     """
     with iter_load(source, device, dtype=dtype, names=names, process_group=process_group,
                    chunk_size=chunk_size, io_depth=io_depth, threads=threads, staging=staging,
-                   verify=verify, progress=progress, views=views, backend=backend) as it:
+                   verify=verify, progress=progress, views=views, backend=backend,
+                   storage_options=storage_options) as it:
         loaded = dict(it)
         return {name: loaded[name] for name in it.names}
 

@@ -6,7 +6,7 @@ stubtest (tests/test_typing.py): a name added, renamed or dropped there
 fails that test until this file follows.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .._staging import StagingBuffer
 from ..faults import FaultPlan
@@ -20,6 +20,7 @@ READ_ERROR: int
 END_OF_FILE: int
 RUNTIME_ERROR: int
 CANCELLED: int
+FETCH_ERROR: int
 CALLS: tuple[str, ...]
 
 class Plan:
@@ -53,6 +54,7 @@ class Pipeline:
         depth: int | None = None,
         device: int | None = None,
         skip: int = 0,
+        fetch: Callable[[int, int, int], object] | None = None,
     ) -> None: ...
     @property
     def n_chunks(self) -> int: ...
@@ -66,6 +68,8 @@ class Pipeline:
     def providing(self) -> bool: ...
     @property
     def parked(self) -> bool: ...
+    @property
+    def fetch(self) -> Callable[[int, int, int], object] | None: ...
     def start(self, dsts: Sequence[int], *, more: bool = False) -> None: ...
     def provide(self, dsts: Sequence[int]) -> bool: ...
     def done_providing(self) -> None: ...

@@ -58,6 +58,7 @@ import atexit
 import time
 import weakref
 
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from libc.stdint cimport intptr_t, int64_t
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy
@@ -99,6 +100,7 @@ cdef enum:
     ERR_RUNTIME = 3    # a runtime call failed; code is the runtime's
     ERR_THREAD = 4     # no reader thread could be started; code is the errno
     ERR_CANCELLED = 5  # cancel() (another thread, or interpreter exit)
+    ERR_FETCH = 6      # the fetch callable raised (a remote source); it keeps the exception
 
 # benchmarks/profile_load.py takes the pipeline apart: SKIP_READ copies
 # whatever the slot holds (the copy side alone), SKIP_COPY only reads (the
@@ -113,7 +115,8 @@ cdef int FAULT_SHORT = -1
 
 # The same, for Python callers.
 HOST, DEVICE = MODE_HOST, MODE_DEVICE
-READ_ERROR, END_OF_FILE, RUNTIME_ERROR, CANCELLED = ERR_READ, ERR_EOF, ERR_RUNTIME, ERR_CANCELLED
+READ_ERROR, END_OF_FILE, RUNTIME_ERROR, CANCELLED, FETCH_ERROR = (
+    ERR_READ, ERR_EOF, ERR_RUNTIME, ERR_CANCELLED, ERR_FETCH)
 SKIP_READ, SKIP_COPY = SKIP_READ_BIT, SKIP_COPY_BIT
 
 # Which runtime call failed (error()[2]).
@@ -154,6 +157,8 @@ cdef struct Shared:
     int skip                # SKIP_* bits (benchmarks)
     size_t* remaining       # per tensor: bytes not yet copied
     Py_ssize_t* done        # tensors in the order they completed
+    void* fetch             # NULL: pread the chunk's fd; else a Python callable (borrowed:
+                            # Pipeline.fetch owns it) that fills the slot
     Py_ssize_t n_done
     unsigned long long done_bytes
     int stop
@@ -265,6 +270,33 @@ cdef int _setup_device(Worker* w) noexcept nogil:
     return 0
 
 
+cdef int _fetch_chunk(Shared* sh, Py_ssize_t c, char* slot) noexcept nogil:
+    """A remote chunk: ``fetch(file, offset, length)`` returns a buffer of
+    exactly ``length`` bytes (the client's own memory, not the staging
+    buffer's), copied into the slot without the GIL.  ``ch.fd`` is the
+    file's index in the checkpoint.  The fetch keeps its own exception;
+    here it is only ERR_FETCH."""
+    cdef Chunk* ch = &sh.chunks[c]
+    cdef Py_buffer view
+    cdef int rc = -1
+    with gil:
+        try:
+            data = (<object>sh.fetch)(ch.fd, ch.offset, ch.length)
+            PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+            try:
+                if <size_t>view.len == ch.length:
+                    with nogil:
+                        memcpy(slot, view.buf, ch.length)
+                    rc = 0
+            finally:
+                PyBuffer_Release(&view)
+        except BaseException:
+            rc = -1
+    if rc != 0:
+        _fail(sh, ERR_FETCH, 0, CALL_NONE, c, ch.offset)
+    return rc
+
+
 cdef int _read_chunk(Shared* sh, Py_ssize_t c, char* slot) noexcept nogil:
     cdef Chunk* ch = &sh.chunks[c]
     cdef size_t got = 0
@@ -275,6 +307,8 @@ cdef int _read_chunk(Shared* sh, Py_ssize_t c, char* slot) noexcept nogil:
         else:
             _fail(sh, ERR_READ, ch.fault, CALL_NONE, c, ch.offset)
         return -1
+    if sh.fetch != NULL:
+        return _fetch_chunk(sh, c, slot)
     while got < ch.length:
         n = pread(ch.fd, slot + got, ch.length - got, ch.offset + <int64_t>got)
         if n < 0:
@@ -665,7 +699,7 @@ atexit.register(_stop_all_at_exit)
 cdef class Pipeline:
     """Runs a Plan once: reader threads copy its tensors out of slots.
 
-    Pipeline(plan, *, threads, staging=None, depth=None, device=None, skip=0)
+    Pipeline(plan, *, threads, staging=None, depth=None, device=None, skip=0, fetch=None)
 
     staging  a StagingBuffer whose registrations give the slots (whole
              slots inside each registration); held until the threads are
@@ -679,6 +713,10 @@ cdef class Pipeline:
     threads  reader threads wanted (fewer when there are fewer slots or
              chunks).
     skip     benchmarks only: SKIP_READ and/or SKIP_COPY leave that side out.
+    fetch    None: chunks are pread from the plan's descriptors; else a
+             callable ``fetch(file, offset, length) -> buffer`` (a remote
+             source, ``_remote.py``; the plan's "descriptors" are then file
+             indexes), called by the reader threads with the GIL.
 
     ``start(dsts)`` launches the threads (``dsts[i]``: where tensor i goes;
     with ``more=True`` only the first tensors' destinations, the rest
@@ -709,6 +747,7 @@ cdef class Pipeline:
     cdef readonly bint providing    # the consumer still allocates tensors for provide()
     cdef readonly bint parked       # ... and was parked there at interpreter exit
     cdef int pid
+    cdef readonly object fetch
     cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
@@ -716,7 +755,7 @@ cdef class Pipeline:
         self.pid = getpid()
 
     def __init__(self, Plan plan not None, *, threads, StagingBuffer staging=None,
-                 depth=None, device=None, int skip=0):
+                 depth=None, device=None, int skip=0, fetch=None):
         if self.plan is not None:
             raise RuntimeError("Pipeline.__init__ may run only once")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -724,6 +763,11 @@ cdef class Pipeline:
         if skip & ~(SKIP_READ_BIT | SKIP_COPY_BIT):
             raise ValueError(f"skip must be a combination of SKIP_READ and SKIP_COPY, got {skip}")
         self.sh.skip = skip
+        if fetch is not None:
+            if not callable(fetch):
+                raise TypeError(f"fetch must be callable, not {type(fetch).__name__}")
+            self.fetch = fetch
+            self.sh.fetch = <void*>fetch
         if device is not None and staging is None:
             raise ValueError("device copies need a staging buffer (its runtime copies)")
         if staging is None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):

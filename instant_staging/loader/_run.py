@@ -51,8 +51,9 @@ Who owns what, at each moment:
 import logging
 import os
 import threading
+import time
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from ..defaults import CHUNK_SIZE, io_depth_for, reader_threads
 from . import _blocks, _gc, _staging_pool
@@ -193,14 +194,28 @@ def _use_device(device):
 def fault_plan(staging):
     """The plan whose ``read`` and ``copy`` rules this load obeys: that of the
     staging buffer's runtime if it has one, else INSTANT_STAGING_FAULTS."""
-    from .._faults import FaultyRuntime
-    from .._simulated import SimulatedRuntime
     from ..faults import FaultPlan
-    if staging is not None:
-        runtime = staging.runtime
-        if isinstance(runtime, (FaultyRuntime, SimulatedRuntime)) and runtime.plan is not None:
-            return runtime.plan
-    return FaultPlan.from_env()
+    plan = getattr(staging.runtime, "plan", None) if staging is not None else None
+    return plan if plan is not None else FaultPlan.from_env()
+
+
+class LoadReport(NamedTuple):
+    """What a finished load did, for the CLI, the vLLM log line and the
+    benchmarks to print instead of measuring again.  ``seconds`` runs from
+    the call (``load_file``, ``Checkpoint.load``) to the last tensor;
+    ``phases`` splits it: ``open`` (sources resolved, headers parsed: 0 for
+    a checkpoint opened before), ``prepare`` (arguments, device, plan) and
+    ``load`` (bytes read and copied)."""
+
+    tensors: int
+    bytes: int
+    seconds: float
+    gbps: float
+    device: str
+    staging_kind: Optional[str]     # Kind's name; None for ordinary memory (a CPU load)
+    threads: Optional[int]
+    chunk_size: int
+    phases: dict
 
 
 class _LoadState:
@@ -234,6 +249,10 @@ class LoadIterator:
     def __init__(self, checkpoint, target, dtypes, *, staging=None, chunk_size=CHUNK_SIZE,
                  io_depth=None, threads=None, verify=False, progress=None, faults=None,
                  start=None):
+        self._times = [time.perf_counter(), 0.0, None, None]   # began, open, made, ended
+        self._times[2] = self._times[0]
+        self._chunk_size = chunk_size
+        self._device = str(getattr(target, "device", None))
         self._state = _LoadState(start)
         self._lock = threading.RLock()     # one next() or close() at a time
         self._pid = os.getpid()
@@ -247,6 +266,26 @@ class LoadIterator:
     def _generate(self, state, checkpoint, target, dtypes, **options):
         """The generator of the load (a process group's iterator has its own)."""
         return _load(state, checkpoint, target, dtypes, **options)
+
+    def timed(self, began, opened=0.0):
+        """Counts the load's time from ``began`` (the call), of which
+        ``opened`` went to opening its checkpoint (``Checkpoint._iter_load``)."""
+        self._times[0], self._times[1] = began, opened
+
+    @property
+    def report(self) -> Optional["LoadReport"]:
+        """The finished load's ``LoadReport`` (None until it finished)."""
+        began, opened, made, ended = self._times
+        if ended is None:
+            return None
+        seconds = ended - began
+        kind = self.staging_kind
+        return LoadReport(tensors=len(self.names), bytes=self.total_bytes, seconds=seconds,
+                          gbps=self.total_bytes / max(seconds, 1e-9) / 1e9, device=self._device,
+                          staging_kind=kind.name if kind is not None else None,
+                          threads=self.threads, chunk_size=self._chunk_size,
+                          phases={"open": opened, "prepare": max(made - began - opened, 0.0),
+                                  "load": ended - made})
 
     @property
     def staging_kind(self):
@@ -269,7 +308,12 @@ class LoadIterator:
         with self._lock:
             if self._state.cancelled:
                 raise LoadError("the load was cancelled: its iterator was closed before it finished")
-            return next(self._generator)
+            try:
+                return next(self._generator)
+            except StopIteration:
+                if self._times[3] is None and self._state.finished:
+                    self._times[3] = time.perf_counter()
+                raise
 
     def close(self):
         state = self._state
@@ -408,7 +452,8 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
             else:
                 buf = _staging_pool.own(device, *staging_size(plan, depth))
         # Holds buf from here until its threads are joined (pipe.close()).
-        pipe = Pipeline(plan, threads=threads, staging=buf, depth=depth, device=device)
+        pipe = Pipeline(plan, threads=threads, staging=buf, depth=depth, device=device,
+                        fetch=checkpoint.fetch)
         state.pipe = pipe
         if state.cancelled:
             # Closed from another thread while there was no pipeline to
@@ -524,7 +569,7 @@ def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
         for i in finished:
             handle, handles[i] = target.tensor(handles[i]), None   # the consumer's from now on
             if verify:
-                verify_tensor(checkpoint, i, target, handle)
+                verify_tensor(checkpoint, checkpoint.entries[i], target, handle)
             left -= 1
             yield checkpoint.entries[i][1].name, target.result(handle)
         if exited:
@@ -533,22 +578,31 @@ def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
         raise LoadError(f"the load ended with {left} tensor(s) unfinished and no error recorded")
 
 
-def load_error(pipe, plan, checkpoint, runtime):
+def load_error(pipe, plan, checkpoint, runtime, entries=None):
+    """The LoadError for ``pipe``'s first error; ``entries``: the plan's
+    tensors where they are not ``checkpoint.entries`` (a group load's parts)."""
     from ..faults import ERROR_NAMES
-    from ._pipeline import CANCELLED, END_OF_FILE, READ_ERROR, RUNTIME_ERROR
+    from ._pipeline import CANCELLED, END_OF_FILE, FETCH_ERROR, READ_ERROR, RUNTIME_ERROR
     kind, code, call, chunk, offset = pipe.error()
     if kind == CANCELLED:
         return LoadError("the load was cancelled (its iterator was closed from another "
                          "thread, or the interpreter is exiting)")
+    entries = checkpoint.entries if entries is None else entries
     index = plan.tensor_at(chunk, offset)
     path = tensor = None
     where = ""
     if index >= 0:
-        file_index, entry = checkpoint.entries[index]
+        file_index, entry = entries[index]
         path, tensor = checkpoint.paths[file_index], entry.name
         where = f"{path}: tensor {tensor!r}: "
+    if kind == FETCH_ERROR:
+        cause = checkpoint.fetch_error()
+        if isinstance(cause, LoadError):
+            cause.tensor = cause.tensor or tensor
+            return cause
+        return LoadError(f"{where}fetching bytes at {offset} failed: {cause}", path, tensor)
     if kind == END_OF_FILE:
-        size = os.fstat(checkpoint.fds[file_index]).st_size if index >= 0 else "?"
+        size = checkpoint.current_size(file_index) if index >= 0 else "?"
         return LoadError(f"{where}the file ended at byte {offset} while loading (it is now "
                          f"{size} bytes): was it truncated?", path, tensor, 0)
     if kind == READ_ERROR:
@@ -564,13 +618,16 @@ def load_error(pipe, plan, checkpoint, runtime):
     return LoadError(f"could not start reader threads: {os.strerror(code)}", code=code)
 
 
-def verify_tensor(checkpoint, index, target, handle):
-    file_index, entry = checkpoint.entries[index]
-    fd, path = checkpoint.fds[file_index], checkpoint.paths[file_index]
+def verify_tensor(checkpoint, where, target, handle):
+    """Compares the tensor of ``where`` (``(file index, entry)``) with its
+    bytes in the file, read again without the staging buffer."""
+    file_index, entry = where
+    path = checkpoint.paths[file_index]
     for offset in range(0, entry.nbytes, _VERIFY_STEP):
-        data = bytearray(min(_VERIFY_STEP, entry.nbytes - offset))
-        got = os.preadv(fd, [data], entry.begin + offset)
-        if got != len(data):
+        want = min(_VERIFY_STEP, entry.nbytes - offset)
+        data = checkpoint.read_bytes(file_index, entry.begin + offset, want)
+        got = len(data)
+        if got != want:
             raise VerifyError(f"{path}: tensor {entry.name!r}: the file ended while verifying "
                               f"(byte {entry.begin + offset + got})", path, entry.name)
         if not target.equal(handle, offset, data):

@@ -67,6 +67,9 @@ class _View:
         self.paths, self.fds = checkpoint.paths, checkpoint.fds
         self.entries = [(0, e) for e in sorted(entries, key=lambda e: (e.begin, e.end))]
         self.total_bytes = sum(e.nbytes for e in entries)
+        self.fetch = checkpoint.fetch
+        self.read_bytes, self.current_size = checkpoint.read_bytes, checkpoint.current_size
+        self.fetch_error = checkpoint.fetch_error
 
     def close(self):
         pass

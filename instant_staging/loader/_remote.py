@@ -1,0 +1,353 @@
+"""Object-storage sources: a bucket is a source like a directory.
+
+``source`` may be a URL (DESIGN.md, "The loader"):
+
+- ``s3://bucket/prefix/`` (or any URL not naming a ``.safetensors`` or
+  ``.json`` object): a "directory": its ``model.safetensors.index.json``,
+  else its ``*.safetensors`` objects at that level, sorted;
+- ``s3://bucket/key.safetensors``, ``s3://bucket/x.safetensors.index.json``;
+- a list of object URLs (read in the order given);
+- the same with ``gs://`` (GCS), ``az://``/``abfs://`` (Azure Blob) and
+  ``http://``/``https://`` (plain ranged GETs).
+
+The client is ``obstore`` (Rust's ``object_store``: one API for S3, GCS,
+Azure and HTTP; requests run without the GIL), installed by the
+``remote`` extra.  Credentials and endpoints come from the client's
+standard chain (``AWS_*`` variables and profiles, ``AWS_ENDPOINT_URL`` for
+S3-compatible servers, instance metadata; ``GOOGLE_APPLICATION_CREDENTIALS``;
+``AZURE_*``); ``storage_options=`` is passed through to the store's
+``config`` (its keys ``client_options`` and ``retry_config``, where given,
+to those arguments).  No value of it is ever logged or put in a message.
+
+Each object is asked for its size and ETag (one HEAD), then its header
+(one ranged GET of the first ``HEADER_PREFETCH`` bytes, a second only for a
+longer header), validated exactly as a local file's.  The data ranges are
+then fetched by the loader's reader threads (``Pipeline(fetch=)``): one
+ranged GET per chunk, straight into a staging slot.  Every GET carries
+``If-Match`` with the ETag the HEAD saw (and the version, where the store
+versions objects), so an object replaced during a load is an error naming
+it, never a model built from two versions.
+
+Failures: the client retries 5xx answers, throttling and connection errors
+with backoff (``retry_config``); a body cut short or a connection reset
+mid-range is retried here, for that range only, with backoff, within
+``RETRY_SECONDS`` in all.  A missing object, a refused request and
+missing credentials are errors naming the URL, raised when the checkpoint
+is opened: before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import random
+import threading
+import time
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from ._checkpoint import _Checkpoint
+from ._errors import LoadError
+from ._header import SafetensorsError, header_length, parse_header
+from ._source import INDEX_NAME, INDEX_SUFFIX, SHARD_SUFFIX, Source, _check_shard_name
+
+# URL schemes and the extra that installs their client.
+SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "http", "https")
+EXTRA = "instant_staging[remote]"
+
+# One GET covers the 8-byte length and the header of nearly every file
+# (a header is a few hundred KiB for 90,000 tensors); a longer one costs a
+# second GET.
+HEADER_PREFETCH = 1 << 20
+# A range whose body failed part-way is fetched again at most this many
+# times, within RETRY_SECONDS from its first try.
+RETRIES = 5
+RETRY_SECONDS = 60.0
+_BACKOFF = 0.1
+
+
+class RemoteChangedError(LoadError):
+    """An object changed (another ETag or version) while it was loaded."""
+
+
+def is_url(source) -> bool:
+    """Whether ``source`` (or the first item of a list) is a URL of a scheme we read."""
+    if isinstance(source, (list, tuple)) and source:
+        source = source[0]
+    return isinstance(source, str) and "://" in source and \
+        source.split("://", 1)[0].lower() in SCHEMES
+
+
+def _obstore():
+    try:
+        import obstore
+    except ImportError:
+        raise ImportError("reading from object storage needs the obstore client: "
+                          f"pip install '{EXTRA}'") from None
+    return obstore
+
+
+class _Object:
+    """One object of a remote checkpoint: where it is and which version."""
+
+    __slots__ = ("etag", "key", "size", "store", "url", "version")
+
+    def __init__(self, url, store, key):
+        self.url, self.store, self.key = url, store, key
+        self.size = self.etag = self.version = None
+
+
+class _Stores:
+    """One obstore store per scheme://bucket (or host), made once."""
+
+    def __init__(self, storage_options):
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError("storage_options must be a mapping (passed to the object store's "
+                            f"config), not {type(storage_options).__name__}")
+        options = dict(storage_options or {})
+        self.client_options = dict(options.pop("client_options", None) or {})
+        self.retry_config = options.pop("retry_config", None)
+        self.config = options
+        self._stores = {}
+
+    def split(self, url):
+        """``(store, key)`` for ``url``."""
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in SCHEMES:
+            raise ValueError(f"{url}: scheme {parts.scheme!r} is not one of {', '.join(SCHEMES)}")
+        if not parts.netloc:
+            raise ValueError(f"{url}: no bucket or host in the URL")
+        if parts.query or parts.fragment:
+            raise ValueError(f"{_safe(url)}: a source URL takes no query or fragment")
+        root = f"{scheme}://{parts.netloc}"
+        store = self._stores.get(root)
+        if store is None:
+            store = self._stores[root] = self._make(root, scheme)
+        return store, parts.path.lstrip("/")
+
+    def _make(self, root, scheme):
+        obstore = _obstore()
+        client = dict(self.client_options)
+        config = dict(self.config)
+        if scheme in ("s3", "s3a"):
+            endpoint = (config.get("endpoint") or config.get("aws_endpoint")
+                        or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or "")
+            if endpoint.startswith("http://"):
+                # an S3-compatible server on plain HTTP (MinIO, Ceph, a test
+                # server): boto3 takes such an endpoint as it is
+                client.setdefault("allow_http", True)
+            root = root.replace("s3a://", "s3://", 1)
+        elif scheme == "http":
+            client.setdefault("allow_http", True)
+        kwargs = {"client_options": client or None, "retry_config": self.retry_config}
+        try:
+            return obstore.store.from_url(root, config=config or None, **kwargs)
+        except Exception as e:
+            raise ValueError(f"{root}: cannot make an object-store client: {_describe(e)}") from None
+
+
+def _safe(url):
+    """``url`` without anything after the path (a signed URL's secrets)."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+
+
+def _describe(exc):
+    """The client's message, first line: it names the request, never the credentials."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _classify(obstore, exc, url, what):
+    """The error a user sees for ``exc`` raised while ``what`` of ``url``."""
+    errors = obstore.exceptions
+    if isinstance(exc, (FileNotFoundError, errors.NotFoundError)):    # obstore raises the former
+        return FileNotFoundError(f"{url}: no such object ({what})")
+    if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)):
+        return PermissionError(f"{url}: access denied while {what}: check the credentials "
+                               f"({_describe(exc)})")
+    if isinstance(exc, errors.PreconditionError):
+        return RemoteChangedError(f"{url}: the object changed while it was loaded (its ETag or "
+                                  "version is not the one its header was read from): load again",
+                                  url)
+    return OSError(f"{url}: {what} failed: {_describe(exc)}")
+
+
+def _permanent(obstore, exc):
+    errors = obstore.exceptions
+    return isinstance(exc, (FileNotFoundError, errors.NotFoundError, errors.PermissionDeniedError,
+                            errors.UnauthenticatedError, errors.PreconditionError,
+                            errors.NotSupportedError, errors.InvalidPathError))
+
+
+# -- what a URL source names ---------------------------------------------------
+
+def resolve(source, stores: _Stores) -> tuple[Source, list[_Object]]:
+    """The objects ``source`` names, as ``_source.resolve`` for paths."""
+    obstore = _obstore()
+    if isinstance(source, str):
+        url = source
+        name = url.rstrip("/").rsplit("/", 1)[-1]
+        if url.endswith("/") or not (name.endswith(SHARD_SUFFIX) or name.endswith(".json")):
+            return _directory(obstore, url.rstrip("/") + "/", stores)
+        if name.endswith(".json"):
+            return _index(obstore, url, stores)
+        return _objects([url], stores)
+    items = list(source)
+    for u in items:
+        if not is_url(u):
+            raise TypeError(f"a list of URLs must hold only URLs of {', '.join(SCHEMES)}, "
+                            f"got {u!r}")
+        if u.endswith("/") or u.endswith(".json"):
+            raise ValueError(f"{_safe(u)} is a directory or an index: pass it alone, not in a "
+                             "list of shards")
+    return _objects(items, stores)
+
+
+def _objects(urls, stores, index=None, weight_map=None):
+    objects = [_Object(u, *stores.split(u)) for u in urls]
+    return Source([o.url for o in objects], index, weight_map), objects
+
+
+def _directory(obstore, url, stores):
+    store, prefix = stores.split(url)
+    try:
+        listed = obstore.list_with_delimiter(store, prefix or None)
+    except Exception as e:
+        raise _classify(obstore, e, _safe(url), "listing") from None
+    names = sorted(posixpath.basename(o["path"]) for o in listed["objects"])
+    if INDEX_NAME in names:
+        return _index(obstore, url + INDEX_NAME, stores)
+    shards = [n for n in names if n.endswith(SHARD_SUFFIX)]
+    if not shards:
+        raise FileNotFoundError(f"no {INDEX_NAME} and no *{SHARD_SUFFIX} object under {_safe(url)}")
+    return _objects([url + n for n in shards], stores)
+
+
+def _index(obstore, url, stores):
+    store, key = stores.split(url)
+    try:
+        raw = bytes(obstore.get(store, key).bytes())
+    except Exception as e:
+        raise _classify(obstore, e, _safe(url), "reading the index") from None
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise SafetensorsError(f"safetensors index is not valid JSON: {e}", url) from None
+    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+    if (not isinstance(weight_map, dict) or not weight_map
+            or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items())):
+        raise SafetensorsError("a safetensors index must be a JSON object whose \"weight_map\" maps "
+                               "tensor names to shard file names", url)
+    for name, shard in weight_map.items():
+        _check_shard_name(shard, name, url)
+    base = url.rsplit("/", 1)[0] + "/"
+    shards = sorted(set(weight_map.values()))
+    if not url.endswith(INDEX_SUFFIX):
+        raise SafetensorsError(f"an index must be named *{INDEX_SUFFIX}", url)
+    return _objects([base + s for s in shards], stores, url,
+                    {name: base + s for name, s in weight_map.items()})
+
+
+# -- the checkpoint ---------------------------------------------------------------
+
+class _RemoteCheckpoint(_Checkpoint):
+    """The objects of a URL source, with validated headers: what
+    ``_Checkpoint`` is for files.  Its "descriptors" are the objects'
+    indexes, which ``fetch`` (the reader threads' read, ``Pipeline(fetch=)``)
+    takes.  It owns no descriptor and no socket (the client's connection
+    pool is the store's, dropped with it)."""
+
+    def __init__(self, objects):
+        self._objects = list(objects)
+        self._error = None
+        self._error_lock = threading.Lock()
+        self._obstore = _obstore()
+        super().__init__([o.url for o in self._objects])
+
+    def _open(self, url):
+        index = len(self.paths)
+        obj = self._objects[index]
+        obstore = self._obstore
+        try:
+            meta = obstore.head(obj.store, obj.key)
+        except Exception as e:
+            raise _classify(obstore, e, _safe(url), "asking for its size") from None
+        obj.size, obj.etag, obj.version = meta["size"], meta.get("e_tag"), meta.get("version")
+        self.fds.append(index)
+        self.paths.append(url)
+        first = self.read_bytes(index, 0, min(obj.size, HEADER_PREFETCH), what="reading its header")
+        length = header_length(first[:8], obj.size, url)
+        if 8 + length <= len(first):
+            raw = first[8:8 + length]
+        else:
+            raw = first[8:] + self.read_bytes(index, len(first), 8 + length - len(first),
+                                              what="reading its header")
+        self.headers.append(parse_header(raw, url, obj.size))
+
+    def resident(self, samples=None):
+        return None         # no page cache to ask
+
+    def default_knobs(self):
+        from ..defaults import REMOTE_CHUNK_SIZE, REMOTE_THREADS
+        return {"chunk_size": REMOTE_CHUNK_SIZE, "io_depth": None, "threads": REMOTE_THREADS}
+
+    def fetch(self, index, offset, length):
+        """The reader threads' read: ``length`` bytes at ``offset`` of object
+        ``index``, as the client's buffer.  The first error is kept for
+        ``fetch_error`` (the pipeline only sees that this raised)."""
+        try:
+            return self._get(index, offset, length, "loading")
+        except BaseException as e:
+            with self._error_lock:
+                if self._error is None:
+                    self._error = e
+            raise
+
+    def fetch_error(self):
+        return self._error
+
+    def read_bytes(self, index, offset, length, what="verifying"):
+        if length == 0:
+            return bytearray()
+        return bytearray(self._get(index, offset, length, what))
+
+    def current_size(self, index):
+        return self._objects[index].size
+
+    def _get(self, index, offset, length, what):
+        obstore = self._obstore
+        obj = self._objects[index]
+        options = {"range": (offset, offset + length)}
+        if obj.etag:
+            options["if_match"] = obj.etag
+        if obj.version:
+            options["version"] = obj.version
+        url = _safe(obj.url)
+        deadline = time.monotonic() + RETRY_SECONDS
+        for attempt in range(RETRIES + 1):
+            try:
+                data = obstore.get(obj.store, obj.key, options=options).bytes()
+                if len(data) == length:
+                    return data
+                problem = OSError(f"{url}: {what}: got {len(data)} of the {length} bytes at "
+                                  f"byte {offset}")
+            except Exception as e:
+                if _permanent(obstore, e):
+                    raise _classify(obstore, e, url, what) from None
+                problem = _classify(obstore, e, url, what)
+            delay = min(_BACKOFF * (2 ** attempt), 5.0) * (0.5 + random.random() / 2)
+            if attempt == RETRIES or time.monotonic() + delay > deadline:
+                raise LoadError(f"{problem} (gave up after {attempt + 1} tries of bytes "
+                                f"[{offset}, {offset + length}))", url)
+            time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def close(self):
+        # The stores (their connection pools) go with the last reference:
+        # a closed checkpoint keeps no socket.
+        self.fds = []
+        for obj in self._objects:
+            obj.store = None
