@@ -13,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-from safetensors import safe_open as upstream_open  # noqa: E402
+from safetensors import safe_open as upstream_open
 
-from instant_staging.loader import Checkpoint, LoadReport, SafetensorsError, load_file  # noqa: E402
+from instant_staging.loader import Checkpoint, LoadReport, SafetensorsError, load_file
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int64,
           torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.int32, torch.float64]
@@ -79,7 +79,8 @@ def test_inspect_reads_no_data_byte(sharded, monkeypatch):
         reads = []
         for name in ("pread", "preadv", "read", "readv"):
             real = getattr(os, name)
-            monkeypatch.setattr(os, name, lambda *a, _r=real, _n=name, **k: (reads.append(_n), _r(*a, **k))[1])
+            monkeypatch.setattr(os, name,
+                                lambda *a, _r=real, _n=name, **k: (reads.append(_n), _r(*a, **k))[1])
         names = ck.names()
         infos = {n: ck.info(n) for n in names}
         meta = ck.metadata()
@@ -138,7 +139,7 @@ def test_plan_rows_equal_safetensors_slices(sharded, part):
     want_bytes = 0
     for shard in d.glob("*.safetensors"):
         with upstream_open(str(shard), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 if name not in plan:
                     continue
                 want = f.get_tensor(name) if plan[name] is None else f.get_slice(name)[plan[name]]
@@ -154,11 +155,11 @@ def test_plan_reads_only_its_rows(sharded, monkeypatch):
     name = "t0.float32"                            # 7 x 3 float32: rows of 12 bytes
     with Checkpoint.open(d) as ck:
         info = ck.info(name)
-        with upstream_open(info.file, framework="pt") as f:
-            offsets = json.loads(open(info.file, "rb").read()[8:8 + int.from_bytes(
-                open(info.file, "rb").read(8), "little")])[name]["data_offsets"]
-        del f
-        header = 8 + int.from_bytes(open(info.file, "rb").read(8), "little")
+        with open(info.file, "rb") as fh:
+            raw = fh.read()
+        length = int.from_bytes(raw[:8], "little")
+        offsets = json.loads(raw[8:8 + length])[name]["data_offsets"]
+        header = 8 + length
         with open(info.file, "r+b") as fh:          # rows 0-1 and 5-6 garbage
             fh.seek(header + offsets[0])
             fh.write(b"\xff" * 24)

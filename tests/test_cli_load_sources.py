@@ -114,3 +114,40 @@ def test_json_file_as_shard_and_bad_index_exit_1(ckpt):
     (path / "model.safetensors.index.json").write_text("{not json")
     r = cli_json(str(path), "--device", "cpu", code=1)
     assert r["error"]["type"] == "SafetensorsError" and "not valid JSON" in r["error"]["message"]
+
+
+# -- URLs: passed to Checkpoint.open as they are -------------------------------------
+
+def test_url_source(ckpt):
+    pytest.importorskip("obstore")
+    from remote_servers import RangeHTTPServer
+    path, tensors, shards = ckpt
+    with RangeHTTPServer(path) as server:
+        index = server.url_for("model.safetensors.index.json")
+        r = cli_json(index, "--device", "cpu")
+        assert r["ok"] is True and r["files"] == [server.url_for(os.path.basename(s)) for s in shards]
+        assert r["tensors"] == len(tensors) and r["bytes"] == nbytes(tensors)
+        one = server.url_for(os.path.basename(shards[1]))
+        r = cli_json(one, server.url_for(os.path.basename(shards[0])), "--device", "cpu",
+                     "--chunk-size", "4KiB")
+        assert r["ok"] is True and r["tensors"] == 4 and r["chunk_size"] == 4 << 10
+        proc = cli(server.url_for("absent.safetensors"), "--device", "cpu")
+        assert proc.returncode == 2 and "absent.safetensors" in proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_url_without_the_remote_extra_is_a_usage_error(ckpt, tmp_path):
+    from _child import PACKAGE_PARENT
+    shadow = tmp_path / "shadow" / "obstore"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no obstore in this test')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(shadow.parent), PACKAGE_PARENT])}
+    proc = cli("s3://bucket/model/", "--device", "cpu", env=env)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "instant_staging[remote]" in proc.stderr
+
+
+def test_urls_and_files_together_are_a_usage_error(ckpt):
+    _, _, shards = ckpt
+    proc = cli(shards[0], "s3://bucket/x.safetensors", "--device", "cpu")
+    assert proc.returncode == 2 and "not both" in proc.stderr and "Traceback" not in proc.stderr

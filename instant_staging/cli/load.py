@@ -1,26 +1,47 @@
 """load: load safetensors checkpoints through a StagingBuffer and report how fast.
 
 ``sources()`` turns the command's SOURCE arguments (files, a directory, an
-index.json) into a ``load_file`` source.  ``load()`` makes the staging
-buffer itself (sized by what the files can use; the loader's slots are
-whole chunks inside each registration, so any chunk size works), hands it
-to ``instant_staging.loader.iter_load`` and returns a plain dict with the
-tensor count, the bytes read, seconds (torch imported before the clock
-starts), GB/s and the staging kind reached.
+index.json, URLs) into a ``Checkpoint.open`` source, with the checks of
+local paths (a missing file, a FIFO, a file named twice) as usage errors;
+``open_checkpoint()`` opens it once (its shards resolved, every header
+parsed), telling a SOURCE named wrongly (``UsageError``) from a bad file.
+``knobs()`` gives the load's knobs: the user's, else the checkpoint's own
+(as ``load_file`` chooses them).  ``load()`` makes the staging buffer
+itself (sized by what the checkpoint can use; the loader's slots are whole
+chunks inside each registration, so any chunk size works), loads with
+``checkpoint.iter_load`` and returns a plain dict with the figures of the
+load's ``LoadReport``: the tensor count, the bytes read, seconds (torch
+imported and the staging buffer made before the load's clock starts), GB/s
+and the staging kind reached.
 ``Progress`` is the progress callback: a bar on a terminal, a line per
 tenth otherwise.  Nothing here prints to stdout.
 """
 
 import os
+import re
 import time
 
 from .. import defaults
 from .._types import StagingError, format_size
-from ..loader._progress import (
+from ..loader import (
+    Checkpoint,
     Progress,  # noqa: F401  (the CLI's progress, one implementation)
+    SafetensorsError,
     format_si,
+    import_torch,
+    parse_device,
+    resolve_device,
+    resolve_source,
 )
 from .report import attempt_dict, describe_attempt, error_result
+
+# A SOURCE with a scheme (s3://, gs://, az://, https://, ...) goes to
+# Checkpoint.open as it is (the object store resolves it): no local checks.
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+class UsageError(ValueError):
+    """A SOURCE named wrongly (one line, exit 2)."""
 
 
 class NoDevice(RuntimeError):
@@ -40,10 +61,9 @@ def staging_size(chunk_size, io_depth, data_bytes=None):
 
 def device_error(device):
     """The usage error of ``--device`` (one line), or None: a name the
-    loader refuses whatever the host (``loader._target.parse_device``)."""
-    from ..loader._target import _import_torch, parse_device
+    loader refuses whatever the host (``loader.parse_device``)."""
     try:
-        parse_device(_import_torch(), device)
+        parse_device(import_torch(), device)
     except ValueError as e:
         return f"--device: {e}"
     return None
@@ -52,21 +72,10 @@ def device_error(device):
 def _check_device(device):
     # Before the staging buffer is made (without a GPU its pinning would be
     # the first failure): the loader's own rule, as the loader words it.
-    import torch
-
-    from ..loader._target import _resolve_device
     try:
-        _resolve_device(torch, device)
+        resolve_device(import_torch(), device)
     except ValueError as e:
         raise NoDevice(f"cannot load to {device}: {e} (--device cpu loads to memory)") from None
-
-
-def _synchronize(device):
-    # The loader returns when its copies are issued and done; synchronizing
-    # again costs nothing and keeps the timing honest whatever it does.
-    import torch
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        torch.cuda.synchronize(device)
 
 
 def staging_dict(buf, seconds):
@@ -97,84 +106,125 @@ def _is_cpu(device):
     return str(device).split(":")[0] == "cpu"
 
 
+def is_url(arg):
+    return isinstance(arg, str) and _URL.match(arg) is not None
+
+
+def _check_file(path):
+    if not os.path.isfile(path):
+        if os.path.exists(path):        # a FIFO, a device: reads that need not end
+            raise ValueError(f"not a regular file: {path}")
+        raise FileNotFoundError(f"no such file: {path}")
+
+
 def sources(args):
-    """What ``load SOURCE...`` loads: one SOURCE as given (a file, a
-    directory or an index.json: resolved here so that a missing file or a bad
-    index is a usage error), several as the list of the shards each names.
-    Raises OSError, ValueError or TypeError with the message to show."""
-    from ..loader._source import resolve
+    """What ``load SOURCE...`` opens (``Checkpoint.open``'s source): one
+    SOURCE as given (a file, a directory, an index.json, a URL); several
+    local ones as the list of the shards each names (each resolved here,
+    nothing opened); several URLs as their list.  Raises OSError,
+    ValueError or TypeError with the message to show (a usage error), or
+    SafetensorsError for a bad index among several (the load's failure)."""
+    urls = [is_url(arg) for arg in args]
+    if any(urls):
+        if not all(urls):
+            raise ValueError("a load reads local files or URLs, not both: "
+                             f"{next(a for a, u in zip(args, urls) if u)} is a URL, "
+                             f"{next(a for a, u in zip(args, urls) if not u)} is not")
+        return args[0] if len(args) == 1 else list(args)
+    if len(args) == 1:
+        if not os.path.isdir(args[0]) and not args[0].endswith(".json"):
+            _check_file(args[0])
+        # A directory's or an index's shards: Checkpoint.open resolves them
+        # (a missing shard is its FileNotFoundError) and checks the index
+        # against the headers.
+        return args[0]
     shards = []
     for arg in args:
-        paths = resolve(arg).paths
-        for path in paths:
-            if not os.path.isfile(path):
-                if os.path.exists(path):        # a FIFO, a device: reads that need not end
-                    raise ValueError(f"not a regular file: {path}")
-                raise FileNotFoundError(f"no such file: {path}")
+        for path in resolve_source(arg).paths:
+            _check_file(path)
             if any(os.path.samefile(path, p) for p in shards):
                 raise ValueError(f"{path} is given twice (SOURCE {arg} names it again)")
             shards.append(path)
-    return args[0] if len(args) == 1 else shards
+    return shards
 
 
-def cold_knobs(source):
-    """The loader's knobs for ``source`` where the page cache lacks it
-    (``loader._load._for_cache``), else {}; {} too where its headers cannot
-    be read (the load reports that)."""
-    from ..loader._checkpoint import _Checkpoint
-    from ..loader._load import _for_cache
-    from ..loader._source import resolve
+def open_checkpoint(source):
+    """``Checkpoint.open(source)``: every header parsed, once.  Raises
+    ``UsageError`` for a SOURCE named wrongly (a file, a shard or an object
+    that is not there, a source of the wrong form, a URL without the
+    client its extra installs), else what the loader raised (a bad file: a
+    SafetensorsError; a read that failed: an OSError)."""
     try:
-        checkpoint = _Checkpoint(resolve(source).paths)
-    except (OSError, ValueError):
-        return {}
-    try:
-        return _for_cache(checkpoint)
-    finally:
-        checkpoint.close()
+        return Checkpoint.open(source)
+    except SafetensorsError:
+        raise
+    except ImportError as e:
+        if not is_url(source if isinstance(source, str) else source[0]):
+            raise
+        # "reading from object storage needs the obstore client: pip install '...[remote]'"
+        raise UsageError(str(e).strip().splitlines()[0]) from None
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def knobs(checkpoint, options):
+    """``(chunk_size, io_depth, threads)`` of a load of ``checkpoint``: those
+    of ``options`` (a ``LoadOptions`` of the flags and the variables), or,
+    where the user set none of them, the checkpoint's own (the cold ones
+    where the page cache lacks it, the remote ones for a URL), as
+    ``Checkpoint.load`` would choose them.  The command needs them before
+    the load (they size its staging buffer) and passes them to it: the page
+    cache is sampled once."""
+    chosen = options.for_checkpoint(checkpoint)
+    return chosen.chunk_size, chosen.io_depth, chosen.threads
 
 
 def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
          io_depth=defaults.IO_DEPTH, threads=None, verify=False, staging_bytes=None,
          allow_pageable=False, runtime=None, progress=None):
-    """Loads ``source`` (as ``load_file``'s); returns the result dict (each
-    tensor is dropped as it arrives).  ``bytes`` are the bytes read from the
-    files; the time excludes importing torch and making the staging buffer.
+    """Loads ``source``: a ``Checkpoint`` (left open), or ``load_file``'s
+    source (opened here, and closed); returns the result dict (each tensor
+    is dropped as it arrives) with the figures of the load's
+    ``LoadReport``: ``bytes`` are the bytes read, ``seconds`` exclude
+    importing torch and making the staging buffer.
 
     Raises ImportError (no torch), NoDevice, StagingError, and whatever the loader raises
     (SafetensorsError, a ValueError, for a bad file; LoadError, a
     RuntimeError, for a failed read or copy).
     """
-    from .. import loader
-    from ..loader._source import resolve
-    from ..loader._target import _import_torch
+    args = (device, dtype, chunk_size, io_depth, threads, verify, staging_bytes, allow_pageable,
+            runtime, progress)
+    if isinstance(source, Checkpoint):
+        return _load(source, *args)
     if not isinstance(source, (str, bytes, os.PathLike)):
         source = list(source)
-    files = [str(p) for p in resolve(source).paths]
-    data_bytes = sum(os.path.getsize(p) for p in files)
+    with Checkpoint.open(source) as checkpoint:
+        return _load(checkpoint, *args)
+
+
+def _load(checkpoint, device, dtype, chunk_size, io_depth, threads, verify, staging_bytes,
+          allow_pageable, runtime, progress):
+    files = checkpoint.files
+    data_bytes = checkpoint.nbytes
     io_depth = defaults.io_depth_for(io_depth, threads)     # as the loader
     size = staging_bytes or staging_size(chunk_size, io_depth, data_bytes)
     if size < min(chunk_size, data_bytes):
         raise ValueError(f"the staging buffer ({format_size(size)}) must hold at least one "
                          f"chunk ({format_size(chunk_size)})")
-    _import_torch()              # not part of the load's time
+    import_torch()              # not part of the load's time
     if _is_cpu(device):
         buf, staging = None, _host_staging(size)
     else:
         _check_device(device)
         buf, staging = _make_staging(size, chunk_size, allow_pageable, runtime)
-    failed = None
+    failed = report = None
     try:
-        t0 = time.perf_counter()
-        count = 0
-        with loader.iter_load(source, device, dtype=dtype, chunk_size=chunk_size,
-                              io_depth=io_depth, threads=threads, staging=buf,
-                              verify=verify, progress=progress) as it:
+        with checkpoint.iter_load(device, dtype=dtype, chunk_size=chunk_size, io_depth=io_depth,
+                                  threads=threads, staging=buf, verify=verify,
+                                  progress=progress) as it:
             for _ in it:
-                count += 1
-            nbytes = it.total_bytes
-        _synchronize(device)
-        seconds = time.perf_counter() - t0
+                pass
+        report = it.report
     except (OSError, ValueError, RuntimeError) as e:
         # A bad file (SafetensorsError), a failed read or copy (LoadError),
         # torch's own: the run failed; its report keeps the staging attempts.
@@ -190,10 +240,13 @@ def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
                 "dtype": None if dtype is None else str(dtype), "chunk_size": chunk_size,
                 "io_depth": io_depth, "threads": threads, "staging": staging,
                 "error": error_result("load", failed)["error"]}
+    # The kind the load staged through, as its report says (a CPU load's
+    # ordinary memory: none, shown as HOST).
+    staging["kind"] = report.staging_kind or staging["kind"]
     return {"command": "load", "ok": True, "files": files,
             "device": str(device), "dtype": None if dtype is None else str(dtype),
-            "tensors": count, "bytes": nbytes,
-            "seconds": seconds, "gbps": nbytes / max(seconds, 1e-9) / 1e9,
+            "tensors": report.tensors, "bytes": report.bytes,
+            "seconds": report.seconds, "gbps": report.gbps, "phases": report.phases,
             "chunk_size": chunk_size, "io_depth": io_depth, "threads": threads,
             "verified": bool(verify), "staging": staging}
 

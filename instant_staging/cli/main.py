@@ -15,14 +15,13 @@ import sys
 
 from .. import defaults
 from .._types import StagingError, format_size, parse_size
-from ..loader._header import SafetensorsError
-from ..loader._options import (
+from ..loader import (
     DTYPE_ALIASES,
     ENV_CHUNK_SIZE,
     ENV_IO_DEPTH,
     ENV_THREADS,
-    knobs,
-    left_unset,
+    LoadOptions,
+    SafetensorsError,
 )
 from .report import attempt_dict, describe_attempt, emit, error_result
 
@@ -144,7 +143,8 @@ def build_parser():
         "the page cache lacks gets the cold defaults (larger reads by fewer threads).")
     ld.add_argument("sources", nargs="+", metavar="SOURCE",
                     help="a .safetensors file (or several), a checkpoint directory, "
-                    "or a model.safetensors.index.json")
+                    "a model.safetensors.index.json, or the same as URLs (s3://, gs://, az://, "
+                    "https://: the remote extra)")
     ld.add_argument("--device", default="cuda:0", help="where the tensors go (default cuda:0; cpu)")
     ld.add_argument("--dtype", type=dtype_arg, default=None,
                     help="convert floating tensors to this dtype on the device "
@@ -201,25 +201,23 @@ def run_doctor(args, parser):
 def run_load(args, parser):
     from . import load as load_cmd
     from . import probe
+    failed = None
     try:
         try:
             source = load_cmd.sources(args.sources)
-        except SafetensorsError:
+        except SafetensorsError as e:
             # a malformed index is a bad file, not a usage error: the load
             # reports it (exit 1)
-            source = args.sources[0] if len(args.sources) == 1 else list(args.sources)
-        chunk_size, io_depth, threads = knobs(args.chunk_size, args.io_depth, args.threads)
+            source, failed = None, e
+        # the flags, else the variables, else the defaults: checked as the loader checks them
+        options = LoadOptions.build(chunk_size=args.chunk_size, io_depth=args.io_depth,
+                                    threads=args.threads)
         probe.env_plan()                # a bad INSTANT_STAGING_FAULTS: as probe, a usage error
-        if left_unset(args.chunk_size, args.io_depth, args.threads):
-            # As load_file: a checkpoint read from disk gets the cold defaults.
-            cold = load_cmd.cold_knobs(source)
-            chunk_size = cold.get("chunk_size", chunk_size)
-            io_depth = cold.get("io_depth", io_depth)
-            threads = cold.get("threads", threads)
     except (OSError, ValueError, TypeError) as e:
-        # a missing file or directory, a bad index, a bad INSTANT_STAGING_* value
+        # a missing file or directory, a FIFO, a file named twice, a bad
+        # INSTANT_STAGING_* value
         parser.error(str(e))
-    if args.staging_size is not None and args.staging_size < chunk_size:
+    if args.staging_size is not None and args.staging_size < options.chunk_size:
         parser.error("--staging-size must hold at least one chunk of --chunk-size")
     try:
         bad_device = load_cmd.device_error(args.device)
@@ -233,26 +231,37 @@ def run_load(args, parser):
         parser.error("--staging-size sizes the pinned buffer of a GPU load; a load to the "
                      "CPU stages through memory of its own (size it with --io-depth and "
                      "--chunk-size)")
-    tty = sys.stderr.isatty()
-    progress = load_cmd.Progress(sys.stderr, bar=tty, quiet=args.json)
-    try:
-        result = load_cmd.load(source, device=args.device, dtype=args.dtype, chunk_size=chunk_size,
-                               io_depth=io_depth, threads=threads,
-                               verify=args.verify, staging_bytes=args.staging_size,
-                               allow_pageable=args.allow_pageable, progress=progress)
-    except (ImportError, StagingError, OSError, ValueError, RuntimeError) as e:
-        # ImportError: no loader or no torch; ValueError: a bad file
-        # (SafetensorsError); RuntimeError: a failed read or copy (LoadError),
-        # or torch's own (no CUDA device, out of memory).
-        progress.close()
-        lines = [f"load failed: {type(e).__name__}: {e}"]
-        if isinstance(e, StagingError):
-            lines += ["  " + describe_attempt(attempt_dict(a)) for a in e.attempts]
-        if args.json:
-            print(json.dumps(error_result("load", e), indent=2))
-        else:
-            print("\n".join(lines), file=sys.stderr)
-        return 1
+    if failed is None:
+        # Opened once: the shards resolved, every header parsed; the load,
+        # its knobs and its report all come from this one.
+        try:
+            checkpoint = load_cmd.open_checkpoint(source)
+        except load_cmd.UsageError as e:    # a missing file, shard or object; no client for a URL
+            parser.error(str(e))
+        except (OSError, ValueError, RuntimeError) as e:
+            failed = e                      # a bad file (SafetensorsError), a failed read
+    if failed is not None:
+        return _load_failed(args, failed)
+    with checkpoint:
+        # As load_file: where every knob is unset, the checkpoint's own
+        # (a checkpoint read from disk gets the cold defaults).
+        chunk_size, io_depth, threads = load_cmd.knobs(checkpoint, options)
+        if args.staging_size is not None and args.staging_size < chunk_size:
+            parser.error("--staging-size must hold at least one chunk of --chunk-size "
+                         f"({format_size(chunk_size)} for this checkpoint)")
+        tty = sys.stderr.isatty()
+        progress = load_cmd.Progress(sys.stderr, bar=tty, quiet=args.json)
+        try:
+            result = load_cmd.load(checkpoint, device=args.device, dtype=args.dtype,
+                                   chunk_size=chunk_size, io_depth=io_depth, threads=threads,
+                                   verify=args.verify, staging_bytes=args.staging_size,
+                                   allow_pageable=args.allow_pageable, progress=progress)
+        except (ImportError, StagingError, OSError, ValueError, RuntimeError) as e:
+            # ImportError: no torch; ValueError: a bad file (SafetensorsError);
+            # RuntimeError: a failed read or copy (LoadError), or torch's own
+            # (no CUDA device, out of memory).
+            progress.close()
+            return _load_failed(args, e)
     progress.close()
     if not result["ok"]:
         if args.json:
@@ -262,6 +271,19 @@ def run_load(args, parser):
         return 1
     emit(args.json, result, load_cmd.format_text(result))
     return 0
+
+
+def _load_failed(args, e):
+    """A load that failed before its report: one line (and the staging
+    attempts), or the JSON of the failure; exit 1."""
+    lines = [f"load failed: {type(e).__name__}: {e}"]
+    if isinstance(e, StagingError):
+        lines += ["  " + describe_attempt(attempt_dict(a)) for a in e.attempts]
+    if args.json:
+        print(json.dumps(error_result("load", e), indent=2))
+    else:
+        print("\n".join(lines), file=sys.stderr)
+    return 1
 
 
 COMMANDS = {"probe": run_probe, "doctor": run_doctor, "load": run_load}

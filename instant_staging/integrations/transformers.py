@@ -7,7 +7,7 @@
 The contract: what transformers' ``from_pretrained`` returns for the same
 checkpoint and arguments (class, parameters, buffers, tying, dtypes, config,
 generation config, eval mode), with the safetensors bytes read by
-``instant_staging.loader.iter_load`` straight onto the one device.  Only the
+``instant_staging.loader.Checkpoint`` straight onto the one device.  Only the
 reading is ours; everything else is transformers' own machinery:
 
 1. ``model_dir`` is a local directory, or a hub id resolved through
@@ -21,8 +21,9 @@ reading is ours; everything else is transformers' own machinery:
    ``architectures``, the one ``AutoModelForCausalLM`` maps its type to (as
    the Auto class does).  An Auto class as ``model_class`` is resolved the
    same way.
-3. ``iter_load(weights, device)`` (``_weights``: the files transformers
-   would read there) reads every tensor in the file's dtype
+3. ``Checkpoint.open(weights).iter_load(device)`` (``_weights``: the files
+   transformers would read there; their headers parsed once, for the
+   layout and the load) reads every tensor in the file's dtype
    onto the device (one read of each byte, no host copy), in a thread of
    its own (``_BackgroundLoad``), while
 4. ``cls.from_pretrained(None, config=..., state_dict=..., dtype=...,
@@ -71,12 +72,10 @@ import traceback
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from ..loader._load import iter_load, load_file
-from ..loader._options import torch_dtype as _check_dtype
-from ..loader._safe_open import safe_open
-from ..loader._source import resolve
-from ..loader._target import _TORCH_DTYPES, _import_torch, _resolve_device
-from ..loader._typing import Device, DType, PathLike
+from ..loader import TORCH_DTYPES, Checkpoint, Device, DType, PathLike, load_file
+from ..loader import import_torch as _import_torch
+from ..loader import resolve_device as _resolve_device
+from ..loader import torch_dtype as _check_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -217,13 +216,12 @@ def _assemble_while_reading(transformers, cls, model_dir, device, kwargs):
 
 
 class _BackgroundLoad:
-    """``iter_load(source, device)`` consumed by a thread of its own into
+    """``checkpoint.iter_load(device)`` consumed by a thread of its own into
     ``{name: tensor}``; ``wait(name)`` blocks until that tensor is there.
-    The headers are read (and checked) in the caller's thread, at once."""
+    The headers are read (and checked) in the caller's thread, at once, and
+    once: the layout and the load come from one ``Checkpoint``."""
 
     def __init__(self, source, device):
-        paths = resolve(source).paths
-        self.layout = _layout(paths)
         self.error = None
         self._tensors = {}
         # Handed out once (wait() drops ours): where transformers converts a
@@ -233,7 +231,10 @@ class _BackgroundLoad:
         self._handed = {}
         self._done = False
         self._cond = threading.Condition()
-        self._it = iter_load(source, device)
+        with Checkpoint.open(source) as checkpoint:
+            self.layout = _layout(checkpoint)
+            # (closing the handle leaves the files to the load, which holds them)
+            self._it = checkpoint.iter_load(device)
         self._thread = threading.Thread(target=self._run, name="instant_staging-from_pretrained",
                                         daemon=True)
         self._thread.start()
@@ -311,17 +312,14 @@ class _Arriving:
         return self._load.wait(self.name)[index]
 
 
-def _layout(paths):
-    """{name: (torch.Size, torch dtype)} of every shard, from the headers."""
+def _layout(checkpoint):
+    """{name: (torch.Size, torch dtype)} of every shard, from the headers:
+    shard by shard, each one's names sorted (as safetensors lists them)."""
     torch = _import_torch()
-    layout = {}
-    for path in paths:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118  (safe_open is not iterable, as safetensors')
-                view = f.get_slice(name)
-                layout[name] = (torch.Size(view.get_shape()),
-                                getattr(torch, _TORCH_DTYPES[view.get_dtype()]))
-    return layout
+    infos = [checkpoint.info(name) for name in checkpoint.names()]
+    order = {path: i for i, path in enumerate(checkpoint.files)}
+    infos.sort(key=lambda t: (order[t.file], t.name))
+    return {t.name: (torch.Size(t.shape), getattr(torch, TORCH_DTYPES[t.dtype])) for t in infos}
 
 
 def _check_kwargs(kwargs):

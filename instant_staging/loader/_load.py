@@ -191,6 +191,13 @@ class Checkpoint:
         meta = self._shards.headers[0].metadata
         return None if meta is None else dict(meta)
 
+    def default_knobs(self) -> dict:
+        """The ``chunk_size``, ``io_depth`` and ``threads`` a load of this
+        checkpoint chooses where the caller sets none ({} where it keeps the
+        defaults): the cold ones for files the page cache mostly lacks (one
+        sample of it, taken now), the remote ones for a URL."""
+        return self._shards.default_knobs()
+
     @property
     def closed(self) -> bool:
         return self._closed

@@ -29,9 +29,9 @@ versions objects), so an object replaced during a load is an error naming
 it, never a model built from two versions.
 
 Failures: the client retries 5xx answers, throttling and connection errors
-with backoff (``retry_config``); a body cut short or a connection reset
-mid-range is retried here, for that range only, with backoff, within
-``RETRY_SECONDS`` in all.  A missing object, a refused request and
+with backoff (``retry_config``), and resumes a body cut short from where it
+stopped (checking the ETag); a range that still fails is fetched again
+here, that range only, with backoff, within ``RETRY_SECONDS`` in all.  A missing object, a refused request and
 missing credentials are errors naming the URL, raised when the checkpoint
 is opened: before anything is allocated.
 """
@@ -168,7 +168,9 @@ def _classify(obstore, exc, url, what):
     if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)):
         return PermissionError(f"{url}: access denied while {what}: check the credentials "
                                f"({_describe(exc)})")
-    if isinstance(exc, errors.PreconditionError):
+    if isinstance(exc, errors.PreconditionError) or (
+            isinstance(exc, errors.GenericError) and "precondition" in str(exc).lower()):
+        # (a 412 met by the client's own resume of a cut body is a GenericError)
         return RemoteChangedError(f"{url}: the object changed while it was loaded (its ETag or "
                                   "version is not the one its header was read from): load again",
                                   url)
@@ -335,9 +337,9 @@ class _RemoteCheckpoint(_Checkpoint):
                 problem = OSError(f"{url}: {what}: got {len(data)} of the {length} bytes at "
                                   f"byte {offset}")
             except Exception as e:
-                if _permanent(obstore, e):
-                    raise _classify(obstore, e, url, what) from None
                 problem = _classify(obstore, e, url, what)
+                if _permanent(obstore, e) or isinstance(problem, RemoteChangedError):
+                    raise problem from None
             delay = min(_BACKOFF * (2 ** attempt), 5.0) * (0.5 + random.random() / 2)
             if attempt == RETRIES or time.monotonic() + delay > deadline:
                 raise LoadError(f"{problem} (gave up after {attempt + 1} tries of bytes "

@@ -25,7 +25,7 @@ from vllm.model_executor.model_loader.weight_utils import (
 )
 
 from ..._types import format_size
-from ...loader._progress import resolve as _progress
+from ...loader import resolve_progress as _progress
 from . import LOAD_FORMAT
 from ._options import parse
 from ._weights import Stats, iter_weights

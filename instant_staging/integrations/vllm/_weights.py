@@ -37,8 +37,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
-from ...loader import iter_load, safe_open
-from ...loader._header import DTYPE_BITS
+from ...loader import DTYPE_BITS, iter_load, safe_open
 from ._options import Options
 
 
