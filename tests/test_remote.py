@@ -392,3 +392,26 @@ def test_gcs_and_azure_urls_reach_their_stores():
     assert type(az).__name__ == "AzureStore" and key == "m/x.safetensors"
     with pytest.raises(ValueError, match="scheme"):
         stores.split("ftp://host/x.safetensors")
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_from_pretrained_from_a_bucket(s3_server, s3_bucket, tmp_path, sharded):
+    """A model whose files live in a bucket: config and tokenizer files
+    fetched to the cache directory, weights streamed; the same model as
+    transformers' own from the same files on disk."""
+    transformers = pytest.importorskip("transformers")
+    from test_transformers import AUTO, assert_same_model, save
+
+    from instant_staging.integrations.transformers import from_pretrained
+    path, _ = save(tmp_path, "llama", sharded)
+    for name in sorted(os.listdir(path)):
+        s3_server.put(s3_bucket, f"llama/{name}", (path / name).read_bytes())
+    assert transformers
+    ours = from_pretrained(f"s3://{s3_bucket}/llama", device="cpu", cache_dir=tmp_path / "cache",
+                           storage_options=options(s3_server.url))
+    ref = AUTO.from_pretrained(path)
+    assert ours.config._name_or_path == f"s3://{s3_bucket}/llama"     # as the user named it
+    ref.config._name_or_path = ours.config._name_or_path
+    assert_same_model(ours, ref)
+    cached = os.listdir(next((tmp_path / "cache").iterdir()))
+    assert "config.json" in cached and not any(n.endswith(".safetensors") for n in cached)

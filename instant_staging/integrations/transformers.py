@@ -72,7 +72,7 @@ import traceback
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from ..loader import TORCH_DTYPES, Checkpoint, Device, DType, PathLike, load_file
+from ..loader import TORCH_DTYPES, Checkpoint, Device, DType, PathLike, fetch_side_files, is_url, load_file
 from ..loader import import_torch as _import_torch
 from ..loader import resolve_device as _resolve_device
 from ..loader import torch_dtype as _check_dtype
@@ -110,13 +110,18 @@ def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dty
                     torch_dtype: DType = None, revision: str | None = None,
                     trust_remote_code: bool = False, cache_dir: PathLike | None = None,
                     token: str | bool | None = None, local_files_only: bool = False,
+                    storage_options: dict[str, Any] | None = None,
                     **kwargs: Any) -> torch.nn.Module:
     """A ready model (eval mode): transformers' ``from_pretrained`` with the
     weights read by instant_staging.
 
     model_dir      a local directory (config.json and safetensors weights: one
                    file, shards with model.safetensors.index.json, or shards),
-                   or a hub id (resolved through huggingface_hub's cache)
+                   a hub id (resolved through huggingface_hub's cache), or a URL
+                   prefix (s3://bucket/model/, gs://, az://, https://: its config
+                   and tokenizer files are fetched to a local cache directory,
+                   its weights streamed from the bucket; ``storage_options`` as
+                   ``load_file``'s)
     device         where the weights go: "cuda:N" (default "cuda:0"), "cpu", ...
     device_map     as transformers': a device, {"": device}, or "auto" (the one
                    GPU torch sees, else the CPU); overrides ``device``
@@ -141,8 +146,14 @@ def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dty
     transformers = _import_transformers()
     passed = _check_kwargs(kwargs)
     given = model_dir
+    weights_from = None
+    if is_url(model_dir):
+        model_dir, weights_from = _remote_dir(model_dir, cache_dir, storage_options)
+    elif storage_options is not None:
+        raise ValueError("storage_options apply to a URL model_dir (s3://, gs://, az://, https://)")
     model_dir = _local_dir(model_dir, revision=revision, cache_dir=cache_dir, token=token,
                            local_files_only=local_files_only)
+    weights = _Weights(model_dir, weights_from, storage_options)
     device = _target_device(torch, device, device_map)
     dtype = _one_dtype(torch, dtype, torch_dtype)
     if model_class is not None and not isinstance(model_class, type):
@@ -169,14 +180,14 @@ def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dty
     t0 = time.perf_counter()
     if "quantization_config" in passed or getattr(config, "quantization_config", None) is not None:
         # Quantizers read tensors in ways of their own: hand them real ones.
-        state = load_file(_weights(model_dir), device)
+        state = load_file(weights.source, device, storage_options=weights.storage_options)
         try:
             with _no_allocator_warmup(transformers):
                 model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
         finally:
             state.clear()      # the model holds what it took; nothing else outlives the call
     else:
-        model, info = _assemble_while_reading(transformers, cls, model_dir, device, kwargs)
+        model, info = _assemble_while_reading(transformers, cls, weights, device, kwargs)
     t1 = time.perf_counter()
     missing = sorted(info.get("missing_keys") or ())
     if missing:
@@ -190,12 +201,12 @@ def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dty
 
 # -- the steps ----------------------------------------------------------------------
 
-def _assemble_while_reading(transformers, cls, model_dir, device, kwargs):
+def _assemble_while_reading(transformers, cls, weights, device, kwargs):
     """transformers' from_pretrained on a state dict whose tensors are still
     being read (``_Arriving``): it builds the model on meta while the load
     runs, and takes each tensor as it arrives.  A failed read raises its
     LoadError (transformers would log it as a conversion error and go on)."""
-    load = _BackgroundLoad(_weights(model_dir), device)
+    load = _BackgroundLoad(weights.source, device, weights.storage_options)
     model = info = None
     try:
         state = {name: _Arriving(load, name, shape, dtype) for name, (shape, dtype) in load.layout.items()}
@@ -221,7 +232,7 @@ class _BackgroundLoad:
     The headers are read (and checked) in the caller's thread, at once, and
     once: the layout and the load come from one ``Checkpoint``."""
 
-    def __init__(self, source, device):
+    def __init__(self, source, device, storage_options=None):
         self.error = None
         self._tensors = {}
         # Handed out once (wait() drops ours): where transformers converts a
@@ -231,7 +242,7 @@ class _BackgroundLoad:
         self._handed = {}
         self._done = False
         self._cond = threading.Condition()
-        with Checkpoint.open(source) as checkpoint:
+        with Checkpoint.open(source, storage_options=storage_options) as checkpoint:
             self.layout = _layout(checkpoint)
             # (closing the handle leaves the files to the load, which holds them)
             self._it = checkpoint.iter_load(device)
@@ -329,6 +340,39 @@ def _check_kwargs(kwargs):
                         "device, device_map, dtype, torch_dtype, model_class, revision, trust_remote_code, "
                         "cache_dir, token, local_files_only, " + ", ".join(PASSED_THROUGH))
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+class _Weights:
+    """Where the weights of a model come from: ``_weights(model_dir)`` for a
+    local one; for a URL one the same rule over the names its prefix holds
+    (``fetch_side_files`` fetched the index and config beside them)."""
+
+    def __init__(self, model_dir, remote, storage_options):
+        self.storage_options = storage_options
+        if remote is None:
+            self.source = _weights(model_dir)
+            return
+        url, names = remote
+        self.source = url
+        for name in ("model.safetensors", "model.safetensors.index.json"):
+            if name in names:
+                self.source = url + name
+                break
+
+
+def _remote_dir(url, cache_dir, storage_options):
+    """``(local directory, (URL prefix, its object names))`` of a URL model: its
+    config and tokenizer files fetched to ``cache_dir`` (default
+    ~/.cache/instant_staging/remote), under a name of the URL's own."""
+    import hashlib
+    url = url.rstrip("/") + "/"
+    root = os.fspath(cache_dir) if cache_dir is not None else os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "instant_staging", "remote")
+    local = os.path.join(root, hashlib.sha256(url.encode()).hexdigest()[:24])
+    names = fetch_side_files(url, local, storage_options)
+    if "config.json" not in names:
+        raise FileNotFoundError(f"{url} has no config.json")
+    return local, (url, set(names))
 
 
 def _weights(model_dir):

@@ -353,3 +353,49 @@ class _RemoteCheckpoint(_Checkpoint):
         self.fds = []
         for obj in self._objects:
             obj.store = None
+
+
+# -- the files beside the weights (config, tokenizer) --------------------------------
+
+# What a model's "directory" holds beside its weights and is fetched to a
+# local one (transformers' and vLLM's config and tokenizer readers take a
+# path): anything at that level but weights, up to this size each.
+_SIDE_FILE_LIMIT = 64 << 20
+_WEIGHT_SUFFIXES = (SHARD_SUFFIX, ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+
+
+def fetch_side_files(url, dest, storage_options=None):
+    """Copies the objects directly under the prefix ``url`` that are not
+    weights (config.json, tokenizer files, generation_config.json, the
+    index) into the local directory ``dest``; returns the names of every
+    object under the prefix (the weights too, which stay there).  An object
+    already there with the same size is kept.  Each is written to a
+    temporary name and renamed, so a reader never sees half a file."""
+    obstore = _obstore()
+    stores = _Stores(storage_options)
+    url = url.rstrip("/") + "/"
+    store, prefix = stores.split(url)
+    try:
+        listed = obstore.list_with_delimiter(store, prefix or None)
+    except Exception as e:
+        raise _classify(obstore, e, _safe(url), "listing") from None
+    os.makedirs(dest, exist_ok=True)
+    names = []
+    for meta in listed["objects"]:
+        name = posixpath.basename(meta["path"])
+        names.append(name)
+        if (not name or name.endswith(_WEIGHT_SUFFIXES) or name.startswith(".")
+                or meta["size"] > _SIDE_FILE_LIMIT):
+            continue
+        path = os.path.join(dest, name)
+        if os.path.isfile(path) and os.path.getsize(path) == meta["size"]:
+            continue
+        try:
+            data = obstore.get(store, meta["path"]).bytes()
+        except Exception as e:
+            raise _classify(obstore, e, _safe(url + name), "fetching it") from None
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    return sorted(names)
