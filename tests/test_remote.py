@@ -36,6 +36,7 @@ from instant_staging.loader import (
     SafetensorsError,
     iter_load,
     load_file,
+    safe_open,
 )
 
 
@@ -415,3 +416,40 @@ def test_from_pretrained_from_a_bucket(s3_server, s3_bucket, tmp_path, sharded):
     assert_same_model(ours, ref)
     cached = os.listdir(next((tmp_path / "cache").iterdir()))
     assert "config.json" in cached and not any(n.endswith(".safetensors") for n in cached)
+
+
+def test_safe_open_of_an_object_reads_only_what_is_asked(s3_server, s3_bucket, tmp_path, fault_proxy):
+    files = layouts()["moe"]
+    local = upload(s3_server, s3_bucket, "so", files, tmp_path)
+    url = f"s3://{s3_bucket}/so/model.safetensors"
+    want = load_file(local)
+    with safe_open(url, framework="pt", storage_options=options(fault_proxy.url)) as f:
+        assert f.keys() == sorted(want)
+        name = f.keys()[7]
+        fault_proxy.reset_counts()
+        same({name: f.get_tensor(name)}, {name: want[name]})
+        rows = f.get_slice(name)[2:5]
+        gets = [r for r in fault_proxy.requests if r[0] == "GET"]
+    assert torch.equal(rows.reshape(-1).view(torch.uint8), want[name][2:5].reshape(-1).view(torch.uint8))
+    row = want[name][0].numel() * want[name].element_size()
+    fetched = [int(b) - int(a) + 1 for a, b in (r[2].split("=")[1].split("-") for r in gets)]
+    assert fetched == [want[name].numel() * want[name].element_size(), 3 * row]
+    with pytest.raises(ValueError, match="one .safetensors object"):
+        safe_open(f"s3://{s3_bucket}/so/", framework="pt", storage_options=options(s3_server.url))
+
+
+def test_vllm_weights_from_a_bucket(s3_server, s3_bucket, tmp_path, monkeypatch):
+    """The vLLM load format's pairs for a URL source (its batches of
+    iter_load over the objects), and its extra config's ``weights`` key."""
+    from instant_staging.integrations.vllm._options import parse
+    from instant_staging.integrations.vllm._weights import Options, iter_weights
+    local = upload(s3_server, s3_bucket, "vl", layouts()["dense"], tmp_path)
+    for k, v in s3_env(s3_server.url).items():
+        monkeypatch.setenv(k, v)
+    with Checkpoint.open(f"s3://{s3_bucket}/vl/") as ck:
+        urls = ck.files
+    got = dict(iter_weights(urls, "cpu", Options(batch_bytes=20_000)))
+    same(got, load_file(local))
+    assert parse({"weights": f"s3://{s3_bucket}/vl/"}).weights == f"s3://{s3_bucket}/vl/"
+    with pytest.raises(ValueError, match="weights"):
+        parse({"weights": "/a/local/dir"})

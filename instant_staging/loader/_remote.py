@@ -269,6 +269,15 @@ class _RemoteCheckpoint(_Checkpoint):
         self._obstore = _obstore()
         super().__init__([o.url for o in self._objects])
 
+    @staticmethod
+    def one(url, storage_options=None):
+        """The objects of a one-object source ``url`` (``safe_open``'s)."""
+        name = url.rsplit("/", 1)[-1]
+        if url.endswith("/") or name.endswith(".json"):
+            raise ValueError(f"{_safe(url)}: safe_open reads one .safetensors object, not a "
+                             "directory or an index")
+        return _objects([url], _Stores(storage_options))[1]
+
     def _open(self, url):
         index = len(self.paths)
         obj = self._objects[index]

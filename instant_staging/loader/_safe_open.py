@@ -21,6 +21,10 @@ those rows, so a slice of a later dimension reads the rows it covers and
 narrows there.  Other index forms (lists, tensors, masks, a leading
 Ellipsis) read the whole tensor and index it on the device.
 
+``filename`` may be the URL of one object (``s3://bucket/key.safetensors``,
+``gs://``, ``az://``, ``https://``; ``storage_options`` as ``load_file``'s):
+its header is fetched at once, each read fetches only its ranges.
+
 The file stays open (one descriptor) until ``close()`` or the end of the
 ``with`` block, and after it for as long as a slice of it is alive (a slice
 stays usable after its handle closed, as safetensors'; the last one dropped
@@ -36,7 +40,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..defaults import io_depth_for
 from . import _staging_pool
@@ -44,7 +49,8 @@ from ._checkpoint import _Checkpoint
 from ._errors import MissingTensorError
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
 from ._load import _check_args
-from ._options import check_backend, for_cache, knobs, left_unset
+from ._options import check_backend, knobs, left_unset
+from ._remote import _RemoteCheckpoint, is_url
 from ._run import LoadIterator, fault_plan
 from ._target import _import_torch, _TorchTarget
 from ._typing import Device, PathLike
@@ -174,7 +180,7 @@ class safe_open:
     through instant_staging (see the module docstring)."""
 
     def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu", *,
-                 backend: str = "mmap"):
+                 backend: str = "mmap", storage_options: Mapping[str, Any] | None = None):
         check_backend(backend)
         if not isinstance(framework, str):
             raise TypeError(f"framework must be a string such as 'pt', not {type(framework).__name__}")
@@ -185,9 +191,15 @@ class safe_open:
         target = _TorchTarget(torch, device)
         chunk_size, io_depth, threads = knobs(None, None, None)
         _check_args(chunk_size, io_depth, threads)
-        checkpoint = _Checkpoint([filename])
-        if left_unset(None, None, None):     # a file the page cache lacks: load_file's cold rule
-            cold = for_cache(checkpoint.resident())
+        if is_url(filename):        # one object: s3://bucket/key.safetensors, https://...
+            objects = _RemoteCheckpoint.one(filename, storage_options)
+            checkpoint = _RemoteCheckpoint(objects)
+        elif storage_options is not None:
+            raise ValueError("storage_options apply to a URL (s3://, gs://, az://, https://), not a file")
+        else:
+            checkpoint = _Checkpoint([filename])
+        if left_unset(None, None, None):     # load_file's rule: a file the page cache lacks, a URL
+            cold = checkpoint.default_knobs()
             if cold:
                 chunk_size, io_depth, threads = cold["chunk_size"], cold["io_depth"], cold["threads"]
         self._file = _File(checkpoint, torch, target, chunk_size, io_depth, threads)

@@ -25,6 +25,7 @@ from vllm.model_executor.model_loader.weight_utils import (
 )
 
 from ..._types import format_size
+from ...loader import Checkpoint, is_url
 from ...loader import resolve_progress as _progress
 from . import LOAD_FORMAT
 from ._options import parse
@@ -69,9 +70,17 @@ class InstantStagingModelLoader(DefaultModelLoader):
         if strategy == "torchao":
             raise ValueError("load format instant_staging does not read torchao-serialized checkpoints "
                              "(their tensor subclasses): use --load-format safetensors")
-        folder, files, use_safetensors, index_file = self._prepare_weights(
-            source.model_or_path, source.subfolder, source.revision, source.fall_back_to_pt,
-            source.allow_patterns_overrides)
+        url = self._weights_url(source)
+        if url is not None:
+            # Object storage: vLLM pulled the config files (a --model URL,
+            # ModelConfig.model_weights), or the extra config names the
+            # weights; the objects are the URL source's, as load_file reads it.
+            with Checkpoint.open(url) as checkpoint:
+                folder, files, use_safetensors, index_file = url, checkpoint.files, True, None
+        else:
+            folder, files, use_safetensors, index_file = self._prepare_weights(
+                source.model_or_path, source.subfolder, source.revision, source.fall_back_to_pt,
+                source.allow_patterns_overrides)
         if not use_safetensors:
             raise ValueError(f"load format instant_staging reads safetensors checkpoints; "
                              f"{source.model_or_path} has none")
@@ -89,6 +98,22 @@ class InstantStagingModelLoader(DefaultModelLoader):
             self.counter_before_loading_weights = time.perf_counter()
         weights = self._iterate(files)
         return ((source.prefix + name, tensor) for name, tensor in weights)
+
+    def _weights_url(self, source):
+        """The URL the weights of ``source`` come from, or None for files:
+        the extra config's ``weights``, else the model config's
+        ``model_weights`` where vLLM pulled a URL model's config files."""
+        if getattr(source, "subfolder", None):
+            return None             # a sub-model's own files (vLLM resolves them locally)
+        if self.options.weights is not None:
+            return self.options.weights
+        from vllm.config import get_current_vllm_config_or_none
+        config = get_current_vllm_config_or_none()
+        model_config = getattr(config, "model_config", None)
+        weights = getattr(model_config, "model_weights", None) or None
+        if weights and is_url(weights) and source.model_or_path == model_config.model:
+            return weights
+        return None
 
     def _iterate(self, files):
         device = self._device()

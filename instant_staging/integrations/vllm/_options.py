@@ -40,6 +40,7 @@ class Options(NamedTuple):
     batch_bytes: int = BATCH_BYTES
     shared_read: bool = False             # process_group= over vLLM's world group
     enable_weights_track: bool | None = None   # vLLM's DefaultModelLoader key, passed on
+    weights: str | None = None            # a URL the weights come from (config files local)
 
 
 # key: (what it is, in the error message)
@@ -52,6 +53,7 @@ KEYS = {
     "batch_bytes": "the most bytes of checkpoint tensors on the device at once: an int or a size",
     "shared_read": "each rank reads 1/N of the bytes and the ranks exchange them: true or false",
     "enable_weights_track": "vLLM's check that every parameter was loaded: true or false",
+    "weights": "where the weights are, config files local: a URL such as \"s3://bucket/model/\"",
 }
 
 
@@ -75,6 +77,8 @@ def parse(extra: Any) -> Options:
             values[key] = _size(key, value)
         elif key in ("io_depth", "threads"):
             values[key] = _count(key, value)
+        elif key == "weights":
+            values[key] = _url(key, value)
         else:
             values[key] = _flag(key, value)
     return Options(**values)
@@ -83,6 +87,13 @@ def parse(extra: Any) -> Options:
 def _bad(key, value):
     return ValueError(f"--model-loader-extra-config {key}={value!r}: must be {KEYS[key].split(': ', 1)[-1]} "
                       f"({KEYS[key].split(': ', 1)[0]})")
+
+
+def _url(key, value):
+    from ...loader import is_url
+    if not isinstance(value, str) or not is_url(value):
+        raise _bad(key, value)
+    return value
 
 
 def _size(key, value):

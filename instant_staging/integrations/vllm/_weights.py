@@ -31,13 +31,12 @@ it keeps).
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 import time
 from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
-from ...loader import DTYPE_BITS, iter_load, safe_open
+from ...loader import Checkpoint, iter_load
 from ._options import Options
 
 
@@ -74,12 +73,9 @@ def tensor_sizes(files: list[str]) -> list[tuple[str, list[tuple[str, int]]]]:
     vLLM's order, names as the file lists them (sorted, as safetensors')."""
     result = []
     for path in sorted(files, key=natural_key):
-        with safe_open(path, framework="pt") as f:
-            entries = []
-            for name in f.keys():  # noqa: SIM118  (safe_open is not iterable, as safetensors')
-                view = f.get_slice(name)
-                entries.append((name, math.prod(view.get_shape()) * DTYPE_BITS[view.get_dtype()] // 8))
-        result.append((path, entries))
+        with Checkpoint.open(path) as checkpoint:
+            infos = [checkpoint.info(name) for name in checkpoint.names()]
+        result.append((path, sorted((i.name, i.nbytes) for i in infos)))
     return result
 
 
