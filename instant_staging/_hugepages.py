@@ -21,9 +21,9 @@ returns the reason with the choice, which the buffer keeps
 """
 
 import mmap
-import os
 import re
 
+from . import envs
 from ._types import read_text as _read
 
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -40,23 +40,14 @@ FREE_MARGIN = 2
 
 
 ENV = "INSTANT_STAGING_HUGEPAGES"
-_ON = ("1", "true", "yes", "on")
-_OFF = ("0", "false", "no", "off")
 
 
 def env_setting(value=None):
     """INSTANT_STAGING_HUGEPAGES as a bool, None where unset or empty; a
-    value that is neither is a ValueError.  ``value``: the variable's text
-    (None: read the environment).  Where set it decides for
-    ``StagingBuffer(hugepages=None)``, the loader's own buffer included."""
-    raw = (os.environ.get(ENV, "") if value is None else value).strip().lower()
-    if raw in _ON:
-        return True
-    if raw in _OFF:
-        return False
-    if not raw:
-        return None
-    raise ValueError(f"{ENV} must be 1/true/yes/on or 0/false/no/off, got {raw!r}")
+    value that is neither is a ValueError (``envs``' parser).  ``value``:
+    the variable's text (None: read the environment).  Where set it decides
+    for ``StagingBuffer(hugepages=None)``, the loader's own buffer included."""
+    return envs.get(ENV) if value is None else envs.parse_text(ENV, value)
 
 
 def parse_thp(text):
@@ -116,8 +107,8 @@ def decide(nbytes, hugepages=None, *, env=None, thp=None, buddyinfo=None,
     ValueError (raised before anything is allocated)."""
     if hugepages is not None:
         return bool(hugepages), f"hugepages={bool(hugepages)}"
-    raw = os.environ.get(ENV, "") if env is None else env
-    setting = env_setting(raw)
+    text = envs.raw(ENV) if env is None else env.strip()
+    setting = envs.parse_text(ENV, text)
     if setting is not None:
-        return setting, f"{ENV}={raw.strip()}"
+        return setting, f"{ENV}={text}"
     return auto(nbytes, thp=thp, buddyinfo=buddyinfo, page_size=page_size)

@@ -40,6 +40,7 @@ from posix.unistd cimport getpid, sysconf, _SC_PAGESIZE
 
 from instant_staging._runtime cimport ERROR_RUNTIME_UNLOADING, Runtime, RuntimeTable
 
+from instant_staging import envs
 from instant_staging._hugepages import decide as _decide_hugepages
 from instant_staging._types import (Attempt, Kind, ReleaseError, RollbackError,
                                     StagingError, format_size)
@@ -83,22 +84,15 @@ def auto_prefault_threads(size_t size, *, size_t bytes_per_thread=32 << 20,
     """How many threads prefault `size` bytes when prefault_threads=None.
 
     INSTANT_STAGING_PREFAULT_THREADS overrides (an int in [0, 1024]; 0
-    disables).  Otherwise one thread per `bytes_per_thread`, at most
-    `max_threads` (16: where the H200 host stopped gaining) and at most the
-    CPUs this process may run on; and
+    disables; parsed by ``envs``).  Otherwise one thread per
+    `bytes_per_thread`, at most `max_threads` (16: where the H200 host
+    stopped gaining) and at most the CPUs this process may run on; and
     none where that comes to fewer than two: on the H200 host one thread
     writing each page took 1.12 s for 2 GiB where the registration faulting
     the pages itself took 0.70 s, two threads 0.62 s (docs/design.md, "Measured").
     """
-    env = os.environ.get("INSTANT_STAGING_PREFAULT_THREADS", "").strip()
-    if env:
-        try:
-            threads = int(env)
-        except ValueError:
-            threads = -1
-        if not 0 <= threads <= MAX_PREFAULT_THREADS:
-            raise ValueError(f"INSTANT_STAGING_PREFAULT_THREADS must be an int in "
-                             f"[0, {MAX_PREFAULT_THREADS}], got {env!r}")
+    threads = envs.get("INSTANT_STAGING_PREFAULT_THREADS")     # a bad value: ValueError
+    if threads is not None:
         return threads
     threads = min(max_threads, usable_cpus(), size // max(bytes_per_thread, 1))
     return threads if threads >= 2 else 0

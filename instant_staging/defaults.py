@@ -131,8 +131,10 @@ def staging_segment_size(slot_bytes) -> int:
     return max(SEGMENT_SIZE, -(-slot_bytes // page) * page)
 
 # An object-storage source (loader/_remote.py): one ranged GET per chunk.
-# Larger ranges than a disk's amortise each request's latency; 16 requests
-# in flight.  Host memory: the staging buffer plus the client's buffers of
-# the chunks in flight (threads x chunk), whatever the checkpoint's size.
-REMOTE_CHUNK_SIZE = 8 << 20
+# Larger ranges than a disk's amortise each request's cost: 16 MiB reached
+# the client's own ceiling on the H200 host where 8 MiB fell short of it on
+# the dense layout (benchmarks/RESULTS.md, "Object storage"); 16 requests in
+# flight.  Host memory: the staging buffer plus the client's buffers of the
+# chunks in flight (threads x chunk), whatever the checkpoint's size.
+REMOTE_CHUNK_SIZE = 16 << 20
 REMOTE_THREADS = 16

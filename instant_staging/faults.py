@@ -28,12 +28,12 @@ from ``_runtime`` (the one table of them).
 """
 
 import errno
-import os
 import re
 import threading
 from collections.abc import Iterable
 from typing import NamedTuple, Optional
 
+from instant_staging import envs
 from instant_staging._runtime import ERROR_CODES
 from instant_staging._types import parse_size
 
@@ -219,11 +219,10 @@ class FaultPlan:
 
     @classmethod
     def from_env(cls, environ=None) -> Optional["FaultPlan"]:
-        """The plan of ``INSTANT_STAGING_FAULTS``, or None when unset or empty."""
-        spec = (os.environ if environ is None else environ).get(ENV_VAR, "")
-        if not spec.strip():
-            return None
-        return cls.parse(spec)
+        """The plan of ``INSTANT_STAGING_FAULTS``, or None when unset or empty;
+        a malformed spec is a ValueError naming the variable and the rule.
+        ``environ``: where to read it (None: ``os.environ``)."""
+        return envs.get(ENV_VAR, environ)
 
     @property
     def rules(self) -> tuple[FaultRule, ...]:

@@ -14,11 +14,11 @@ warns about it; ``doctor`` reports it.
 """
 
 import importlib
-import os
 import threading
 import warnings
 from typing import TYPE_CHECKING
 
+from . import envs
 from ._build_config import BACKEND
 
 if TYPE_CHECKING:                 # typed for callers (mypy --strict on README's examples)
@@ -40,7 +40,7 @@ _SWITCH = ("reinstall with the variable set and pip's wheel cache bypassed: "
 def backend_mismatch():
     """A one-line message when INSTANT_STAGING_BACKEND names another backend
     than this build's, else None."""
-    want = os.environ.get("INSTANT_STAGING_BACKEND", "").strip().lower()
+    want = (envs.raw("INSTANT_STAGING_BACKEND") or "").lower()
     if want in ("cuda", "rocm") and want != BACKEND:
         return (f"INSTANT_STAGING_BACKEND={want}, but this instant_staging was built for "
                 f"{BACKEND} (a wheel built earlier was reused?): " + _SWITCH.format(want=want))
@@ -68,14 +68,13 @@ def real_runtime() -> "Runtime":
 def default_runtime() -> "Runtime":
     """The real runtime, wrapped in INSTANT_STAGING_FAULTS when it is set.
 
-    A malformed spec raises ValueError naming the bad rule.
+    A malformed spec raises ValueError naming the variable and the bad rule.
     """
-    spec = os.environ.get("INSTANT_STAGING_FAULTS", "").strip()
-    if not spec:
+    spec = envs.raw("INSTANT_STAGING_FAULTS")
+    if spec is None:
         return real_runtime()
     with _lock:
         if spec not in _wrapped:
             from ._faults import inject_faults
-            from .faults import FaultPlan
-            _wrapped[spec] = inject_faults(real_runtime(), FaultPlan.parse(spec))
+            _wrapped[spec] = inject_faults(real_runtime(), envs.parse_text("INSTANT_STAGING_FAULTS", spec))
         return _wrapped[spec]

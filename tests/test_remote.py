@@ -292,7 +292,7 @@ def test_refused_or_missing_object_is_one_error_before_loading(s3_server, s3_buc
     with pytest.raises(error, match=words) as e:
         load_file(url, "cpu", storage_options=options(fault_proxy.url))
     assert url in str(e.value) and SECRET_KEY not in str(e.value)
-    assert _fds() <= fds
+    assert _settled(_threads(), fds), (_fds() - fds)     # the error keeps no socket alive
 
 
 def test_missing_objects_and_bad_urls(s3_server, s3_bucket):
@@ -434,7 +434,7 @@ def test_safe_open_of_an_object_reads_only_what_is_asked(s3_server, s3_bucket, t
     row = want[name][0].numel() * want[name].element_size()
     fetched = [int(b) - int(a) + 1 for a, b in (r[2].split("=")[1].split("-") for r in gets)]
     assert fetched == [want[name].numel() * want[name].element_size(), 3 * row]
-    with pytest.raises(ValueError, match="one .safetensors object"):
+    with pytest.raises(ValueError, match=r"one \.safetensors object"):
         safe_open(f"s3://{s3_bucket}/so/", framework="pt", storage_options=options(s3_server.url))
 
 
@@ -453,3 +453,24 @@ def test_vllm_weights_from_a_bucket(s3_server, s3_bucket, tmp_path, monkeypatch)
     assert parse({"weights": f"s3://{s3_bucket}/vl/"}).weights == f"s3://{s3_bucket}/vl/"
     with pytest.raises(ValueError, match="weights"):
         parse({"weights": "/a/local/dir"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dense", "moe", "fp8", "mixed"])
+def test_url_to_the_gpu_equals_disk(range_http_server, tmp_path, layout):
+    """Ranged GETs into the staging slots and on to the GPU, through every
+    kind of staging buffer the device path takes (views and own tensors)."""
+    files = layouts()[layout]
+    for fname, tensors in files:
+        safetensors_torch.save_file(tensors, os.path.join(range_http_server.root, fname))
+    urls = [range_http_server.url_for(f) for f, _ in files]
+    want = {n: t.cuda() for f, _ in files
+            for n, t in load_file(os.path.join(range_http_server.root, f)).items()}
+    for views in (True, False):
+        got = load_file(urls, "cuda:0", views=views, chunk_size=64 << 10)
+        assert all(t.is_cuda for t in got.values())
+        same(got, want)
+    with Checkpoint.open(urls) as ck:
+        part = ck.load("cuda:0", plan={n: slice(1, 3) for n in ck.names() if ck.info(n).shape})
+        assert ck.last_report.staging_kind is not None
+    same(part, {n: want[n][1:3] for n in part})

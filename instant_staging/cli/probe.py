@@ -67,7 +67,7 @@ def env_plan():
     try:
         return FaultPlan.from_env()
     except ValueError as e:
-        raise UsageError(f"INSTANT_STAGING_FAULTS: {e}") from None
+        raise UsageError(str(e)) from None
 
 
 def select_runtime(*, simulate=False, faults=None, require_gpu=False,
@@ -122,7 +122,7 @@ def _real_with_faults(real, plan, info):
         env = FaultPlan.from_env()
         runtime = default_runtime()
     except ValueError as e:
-        raise UsageError(f"INSTANT_STAGING_FAULTS: {e}") from None
+        raise UsageError(str(e)) from None
     if env is not None:
         info["faults"], info["faults_from"] = str(env), "INSTANT_STAGING_FAULTS"
     return runtime

@@ -64,6 +64,7 @@ import os
 import pickle
 import traceback
 
+from .. import envs
 from ..defaults import DISTRIBUTED_TIMEOUT, reader_threads
 from . import _progress, _run, _staging_pool
 from ._errors import LoadError
@@ -329,17 +330,9 @@ def _describe(exc):
 # -- the entry point ---------------------------------------------------------
 
 def timeout_from_env():
-    value = os.environ.get("INSTANT_STAGING_DIST_TIMEOUT")
-    if not value:
-        return DISTRIBUTED_TIMEOUT
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"INSTANT_STAGING_DIST_TIMEOUT must be a number of seconds, "
-                         f"not {value!r}") from None
-    if not seconds > 0:
-        raise ValueError(f"INSTANT_STAGING_DIST_TIMEOUT must be > 0, got {value!r}")
-    return seconds
+    """INSTANT_STAGING_DIST_TIMEOUT in seconds (> 0), else DISTRIBUTED_TIMEOUT."""
+    seconds = envs.get("INSTANT_STAGING_DIST_TIMEOUT")
+    return DISTRIBUTED_TIMEOUT if seconds is None else seconds
 
 
 def _check_group(process_group):

@@ -13,7 +13,8 @@ value).  Where all three are left unset, a
 load whose checkpoint is not in the page cache uses the cold defaults
 (``COLD_CHUNK_SIZE``, ``COLD_THREADS``) instead.  A variable's value is checked as the
 argument would be; a bad one is a ValueError naming the variable, raised
-before anything is allocated.  An empty variable counts as unset.
+before anything is allocated.  An empty variable counts as unset.  The
+variables' parsers (and README's rows) are ``instant_staging/envs.py``'s.
 
 ``INSTANT_STAGING_KEEP_STAGING=0`` releases a load's own staging buffer
 when the load ends instead of keeping it for the next (``_staging_pool.py``).
@@ -24,9 +25,9 @@ anything is allocated.
 """
 
 import logging
-import os
 
-from .._types import format_size, parse_size
+from .. import envs
+from .._types import format_size
 from ..defaults import (
     CHUNK_SIZE,
     COLD_CHUNK_SIZE,
@@ -53,20 +54,6 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half"
                  "fp64": "float64", "f64": "float64", "double": "float64"}
 
 
-def _env_int(name, parse):
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = parse(raw)
-    except (TypeError, ValueError):
-        value = None
-    if value is None or value < 1:
-        raise ValueError(f"{name}={raw!r}: must be " + (
-            "a size of at least 1 byte (e.g. 8MiB)" if parse is parse_size else "an integer >= 1"))
-    return value
-
-
 def knobs(chunk_size, io_depth, threads):
     """``(chunk_size, io_depth, threads)`` with None filled from the
     environment, then the defaults (threads may stay None: the loader's own),
@@ -74,13 +61,13 @@ def knobs(chunk_size, io_depth, threads):
     names = {"io_depth": "io_depth" if io_depth is not None else ENV_IO_DEPTH,
              "threads": "threads" if threads is not None else ENV_THREADS}
     if chunk_size is None:
-        chunk_size = _env_int(ENV_CHUNK_SIZE, parse_size) or CHUNK_SIZE
+        chunk_size = envs.get(ENV_CHUNK_SIZE) or CHUNK_SIZE
     if io_depth is None:
         # None stays None: the loader gives each reader thread
         # defaults.SLOTS_PER_THREAD slots (IO_DEPTH with 16 threads).
-        io_depth = _env_int(ENV_IO_DEPTH, lambda s: int(s, 10))
+        io_depth = envs.get(ENV_IO_DEPTH)
     if threads is None:
-        threads = _env_int(ENV_THREADS, lambda s: int(s, 10))
+        threads = envs.get(ENV_THREADS)
     keep_staging()      # a bad value fails here, before anything is allocated
     threads = _capped(names["threads"], threads, max_reader_threads(),
                       f"{THREADS_PER_CPU} per usable CPU, {usable_cpus()} here")
@@ -113,8 +100,7 @@ def left_unset(chunk_size, io_depth, threads) -> bool:
     """Whether the caller left every knob to the loader: no argument and no
     variable, so that the loader may choose them for the checkpoint."""
     return (chunk_size is None and io_depth is None and threads is None
-            and not any(os.environ.get(name, "").strip()
-                        for name in (ENV_CHUNK_SIZE, ENV_IO_DEPTH, ENV_THREADS)))
+            and not any(envs.raw(name) for name in (ENV_CHUNK_SIZE, ENV_IO_DEPTH, ENV_THREADS)))
 
 
 def for_cache(resident) -> dict:
@@ -135,12 +121,8 @@ def for_cache(resident) -> dict:
 def keep_staging() -> bool:
     """Whether a load keeps the staging buffer it made for the next load:
     ``INSTANT_STAGING_KEEP_STAGING`` (1 or 0) where set, else KEEP_STAGING."""
-    raw = os.environ.get(ENV_KEEP_STAGING, "").strip()
-    if not raw:
-        return KEEP_STAGING
-    if raw not in ("0", "1"):
-        raise ValueError(f"{ENV_KEEP_STAGING}={raw!r}: must be 1 (keep) or 0 (release after each load)")
-    return raw == "1"
+    keep = envs.get(ENV_KEEP_STAGING)
+    return KEEP_STAGING if keep is None else keep
 
 
 def torch_dtype(torch, dtype):

@@ -157,8 +157,9 @@ cdef struct Shared:
     int skip                # SKIP_* bits (benchmarks)
     size_t* remaining       # per tensor: bytes not yet copied
     Py_ssize_t* done        # tensors in the order they completed
-    void* fetch             # NULL: pread the chunk's fd; else a Python callable (borrowed:
-                            # Pipeline.fetch owns it) that fills the slot
+    # NULL: pread the chunk's fd; else a Python callable that fills the slot
+    # (borrowed: Pipeline.fetch owns it)
+    void* fetch
     Py_ssize_t n_done
     unsigned long long done_bytes
     int stop
