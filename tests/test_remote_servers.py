@@ -3,7 +3,7 @@ seen through obstore as the loader will see them: moto's S3 server in its
 child process, the FaultProxy's faults, and the RangeHTTPServer.
 
 Each fault test asserts what obstore 0.12 does with it (retries or not,
-how many requests, which exception and message); tests/REMOTE_NOTES.md
+how many requests, which exception and message); docs/REMOTE_NOTES.md
 sums these up.  The stores use remote_servers.fast_retry_config() (3
 retries, 10 ms first backoff) unless a test says otherwise.
 """
