@@ -474,3 +474,26 @@ def test_url_to_the_gpu_equals_disk(range_http_server, tmp_path, layout):
         part = ck.load("cuda:0", plan={n: slice(1, 3) for n in ck.names() if ck.info(n).shape})
         assert ck.last_report.staging_kind is not None
     same(part, {n: want[n][1:3] for n in part})
+
+
+def test_close_ends_the_range_retries(s3_server, s3_bucket, tmp_path, fault_proxy, monkeypatch):
+    """A range that keeps failing waits between tries; close() from another
+    thread ends those waits at once instead of after every retry."""
+    from instant_staging.loader import _remote
+    monkeypatch.setattr(_remote, "_BACKOFF", 5.0)           # tries 5, 10, 20 s apart
+    upload(s3_server, s3_bucket, "cr", layouts()["moe"], tmp_path)
+    threads = _threads()
+    with Checkpoint.open(f"s3://{s3_bucket}/cr/", storage_options=options(fault_proxy.url)) as ck:
+        fault_proxy.fail(500, n=10**6, method="GET", ranged=True)
+        it = ck.iter_load("cpu", chunk_size=64 << 10)
+        timer = threading.Timer(1.0, it.close)
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(LoadError):
+            for _ in it:
+                pass
+        elapsed = time.monotonic() - t0
+        timer.join()
+    assert elapsed < 4.0, elapsed
+    assert _settled(threads)
+    fault_proxy.clear_faults()

@@ -717,7 +717,9 @@ cdef class Pipeline:
     fetch    None: chunks are pread from the plan's descriptors; else a
              callable ``fetch(file, offset, length) -> buffer`` (a remote
              source, ``_remote.py``; the plan's "descriptors" are then file
-             indexes), called by the reader threads with the GIL.
+             indexes), called by the reader threads with the GIL; its
+             ``cancel()``, where it has one, is called by ``cancel()`` and
+             ``close()``.
 
     ``start(dsts)`` launches the threads (``dsts[i]``: where tensor i goes;
     with ``more=True`` only the first tensors' destinations, the rest
@@ -1044,6 +1046,13 @@ cdef class Pipeline:
         if not self.sync_init or getpid() != self.pid:
             return
         _fail(&self.sh, ERR_CANCELLED, 0, CALL_NONE, -1, 0)
+        self._cancel_fetch()
+
+    cdef _cancel_fetch(self):
+        # A remote fetch waiting to retry a range ends its wait (_remote._Fetch).
+        cancel = getattr(self.fetch, "cancel", None)
+        if cancel is not None:
+            cancel()
 
     def close(self):
         """Cancels, waits for every in-flight copy, joins the threads, then
@@ -1059,6 +1068,7 @@ cdef class Pipeline:
             # A load closed before it finished was cancelled (a finished
             # one has no reader left to notice).
             _fail(&self.sh, ERR_CANCELLED, 0, CALL_NONE, -1, 0)
+            self._cancel_fetch()
             self._join()
         self.closed = True
         _running.discard(self)

@@ -38,7 +38,6 @@ is opened: before anything is allocated.
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import random
@@ -50,7 +49,7 @@ from urllib.parse import urlsplit
 from ._checkpoint import _Checkpoint
 from ._errors import LoadError
 from ._header import SafetensorsError, header_length, parse_header
-from ._source import INDEX_NAME, INDEX_SUFFIX, SHARD_SUFFIX, Source, _check_shard_name
+from ._source import INDEX_NAME, INDEX_SUFFIX, SHARD_SUFFIX, Source, parse_index
 
 # URL schemes and the extra that installs their client.
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "http", "https")
@@ -234,21 +233,11 @@ def _index(obstore, url, stores):
         raw = bytes(obstore.get(store, key).bytes())
     except Exception as e:
         raise _classify(obstore, e, _safe(url), "reading the index") from None
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise SafetensorsError(f"safetensors index is not valid JSON: {e}", url) from None
-    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
-    if (not isinstance(weight_map, dict) or not weight_map
-            or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items())):
-        raise SafetensorsError("a safetensors index must be a JSON object whose \"weight_map\" maps "
-                               "tensor names to shard file names", url)
-    for name, shard in weight_map.items():
-        _check_shard_name(shard, name, url)
-    base = url.rsplit("/", 1)[0] + "/"
-    shards = sorted(set(weight_map.values()))
     if not url.endswith(INDEX_SUFFIX):
         raise SafetensorsError(f"an index must be named *{INDEX_SUFFIX}", url)
+    weight_map = parse_index(raw, url)
+    base = url.rsplit("/", 1)[0] + "/"
+    shards = sorted(set(weight_map.values()))
     return _objects([base + s for s in shards], stores, url,
                     {name: base + s for name, s in weight_map.items()})
 
@@ -266,8 +255,20 @@ class _RemoteCheckpoint(_Checkpoint):
         self._objects = list(objects)
         self._error = None
         self._error_lock = threading.Lock()
+        self._stop = threading.Event()
         self._obstore = _obstore()
         super().__init__([o.url for o in self._objects])
+
+    def share(self, release):
+        # A load's own error and stop: one load's cancel stops only its fetches.
+        view = super().share(release)
+        view._error, view._error_lock, view._stop = None, threading.Lock(), threading.Event()
+        return view
+
+    @property
+    def fetch(self):
+        """The reader threads' read (``Pipeline(fetch=)``): ``_Fetch``."""
+        return _Fetch(self)
 
     @staticmethod
     def one(url, storage_options=None):
@@ -305,10 +306,7 @@ class _RemoteCheckpoint(_Checkpoint):
         from ..defaults import REMOTE_CHUNK_SIZE, REMOTE_THREADS
         return {"chunk_size": REMOTE_CHUNK_SIZE, "io_depth": None, "threads": REMOTE_THREADS}
 
-    def fetch(self, index, offset, length):
-        """The reader threads' read: ``length`` bytes at ``offset`` of object
-        ``index``, as the client's buffer.  The first error is kept for
-        ``fetch_error`` (the pipeline only sees that this raised)."""
+    def _fetch(self, index, offset, length):
         try:
             return self._get(index, offset, length, "loading")
         except BaseException as e:
@@ -339,6 +337,8 @@ class _RemoteCheckpoint(_Checkpoint):
         url = _safe(obj.url)
         deadline = time.monotonic() + RETRY_SECONDS
         for attempt in range(RETRIES + 1):
+            if self._stop.is_set():
+                raise LoadError(f"{url}: the load was cancelled", url)
             try:
                 data = obstore.get(obj.store, obj.key, options=options).bytes()
                 if len(data) == length:
@@ -353,7 +353,7 @@ class _RemoteCheckpoint(_Checkpoint):
             if attempt == RETRIES or time.monotonic() + delay > deadline:
                 raise LoadError(f"{problem} (gave up after {attempt + 1} tries of bytes "
                                 f"[{offset}, {offset + length}))", url)
-            time.sleep(delay)
+            self._stop.wait(delay)          # a cancel ends the wait
         raise AssertionError("unreachable")
 
     def close(self):
@@ -362,6 +362,26 @@ class _RemoteCheckpoint(_Checkpoint):
         self.fds = []
         for obj in self._objects:
             obj.store = None
+
+
+class _Fetch:
+    """``fetch(file, offset, length)``: ``length`` bytes at ``offset`` of
+    object ``file``, as the client's buffer (the reader threads copy it into
+    their slot).  The first error is kept for ``fetch_error`` (the pipeline
+    only sees that this raised).  ``cancel()`` (the pipeline's cancel and
+    close, any thread) ends the range retries and backoffs of this load: a
+    request already sent runs to its end, within the client's timeout."""
+
+    __slots__ = ("_checkpoint",)
+
+    def __init__(self, checkpoint):
+        self._checkpoint = checkpoint
+
+    def __call__(self, index, offset, length):
+        return self._checkpoint._fetch(index, offset, length)
+
+    def cancel(self):
+        self._checkpoint._stop.set()
 
 
 # -- the files beside the weights (config, tokenizer) --------------------------------

@@ -73,9 +73,10 @@ class _View:
         self.paths, self.fds = checkpoint.paths, checkpoint.fds
         self.entries = [(0, e) for e in sorted(entries, key=lambda e: (e.begin, e.end))]
         self.total_bytes = sum(e.nbytes for e in entries)
-        self.fetch = checkpoint.fetch
+        # a remote read's own fetch: its cancel and its error are this read's
+        read = checkpoint.share(lambda: None)
+        self.fetch, self.fetch_error = read.fetch, read.fetch_error
         self.read_bytes, self.current_size = checkpoint.read_bytes, checkpoint.current_size
-        self.fetch_error = checkpoint.fetch_error
 
     def close(self):
         pass

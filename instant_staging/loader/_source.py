@@ -128,6 +128,22 @@ def _index(path: str) -> Source:
             raw = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"no such index file: {path}") from None
+    weight_map = parse_index(raw, path)
+    base = os.path.dirname(path)
+    shards = sorted(set(weight_map.values()))
+    paths = [os.path.join(base, s) for s in shards]
+    missing = [s for s, p in zip(shards, paths) if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(f"{path}: {len(missing)} shard(s) it lists do not exist in "
+                                f"{base or '.'}: {', '.join(missing[:10])}"
+                                + (" ..." if len(missing) > 10 else ""))
+    return Source(paths, path, {name: os.path.join(base, s) for name, s in weight_map.items()})
+
+
+def parse_index(raw: bytes, path: str) -> dict[str, str]:
+    """The ``weight_map`` of the index whose bytes are ``raw`` (a file's or
+    an object's, named ``path``), checked: a JSON object mapping tensor
+    names to shard names, each a plain name inside the index's directory."""
     try:
         obj = json.loads(raw)
     except UnicodeDecodeError as e:     # its str() would print the byte
@@ -145,15 +161,7 @@ def _index(path: str) -> Source:
                                "tensor names to shard file names", path)
     for name, shard in weight_map.items():
         _check_shard_name(shard, name, path)
-    base = os.path.dirname(path)
-    shards = sorted(set(weight_map.values()))
-    paths = [os.path.join(base, s) for s in shards]
-    missing = [s for s, p in zip(shards, paths) if not os.path.isfile(p)]
-    if missing:
-        raise FileNotFoundError(f"{path}: {len(missing)} shard(s) it lists do not exist in "
-                                f"{base or '.'}: {', '.join(missing[:10])}"
-                                + (" ..." if len(missing) > 10 else ""))
-    return Source(paths, path, {name: os.path.join(base, s) for name, s in weight_map.items()})
+    return weight_map
 
 
 def _check_shard_name(shard: str, name: str, index: str) -> None:
