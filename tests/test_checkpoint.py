@@ -248,3 +248,33 @@ def _is_open(fd):
         return True
     except OSError:
         return False
+
+
+def test_safe_open_prefetch_hands_each_tensor_out_once(sharded):
+    """safetensors 0.9's prefetch(plan): the planned tensors (rows of a
+    slice) equal get_tensor / get_slice's, each handed out once, by take or
+    by iterating; close() frees what was not taken and the file with it."""
+    from instant_staging.loader import safe_open
+    d, tensors = sharded
+    shard = str(sorted(d.glob("*.safetensors"))[0])
+    fds = set(os.listdir("/proc/self/fd"))
+    with safe_open(shard, framework="pt") as f:
+        names = f.offset_keys()
+        plan = {n: (slice(1, 4) if f.get_slice(n).get_shape() else None) for n in names}
+        with f.prefetch(plan) as ld:
+            assert ld.names() == names and len(ld) == len(names)
+            first = ld.take(names[0])
+            with pytest.raises(KeyError):
+                ld.take(names[0])
+            rest = dict(ld)
+        assert set(rest) == set(names[1:])
+        got = {names[0]: first, **rest}
+        for n in names:
+            _same(got[n], f.get_slice(n)[1:4] if plan[n] is not None else f.get_tensor(n))
+        with f.prefetch() as whole:                  # every tensor whole; closed untaken
+            whole.take(names[-1])
+        with pytest.raises(KeyError):
+            f.prefetch({"nope": None})
+        with pytest.raises(ValueError, match="step"):
+            f.prefetch({names[0]: slice(0, 4, 2)})
+    assert set(os.listdir("/proc/self/fd")) == fds

@@ -81,7 +81,7 @@ from ._progress import Progress, format_si
 from ._progress import resolve as resolve_progress
 from ._remote import RemoteChangedError, fetch_side_files, is_url
 from ._run import LoadIterator, LoadReport
-from ._safe_open import safe_open
+from ._safe_open import PrefetchLoader, safe_open
 from ._source import resolve as resolve_source
 from ._staging_pool import empty_cache
 from ._target import _TORCH_DTYPES as TORCH_DTYPES
@@ -110,6 +110,7 @@ __all__ = [
     "LoadReport",
     "Names",
     "PathLike",
+    "PrefetchLoader",
     "Progress",
     "ProgressArg",
     "RemoteChangedError",

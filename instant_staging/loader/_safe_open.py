@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..defaults import io_depth_for
@@ -48,7 +48,8 @@ from . import _staging_pool
 from ._checkpoint import _Checkpoint
 from ._errors import MissingTensorError
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
-from ._load import _check_args
+from ._load import LoadOptions, _check_args, _prepare
+from ._load import _target as _load_target
 from ._options import check_backend, knobs, left_unset
 from ._remote import _RemoteCheckpoint, is_url
 from ._run import LoadIterator, fault_plan
@@ -244,6 +245,38 @@ class safe_open:
         it is dropped)."""
         return _Slice(self._file, self._entry(name))
 
+    def prefetch(self, plan: dict[str, slice | None] | None = None, *, device: Device | None = None,
+                 threads: int = 8) -> PrefetchLoader:
+        """safetensors 0.9's ``prefetch``: starts loading the file's tensors
+        (``plan``: ``{name: None | step-1 slice of the first dimension}``,
+        None for every tensor whole) onto ``device`` (default: the handle's;
+        any device, the CPU too) in the background, through the loader's own
+        pipeline.  Returns a ``PrefetchLoader`` that hands each tensor out
+        once.  The handle keeps working; the file stays open while a loader
+        of it is open.
+
+        Raises:
+            KeyError: a planned name the file does not hold.
+            ValueError, TypeError: a slice of another step, a 0-d tensor
+                sliced, a bad device or thread count; before anything is read.
+        """
+        self._check_open()
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        file = self._file
+        target = file.target if device is None else _load_target(device, None)
+        opts = LoadOptions.build(chunk_size=file.chunk_size, io_depth=file.io_depth, threads=threads)
+        if plan is None:
+            plan = {name: None for name in self._order}
+        file.hold()
+        shards = file.checkpoint.share(file.release)
+        try:
+            held, target, dtypes, kwargs = _prepare(shards, target, opts, None, dict(plan), single=True)
+            return PrefetchLoader(LoadIterator(held, target, dtypes, **kwargs))
+        except BaseException:
+            shards.close()
+            raise
+
     def close(self) -> None:
         """Closes the handle: the file once no slice of it is left, and gives
         back the staging buffer (kept for a later load, as load_file's);
@@ -288,6 +321,78 @@ class safe_open:
     def _read(self, entries):
         self._check_open()
         return self._file.read(entries)
+
+
+class PrefetchLoader:
+    """The tensors of one ``safe_open.prefetch``, loading in the background
+    (the reader threads run once the first tensor is asked for, which
+    ``prefetch`` does at once).  Each tensor is handed out once, by
+    ``take(name)`` or by iterating (readiness order, taken ones skipped);
+    ``close()`` stops the load and frees every tensor not taken.  One
+    consumer at a time (a lock)."""
+
+    def __init__(self, it: LoadIterator):
+        self._it = it
+        self._names = list(it.names)
+        self._ready: dict[str, torch.Tensor] = {}
+        self._taken: set[str] = set()
+        self._lock = threading.Lock()
+        self._done = False
+        try:
+            self._pull()                # starts the reader threads
+        except BaseException:
+            it.close()
+            raise
+
+    def _pull(self) -> bool:
+        """Receives the next finished tensor; False once every one is in."""
+        if self._done:
+            return False
+        try:
+            name, tensor = next(self._it)
+        except StopIteration:
+            self._done = True
+            return False
+        self._ready[name] = tensor
+        return True
+
+    def names(self) -> list[str]:
+        """The names this loader hands out, in file order."""
+        return list(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def take(self, name: str) -> torch.Tensor:
+        """``name``'s tensor, waiting for its bytes; each once (again: KeyError)."""
+        with self._lock:
+            if name in self._taken or name not in self._names:
+                raise MissingTensorError(f"{name!r} is not in this prefetch or was taken already")
+            while name not in self._ready:
+                if not self._pull():
+                    raise MissingTensorError(f"the load ended without {name!r}")
+            self._taken.add(name)
+            return self._ready.pop(name)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while True:
+            with self._lock:
+                if not self._ready and not self._pull():
+                    return
+                name, tensor = self._ready.popitem()
+                self._taken.add(name)
+            yield name, tensor
+
+    def close(self) -> None:
+        """Stops the load; the tensors not taken are freed (idempotent)."""
+        self._it.close()
+        self._ready.clear()
+
+    def __enter__(self) -> PrefetchLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _host_mode():
