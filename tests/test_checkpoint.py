@@ -255,7 +255,7 @@ def test_safe_open_prefetch_hands_each_tensor_out_once(sharded):
     slice) equal get_tensor / get_slice's, each handed out once, by take or
     by iterating; close() frees what was not taken and the file with it."""
     from instant_staging.loader import safe_open
-    d, tensors = sharded
+    d, _ = sharded
     shard = str(sorted(d.glob("*.safetensors"))[0])
     fds = set(os.listdir("/proc/self/fd"))
     with safe_open(shard, framework="pt") as f:
