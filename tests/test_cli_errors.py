@@ -125,7 +125,7 @@ def test_invalid_file_is_exit_1_one_line(tmp_path):
 def test_load_to_a_missing_gpu_is_a_report_not_a_traceback(model):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    proc = cli("load", model)
+    proc = cli("load", model, "--device", "cuda:0")
     no_traceback(proc)
     assert proc.returncode == 1 and "allow_pageable" not in proc.stderr
     assert "cuda:0" in proc.stderr

@@ -179,13 +179,25 @@ def test_load_with_faults_reports_the_fallback_kind(weights):
 
 @needs_no_gpu
 def test_load_without_gpu_says_so_and_exits_1(weights):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
     path, _, _ = weights
-    r = cli_json("load", str(path), code=1)
+    r = cli_json("load", str(path), "--device", "cuda:0", code=1)
     assert r["ok"] is False and r["error"]["type"] == "NoDevice"
     assert "--device cpu" in r["error"]["message"]
-    proc = cli("load", str(path))
+    proc = cli("load", str(path), "--device", "cuda:0")
     assert proc.returncode == 1 and "load failed: NoDevice: cannot load to cuda:0" in proc.stderr
     assert proc.stdout == ""
+
+
+def test_load_without_a_device_goes_where_torch_can(weights):
+    """No --device: the current CUDA device where torch sees one, else the CPU."""
+    torch = pytest.importorskip("torch")
+    path, _, _ = weights
+    r = cli_json("load", str(path))
+    assert r["ok"] is True
+    assert r["device"] == (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
 
 
 def test_load_staging_error_reports_the_attempts(monkeypatch, weights):

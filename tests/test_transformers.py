@@ -610,3 +610,14 @@ def test_transformers_error_while_reading_is_that_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="injected: the model cannot be built"):
         from_pretrained(path, device="cpu")
     assert not [t for t in threading.enumerate() if t.name == "instant_staging-from_pretrained"]
+
+
+def test_no_device_loads_where_torch_can(tmp_path, caplog):
+    """device=None (the default): the current CUDA device where torch sees
+    one, else the CPU, with an INFO line saying which."""
+    path, _ = save(tmp_path, "llama", False)
+    with caplog.at_level("INFO", logger="instant_staging"):
+        model = from_pretrained(path)
+    want = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    assert next(model.parameters()).device == torch.device(want)
+    assert f"no device given: loading onto {want}" in caplog.text

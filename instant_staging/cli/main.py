@@ -22,6 +22,7 @@ from ..loader import (
     ENV_THREADS,
     LoadOptions,
     SafetensorsError,
+    default_device,
 )
 from .report import attempt_dict, describe_attempt, emit, error_result
 
@@ -145,7 +146,9 @@ def build_parser():
                     help="a .safetensors file (or several), a checkpoint directory, "
                     "a model.safetensors.index.json, or the same as URLs (s3://, gs://, az://, "
                     "https://: the remote extra)")
-    ld.add_argument("--device", default="cuda:0", help="where the tensors go (default cuda:0; cpu)")
+    ld.add_argument("--device", default=None,
+                    help="where the tensors go: cuda:N or cpu (default: the current CUDA device "
+                         "where torch sees one, else cpu)")
     ld.add_argument("--dtype", type=dtype_arg, default=None,
                     help="convert floating tensors to this dtype on the device "
                     "(bfloat16, float16, float32, float64; bf16, fp16, ...)")
@@ -220,6 +223,8 @@ def run_load(args, parser):
     if args.staging_size is not None and args.staging_size < options.chunk_size:
         parser.error("--staging-size must hold at least one chunk of --chunk-size")
     try:
+        if args.device is None:     # the loader's rule: the current CUDA device, else the CPU
+            args.device = default_device()
         bad_device = load_cmd.device_error(args.device)
     except ImportError:         # no torch: the load says so (exit 1)
         bad_device = None

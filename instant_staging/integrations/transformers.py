@@ -72,7 +72,17 @@ import traceback
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from ..loader import TORCH_DTYPES, Checkpoint, Device, DType, PathLike, fetch_side_files, is_url, load_file
+from ..loader import (
+    TORCH_DTYPES,
+    Checkpoint,
+    Device,
+    DType,
+    PathLike,
+    default_device,
+    fetch_side_files,
+    is_url,
+    load_file,
+)
 from ..loader import import_torch as _import_torch
 from ..loader import resolve_device as _resolve_device
 from ..loader import torch_dtype as _check_dtype
@@ -83,7 +93,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("instant_staging")
 
 # The default device of DESIGN.md's signature.
-DEFAULT_DEVICE = "cuda:0"
 # What a hub snapshot needs for this function beside the weights: the
 # configs, the shards' index, and the code of a trust_remote_code model
 # (the weights: ``_snapshot``).
@@ -105,7 +114,7 @@ def _import_transformers():
     return transformers
 
 
-def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dtype: DType = None,
+def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype: DType = None,
                     model_class: type[Any] | None = None, device_map: Any = None,
                     torch_dtype: DType = None, revision: str | None = None,
                     trust_remote_code: bool = False, cache_dir: PathLike | None = None,
@@ -122,7 +131,8 @@ def from_pretrained(model_dir: PathLike, *, device: Device = DEFAULT_DEVICE, dty
                    and tokenizer files are fetched to a local cache directory,
                    its weights streamed from the bucket; ``storage_options`` as
                    ``load_file``'s)
-    device         where the weights go: "cuda:N" (default "cuda:0"), "cpu", ...
+    device         where the weights go: "cuda:N", "cpu", ...; None (default): the
+                   current CUDA device where torch sees one, else the CPU
     device_map     as transformers': a device, {"": device}, or "auto" (the one
                    GPU torch sees, else the CPU); overrides ``device``
     dtype          None or "auto" (transformers' default: the config's dtype,
@@ -445,9 +455,10 @@ def _snapshot(repo, **kwargs):
 
 
 def _target_device(torch, device, device_map):
-    """The one device of ``device``, or of ``device_map`` where given."""
+    """The one device of ``device``, or of ``device_map`` where given
+    (neither: ``default_device``)."""
     if device_map is None:
-        return _resolve_device(torch, device)
+        return _resolve_device(torch, device if device is not None else default_device())
     if isinstance(device_map, str) and device_map == "auto":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count > 1:
@@ -470,7 +481,7 @@ def _target_device(torch, device, device_map):
     else:
         raise TypeError(f"device_map must be a device, a dict or 'auto', not {type(device_map).__name__}")
     mapped = _resolve_device(torch, mapped)
-    if device != DEFAULT_DEVICE and _resolve_device(torch, device) != mapped:
+    if device is not None and _resolve_device(torch, device) != mapped:
         raise ValueError(f"device={device!r} and device_map={device_map!r} name different devices")
     return mapped
 

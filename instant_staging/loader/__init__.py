@@ -87,7 +87,7 @@ from ._staging_pool import empty_cache
 from ._target import _TORCH_DTYPES as TORCH_DTYPES
 from ._target import _import_torch as import_torch
 from ._target import _resolve_device as resolve_device
-from ._target import parse_device
+from ._target import default_device, parse_device
 from ._typing import Device, DType, Names, PathLike, ProgressArg, Source
 
 __all__ = [
@@ -118,6 +118,7 @@ __all__ = [
     "Source",
     "TensorInfo",
     "VerifyError",
+    "default_device",
     "empty_cache",
     "fetch_side_files",
     "format_si",

@@ -4,6 +4,7 @@ torch is imported only when a load starts: ``import instant_staging``
 works without it.
 """
 
+import logging
 import os
 
 from ._header import SafetensorsError, torch_shape
@@ -25,6 +26,8 @@ _TORCH_DTYPES = {
     "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
     "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2",
 }
+
+log = logging.getLogger("instant_staging")
 
 
 def _import_torch():
@@ -241,3 +244,14 @@ def parse_device(torch, device):
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or a CUDA/ROCm device ('cuda:N'), not {given!r}")
     return device
+
+
+def default_device():
+    """Where a load given no device goes (``from_pretrained``, the CLI's
+    ``load``): the current CUDA device where torch sees one, else the CPU,
+    said on the ``instant_staging`` logger at INFO."""
+    torch = _import_torch()
+    chosen = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    log.info("no device given: loading onto %s (%s)", chosen,
+             "the current CUDA device" if chosen != "cpu" else "torch sees no GPU")
+    return chosen
