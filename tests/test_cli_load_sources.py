@@ -4,6 +4,8 @@ exit 2, a bad file exit 1, never a traceback."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -136,13 +138,13 @@ def test_url_source(ckpt):
         assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_url_without_the_remote_extra_is_a_usage_error(ckpt, tmp_path):
-    from _child import PACKAGE_PARENT
-    shadow = tmp_path / "shadow" / "obstore"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('no obstore in this test')\n")
-    env = {"PYTHONPATH": os.pathsep.join([str(shadow.parent), PACKAGE_PARENT])}
-    proc = cli("s3://bucket/model/", "--device", "cpu", env=env)
+def test_url_without_the_remote_extra_is_a_usage_error(ckpt):
+    from _child import PACKAGE_PARENT, child_env
+    code = ("import sys; sys.modules['obstore'] = None\n"      # as if the extra were not installed
+            "from instant_staging.cli import main\n"
+            "sys.exit(main(['load', 's3://bucket/model/', '--device', 'cpu']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE_PARENT, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "instant_staging[remote]" in proc.stderr
 

@@ -39,6 +39,8 @@ from instant_staging.loader import (
     safe_open,
 )
 
+from _child import child_env
+
 
 def options(endpoint, **extra):
     return {"endpoint": endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
@@ -366,18 +368,20 @@ with FaultProxy({s3_server.url!r}) as proxy:
         print("interrupted", names)
 """
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env=child_env())
     assert out.returncode == 0, out.stderr
     assert "interrupted" in out.stdout and "not interrupted" not in out.stdout
     assert time.monotonic() - t0 < 30
 
 
-def test_without_obstore_a_url_names_the_extra():
+def test_without_obstore_a_url_names_the_extra(tmp_path):
     code = ("import sys; sys.modules['obstore'] = None\n"
             "from instant_staging.loader import load_file\n"
             "try:\n    load_file('s3://b/k.safetensors')\n"
             "except ImportError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env=child_env())
     assert "pip install 'instant_staging[remote]'" in out.stdout, out.stderr
 
 
