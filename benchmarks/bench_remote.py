@@ -84,8 +84,11 @@ def worker(args):
     rss_before = _rss_now()
     t0 = time.perf_counter()
     if args.method == "instant_staging":
-        if args.setting != "default":
-            os.environ["INSTANT_STAGING_CHUNK_SIZE"] = args.setting
+        if args.setting != "default":           # CHUNK[:IO_DEPTH]
+            chunk, _, depth = args.setting.partition(":")
+            os.environ["INSTANT_STAGING_CHUNK_SIZE"] = chunk
+            if depth:
+                os.environ["INSTANT_STAGING_IO_DEPTH"] = depth
         from instant_staging.loader import Checkpoint
         with Checkpoint.open(prefix) as ck:
             out = ck.load(device)
@@ -199,7 +202,8 @@ def main(argv=None):
     ap.add_argument("--data-root", default=None,
                     help="the folder a file-backed server (LocalBucket) serves: files are linked there")
     ap.add_argument("--ours", default="default",
-                    help="our settings: default, or a chunk size (INSTANT_STAGING_CHUNK_SIZE)")
+                    help="our settings: default, or CHUNK[:IO_DEPTH] (INSTANT_STAGING_CHUNK_SIZE, "
+                         "INSTANT_STAGING_IO_DEPTH)")
     ap.add_argument("--dir", default="/tmp/bench_remote")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--repeat", type=int, default=3)
