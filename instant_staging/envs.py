@@ -111,7 +111,7 @@ def _seconds(name: str, text: str) -> float:
 
 
 def _fault_plan(name: str, text: str):
-    from .faults import FaultPlan  # imports the compiled _runtime: only when set
+    from .faults import FaultPlan  # imports the compiled runtime table: only when set
     try:
         return FaultPlan.parse(text)
     except ValueError as e:

@@ -1,10 +1,10 @@
 """instant_staging/envs.py: the one table of INSTANT_STAGING_* variables.
 
 README's table is its output, every INSTANT_STAGING_* name in the package
-and the build is one of its rows, no module reads one of them from the
-environment itself (but backends.py and setup.py, at build time), each
-parser refuses a bad value with a ValueError naming its variable, and
-unset or empty means None."""
+and the build is one of its rows, no module of the package reads one of
+them from the environment itself (the build's _build_backend/backends.py
+and setup.py do, at build time), each parser refuses a bad value with a
+ValueError naming its variable, and unset or empty means None."""
 
 import ast
 import os
@@ -12,14 +12,17 @@ import re
 
 import pytest
 
-from instant_staging import backends, envs
+from instant_staging import envs
+
+from conftest import build_backends
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "instant_staging")
 NAME = re.compile(r"INSTANT_STAGING_[A-Z_]+")
 SOURCES = (".py", ".pyx", ".pxd", ".pxi", ".pyi")
-# Read without the package (setup.py loads backends.py by path): os.environ.
-BUILD_TIME_READERS = {"backends.py", "envs.py"}
+# The package's one reader of os.environ (the build's, setup.py and
+# _build_backend/backends.py, are outside the package).
+ENVIRON_READERS = {"envs.py"}
 
 
 def source_files():
@@ -77,6 +80,7 @@ def test_every_name_in_the_code_is_in_the_table():
 
 
 def test_build_time_names_are_the_tables():
+    backends = build_backends()
     for name in (backends.BACKEND_VAR, backends.CUDA_VAR):
         assert envs.variable(name).parse is None, name
     with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
@@ -118,7 +122,7 @@ def test_run_time_readers_read_through_envs():
     bypass = []
     for path in source_files():
         base = os.path.basename(path)
-        if base in BUILD_TIME_READERS or not path.startswith(PACKAGE + os.sep):
+        if base in ENVIRON_READERS or not path.startswith(PACKAGE + os.sep):
             continue
         with open(path, encoding="utf-8") as f:
             text = f.read()

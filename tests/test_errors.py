@@ -8,8 +8,8 @@ import pickle
 import pytest
 
 import instant_staging as ist
-from instant_staging._runtime import Runtime
 from instant_staging.loader import LoadError, SafetensorsError, VerifyError
+from instant_staging.runtime._table import Runtime
 from instant_staging.testing import SimulatedRuntime
 
 from conftest import SEG, SIZE, make

@@ -13,13 +13,15 @@ import sys
 import pytest
 
 import instant_staging as ist
-from instant_staging import backends
 from instant_staging.cli import doctor, probe
 from instant_staging.cli.main import main, version_line
 from instant_staging.cli.report import driver_problem
 from instant_staging.testing import SimulatedRuntime
 
 from _child import run_child
+from conftest import build_backends
+
+backends = build_backends()
 
 
 def _fake_cuda(root, version, crt_beside=True, static=True):
@@ -54,7 +56,7 @@ def env(monkeypatch):
             toolkits.append((str(root), "CUDA_HOME"))
 
         def rocm(self):
-            rocm.append(backends.Backend("rocm", "instant_staging/_hip.pyx", [], ["/usr/lib"],
+            rocm.append(backends.Backend("rocm", "instant_staging/runtime/_hip.pyx", [], ["/usr/lib"],
                                          ["amdhip64"], [], [], [], "system: /usr", 50200003,
                                          "HIP 5.2.3 (system package)"))
 
@@ -151,7 +153,7 @@ def test_build_config_names_no_path():
 def test_cuda_module_needs_no_libcudart():
     if ist.BACKEND != "cuda":
         pytest.skip("ROCm build")
-    from instant_staging import _cuda
+    from instant_staging.runtime import _cuda
     with open(_cuda.__file__, "rb") as f:
         data = f.read()
     assert b"libcudart.so" not in data
@@ -166,6 +168,14 @@ def test_version_option(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out.strip()
     assert out == version_line() and out.startswith(f"instant-staging {ist.__version__} ({ist.BACKEND}")
+
+
+def test_the_run_time_driver_table_is_the_builds():
+    # doctor and probe carry their own copy: backends.py is build time only,
+    # and the installed package holds none of it.
+    from instant_staging.cli.report import MIN_DRIVER
+    assert MIN_DRIVER == backends.MIN_DRIVER
+    assert not os.path.exists(os.path.join(os.path.dirname(ist.__file__), "backends.py"))
 
 
 @pytest.mark.parametrize("runtime, driver, verdict", [

@@ -195,7 +195,7 @@ def test_the_checker_on_cython_strings():
         "from ..loader import (\n    Checkpoint,\n    _progress,\n)": True,
         "from ..loader import \\\n    _progress": True,
         "from instant_staging.loader import Checkpoint": False,
-        "from ._runtime cimport Runtime\nfrom libc.stdint cimport uint64_t": False,
+        "from .runtime._table cimport Runtime\nfrom libc.stdint cimport uint64_t": False,
         "# from ..loader._pipeline import Pipeline": False,
     }
     for text, bad in cases.items():

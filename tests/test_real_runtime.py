@@ -12,8 +12,8 @@ import threading
 import pytest
 
 from instant_staging import _build_config
-from instant_staging._runtime import Runtime
 from instant_staging.runtime import backend_module
+from instant_staging.runtime._table import Runtime
 
 from conftest import PAGE
 

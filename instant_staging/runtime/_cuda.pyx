@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""The CUDA runtime behind the runtime table (see ``_runtime.pxd``).
+"""The CUDA runtime behind the runtime table (see ``_table.pxd``).
 
 Each table entry is a small ``noexcept nogil`` adapter around one CUDA
 runtime call, returning the runtime's own ``cudaError_t``.  ``ctx`` is
@@ -16,7 +16,7 @@ never that of another libcudart in the process (torch ships its own).
 
 from libc.string cimport strncpy
 
-from instant_staging._runtime cimport Runtime
+from instant_staging.runtime._table cimport Runtime
 
 BACKEND = "cuda"
 
@@ -75,7 +75,7 @@ cdef extern from "cuda_runtime_api.h" nogil:
 HEADER_VERSION = CUDART_VERSION
 
 
-# -- adapters: exactly the typedef signatures of _runtime.pxd ----------------
+# -- adapters: exactly the typedef signatures of _table.pxd ----------------
 
 cdef int _host_register(void* ctx, void* ptr, size_t size,
                         unsigned int flags) noexcept nogil:
@@ -206,4 +206,4 @@ def runtime():
     return _RUNTIME
 
 
-include "_table.pxi"   # _fill_table: every entry from the adapters above
+include "_fill.pxi"   # _fill_table: every entry from the adapters above

@@ -1,6 +1,6 @@
 """Types of the compiled ``_cuda`` module (built for the CUDA backend only)."""
 
-from ._runtime import Runtime
+from ._table import Runtime
 
 BACKEND: str
 HEADER_VERSION: int

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""The HIP (ROCm) runtime behind the runtime table (see ``_runtime.pxd``).
+"""The HIP (ROCm) runtime behind the runtime table (see ``_table.pxd``).
 
 Each table entry is a small ``noexcept nogil`` adapter around one HIP
 runtime call, returning the runtime's own ``hipError_t`` (HIP uses CUDA's
@@ -11,7 +11,7 @@ Without a GPU the module still imports; Debian's HIP 5.2 then returns
 101 ``hipErrorInvalidDevice`` from ``hipHostRegister`` and ``hipHostMalloc``.
 """
 
-from instant_staging._runtime cimport Runtime
+from instant_staging.runtime._table cimport Runtime
 
 BACKEND = "rocm"
 
@@ -110,7 +110,7 @@ cdef extern from *:
 HEADER_VERSION = HIP_VERSION
 
 
-# -- adapters: exactly the typedef signatures of _runtime.pxd ----------------
+# -- adapters: exactly the typedef signatures of _table.pxd ----------------
 
 cdef int _host_register(void* ctx, void* ptr, size_t size,
                         unsigned int flags) noexcept nogil:
@@ -226,4 +226,4 @@ def runtime():
     return _RUNTIME
 
 
-include "_table.pxi"   # _fill_table: every entry from the adapters above
+include "_fill.pxi"   # _fill_table: every entry from the adapters above

@@ -1,10 +1,10 @@
 # The one list of runtime-table entries, included by every module that
-# fills a table (_cuda.pyx, _hip.pyx, _faults.pyx, testing/_simulated.pyx).
+# fills a table (_cuda.pyx, _hip.pyx, _faults.pyx, _simulated.pyx, all in this folder).
 # Each of those defines one nogil adapter per entry, named after the entry
 # with a leading underscore; this assigns them, so no entry is forgotten
 # when the table grows.
 
-from instant_staging._runtime cimport RuntimeTable
+from instant_staging.runtime._table cimport RuntimeTable
 
 
 cdef void _fill_table(RuntimeTable* t, void* ctx) noexcept:

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""Python face of the runtime table (see ``_runtime.pxd``).
+"""Python face of the runtime table (see ``_table.pxd``).
 
 ``Runtime`` holds one filled ``RuntimeTable``.  Its methods are thin
 wrappers, one per table entry, that release the GIL around the call and
@@ -14,7 +14,7 @@ from libc.stdint cimport intptr_t
 
 from instant_staging._types import RuntimeCallError
 
-# The error names of the fault grammar and their codes (_runtime.pxd's enum).
+# The error names of the fault grammar and their codes (_table.pxd's enum).
 ERROR_CODES = {
     "invalid_value": ERROR_INVALID_VALUE,
     "memory_allocation": ERROR_MEMORY_ALLOCATION,

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from ._runtime import Runtime
+from ._table import Runtime
 from .faults import FaultPlan
 
 BACKEND: str  # this build's (imported from _build_config)

@@ -2,7 +2,7 @@
 
 from typing import TypeVar, overload
 
-from ._runtime import Runtime
+from ._table import Runtime
 from .faults import FaultPlan
 
 _R = TypeVar("_R", bound=Runtime)

@@ -21,7 +21,7 @@ from libc.stdint cimport intptr_t
 import sys
 import traceback
 
-from instant_staging._runtime cimport ERROR_UNKNOWN, Runtime
+from instant_staging.runtime._table cimport ERROR_UNKNOWN, Runtime
 
 # Operations a plan can fail, indexing _OP_NAMES.
 cdef enum:
@@ -338,4 +338,4 @@ cdef int _event_synchronize(void* ctx, void* event) noexcept nogil:
     return _forwarded(ctx, c.inner.event_synchronize(c.inner.ctx, event))
 
 
-include "_table.pxi"   # _fill_table: every entry from the adapters above
+include "_fill.pxi"   # _fill_table: every entry from the adapters above

@@ -1,6 +1,6 @@
 """FaultyRuntime: a runtime table that fails chosen calls (see _faults.pyx)."""
 
-from instant_staging._runtime cimport Runtime, RuntimeTable
+from instant_staging.runtime._table cimport Runtime, RuntimeTable
 
 
 # Reports a Python exception raised inside a nogil table entry (a broken

@@ -1,6 +1,6 @@
 """Types of the compiled ``_hip`` module (built for the ROCm backend only)."""
 
-from ._runtime import Runtime
+from ._table import Runtime
 
 BACKEND: str
 HEADER_VERSION: int

@@ -1,10 +1,10 @@
-"""Types of the compiled ``_runtime`` module (see ``_runtime.pyx``)."""
+"""Types of the compiled ``runtime._table`` module (see ``_table.pyx``)."""
 
 from typing import TypeVar, overload
 
 _T = TypeVar("_T")
 
-# The fault grammar's error names and their codes (_runtime.pxd's enum).
+# The fault grammar's error names and their codes (_table.pxd's enum).
 ERROR_CODES: dict[str, int]
 
 class Runtime:

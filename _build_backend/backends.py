@@ -1,8 +1,9 @@
 """Build-time only: find the CUDA or ROCm toolchain for setup.py.
 
-Pure Python with no imports from the package, so ``setup.py`` and the
-in-tree build backend (``_build_backend/``) can load it by path before
-anything is built.  ``find_backend()`` returns a ``Backend`` naming the
+Pure Python with no imports from the package, beside the in-tree build
+backend (``instant_staging_build.py``), which loads it by path for itself
+and for ``setup.py`` before anything is built; it is not part of the
+installed package.  ``find_backend()`` returns a ``Backend`` naming the
 Cython source to compile and the include dirs, library dirs, libraries and
 macros to compile it with; ``build_requirements()`` is what the build
 backend adds to pip's build environment.
@@ -44,7 +45,8 @@ CUDA_WHEELS: dict[int, tuple[str, ...]] = {
 # Where each major version's wheels unpack under site-packages.
 _WHEEL_DIRS = {12: "nvidia/cuda_runtime", 13: "nvidia/cu13"}
 # The oldest driver branch each CUDA major version's runtime runs on
-# (minor version compatibility within a major version).
+# (minor version compatibility within a major version); the run-time copy,
+# for doctor and probe, is instant_staging/cli/report.py's (a test compares).
 MIN_DRIVER = {11: "R450", 12: "R525", 13: "R580"}
 
 
@@ -169,7 +171,7 @@ def _cuda_at(home: str, origin: str, major: int | None) -> Backend | None:
             # process (torch's) is called instead or shares its last error.
             wheel = origin.startswith("nvidia CUDA")
             toolchain = f"CUDA {cuda_version_text(version)} ({'PyPI wheels' if wheel else 'toolkit'})"
-            return Backend("cuda", "instant_staging/_cuda.pyx", incs, [libdir],
+            return Backend("cuda", "instant_staging/runtime/_cuda.pyx", incs, [libdir],
                            ["cudart_static", "rt", "pthread", "dl"], [], [], [],
                            f"{origin}: {home}", version, toolchain)
     _cuda_skipped.append(f"{home} ({origin}) has headers but no libcudart_static.a")
@@ -245,7 +247,7 @@ def find_rocm() -> Backend | None:
         text = (f"{version // 10**7}.{version // 10**5 % 100}.{version % 10**5}"
                 if version else "(version unknown)")
         toolchain = f"HIP {text} ({'system package' if system else 'ROCm install'})"
-        return Backend("rocm", "instant_staging/_hip.pyx", incs, [libdir], libs,
+        return Backend("rocm", "instant_staging/runtime/_hip.pyx", incs, [libdir], libs,
                        [("__HIP_PLATFORM_AMD__", "1")], link,
                        [] if system else [libdir], f"{origin}: {home}", version, toolchain)
     return None

@@ -35,12 +35,12 @@ from posix.unistd cimport sysconf, _SC_PAGESIZE
 import bisect
 import collections
 
-from instant_staging._runtime cimport (
+from instant_staging.runtime._table cimport (
     Runtime, ERROR_INVALID_VALUE, ERROR_MEMORY_ALLOCATION, ERROR_NO_DEVICE,
     ERROR_ALREADY_REGISTERED, ERROR_NOT_REGISTERED, ERROR_INVALID_MEMCPY_DIRECTION,
     ERROR_INVALID_DEVICE, ERROR_INVALID_HANDLE, MEMCPY_HOST_TO_DEVICE,
     MEMCPY_DEVICE_TO_HOST, MEMORY_UNREGISTERED, MEMORY_HOST, MEMORY_DEVICE)
-from instant_staging._faults cimport FaultyRuntime, internal_error
+from instant_staging.runtime._faults cimport FaultyRuntime, internal_error
 from instant_staging._build_config import BACKEND
 from instant_staging.faults import as_plan
 
@@ -769,4 +769,4 @@ cdef int _event_synchronize(void* ctx, void* event) noexcept nogil:
             return internal_error("SimulatedRuntime.event_synchronize")
 
 
-include "_table.pxi"   # _fill_table: every entry from the adapters above
+include "_fill.pxi"   # _fill_table: every entry from the adapters above

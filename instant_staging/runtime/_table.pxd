@@ -9,7 +9,7 @@ on the ones used here); 0 is success.
 """
 
 # Error codes shared by the CUDA and HIP runtimes for the calls used here:
-# the one table of them (ERROR_CODES in _runtime.pyx is its Python face,
+# the one table of them (ERROR_CODES in _table.pyx is its Python face,
 # the fault grammar's error names).
 cdef enum:
     SUCCESS = 0

@@ -1,4 +1,5 @@
-"""Which runtime a StagingBuffer uses when none is given.
+"""The runtimes: which one a StagingBuffer uses when none is given, and
+the compiled modules behind them.
 
 ``real_runtime()`` is the runtime this build was compiled against (CUDA
 or HIP), one instance per process.  ``default_runtime()`` is that runtime
@@ -11,6 +12,17 @@ choice) names another backend than this build's: pip reuses a wheel it
 built earlier from the same sdist whatever the variable says, so a
 switched install can silently keep the old backend.  Importing the package
 warns about it; ``doctor`` reports it.
+
+This folder holds every runtime the state machine can call:
+
+- ``_table.pxd``/``_table.pyx``: the runtime table (a struct of nogil
+  function pointers, the one seam) and its Python face, ``Runtime``;
+  ``_fill.pxi``, the list of its entries that every runtime below fills;
+- ``_cuda.pyx``, ``_hip.pyx``: the CUDA and HIP adapters (only the backend
+  chosen at build time is compiled);
+- ``_simulated.pyx``: the simulated runtime (public through ``testing``);
+- ``_faults.pyx``: the fault-injecting wrapper around any of them (the
+  fault grammar is ``instant_staging.faults``).
 """
 
 import importlib
@@ -18,17 +30,17 @@ import threading
 import warnings
 from typing import TYPE_CHECKING
 
-from . import envs
-from ._build_config import BACKEND
+from .. import envs
+from .._build_config import BACKEND
 
 if TYPE_CHECKING:                 # typed for callers (mypy --strict on README's examples)
-    from ._runtime import Runtime
+    from ._table import Runtime
 
 # The runtime's own names of the calls the state machine makes (for
 # messages), and the compiled module of each backend: defined here once.
 _BACKENDS = {
-    "cuda": ("instant_staging._cuda", {"register": "cudaHostRegister", "alloc": "cudaHostAlloc"}),
-    "rocm": ("instant_staging._hip", {"register": "hipHostRegister", "alloc": "hipHostMalloc"}),
+    "cuda": ("instant_staging.runtime._cuda", {"register": "cudaHostRegister", "alloc": "cudaHostAlloc"}),
+    "rocm": ("instant_staging.runtime._hip", {"register": "hipHostRegister", "alloc": "hipHostMalloc"}),
 }
 API_NAMES = _BACKENDS[BACKEND][1]
 
