@@ -64,7 +64,7 @@ env LD_PRELOAD="$LIBASAN" \
     PYTHONMALLOC=malloc \
     HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-quick}" \
     python -m pytest -q -p no:cacheprovider \
-        --deselect tests/test_simulated.py::test_dealloc_frees_leftovers \
+        --deselect tests/core/test_simulated.py::test_dealloc_frees_leftovers \
         "${@:-tests}"
 tests_rc=$?
 set -e
