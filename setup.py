@@ -1,4 +1,4 @@
-"""Build instant_staging against CUDA or ROCm (chosen by instant_staging/backends.py).
+"""Build instant_staging against CUDA or ROCm (chosen by _build_backend/backends.py).
 
 The backend is found when extensions are built, not when setup.py is
 loaded, so an sdist (and pip's metadata step) needs no toolkit.  Cython
@@ -55,17 +55,17 @@ def ext(name, sources, **kw):
 
 # Every backend's modules; build_ext adds the one that fills the runtime table.
 extensions = [
-    ext("instant_staging._runtime", ["instant_staging/_runtime.pyx"]),
+    ext("instant_staging.runtime._table", ["instant_staging/runtime/_table.pyx"]),
     ext("instant_staging._staging", ["instant_staging/_staging.pyx"], libraries=["pthread"]),
     ext("instant_staging.loader._pipeline", ["instant_staging/loader/_pipeline.pyx"], libraries=["pthread"]),
     ext("instant_staging.loader._canonical", ["instant_staging/loader/_canonical.pyx"]),
-    ext("instant_staging._faults", ["instant_staging/_faults.pyx"]),
-    ext("instant_staging._simulated", ["instant_staging/_simulated.pyx"]),
+    ext("instant_staging.runtime._faults", ["instant_staging/runtime/_faults.pyx"]),
+    ext("instant_staging.runtime._simulated", ["instant_staging/runtime/_simulated.pyx"]),
 ]
 
 
 def backend_extension(backend):
-    return ext(f"instant_staging._{'cuda' if backend.name == 'cuda' else 'hip'}", [backend.source],
+    return ext(f"instant_staging.runtime._{'cuda' if backend.name == 'cuda' else 'hip'}", [backend.source],
                include_dirs=backend.include_dirs, library_dirs=backend.library_dirs,
                libraries=backend.libraries, define_macros=backend.define_macros,
                extra_link_args=backend.extra_link_args,
@@ -101,7 +101,8 @@ class build_ext(_build_ext):
         # The backend's module joins before setuptools finalizes the list
         # (an sdist, which finalizes this command too, needs no backend).
         names = {e.name for e in self.distribution.ext_modules}
-        if BACKEND is not None and not names & {"instant_staging._cuda", "instant_staging._hip"}:
+        adapters = {"instant_staging.runtime._cuda", "instant_staging.runtime._hip"}
+        if BACKEND is not None and not names & adapters:
             self.distribution.ext_modules.append(backend_extension(BACKEND))
         super().finalize_options()
 
@@ -142,6 +143,7 @@ setup(
     ext_modules=extensions,
     cmdclass={"build_ext": build_ext},
     package_data={"instant_staging": ["*.pxd", "*.pyx", "*.pxi", "*.pyi", "py.typed"],
-                  "instant_staging.loader": ["*.pyx", "*.pyi"]},
+                  "instant_staging.loader": ["*.pyx", "*.pyi"],
+                  "instant_staging.runtime": ["*.pxd", "*.pyx", "*.pxi", "*.pyi"]},
     exclude_package_data={"": ["*.c", "*.so", "*.html"]},
 )

@@ -5,7 +5,7 @@ as build requirements.
 pip builds in an isolated environment that sees none of the target
 environment's packages, so a no-toolkit CUDA build needs its headers and
 ``libcudart_static.a`` in that environment: ``get_requires_for_build_*``
-asks for them (``instant_staging/backends.py``, ``build_requirements()``),
+asks for them (``backends.py`` beside this file, ``build_requirements()``),
 pip installs them there, and ``setup.py`` finds them on ``sys.path``.  On
 a host with a toolkit, or for ROCm, nothing is added.  Building an sdist
 compiles nothing, so it needs no runtime.
@@ -35,13 +35,14 @@ __all__ = [
     "prepare_metadata_for_build_wheel",
 ]
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load_backends():
-    """instant_staging/backends.py, loaded by path (the package cannot be
-    imported before it is built); setup.py uses this too."""
-    path = os.path.join(_ROOT, "instant_staging", "backends.py")
+    """backends.py beside this file, loaded by path (a plain ``import
+    backends`` could meet another module of that name); setup.py uses this
+    too.  Build time only: the installed package holds no copy of it."""
+    path = os.path.join(_HERE, "backends.py")
     spec = importlib.util.spec_from_file_location("_instant_staging_backends", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

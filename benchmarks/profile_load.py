@@ -326,7 +326,7 @@ def main(argv=None):
                     section_pipeline(torch, name, f, args.repeat, out,
                                      list(itertools.product(chunks, depths, threads_list)))
                 if "spin" in sections:
-                    from instant_staging import _cuda
+                    from instant_staging.runtime import _cuda
                     _cuda._set_event_blocking_sync(True)
                     try:
                         section_pipeline(torch, name, f, args.repeat, out,

@@ -30,8 +30,10 @@ try:
     from .runtime import default_runtime, real_runtime
 except ModuleNotFoundError as _missing:
     # What the build makes (setup.py): _build_config.py and the compiled
-    # extensions, every one of them a private module of this package.
-    if not (_missing.name or "").startswith(__name__ + "._"):
+    # extensions, every one of them a private module of this package or of
+    # one of its folders (runtime/_table, loader/_pipeline).
+    _parts = (_missing.name or "").split(".")
+    if _parts[0] != __name__ or not any(p.startswith("_") for p in _parts[1:]):
         raise
     raise ImportError(
         f"instant_staging is not built ({_missing.name} is missing: this looks like its "

@@ -44,7 +44,7 @@ at any point (KeyboardInterrupt between steps included) leaves exactly
 the held resources for ``_release`` to free, newest first.
 """
 
-from instant_staging._runtime cimport Runtime
+from instant_staging.runtime._table cimport Runtime
 
 # The kind a buffer reached (mirrors instant_staging.Kind); NONE until
 # construction succeeds.

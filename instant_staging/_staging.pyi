@@ -5,10 +5,10 @@ from types import TracebackType
 import torch
 from typing_extensions import Self
 
-from ._runtime import Runtime
 from ._types import Attempt, Kind
+from .runtime._table import Runtime
 
-# Imported there from defaults.py and runtime.py (defined once, there).
+# Imported there from defaults.py and runtime/ (defined once, there).
 API_NAMES: dict[str, str]
 DEFAULT_SEGMENT_SIZE: int
 MAX_PREFAULT_THREADS: int

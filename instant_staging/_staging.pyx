@@ -13,7 +13,7 @@ only after the previous one failed:
     6. runtime_alloc     cudaHostAlloc / hipHostMalloc         -> RUNTIME_PINNED
     7. pageable          ordinary memory, opt-in               -> PAGEABLE
 
-The runtime is reached only through its table (``_runtime.pxd``), so the
+The runtime is reached only through its table (``_table.pxd``), so the
 same code runs against CUDA, HIP, the simulated runtime, or any of them
 wrapped in faults.  Every runtime call is made with the GIL released, and
 after every failed call the pending runtime error is cleared so that it
@@ -38,7 +38,7 @@ from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, MAP_PRIVATE,
                          MADV_HUGEPAGE)
 from posix.unistd cimport getpid, sysconf, _SC_PAGESIZE
 
-from instant_staging._runtime cimport ERROR_RUNTIME_UNLOADING, Runtime, RuntimeTable
+from instant_staging.runtime._table cimport ERROR_RUNTIME_UNLOADING, Runtime, RuntimeTable
 
 from instant_staging import envs
 from instant_staging._hugepages import decide as _decide_hugepages

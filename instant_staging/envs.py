@@ -10,7 +10,7 @@ The contract:
   so nothing reads a variable the table does not list.  The build-time
   variables (``parse`` None: read by ``setup.py`` and ``backends.py``,
   which must load without the package) keep their own reads, of the
-  table's names (tests/test_envs.py checks every ``INSTANT_STAGING_*``
+  table's names (tests/core/test_envs.py checks every ``INSTANT_STAGING_*``
   text of the package, ``setup.py`` and ``_build_backend/``).
 - Unset, empty and only whitespace all mean None: the reader's default
   applies.  A value is read when asked, never cached.
@@ -18,7 +18,7 @@ The contract:
   the value, or raises a ValueError naming the variable (the CLI makes it
   a usage error, exit 2); readers call it before anything is allocated.
 - README's "Environment variables" table is ``markdown_table()``'s output
-  (tests/test_envs.py compares them): edit the table here, then paste it.
+  (tests/core/test_envs.py compares them): edit the table here, then paste it.
 
 Modelled on vLLM's ``envs.py``.  Light (the standard library and
 ``defaults``/``_types``), so any module may import it at import time; the
@@ -111,7 +111,7 @@ def _seconds(name: str, text: str) -> float:
 
 
 def _fault_plan(name: str, text: str):
-    from .faults import FaultPlan  # imports the compiled _runtime: only when set
+    from .faults import FaultPlan  # imports the compiled runtime table: only when set
     try:
         return FaultPlan.parse(text)
     except ValueError as e:

@@ -13,7 +13,7 @@ A plan is parsed from the spec of docs/design.md ("Faults"), the value of
              | already_registered | not_registered | no_device | <integer>
              (read: an errno name such as EIO, or ``short``: the file ends there)
 
-``FaultyRuntime`` (``instant_staging._faults``) asks ``plan.decide(op, size)``
+``FaultyRuntime`` (``instant_staging.runtime._faults``) asks ``plan.decide(op, size)``
 before each staging call and, when it answers a code, fails the call with
 it instead of calling the runtime; ``#N`` counts those calls in time order,
 across the process's threads.  ``read`` and ``copy`` rules are resolved by
@@ -24,7 +24,7 @@ chunk), both in reading order (file, then offset); ``>SIZE`` compares the
 chunk's or the piece's length.  A load takes them from its staging
 buffer's runtime (a FaultyRuntime's or SimulatedRuntime's plan), else from
 ``INSTANT_STAGING_FAULTS``.  Python, apart from the error codes it takes
-from ``_runtime`` (the one table of them).
+from ``runtime._table`` (the one table of them).
 """
 
 import errno
@@ -34,8 +34,8 @@ from collections.abc import Iterable
 from typing import NamedTuple, Optional
 
 from instant_staging import envs
-from instant_staging._runtime import ERROR_CODES
 from instant_staging._types import parse_size
+from instant_staging.runtime._table import ERROR_CODES
 
 __all__ = ["ENV_VAR", "ERROR_CODES", "ERROR_NAMES", "OPERATIONS", "SHORT_READ", "FaultPlan",
            "FaultRule", "as_plan"]
@@ -51,7 +51,7 @@ OPERATIONS = ("register", "unregister", "host_alloc", "free_host", "read", "copy
 SHORT_READ = -1
 
 # ERROR_CODES: the error names a rule may use; the codes are CUDA's and
-# HIP's (they agree), tabled once in _runtime.pxd.
+# HIP's (they agree), tabled once in _table.pxd.
 ERROR_NAMES = {code: name for name, code in ERROR_CODES.items()}
 
 _INT_MAX = (1 << 31) - 1           # codes travel as a C int

@@ -51,7 +51,7 @@ if [ ! -e "$LIBASAN" ]; then
     echo "asan_check: libasan.so not found (gcc -print-file-name=libasan.so gave $LIBASAN)"; exit 1
 fi
 # The extensions must really be instrumented, or the run proves nothing.
-for so in instant_staging/_staging*.so instant_staging/_simulated*.so; do
+for so in instant_staging/_staging*.so instant_staging/runtime/_simulated*.so; do
     # (grep without -q: an early exit would SIGPIPE nm and fail the pipeline)
     nm -D "$so" | grep __asan_report >/dev/null || { echo "asan_check: $so is not instrumented"; exit 1; }
 done
@@ -64,7 +64,7 @@ env LD_PRELOAD="$LIBASAN" \
     PYTHONMALLOC=malloc \
     HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-quick}" \
     python -m pytest -q -p no:cacheprovider \
-        --deselect tests/test_simulated.py::test_dealloc_frees_leftovers \
+        --deselect tests/core/test_simulated.py::test_dealloc_frees_leftovers \
         "${@:-tests}"
 tests_rc=$?
 set -e

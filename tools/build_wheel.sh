@@ -86,11 +86,17 @@ WHEEL="$(ls "$WORK"/repaired/*.whl)"
 mkdir "$WORK/unpacked"
 (cd "$WORK/unpacked" && "$PY" -m zipfile -e "$WHEEL" .)
 fail=0
-for so in "$WORK"/unpacked/instant_staging/_cuda*.so; do
+for so in "$WORK"/unpacked/instant_staging/runtime/_cuda*.so; do
     if readelf -d "$so" | grep NEEDED | grep -q libcudart; then
         echo "build_wheel: $so NEEDs libcudart"; fail=1
     fi
 done
+if ! ls "$WORK"/unpacked/instant_staging/runtime/_cuda*.so >/dev/null 2>&1; then
+    echo "build_wheel: the wheel has no CUDA adapter (instant_staging/runtime/_cuda*.so)"; fail=1
+fi
+if [ -n "$(cd "$WORK/unpacked" && find . -name backends.py)" ]; then
+    echo "build_wheel: the wheel carries backends.py (build time only)"; fail=1
+fi
 if [ -n "$(cd "$WORK/unpacked" && find . -name '*.c' -o -name '*.so.*')" ]; then
     echo "build_wheel: the wheel carries generated C or bundled libraries:"
     (cd "$WORK/unpacked" && find . -name '*.c' -o -name '*.so.*'); fail=1

@@ -6,7 +6,7 @@
 #
 # WHEELDIR holds, for the host's Python: setuptools>=77, Cython>=3.0,
 # nvidia-cuda-runtime-cu12==12.9.79 and nvidia-cuda-nvcc-cu12==12.9.86
-# (instant_staging/backends.py, CUDA_WHEELS[12]).  Builds the package as
+# (_build_backend/backends.py, CUDA_WHEELS[12]).  Builds the package as
 # pip does for a user, isolated, with the in-tree backend fetching the
 # CUDA 12 runtime wheels from WHEELDIR (INSTANT_STAGING_CUDA=12 passes the
 # CUDA 13 toolkit over), into a scratch site dir; then, against that build:
@@ -41,7 +41,7 @@ step "build (CUDA 12 from wheels, isolated)" build
 
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 cd /tmp   # never the unbuilt sources in $ROOT
-so="$(ls "$SITE"/instant_staging/_cuda*.so)"
+so="$(ls "$SITE"/instant_staging/runtime/_cuda*.so)"
 readelf_check() {
     readelf -d "$so" | tee "$OUTDIR/readelf.txt"
     ! grep NEEDED "$OUTDIR/readelf.txt" | grep -q libcudart

@@ -25,8 +25,8 @@ missing=0
 tar -tzf "$SDIST" >"$WORK/sdist.list"
 for f in LICENSE README.md pyproject.toml setup.py MANIFEST.in tox.ini .ci/run \
          _build_backend/instant_staging_build.py instant_staging/py.typed \
-         instant_staging/backends.py instant_staging/_staging.pyi \
-         tests/conftest.py tests/_child.py tests/test_staging.py tools/build_wheel.sh; do
+         _build_backend/backends.py instant_staging/_staging.pyi \
+         tests/conftest.py tests/support/__init__.py tests/core/test_staging.py tools/build_wheel.sh; do
     grep -qxF "$name/$f" "$WORK/sdist.list" || { echo "test_wheel: sdist lacks $f"; missing=1; }
 done
 for d in docs benchmarks; do

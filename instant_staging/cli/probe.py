@@ -108,13 +108,13 @@ def select_runtime(*, simulate=False, faults=None, require_gpu=False,
         plan = env_plan()
         if plan is not None:
             info["faults"], info["faults_from"] = str(plan), "INSTANT_STAGING_FAULTS"
-    from .._simulated import SimulatedRuntime
+    from ..runtime._simulated import SimulatedRuntime
     return SimulatedRuntime(faults=plan), info
 
 
 def _real_with_faults(real, plan, info):
     if plan is not None:
-        from .._faults import inject_faults
+        from ..runtime._faults import inject_faults
         return inject_faults(real, plan)
     from ..faults import FaultPlan
     from ..runtime import default_runtime

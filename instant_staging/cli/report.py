@@ -7,7 +7,10 @@ never from one another.
 import json
 
 from .._types import StagingError, format_size
-from ..backends import MIN_DRIVER  # the oldest driver branch per CUDA major
+
+# The oldest driver branch each CUDA major version's runtime runs on (the
+# build's copy, for its log line, is _build_backend/backends.py's).
+MIN_DRIVER = {11: "R450", 12: "R525", 13: "R580"}
 
 
 def version_text(backend, value):

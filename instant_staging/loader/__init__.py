@@ -37,7 +37,7 @@ works without it.
 
 The loader's face for its neighbours (the CLI, the integrations, the
 benchmarks), who import nothing from an underscored module of it
-(tests/test_public_face.py):
+(tests/loader/test_public_face.py):
 
 - ``Checkpoint`` (opened once, headers parsed once), ``LoadOptions``,
   ``TensorInfo``, ``LoadIterator`` and its ``LoadReport``;

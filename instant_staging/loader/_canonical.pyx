@@ -12,7 +12,7 @@ it in one pass; for anything else it returns None and ``_header._parse``
 (the JSON parser with serde_json's rules) decides the header and words
 its errors.  So this module only decides *whether* the fast reading
 applies, never whether a file is valid: a header it declines is read the
-slow way, and ``tests/test_header_validity.py`` checks that both
+slow way, and ``tests/loader/test_header_validity.py`` checks that both
 readings agree.
 
 Python took 1.75 ms (regular expressions) for the 1,188 entries of the

@@ -7,7 +7,7 @@ the data section) and may hold a ``"__metadata__"`` map of strings.
 
 A file is valid exactly when safetensors (0.8, ``safetensors.torch``)
 accepts it; every rule below is one of its rules, checked before the
-loader allocates anything (``tests/test_header_validity.py`` compares
+loader allocates anything (``tests/loader/test_header_validity.py`` compares
 both on generated and mutated files):
 
 - the header length is at most 100,000,000 and inside the file; the header

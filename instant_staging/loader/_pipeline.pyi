@@ -2,7 +2,7 @@
 
 Private to the loader: ``load_file``, ``iter_load`` and ``safe_open`` are
 its public face (typed in Python).  Checked against the compiled module by
-stubtest (tests/test_typing.py): a name added, renamed or dropped there
+stubtest (tests/core/test_typing.py): a name added, renamed or dropped there
 fails that test until this file follows.
 """
 

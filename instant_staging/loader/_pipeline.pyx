@@ -66,7 +66,7 @@ from libc.errno cimport errno, EINTR
 from posix.unistd cimport pread, getpid
 from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
 
-from instant_staging._runtime cimport Runtime, RuntimeTable, MEMCPY_HOST_TO_DEVICE
+from instant_staging.runtime._table cimport Runtime, RuntimeTable, MEMCPY_HOST_TO_DEVICE
 from instant_staging._staging cimport StagingBuffer
 
 from instant_staging.defaults import MAX_SLOTS_PER_THREAD

@@ -17,9 +17,9 @@ runtime (the real one too) in a ``FaultyRuntime`` that fails the calls the
 plan names.  Nothing outside this package imports it.
 """
 
-from instant_staging._faults import FaultyRuntime, inject_faults
-from instant_staging._simulated import SimulatedRuntime
 from instant_staging.faults import FaultPlan, FaultRule, as_plan
+from instant_staging.runtime._faults import FaultyRuntime, inject_faults
+from instant_staging.runtime._simulated import SimulatedRuntime
 
 __all__ = ["FaultPlan", "FaultRule", "FaultyRuntime", "SimulatedRuntime", "as_plan",
            "inject_faults"]

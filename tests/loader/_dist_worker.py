@@ -1,0 +1,203 @@
+"""One rank of tests/loader/test_distributed.py: runs every scenario in one gloo
+group, in order, and writes what each rank saw to OUT/rank<r>.json.
+
+    python _dist_worker.py SPEC.json RANK
+
+SPEC.json: {"world", "port", "out", "files": {...}, "scenarios": [names]}.
+Each scenario records {"ok": bool, "error": type name, "message",
+"ranks": failed ranks (DistributedLoadError), "equal": the loaded tensors
+equal safetensors' own load of the same selection bit for bit, "names",
+"kinds", "read_bytes", "warnings"}.  Scenarios after a failure check that
+the group is still usable.
+"""
+
+import datetime
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+
+
+def main(spec_path, rank):
+    with open(spec_path) as f:
+        spec = json.load(f)
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file as st_load
+
+    import instant_staging as ist
+    from instant_staging.loader import iter_load, load_file
+    from instant_staging.testing import SimulatedRuntime
+
+    world, files = spec["world"], spec["files"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    pg = dist.new_group(list(range(world)), backend="gloo")
+    sub = dist.new_group(list(range(1, world)), backend="gloo")   # every rank but 0
+    chunk = 2 * 4096
+
+    warnings = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    logging.getLogger("instant_staging").addHandler(Catch(level=logging.WARNING))
+
+    def reference(paths, names=None):
+        ref = {}
+        for p in paths:
+            ref.update(st_load(p))
+        keep = names if callable(names) else (lambda k: names is None or k in names)
+        return {k: v for k, v in ref.items() if keep(k)}
+
+    def equal(got, ref):
+        if list(got) != sorted(got, key=list(ref).index) or set(got) != set(ref):
+            return False
+        return all(got[k].dtype == ref[k].dtype and got[k].shape == ref[k].shape
+                   and torch.equal(got[k].reshape(-1).view(torch.uint8),
+                                   ref[k].reshape(-1).view(torch.uint8)) for k in ref)
+
+    def owns_memory(got):
+        ptrs = [t.untyped_storage().data_ptr() for t in got.values() if t.numel()]
+        return len(ptrs) == len(set(ptrs))
+
+    def run(paths, names=None, expect=None, **kw):
+        """Loads through iter_load; records the outcome."""
+        del warnings[:]
+        rec = {}
+        try:
+            it = iter_load(paths, "cpu", names=names, process_group=pg, chunk_size=chunk, **kw)
+            with it:
+                got = dict(it)
+                rec.update(kinds=[k.name if k is not None else None for k in it.staging_kinds],
+                           read_bytes=it.read_bytes)
+            ref = reference(paths, expect if expect is not None else names)
+            rec.update(ok=True, equal=equal(got, ref), names=list(got), owns=owns_memory(got))
+        except Exception as e:
+            rec.update(ok=False, error=type(e).__name__, message=str(e),
+                       ranks=sorted(getattr(e, "ranks", {}) or {}))
+        rec["warnings"] = list(warnings)
+        return rec
+
+    shards = files["shards"]
+    everything = reference(shards)
+    out = {}
+    for name in spec["scenarios"]:
+        t0 = time.monotonic()
+        if name == "replicated":
+            out[name] = run(shards)
+        elif name == "load_file":
+            calls = []
+            got = load_file(shards, process_group=pg, chunk_size=chunk, threads=2,
+                            progress=lambda done, total, calls=calls: calls.append((done, total)))
+            out[name] = dict(ok=True, equal=equal(got, everything), owns=owns_memory(got),
+                             progress=calls)
+        elif name == "progress_true":   # progress=True: the lines each rank prints
+            import io
+            stderr, sys.stderr = sys.stderr, io.StringIO()
+            try:
+                got = load_file(shards, process_group=pg, chunk_size=chunk, threads=2,
+                                progress=True)
+                lines = sys.stderr.getvalue().splitlines()
+            finally:
+                sys.stderr = stderr
+            out[name] = dict(ok=True, equal=equal(got, everything), owns=owns_memory(got),
+                             lines=lines)
+        elif name == "dtype_and_directory":   # dtype= and a directory source under a group
+            got = load_file(os.path.dirname(shards[0]), dtype=torch.float32, process_group=pg,
+                            chunk_size=chunk)
+            want = {k: v.float() if v.is_floating_point() else v for k, v in everything.items()}
+            out[name] = dict(ok=True, equal=equal(got, want), owns=owns_memory(got))
+        elif name == "names":
+            # Each rank its own third, all ranks the norms, ranks 0 and 1 the embeddings.
+            mine = {k for i, k in enumerate(sorted(everything)) if i % world == rank}
+            mine |= {k for k in everything if "norm" in k}
+            if rank < 2:
+                mine |= {k for k in everything if "embed" in k}
+            out[name] = run(shards, names=sorted(mine))
+        elif name == "predicate":
+            out[name] = run(shards, names=lambda k: "layers.1." in k or k.endswith(str(rank)))
+        elif name == "nothing_on_one_rank":
+            out[name] = run(shards, names=[] if rank == world - 1 else None,
+                            expect=[] if rank == world - 1 else None)
+        elif name == "tiny":            # more ranks than shards, and than tensors
+            out[name] = run([files["tiny"]])
+        elif name == "bad_file":        # the last rank's copy is not a safetensors file
+            out[name] = run([files["bad"] if rank == world - 1 else files["single"]])
+        elif name == "other_layout":
+            out[name] = run([files["other"] if rank == 1 else files["single"]])
+        elif name == "unknown_name":
+            out[name] = run(shards, names=["no such tensor"] if rank == 0 else None)
+        elif name == "truncated":       # rank 1's copy shrinks after validation
+            mine = os.path.join(spec["out"], f"trunc{rank}.safetensors")
+            shutil.copy(files["single"], mine)
+            try:
+                it = iter_load([mine], "cpu", process_group=pg, chunk_size=chunk)
+                if rank == 1:
+                    os.truncate(mine, 4096)
+                del warnings[:]
+                with it:
+                    dict(it)
+                out[name] = dict(ok=True)
+            except Exception as e:
+                out[name] = dict(ok=False, error=type(e).__name__, message=str(e),
+                                 ranks=sorted(getattr(e, "ranks", {}) or {}))
+        elif name == "read_fault":      # the `read` fault rule on rank 1 only
+            if rank == 1:
+                os.environ["INSTANT_STAGING_FAULTS"] = "read#1=EIO"
+            try:
+                out[name] = run([files["single"]])
+            finally:
+                os.environ.pop("INSTANT_STAGING_FAULTS", None)
+        elif name == "kinds":           # rank 0's registration refused: RUNTIME_PINNED
+            rt = SimulatedRuntime(faults="register=invalid_value" if rank == 0 else None)
+            buf = ist.StagingBuffer(16 * chunk, copy_unit=chunk, runtime=rt)
+            out[name] = run(shards, staging=buf)
+            buf.close()
+            out[name]["leaks"] = [rt.live_registrations, rt.live_host_allocs]
+        elif name == "staging_unusable":   # rank 1's staging buffer holds no chunk
+            rt = SimulatedRuntime()
+            buf = ist.StagingBuffer(4096, runtime=rt) if rank == 1 else None
+            out[name] = run(shards, staging=buf)
+            if buf is not None:
+                buf.close()
+                out[name]["leaks"] = [rt.live_registrations, rt.live_host_allocs]
+        elif name == "subgroup":        # group ranks differ from global ranks; rank 0 outside
+            try:
+                got = load_file(shards, process_group=sub, chunk_size=chunk)
+                out[name] = dict(ok=True, equal=equal(got, everything))
+            except Exception as e:
+                out[name] = dict(ok=False, error=type(e).__name__, message=str(e))
+        elif name == "not_a_group":
+            try:
+                load_file(shards, process_group="world")
+                out[name] = dict(ok=True)
+            except Exception as e:
+                out[name] = dict(ok=False, error=type(e).__name__, message=str(e))
+        elif name == "dropped":         # rank 1 closes its iterator without loading
+            if rank == 1:
+                iter_load(shards, process_group=pg).close()
+                out[name] = dict(ok=None)
+            else:
+                out[name] = run(shards)
+        elif name == "after_failures":
+            out[name] = run(shards, verify=True)
+        elif name == "timeout":         # the last rank never calls: the others name it
+            if rank == world - 1:
+                time.sleep(float(os.environ["INSTANT_STAGING_DIST_TIMEOUT"]) + 2)
+                out[name] = dict(ok=None)
+            else:
+                out[name] = run(shards)
+        else:
+            raise SystemExit(f"unknown scenario {name}")
+        out[name]["seconds"] = time.monotonic() - t0
+    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

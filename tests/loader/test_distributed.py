@@ -1,0 +1,423 @@
+"""Loading under a process group (loader/_distributed.py) on the CPU with gloo.
+
+The plan is checked directly (every wanted byte read exactly once, by a
+rank that wants it; shares balanced; one issue order).  The load itself
+runs in 2 and 3 real processes (tests/loader/_dist_worker.py, a gloo group over
+a free port), each world running every scenario in one group so that the
+processes start once: replicated loads, per-rank ``names=``, uneven
+shards, more ranks than tensors, a rank with a bad file, another layout
+or an unknown name, a rank whose file shrinks under it, a rank whose read
+fails (INSTANT_STAGING_FAULTS='read#1=EIO' there only), a rank whose
+staging buffer is unusable, a rank that falls back to RUNTIME_PINNED, a
+rank that never comes, and a load after all of those; every tensor
+compared with safetensors' own.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+dist = pytest.importorskip("torch.distributed")
+
+from instant_staging.loader import DistributedLoadError, load_file
+from instant_staging.loader import _distributed as D
+
+from support import PACKAGE_PARENT
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dist_worker.py")
+TIMEOUT = 5       # INSTANT_STAGING_DIST_TIMEOUT of the workers: the "timeout" scenario waits this
+
+
+# -- the plan ------------------------------------------------------------------
+
+def check_plan(sizes, wanted, world, unit):
+    reads, exchanges = D.plan(sizes, wanted, world, unit)
+    got = {}
+    for r, units in enumerate(reads):
+        for item, u in enumerate(units):
+            assert u.item == item and u.src == r and r in wanted[u.entry]
+            assert set(u.dsts) == set(wanted[u.entry]) - {r}
+            assert 0 < u.end - u.begin <= (unit if u.dsts else sizes[u.entry])
+            got.setdefault(u.entry, []).append((u.begin, u.end))
+        assert [(u.entry, u.begin) for u in units] == sorted((u.entry, u.begin) for u in units)
+    for i, n in enumerate(sizes):        # each wanted byte exactly once
+        ranges = sorted(got.get(i, []))
+        if not wanted[i] or n == 0:
+            assert not ranges
+            continue
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert exchanges == sorted(exchanges, key=lambda u: u.key)
+    assert {id(u) for u in exchanges} == {id(u) for units in reads for u in units if u.dsts}
+    return [sum(u.end - u.begin for u in units) for units in reads]
+
+
+def test_plan_replicated_balanced():
+    sizes = [1 << 30] + [112 << 20] * 96 + [8192] * 65 + [1 << 30]
+    loads = check_plan(sizes, [range(2)] * len(sizes), 2, 64 << 20)
+    assert abs(loads[0] - loads[1]) <= max(sizes) / 64 * 2
+    loads = check_plan(sizes, [range(3)] * len(sizes), 3, 64 << 20)
+    assert max(loads) - min(loads) <= sum(sizes) / 3 / 64 * 2 + 4096
+
+
+def test_plan_contiguous_in_file_order():
+    sizes = [1000] * 30
+    reads, _ = D.plan(sizes, [range(3)] * 30, 3, 1 << 20)
+    firsts = [(units[0].entry, units[-1].entry) for units in reads]
+    assert firsts[0][0] == 0 and firsts[-1][1] == 29
+    assert firsts[0][1] <= firsts[1][0] and firsts[1][1] <= firsts[2][0]
+
+
+def test_plan_private_tensors_stay_home_and_shares_even_out():
+    # rank 0 alone wants a big tensor; the shared ones go mostly to rank 1
+    sizes = [600, 100, 100, 100, 100]
+    wanted = [[0], [0, 1], [0, 1], [0, 1], [0, 1]]
+    reads, exchanges = D.plan(sizes, wanted, 2, 1 << 20)
+    assert [(u.entry, u.begin, u.end) for u in reads[0]] == [(0, 0, 600)]
+    assert all(u.src == 1 and u.dsts == (0,) for u in exchanges)
+    check_plan(sizes, wanted, 2, 1 << 20)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_plan_many_shapes(world):
+    import random
+    rng = random.Random(world)
+    for _ in range(50):
+        n = rng.randint(1, 40)
+        sizes = [rng.choice([0, 1, 3, 4096, 10000, 1 << 20]) for _ in range(n)]
+        wanted = [rng.sample(range(world), rng.randint(0, world)) for _ in range(n)]
+        check_plan(sizes, wanted, world, rng.choice([4096, 1 << 20]))
+
+
+def test_more_ranks_than_bytes():
+    loads = check_plan([3], [range(4)], 4, 1 << 20)
+    assert sorted(loads) == [0, 0, 0, 3]
+
+
+def test_cut_inside_a_tensor_is_aligned():
+    reads, _ = D.plan([1 << 24], [range(2)], 2, 1 << 30)
+    assert [(u.begin, u.end) for u in reads[0]] == [(0, 1 << 23)]
+    reads, _ = D.plan([(1 << 24) + 5], [range(3)], 3, 1 << 30)
+    assert all(u.begin % D.CUT_ALIGN == 0 for units in reads for u in units)
+
+
+# -- without torch.distributed set up ------------------------------------------
+
+def test_group_arguments(tmp_path):
+    path = str(tmp_path / "a.safetensors")
+    st.save_file({"a": torch.ones(3)}, path)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        load_file(path, process_group=object())
+    assert load_file(path, process_group=None)["a"].tolist() == [1, 1, 1]
+
+
+def test_timeout_env(monkeypatch):
+    monkeypatch.setenv("INSTANT_STAGING_DIST_TIMEOUT", "2.5")
+    assert D.timeout_from_env() == 2.5
+    for bad in ("soon", "0", "-1"):
+        monkeypatch.setenv("INSTANT_STAGING_DIST_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="INSTANT_STAGING_DIST_TIMEOUT"):
+            D.timeout_from_env()
+    monkeypatch.delenv("INSTANT_STAGING_DIST_TIMEOUT")
+    assert D.timeout_from_env() == D.DISTRIBUTED_TIMEOUT
+
+
+def test_the_ranks_agree_on_the_cold_knobs():
+    # Every rank computes this from every rank's post: one answer for all.
+    from instant_staging import defaults
+    cold = {"chunk_size": defaults.COLD_CHUNK_SIZE, "io_depth": None,
+            "threads": defaults.COLD_THREADS}
+    assert D._for_cache([0.0, 0.25]) == cold             # cold on average
+    assert D._for_cache([0.0, 1.0, 1.0]) == {}           # hot on average
+    assert D._for_cache([0.0, False]) == {}              # a rank set a knob: nobody switches
+    assert D._for_cache([None, 0.0]) == cold             # a rank that cannot tell does not vote
+    assert D._for_cache([None, None]) == {}
+
+
+def test_a_group_loads_samples_the_cache_only_where_no_knob_is_set(tmp_path, monkeypatch):
+    from instant_staging.loader import _load
+    path = str(tmp_path / "a.safetensors")
+    st.save_file({"a": torch.ones(3)}, path)
+    seen = []
+
+    def group(prepare, process_group):
+        seen.append(prepare()[3].get("resident", "absent"))
+        raise RuntimeError("stop")
+    monkeypatch.setattr(D, "iter_load_group", group)
+    for kw in ({}, {"threads": 2}):
+        with pytest.raises(RuntimeError, match="stop"):
+            _load.iter_load(path, process_group=object(), **kw)
+    assert seen[0] in (1.0, None) and seen[1] == "absent"
+
+
+def test_error_pickles():
+    import pickle
+    e = pickle.loads(pickle.dumps(DistributedLoadError("rank 1 failed", {1: "EIO"})))
+    assert e.ranks == {1: "EIO"} and str(e) == "rank 1 failed"
+
+
+# -- real groups -----------------------------------------------------------------
+
+def rand(dtype, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    numel = 1
+    for d in shape:
+        numel *= d
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+
+
+def make_files(d):
+    """Three shards of uneven size (one big, one of many mixed tensors, one
+    of odd ones), a one-tensor file, a medium file, a bad and another one."""
+    shards = [
+        {"model.embed_tokens.weight": rand(torch.bfloat16, (300, 64), 1)},
+        {**{f"model.layers.{i}.{n}": rand(dt, shape, 10 * i + j)
+            for i in range(3)
+            for j, (n, dt, shape) in enumerate([
+                ("input_layernorm.weight", torch.bfloat16, (64,)),
+                ("self_attn.q_proj.weight", torch.bfloat16, (64, 64)),
+                ("mlp.up_proj.weight", torch.float16, (96, 64)),
+                ("mlp.gate.bias", torch.float32, (7,)),
+                ("post_attention_layernorm.weight", torch.float32, (64,))])}},
+        {"scalar": torch.tensor(3.5, dtype=torch.float64), "empty": torch.empty(0, 4),
+         "mask": torch.tensor([True, False, True]), "ids": rand(torch.int64, (13,), 5),
+         "lm_head.weight": rand(torch.bfloat16, (100, 64), 6)},
+    ]
+    files = {"shards": []}
+    os.makedirs(os.path.join(d, "model"))        # a directory of the shards alone
+    for i, tensors in enumerate(shards):
+        path = os.path.join(d, "model", f"model-{i}.safetensors")
+        st.save_file(tensors, path)
+        files["shards"].append(path)
+    for key, tensors in (("tiny", {"x": torch.tensor([1, 2, 3], dtype=torch.uint8)}),
+                         ("single", {f"w{i}": rand(torch.float32, (97, 33 + i), 40 + i) for i in range(12)}),
+                         ("other", {f"w{i}": rand(torch.float32, (33 + i, 97), 40 + i) for i in range(12)})):
+        files[key] = os.path.join(d, f"{key}.safetensors")
+        st.save_file(tensors, files[key])
+    files["bad"] = os.path.join(d, "bad.safetensors")
+    with open(files["single"], "rb") as src, open(files["bad"], "wb") as dst:
+        data = bytearray(src.read())
+        data[8:9] = b"["                  # the header is no longer a JSON object
+        dst.write(data)
+    return files
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SCENARIOS = ["replicated", "load_file", "progress_true", "dtype_and_directory", "names", "predicate",
+             "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "unknown_name",
+             "truncated", "read_fault", "kinds", "staging_unusable", "subgroup", "not_a_group",
+             "dropped", "after_failures", "timeout"]
+
+
+def run_world(tmp, world):
+    files = make_files(tmp)
+    spec = dict(world=world, port=free_port(), out=tmp, files=files, scenarios=SCENARIOS)
+    spec_path = os.path.join(tmp, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, INSTANT_STAGING_DIST_TIMEOUT=str(TIMEOUT), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p))
+    env.pop("INSTANT_STAGING_FAULTS", None)
+    procs = [subprocess.Popen([sys.executable, WORKER, spec_path, str(r)], cwd=tmp, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{text[-4000:]}"
+    results = []
+    for r in range(world):
+        with open(os.path.join(tmp, f"rank{r}.json")) as f:
+            results.append(json.load(f))
+    return files, results
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"{w}ranks")
+def world(request, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp(f"dist{request.param}"))
+    files, results = run_world(tmp, request.param)
+    return request.param, files, results
+
+
+def scenario(world, name):
+    return [r[name] for r in world[2]]
+
+
+def assert_all_equal(recs):
+    for r, rec in enumerate(recs):
+        assert rec["ok"], f"rank {r}: {rec}"
+        assert rec["equal"] and rec.get("owns", True), f"rank {r}: {rec}"
+
+
+def test_replicated(world):
+    n, files, _ = world
+    recs = scenario(world, "replicated")
+    assert_all_equal(recs)
+    total = sum(os.path.getsize(p) for p in files["shards"])
+    shares = [rec["read_bytes"] for rec in recs]
+    data = sum(t.numel() * t.element_size() for p in files["shards"] for t in st.load_file(p).values())
+    assert sum(shares) == data < total                 # each byte read once, by one rank
+    assert max(shares) <= data / n * 1.3               # balanced (cuts snap to tensors)
+    assert all(rec["kinds"] == [None] * n for rec in recs)
+    recs = scenario(world, "load_file")
+    assert_all_equal(recs)
+    for rec, share in zip(recs, shares):      # progress: this rank's reads, ending complete
+        done = [d for d, _ in rec["progress"]]
+        assert done == sorted(done) and rec["progress"][-1] == [share, share]
+
+
+def test_progress_true_lines_name_their_rank_and_the_whole(world):
+    # Each rank prints its own share's progress; every line says whose it is
+    # and what the whole load is (the lines were unlabelled, each rank's share
+    # shown as the total: "loaded 100%: 256 MiB of 256 MiB" twice for 512 MiB).
+    from instant_staging.loader._progress import format_si
+    n = world[0]
+    recs = scenario(world, "progress_true")
+    assert_all_equal(recs)
+    shares = [rec["read_bytes"] for rec in scenario(world, "replicated")]
+    whole = format_si(sum(shares))
+    for r, (rec, share) in enumerate(zip(recs, shares)):
+        lines = [line for line in rec["lines"] if "loaded" in line]
+        assert lines, rec["lines"]
+        for line in lines:
+            assert line.startswith(f"rank {r} of {n}: loaded "), line
+            assert f"(its share of {whole})" in line, line
+        assert lines[-1].startswith(f"rank {r} of {n}: loaded 100%: {format_si(share)} of "
+                                    f"{format_si(share)} (its share of {whole})"), lines
+
+
+def test_dtype_and_directory(world):
+    assert_all_equal(scenario(world, "dtype_and_directory"))
+
+
+def test_per_rank_names(world):
+    recs = scenario(world, "names")
+    assert_all_equal(recs)
+    assert all(any("norm" in k for k in rec["names"]) for rec in recs)
+    assert_all_equal(scenario(world, "predicate"))
+    recs = scenario(world, "nothing_on_one_rank")
+    assert_all_equal(recs)
+    assert recs[-1]["names"] == [] and recs[-1]["read_bytes"] == 0
+
+
+def test_more_ranks_than_tensors(world):
+    recs = scenario(world, "tiny")
+    assert_all_equal(recs)
+    assert sorted(rec["read_bytes"] for rec in recs) == [0] * (world[0] - 1) + [3]
+
+
+def test_bad_file_on_one_rank(world):
+    n = world[0]
+    recs = scenario(world, "bad_file")
+    assert recs[-1]["error"] == "SafetensorsError"
+    for rec in recs[:-1]:
+        assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [n - 1]
+        assert "SafetensorsError" in rec["message"] and "bad.safetensors" in rec["message"]
+
+
+def test_other_layout_on_one_rank(world):
+    for rec in scenario(world, "other_layout"):
+        assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1]
+        assert "different checkpoints" in rec["message"]
+
+
+def test_unknown_name_on_one_rank(world):
+    recs = scenario(world, "unknown_name")
+    assert recs[0]["error"] == "KeyError"
+    assert all(rec["error"] == "DistributedLoadError" and rec["ranks"] == [0] for rec in recs[1:])
+
+
+def test_read_fails_on_one_rank(world):
+    recs = scenario(world, "truncated")
+    assert recs[1]["error"] == "LoadError" and "truncated" in recs[1]["message"]
+    for r, rec in enumerate(recs):
+        if r != 1:
+            assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1], rec
+            assert "truncated" in rec["message"]
+
+
+def test_staging_kinds_reported(world):
+    n = world[0]
+    recs = scenario(world, "kinds")
+    assert_all_equal(recs)
+    for rec in recs:
+        assert rec["kinds"] == ["RUNTIME_PINNED"] + ["REGISTERED"] * (n - 1)
+        assert any("rank 0 RUNTIME_PINNED" in w and "fell back" in w for w in rec["warnings"])
+        assert rec["leaks"] == [0, 0]
+
+
+def test_read_fault_on_one_rank(world):
+    # INSTANT_STAGING_FAULTS='read#1=EIO' on rank 1 only: its first chunk fails.
+    recs = scenario(world, "read_fault")
+    assert recs[1]["error"] == "LoadError" and "Input/output error" in recs[1]["message"]
+    for r, rec in enumerate(recs):
+        if r != 1:
+            assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1], rec
+            assert "Input/output error" in rec["message"]
+
+
+def test_staging_unusable_on_one_rank(world):
+    # Rank 1 passes a staging buffer too small for one chunk: it fails before
+    # any read, and so does everyone else.
+    recs = scenario(world, "staging_unusable")
+    assert recs[1]["error"] == "ValueError" and "holds no chunk" in recs[1]["message"]
+    assert recs[1]["leaks"] == [0, 0]
+    for r, rec in enumerate(recs):
+        if r != 1:
+            assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1]
+            assert "holds no chunk" in rec["message"]
+
+
+def test_subgroup(world):
+    # Ranks 1..n-1 load through their own group (group rank r is global rank
+    # r + 1); rank 0, outside it, gets a ValueError and no one waits for it.
+    recs = scenario(world, "subgroup")
+    assert recs[0]["error"] == "ValueError" and "not a member" in recs[0]["message"]
+    assert all(rec["ok"] and rec["equal"] for rec in recs[1:])
+
+
+def test_not_a_group(world):
+    for rec in scenario(world, "not_a_group"):
+        assert rec["error"] == "TypeError" and "ProcessGroup" in rec["message"]
+
+
+def test_iterator_closed_unstarted_on_one_rank(world):
+    recs = scenario(world, "dropped")
+    for r, rec in enumerate(recs):
+        if r != 1:
+            assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1]
+            assert "closed its iterator" in rec["message"] and rec["seconds"] < TIMEOUT
+
+
+def test_group_usable_after_failures(world):
+    assert_all_equal(scenario(world, "after_failures"))
+
+
+def test_rank_that_never_comes_is_named(world):
+    n = world[0]
+    recs = scenario(world, "timeout")
+    for rec in recs[:-1]:
+        assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [n - 1]
+        assert f"rank {n - 1}" in rec["message"] and "did not reach" in rec["message"]
+        assert TIMEOUT - 0.5 <= rec["seconds"] <= TIMEOUT + 30

@@ -1,0 +1,502 @@
+"""Object-storage sources against a real S3 server (moto's, on 127.0.0.1),
+a fault-injecting proxy in front of it, and a plain ranged-GET HTTP server
+(``support/remote_servers.py``): every source form, bit for bit against the same
+files on disk, and each way the network misbehaves, with its outcome and
+what is left afterwards (descriptors, threads, sockets)."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("obstore")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from instant_staging.loader import (
+    Checkpoint,
+    LoadError,
+    RemoteChangedError,
+    SafetensorsError,
+    iter_load,
+    load_file,
+    safe_open,
+)
+
+from support import TESTS, child_env
+from support.remote_servers import (  # noqa: F401
+    ACCESS_KEY,
+    REGION,
+    SECRET_KEY,
+    fast_retry_config,
+    fault_proxy_fixture,
+    range_http_server_fixture,
+    s3_bucket_fixture,
+    s3_env,
+    s3_server_fixture,
+)
+
+
+def options(endpoint, **extra):
+    return {"endpoint": endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
+            "region": REGION, "retry_config": fast_retry_config(), **extra}
+
+
+def _random(shape, dtype, g):
+    n = 1
+    for d in shape:
+        n *= d
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def layouts():
+    """The benchmark layouts at small scale: {name: [(file name, {tensor: t})]}."""
+    g = torch.Generator().manual_seed(1)
+    bf, f32 = torch.bfloat16, torch.float32
+    dense = {f"model.layers.{i}.{p}": _random(s, bf, g) for i in range(4)
+             for p, s in (("q.weight", (64, 64)), ("mlp.up.weight", (160, 64)), ("norm.weight", (64,)))}
+    dense["lm_head.weight"] = _random((300, 64), bf, g)
+    moe = {f"layers.{i}.experts.{e}.{w}": _random((8, 16), bf, g) for i in range(2) for e in range(40)
+           for w in ("gate", "up", "down")}
+    fp8 = {}
+    for i in range(6):
+        fp8[f"l{i}.weight"] = _random((96, 80), torch.float8_e4m3fn, g)
+        fp8[f"l{i}.weight_scale_inv"] = _random((1, 1), f32, g)
+        fp8[f"l{i}.odd"] = _random((13,), torch.uint8, g)
+    awq = {}
+    for i in range(4):
+        awq[f"l{i}.qweight"] = _random((64, 8), torch.int32, g)
+        awq[f"l{i}.qzeros"] = _random((1, 8), torch.int32, g)
+        awq[f"l{i}.scales"] = _random((1, 64), torch.float16, g)
+    mixed = {"a.f64": _random((3, 5), torch.float64, g), "b.i8": _random((7,), torch.int8, g),
+             "c.bool": torch.tensor([True, False, True]), "d.f16": _random((11,), torch.float16, g),
+             "e.empty": torch.zeros((0, 3)), "f.scalar": torch.tensor(2.5),
+             "g.u8": _random((1,), torch.uint8, g)}
+    names = sorted(dense)
+    return {"dense": [("model-00001-of-00002.safetensors", {n: dense[n] for n in names[:7]}),
+                      ("model-00002-of-00002.safetensors", {n: dense[n] for n in names[7:]})],
+            "moe": [("model.safetensors", moe)],
+            "fp8": [("model.safetensors", fp8)],
+            "awq": [("model-00001-of-00002.safetensors", dict(list(awq.items())[:6])),
+                    ("model-00002-of-00002.safetensors", dict(list(awq.items())[6:]))],
+            "mixed": [("model.safetensors", mixed)]}
+
+
+def upload(server, bucket, prefix, files, tmp_path, index=True):
+    """Writes ``files`` to tmp_path/prefix and to bucket/prefix; returns the local directory."""
+    local = tmp_path / prefix
+    local.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for fname, tensors in files:
+        path = local / fname
+        safetensors_torch.save_file(tensors, str(path), metadata={"format": "pt"})
+        server.put(bucket, f"{prefix}/{fname}", path.read_bytes())
+        weight_map.update({n: fname for n in tensors})
+    if index and len(files) > 1:
+        raw = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+        (local / "model.safetensors.index.json").write_bytes(raw)
+        server.put(bucket, f"{prefix}/model.safetensors.index.json", raw)
+    return local
+
+
+def same(got, want):
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        g = got[name]
+        assert g.dtype == t.dtype and g.shape == t.shape, name
+        assert torch.equal(g.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def _fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _threads():
+    return {t.ident for t in threading.enumerate()}
+
+
+def _settled(before_threads, before_fds=None, timeout=5.0):
+    """Threads (and descriptors: sockets) return to what they were before:
+    the client closes a dropped pool's connections on its own runtime's
+    threads, a moment after the last reference goes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _threads() <= before_threads and (before_fds is None or _fds() <= before_fds):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# -- every layout and every source form, bit for bit ------------------------------------
+
+@pytest.mark.parametrize("layout", ["dense", "moe", "fp8", "awq", "mixed"])
+def test_layout_from_s3_equals_disk(s3_server, s3_bucket, tmp_path, layout):
+    files = layouts()[layout]
+    local = upload(s3_server, s3_bucket, layout, files, tmp_path)
+    want = load_file(local)
+    got = load_file(f"s3://{s3_bucket}/{layout}/", storage_options=options(s3_server.url),
+                    chunk_size=4096)               # many chunks: every range path
+    same(got, want)
+    for _, tensors in files:                       # and equal to safetensors' own
+        for name, t in tensors.items():
+            assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+def test_every_s3_source_form(s3_server, s3_bucket, tmp_path):
+    files = layouts()["dense"]
+    local = upload(s3_server, s3_bucket, "m", files, tmp_path)
+    upload(s3_server, s3_bucket, "noindex", files, tmp_path / "x", index=False)
+    want = load_file(local)
+    base = f"s3://{s3_bucket}"
+    opts = options(s3_server.url)
+    urls = [f"{base}/m/{f}" for f, _ in files]
+    for source in (f"{base}/m/", f"{base}/m", f"{base}/m/model.safetensors.index.json", urls,
+                   f"{base}/noindex/"):
+        with Checkpoint.open(source, storage_options=opts) as ck:
+            assert ck.files == urls if "noindex" not in str(source) else \
+                [u.replace("/m/", "/noindex/") for u in urls]
+            same(ck.load("cpu"), want)
+    one = load_file(urls[0], storage_options=opts)
+    same(one, load_file(str(local / files[0][0])))
+
+
+def test_credentials_and_endpoint_from_the_environment(s3_server, s3_bucket, tmp_path, monkeypatch):
+    """No storage_options: the client's standard chain (AWS_* variables,
+    AWS_ENDPOINT_URL for an S3-compatible server) finds everything."""
+    local = upload(s3_server, s3_bucket, "env", layouts()["mixed"], tmp_path)
+    for k, v in s3_env(s3_server.url).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ALLOW_HTTP")          # an http:// endpoint is allowed by itself
+    same(load_file(f"s3://{s3_bucket}/env/"), load_file(local))
+
+
+def test_inspect_fetches_headers_only(s3_server, s3_bucket, tmp_path, fault_proxy):
+    files = layouts()["dense"]
+    upload(s3_server, s3_bucket, "h", files, tmp_path)
+    fault_proxy.reset_counts()
+    with Checkpoint.open(f"s3://{s3_bucket}/h/", storage_options=options(fault_proxy.url)) as ck:
+        names, nbytes = ck.names(), ck.nbytes
+        seen = list(fault_proxy.requests)
+    assert sorted(names) == sorted(n for _, t in files for n in t)
+    assert nbytes == sum(t.numel() * t.element_size() for _, ts in files for t in ts.values())
+    # a listing, the index, and per shard one HEAD and one GET of the header
+    gets = [r for r in seen if r[0] == "GET" and r[2]]
+    assert len(gets) == len(files) and all(r[2].startswith("bytes=0-") for r in gets)
+
+
+def test_names_fetch_only_their_ranges(s3_server, s3_bucket, tmp_path, fault_proxy):
+    files = layouts()["moe"]
+    upload(s3_server, s3_bucket, "sel", files, tmp_path)
+    tensors = files[0][1]
+    pick = sorted(tensors)[:5]
+    with Checkpoint.open(f"s3://{s3_bucket}/sel/", storage_options=options(fault_proxy.url)) as ck:
+        fault_proxy.reset_counts()
+        got = ck.load("cpu", names=pick, chunk_size=1 << 20)
+        ranges = [r[2] for r in fault_proxy.requests if r[0] == "GET"]
+    same({n: got[n] for n in sorted(got)}, {n: tensors[n] for n in sorted(pick)})
+    fetched = sum(int(b) - int(a) + 1 for a, b in (r.split("=")[1].split("-") for r in ranges))
+    assert fetched == sum(tensors[n].numel() * tensors[n].element_size() for n in pick)
+
+
+def test_https_source_is_plain_ranged_gets(range_http_server, tmp_path):
+    files = layouts()["fp8"]
+    path = os.path.join(range_http_server.root, "model.safetensors")
+    safetensors_torch.save_file(files[0][1], path)
+    same(load_file(range_http_server.url_for("model.safetensors")), load_file(path))
+
+
+def test_safe_open_and_plan_on_a_url(s3_server, s3_bucket, tmp_path):
+    files = layouts()["dense"]
+    local = upload(s3_server, s3_bucket, "p", files, tmp_path)
+    with Checkpoint.open(f"s3://{s3_bucket}/p/", storage_options=options(s3_server.url)) as ck:
+        got = ck.load("cpu", plan={"lm_head.weight": slice(100, 200), "model.layers.0.norm.weight": None})
+    want = load_file(local)
+    same(got, {"lm_head.weight": want["lm_head.weight"][100:200],
+               "model.layers.0.norm.weight": want["model.layers.0.norm.weight"]})
+
+
+def test_verify_rereads_the_object(s3_server, s3_bucket, tmp_path):
+    local = upload(s3_server, s3_bucket, "v", layouts()["awq"], tmp_path)
+    same(load_file(f"s3://{s3_bucket}/v/", storage_options=options(s3_server.url), verify=True),
+         load_file(local))
+
+
+# -- when the network misbehaves -----------------------------------------------------------
+
+@pytest.mark.parametrize("fault", ["slowdown", "500", "reset", "truncate"])
+def test_transient_failures_are_retried(s3_server, s3_bucket, tmp_path, fault_proxy, fault):
+    local = upload(s3_server, s3_bucket, "t", layouts()["moe"], tmp_path)
+    want = load_file(local)
+    with Checkpoint.open(f"s3://{s3_bucket}/t/", storage_options=options(fault_proxy.url)) as ck:
+        if fault == "slowdown":
+            fault_proxy.fail(503, n=3, code="SlowDown", method="GET", ranged=True)
+        elif fault == "500":
+            fault_proxy.fail(500, n=2, code="InternalError", method="GET", ranged=True)
+        elif fault == "reset":
+            fault_proxy.reset(2, after_bytes=1000, method="GET", ranged=True)
+        else:
+            fault_proxy.truncate(2, after_bytes=1000, method="GET", ranged=True)
+        fault_proxy.reset_counts()
+        got = ck.load("cpu", chunk_size=16 << 10)
+        assert all(f.remaining == 0 for f in fault_proxy.faults())   # every fault was met
+    same(got, want)
+
+
+def test_a_failure_that_persists_is_one_error_and_leaks_nothing(s3_server, s3_bucket, tmp_path,
+                                                                 fault_proxy, monkeypatch):
+    from instant_staging.loader import _remote
+    monkeypatch.setattr(_remote, "RETRY_SECONDS", 2.0)
+    upload(s3_server, s3_bucket, "bad", layouts()["moe"], tmp_path)
+    url = f"s3://{s3_bucket}/bad/"
+    fds, threads = _fds(), _threads()
+    with Checkpoint.open(url, storage_options=options(fault_proxy.url)) as ck:
+        fault_proxy.reset(10_000, after_bytes=100, method="GET", ranged=True)
+        with pytest.raises(LoadError, match=r"bad/model\.safetensors.*gave up after") as e:
+            ck.load("cpu", chunk_size=64 << 10)
+    assert e.value.path == f"{url}model.safetensors"
+    assert _settled(threads, fds), (_fds() - fds)
+    fault_proxy.clear_faults()
+
+
+def test_object_replaced_during_the_load(s3_server, s3_bucket, tmp_path):
+    files = layouts()["dense"]
+    upload(s3_server, s3_bucket, "r", files, tmp_path)
+    url = f"s3://{s3_bucket}/r/{files[1][0]}"
+    with Checkpoint.open(f"s3://{s3_bucket}/r/", storage_options=options(s3_server.url)) as ck:
+        # a new version of one shard between its header and its data
+        changed = {n: t.clone() for n, t in files[1][1].items()}
+        first = next(iter(changed))
+        changed[first].view(-1).view(torch.uint8)[0] ^= 1
+        path = tmp_path / "new.safetensors"
+        safetensors_torch.save_file(changed, str(path), metadata={"format": "pt"})
+        s3_server.put(s3_bucket, f"r/{files[1][0]}", path.read_bytes())
+        with pytest.raises(RemoteChangedError, match="changed while it was loaded") as e:
+            ck.load("cpu")
+    assert e.value.path == url
+
+
+@pytest.mark.parametrize("status, code, error, words", [
+    (403, "AccessDenied", PermissionError, "access denied"),
+    (404, "NoSuchKey", FileNotFoundError, "no such object"),
+])
+def test_refused_or_missing_object_is_one_error_before_loading(s3_server, s3_bucket, tmp_path,
+                                                               fault_proxy, status, code, error, words):
+    upload(s3_server, s3_bucket, "e", layouts()["mixed"], tmp_path)
+    url = f"s3://{s3_bucket}/e/model.safetensors"
+    fault_proxy.fail(status, n=100, code=code)
+    fds = _fds()
+    with pytest.raises(error, match=words) as e:
+        load_file(url, "cpu", storage_options=options(fault_proxy.url))
+    assert url in str(e.value) and SECRET_KEY not in str(e.value)
+    assert _settled(_threads(), fds), (_fds() - fds)     # the error keeps no socket alive
+
+
+def test_missing_objects_and_bad_urls(s3_server, s3_bucket):
+    opts = options(s3_server.url)
+    with pytest.raises(FileNotFoundError, match="no such object"):
+        load_file(f"s3://{s3_bucket}/none.safetensors", storage_options=opts)
+    with pytest.raises(FileNotFoundError, match=r"no model\.safetensors\.index\.json"):
+        load_file(f"s3://{s3_bucket}/empty/", storage_options=opts)
+    with pytest.raises(ValueError, match="query"):
+        load_file(f"s3://{s3_bucket}/a.safetensors?x-amz-signature=SECRET", storage_options=opts)
+    with pytest.raises(TypeError, match="storage_options"):
+        load_file(f"s3://{s3_bucket}/a.safetensors", storage_options=["x"])
+    with pytest.raises(ValueError, match="storage_options apply to a URL"):
+        load_file("model.safetensors", storage_options={})
+
+
+def test_index_names_stay_inside_the_prefix(s3_server, s3_bucket):
+    raw = json.dumps({"weight_map": {"w": "../other/model.safetensors"}}).encode()
+    s3_server.put(s3_bucket, "i/model.safetensors.index.json", raw)
+    with pytest.raises(SafetensorsError, match=r"'\.\.' component"):
+        load_file(f"s3://{s3_bucket}/i/", storage_options=options(s3_server.url))
+
+
+def test_invalid_header_is_safetensors_error(s3_server, s3_bucket):
+    s3_server.put(s3_bucket, "bad.safetensors", (10**9).to_bytes(8, "little") + b"{}")
+    with pytest.raises(SafetensorsError):
+        load_file(f"s3://{s3_bucket}/bad.safetensors", storage_options=options(s3_server.url))
+
+
+def test_close_mid_load_stops_the_requests(s3_server, s3_bucket, tmp_path, fault_proxy):
+    """close() from another thread while GETs are slow: the load ends with
+    LoadError (cancelled), no thread, descriptor or connection is left."""
+    upload(s3_server, s3_bucket, "c", layouts()["moe"], tmp_path)
+    fds, threads = _fds(), _threads()
+    fault_proxy.delay(0.3, n=10_000, method="GET", ranged=True)
+    it = iter_load(f"s3://{s3_bucket}/c/", "cpu", storage_options=options(fault_proxy.url),
+                   chunk_size=8 << 10, threads=4)
+    first = next(it)
+    assert first
+    timer = threading.Timer(0.2, it.close)
+    timer.start()
+    with pytest.raises(LoadError, match="cancelled"):
+        for _ in it:
+            pass
+    timer.join()
+    del it, first
+    assert _settled(threads, fds), (_fds() - fds)
+    fault_proxy.clear_faults()
+
+
+def test_ctrl_c_mid_load_in_a_subprocess(s3_server, s3_bucket, tmp_path):
+    """A real SIGINT while the readers wait on slow GETs: KeyboardInterrupt,
+    and the process then holds no reader thread and exits 0 promptly."""
+    upload(s3_server, s3_bucket, "k", layouts()["moe"], tmp_path)
+    code = f"""
+import os, signal, sys, threading, time
+sys.path.insert(0, {TESTS!r})
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from support.remote_servers import FaultProxy, fast_retry_config
+from instant_staging.loader import load_file
+with FaultProxy({s3_server.url!r}) as proxy:
+    proxy.delay(0.5, n=10_000, method="GET", ranged=True)
+    opts = {{"endpoint": proxy.url, "access_key_id": "testing", "secret_access_key": "testing",
+            "region": "us-east-1", "retry_config": fast_retry_config()}}
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        load_file("s3://{s3_bucket}/k/", storage_options=opts, chunk_size=8 << 10, threads=4)
+        print("not interrupted")
+    except KeyboardInterrupt:
+        names = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        print("interrupted", names)
+"""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env=child_env())
+    assert out.returncode == 0, out.stderr
+    assert "interrupted" in out.stdout and "not interrupted" not in out.stdout
+    assert time.monotonic() - t0 < 30
+
+
+def test_without_obstore_a_url_names_the_extra(tmp_path):
+    code = ("import sys; sys.modules['obstore'] = None\n"
+            "from instant_staging.loader import load_file\n"
+            "try:\n    load_file('s3://b/k.safetensors')\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env=child_env())
+    assert "pip install 'instant_staging[remote]'" in out.stdout, out.stderr
+
+
+def test_gcs_and_azure_urls_reach_their_stores():
+    """gs:// and az:// make obstore's GCS and Azure stores with the options
+    passed through (no emulator of either is on PyPI: the store is made,
+    no request is sent)."""
+    from instant_staging.loader._remote import _Stores
+    stores = _Stores({"skip_signature": True})
+    gcs, key = stores.split("gs://bucket/models/llama/model.safetensors")
+    assert type(gcs).__name__ == "GCSStore" and key == "models/llama/model.safetensors"
+    az, key = _Stores({"account_name": "acct", "skip_signature": True}).split("az://container/m/x.safetensors")
+    assert type(az).__name__ == "AzureStore" and key == "m/x.safetensors"
+    with pytest.raises(ValueError, match="scheme"):
+        stores.split("ftp://host/x.safetensors")
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_from_pretrained_from_a_bucket(s3_server, s3_bucket, tmp_path, sharded):
+    """A model whose files live in a bucket: config and tokenizer files
+    fetched to the cache directory, weights streamed; the same model as
+    transformers' own from the same files on disk."""
+    transformers = pytest.importorskip("transformers")
+    from instant_staging.integrations.transformers import from_pretrained
+
+    from support.models import AUTO, assert_same_model, save
+    path, _ = save(tmp_path, "llama", sharded)
+    for name in sorted(os.listdir(path)):
+        s3_server.put(s3_bucket, f"llama/{name}", (path / name).read_bytes())
+    assert transformers
+    ours = from_pretrained(f"s3://{s3_bucket}/llama", device="cpu", cache_dir=tmp_path / "cache",
+                           storage_options=options(s3_server.url))
+    ref = AUTO.from_pretrained(path)
+    assert ours.config._name_or_path == f"s3://{s3_bucket}/llama"     # as the user named it
+    ref.config._name_or_path = ours.config._name_or_path
+    assert_same_model(ours, ref)
+    cached = os.listdir(next((tmp_path / "cache").iterdir()))
+    assert "config.json" in cached and not any(n.endswith(".safetensors") for n in cached)
+
+
+def test_safe_open_of_an_object_reads_only_what_is_asked(s3_server, s3_bucket, tmp_path, fault_proxy):
+    files = layouts()["moe"]
+    local = upload(s3_server, s3_bucket, "so", files, tmp_path)
+    url = f"s3://{s3_bucket}/so/model.safetensors"
+    want = load_file(local)
+    with safe_open(url, framework="pt", storage_options=options(fault_proxy.url)) as f:
+        assert f.keys() == sorted(want)
+        name = f.keys()[7]
+        fault_proxy.reset_counts()
+        same({name: f.get_tensor(name)}, {name: want[name]})
+        rows = f.get_slice(name)[2:5]
+        gets = [r for r in fault_proxy.requests if r[0] == "GET"]
+    assert torch.equal(rows.reshape(-1).view(torch.uint8), want[name][2:5].reshape(-1).view(torch.uint8))
+    row = want[name][0].numel() * want[name].element_size()
+    fetched = [int(b) - int(a) + 1 for a, b in (r[2].split("=")[1].split("-") for r in gets)]
+    assert fetched == [want[name].numel() * want[name].element_size(), 3 * row]
+    with pytest.raises(ValueError, match=r"one \.safetensors object"):
+        safe_open(f"s3://{s3_bucket}/so/", framework="pt", storage_options=options(s3_server.url))
+
+
+def test_vllm_weights_from_a_bucket(s3_server, s3_bucket, tmp_path, monkeypatch):
+    """The vLLM load format's pairs for a URL source (its batches of
+    iter_load over the objects), and its extra config's ``weights`` key."""
+    from instant_staging.integrations.vllm._options import parse
+    from instant_staging.integrations.vllm._weights import Options, iter_weights
+    local = upload(s3_server, s3_bucket, "vl", layouts()["dense"], tmp_path)
+    for k, v in s3_env(s3_server.url).items():
+        monkeypatch.setenv(k, v)
+    with Checkpoint.open(f"s3://{s3_bucket}/vl/") as ck:
+        urls = ck.files
+    got = dict(iter_weights(urls, "cpu", Options(batch_bytes=20_000)))
+    same(got, load_file(local))
+    assert parse({"weights": f"s3://{s3_bucket}/vl/"}).weights == f"s3://{s3_bucket}/vl/"
+    with pytest.raises(ValueError, match="weights"):
+        parse({"weights": "/a/local/dir"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dense", "moe", "fp8", "mixed"])
+def test_url_to_the_gpu_equals_disk(range_http_server, tmp_path, layout):
+    """Ranged GETs into the staging slots and on to the GPU, through every
+    kind of staging buffer the device path takes (views and own tensors)."""
+    files = layouts()[layout]
+    for fname, tensors in files:
+        safetensors_torch.save_file(tensors, os.path.join(range_http_server.root, fname))
+    urls = [range_http_server.url_for(f) for f, _ in files]
+    want = {n: t.cuda() for f, _ in files
+            for n, t in load_file(os.path.join(range_http_server.root, f)).items()}
+    for views in (True, False):
+        got = load_file(urls, "cuda:0", views=views, chunk_size=64 << 10)
+        assert all(t.is_cuda for t in got.values())
+        same(got, want)
+    with Checkpoint.open(urls) as ck:
+        part = ck.load("cuda:0", plan={n: slice(1, 3) for n in ck.names() if ck.info(n).shape})
+        assert ck.last_report.staging_kind is not None
+    same(part, {n: want[n][1:3] for n in part})
+
+
+def test_close_ends_the_range_retries(s3_server, s3_bucket, tmp_path, fault_proxy, monkeypatch):
+    """A range that keeps failing waits between tries; close() from another
+    thread ends those waits at once instead of after every retry."""
+    from instant_staging.loader import _remote
+    monkeypatch.setattr(_remote, "_BACKOFF", 5.0)           # tries 5, 10, 20 s apart
+    upload(s3_server, s3_bucket, "cr", layouts()["moe"], tmp_path)
+    threads = _threads()
+    with Checkpoint.open(f"s3://{s3_bucket}/cr/", storage_options=options(fault_proxy.url)) as ck:
+        fault_proxy.fail(500, n=10**6, method="GET", ranged=True)
+        it = ck.iter_load("cpu", chunk_size=64 << 10)
+        timer = threading.Timer(1.0, it.close)
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(LoadError):
+            for _ in it:
+                pass
+        elapsed = time.monotonic() - t0
+        timer.join()
+    assert elapsed < 4.0, elapsed
+    assert _settled(threads)
+    fault_proxy.clear_faults()
