@@ -20,6 +20,7 @@ many runs (61 GB).
 """
 
 import functools
+import importlib.util
 import mmap
 import os
 import subprocess
@@ -29,13 +30,15 @@ import textwrap
 
 import pytest
 
-import instant_staging
-
 # tests/ (this package's parent: what a child puts on sys.path to import
 # ``support``) and the repository around it.
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(instant_staging.__file__)))
+# Where the instant_staging under test lives, found without importing it: a
+# child that imports ``support`` from the repository root (whose unbuilt
+# sources shadow an installed wheel there) must not fail on that import.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(
+    importlib.util.find_spec("instant_staging").origin)))
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -70,7 +73,6 @@ def make(faults=None, size=SIZE, **kw):
 def build_backends():
     """_build_backend/backends.py, loaded by path as setup.py loads it (it is
     build time only: the package holds no copy); one module for the run."""
-    import importlib.util
     path = os.path.join(ROOT, "_build_backend", "backends.py")
     spec = importlib.util.spec_from_file_location("_instant_staging_backends", path)
     module = importlib.util.module_from_spec(spec)
