@@ -267,7 +267,7 @@ class _RemoteCheckpoint(_Checkpoint):
         self._error = None
         self._error_lock = threading.Lock()
         self._obstore = _obstore()
-        super().__init__([o.url for o in self._objects])
+        super().__init__()          # open(): the objects' URLs, in order
 
     @staticmethod
     def one(url, storage_options=None):
