@@ -252,10 +252,51 @@ CASES = {
 for _k in range(1, 8):
     CASES[f"header_length_short_by_{_k}"] = _shifted(_k)
 
+# A name given twice whose first (shadowed) entry is invalid: safetensors
+# deserializes every entry, so it rejects the file although the last entry
+# is valid; a shadowed entry that is only unloadable (a dtype torch lacks,
+# offsets that do not cover the data) is dropped, and the file accepted.
+SHADOWED = {
+    "unknown_dtype": '{"dtype":"F99","shape":[2],"data_offsets":[0,8]}',
+    "missing_dtype": '{"shape":[2],"data_offsets":[0,8]}',
+    "float_offsets": '{"dtype":"F32","shape":[2],"data_offsets":[0.0,8]}',
+    "bool_offsets": '{"dtype":"F32","shape":[2],"data_offsets":[false,8]}',
+    "negative_dimension": '{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}',
+    "string_dimension": '{"dtype":"F32","shape":["2"],"data_offsets":[0,8]}',
+    "three_offsets": '{"dtype":"F32","shape":[2],"data_offsets":[0,8,8]}',
+    "number": '5',
+    "null": 'null',
+    "field_twice": '{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}',
+    "array_of_2": '["F32",[2]]',
+    "dimension_2_64": '{"dtype":"F32","shape":[18446744073709551616],"data_offsets":[0,8]}',
+    "f6": '{"dtype":"F6_E2M3","shape":[2],"data_offsets":[0,8]}',
+    "gap": '{"dtype":"F32","shape":[1],"data_offsets":[8,12]}',
+    "wrong_size": '{"dtype":"F32","shape":[3],"data_offsets":[0,8]}',
+    "dimension_2_63": '{"dtype":"F32","shape":[9223372036854775808],"data_offsets":[0,8]}',
+    "map_dtype": '{"dtype":{"F32":null},"shape":[2],"data_offsets":[0,8]}',
+    "array_form": '["F32",[2],[0,8]]',
+}
+SHADOWED_REJECTED = {"unknown_dtype", "missing_dtype", "float_offsets", "bool_offsets",
+                     "negative_dimension", "string_dimension", "three_offsets", "number", "null",
+                     "field_twice", "array_of_2", "dimension_2_64"}
+
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_case_agrees_with_safetensors(tmp_path, name):
     assert_agree(write(tmp_path, CASES[name]))
+
+
+@pytest.mark.parametrize("name", sorted(SHADOWED))
+def test_every_entry_of_a_name_given_twice_is_checked(tmp_path, name):
+    """safetensors' verdict on the file, stated: the last entry of "a" is
+    valid, so the shadowed one alone decides."""
+    path = write(tmp_path, blob('{"a":%s,"a":%s}' % (SHADOWED[name], TJ), D8))
+    rejected = theirs(path) is None
+    assert rejected == (name in SHADOWED_REJECTED), "safetensors changed its mind"
+    if rejected:
+        with pytest.raises(SafetensorsError, match="'a'"):
+            load_file(path, "cpu")
+    assert_agree(path)
 
 
 def test_leading_whitespace_and_shifted_data_decided_as_safetensors(tmp_path):
