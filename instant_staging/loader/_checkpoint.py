@@ -22,6 +22,7 @@ from ._errors import not_found
 from ._fds import close_recorded, open_recorded
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry, read_header
 from ._options import for_cache
+from ._source import file_kind
 
 # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer,
 # forever; only a regular file is read (O_NONBLOCK, which reads of one
@@ -57,9 +58,10 @@ class _Checkpoint:
             fd = open_recorded(self.fds, path, _OPEN_FLAGS)
         except FileNotFoundError:
             raise not_found(os.fsdecode(path)) from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise SafetensorsError("not a regular file (a FIFO, a device or a directory cannot "
-                                   "be a safetensors file)", os.fsdecode(path))
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise SafetensorsError(f"is {file_kind(mode)}, not a regular file: it cannot be a "
+                                   "safetensors file", os.fsdecode(path))
         os.set_blocking(fd, True)
         self.paths.append(os.fsdecode(path))     # messages and errors name a str
         self.headers.append(read_header(fd, path))
