@@ -299,6 +299,30 @@ def test_every_entry_of_a_name_given_twice_is_checked(tmp_path, name):
     assert_agree(path)
 
 
+@pytest.mark.parametrize("shape, nbytes", [([2], 4), ([1], 8)])
+def test_byte_count_is_checked_by_both_readings(tmp_path, shape, nbytes):
+    """An F32 tensor whose offsets hold fewer or more bytes than its shape
+    needs: the C entry rules decline it, the Python rules reject it, each
+    by itself, and so does the loader (a randomized test alone once found
+    the check missing)."""
+    from instant_staging.loader import _canonical
+    from instant_staging.loader import _header as H
+    tensors = [("a", "F32", tuple(shape), 0, nbytes)]
+    what = f"F32 {shape} in {nbytes} bytes"
+    assert _canonical.checked(tensors, 8, H.DTYPE_BITS, H.TensorEntry) is None, (
+        f"the C entry rules accept {what}")
+    try:
+        H._check_coverage(tensors, "x")
+    except SafetensorsError as e:
+        assert f"needs {4 * shape[0]} bytes" in str(e), str(e)
+    else:
+        raise AssertionError(f"the Python entry rules accept {what}")
+    path = write(tmp_path, blob({"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, nbytes]}},
+                                bytes(nbytes)))
+    assert theirs(path) is None
+    assert ours(path) is None, f"the loader accepts {what}"
+
+
 def test_leading_whitespace_and_shifted_data_decided_as_safetensors(tmp_path):
     # The two cases issue 10 found wrong, stated without the oracle.
     assert ours(write(tmp_path, CASES["leading_whitespace"])) is not None
