@@ -59,6 +59,7 @@ extensions = [
     ext("instant_staging._staging", ["instant_staging/_staging.pyx"], libraries=["pthread"]),
     ext("instant_staging.loader._pipeline", ["instant_staging/loader/_pipeline.pyx"], libraries=["pthread"]),
     ext("instant_staging.loader._canonical", ["instant_staging/loader/_canonical.pyx"]),
+    ext("instant_staging.loader._fds", ["instant_staging/loader/_fds.pyx"]),
     ext("instant_staging.runtime._faults", ["instant_staging/runtime/_faults.pyx"]),
     ext("instant_staging.runtime._simulated", ["instant_staging/runtime/_simulated.pyx"]),
 ]

@@ -63,7 +63,7 @@ class Files:
 
     def __init__(self, torch, paths, device):
         self.torch, self.paths, self.device = torch, paths, device
-        self.ck = _Checkpoint(paths)
+        self.ck = _Checkpoint().open(paths)
         self.nbytes = self.ck.total_bytes
         self.target = _TorchTarget(torch, device)
         dtypes = [self.target.check(t, paths[i]) for i, t in self.ck.entries]
@@ -96,7 +96,7 @@ def section_phases(torch, name, paths, device, repeat, out):
     for _ in range(repeat):
         t = {}
         t0 = time.perf_counter()
-        ck = _Checkpoint(paths)
+        ck = _Checkpoint().open(paths)
         target = _TorchTarget(torch, device)
         dtypes = [target.check(e, paths[i]) for i, e in ck.entries]
         t["headers"] = time.perf_counter() - t0
@@ -163,7 +163,7 @@ def section_phases(torch, name, paths, device, repeat, out):
     # Allocating the tensors alone (no threads running), torch's cache empty:
     # per tensor, and after reserve() (one block, then cut).
     for label, reserve in (("allocate_alone", False), ("allocate_alone_reserved", True)):
-        ck = _Checkpoint(paths)
+        ck = _Checkpoint().open(paths)
         target = _TorchTarget(torch, device)
         dtypes = [target.check(e, paths[i]) for i, e in ck.entries]
         times = []

@@ -4,7 +4,8 @@ Only parsing and printing live here; the work is in ``probe.py``,
 ``doctor.py`` and ``load.py``, which return dicts.  ``--json`` prints
 that dict as one JSON object on stdout.  Exit codes: 0 success, 1 the
 staging buffer, the copy check or the load failed (or ``--require-gpu``
-without a GPU, or ``doctor`` found a problem), 2 bad arguments.
+without a GPU, or ``doctor`` found a problem, or stdout did not take the
+report), 2 bad arguments.
 """
 
 import argparse
@@ -24,7 +25,7 @@ from ..loader import (
     SafetensorsError,
     default_device,
 )
-from .report import attempt_dict, describe_attempt, emit, error_result
+from .report import OutputError, attempt_dict, describe_attempt, emit, error_result, write_out
 
 # What --dtype accepts (the loader converts floating tensors only).
 FLOAT_NAMES = frozenset(("float16", "bfloat16", "float32", "float64"))
@@ -270,7 +271,7 @@ def run_load(args, parser):
     progress.close()
     if not result["ok"]:
         if args.json:
-            print(json.dumps(result, indent=2))
+            write_out(json.dumps(result, indent=2))
         else:
             print("\n".join(load_cmd.format_text(result)), file=sys.stderr)
         return 1
@@ -285,7 +286,7 @@ def _load_failed(args, e):
     if isinstance(e, StagingError):
         lines += ["  " + describe_attempt(attempt_dict(a)) for a in e.attempts]
     if args.json:
-        print(json.dumps(error_result("load", e), indent=2))
+        write_out(json.dumps(error_result("load", e), indent=2))
     else:
         print("\n".join(lines), file=sys.stderr)
     return 1
@@ -302,20 +303,29 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="instant_staging: %(levelname)s: %(message)s")
     try:
-        return COMMANDS[args.command](args, parser)
-    except BrokenPipeError:
-        # Output piped into a reader that closed early (| head): no traceback;
-        # stdout is pointed at /dev/null so the flush at exit cannot fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except KeyboardInterrupt:
-        print(f"instant-staging {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:       # never a traceback: one line, or the JSON report
-        if getattr(args, "json", False):
-            print(json.dumps(error_result(args.command, e), indent=2))
-        else:
-            print(f"instant-staging {args.command} failed: {type(e).__name__}: {e}",
+        try:
+            return COMMANDS[args.command](args, parser)
+        except KeyboardInterrupt:
+            print(f"instant-staging {args.command}: interrupted", file=sys.stderr)
+            return 130
+        except OutputError:
+            raise
+        except Exception as e:       # never a traceback: one line, or the JSON report
+            if getattr(args, "json", False):
+                write_out(json.dumps(error_result(args.command, e), indent=2))
+            else:
+                print(f"instant-staging {args.command} failed: {type(e).__name__}: {e}",
+                      file=sys.stderr)
+            return 1
+    except OutputError as e:
+        # Not delivered, so not a success, and never written again to the
+        # stdout that failed: one line on stderr (none for a reader that
+        # closed early, | head), exit 1.  What is left in stdout's buffer
+        # goes to /dev/null, so the flush at exit cannot fail again.
+        if sys.stdout is not None:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if not isinstance(e.__cause__, BrokenPipeError):
+            print(f"instant-staging {args.command}: the report could not be written to stdout: {e}",
                   file=sys.stderr)
         return 1
 

@@ -5,6 +5,7 @@ never from one another.
 """
 
 import json
+import sys
 
 from .._types import StagingError, format_size
 
@@ -76,9 +77,24 @@ def error_result(command, error):
     return out
 
 
+class OutputError(Exception):
+    """stdout did not take the report (a full disk, a closed descriptor, a
+    reader that went away): the run did not deliver what it was for."""
+
+
+def write_out(text):
+    """``text`` and a newline on stdout, flushed: delivered, or OutputError
+    (its ``__cause__`` the OSError; none where stdout was closed)."""
+    out = sys.stdout
+    if out is None:             # started with descriptor 1 closed: Python has no stdout
+        raise OutputError("stdout is closed")
+    try:
+        out.write(text + "\n")
+        out.flush()
+    except OSError as e:
+        raise OutputError(e.strerror or str(e)) from e
+
+
 def emit(as_json, result, lines):
-    """Prints ``result`` as one JSON object, or ``lines`` for a terminal."""
-    if as_json:
-        print(json.dumps(result, indent=2))
-    else:
-        print("\n".join(lines))
+    """Writes ``result`` as one JSON object, or ``lines`` for a terminal."""
+    write_out(json.dumps(result, indent=2) if as_json else "\n".join(lines))

@@ -502,6 +502,12 @@ def _one_dtype(torch, dtype, alias):
 def _model_class(transformers, config, model_class, model_dir, trust_remote_code):
     if model_class is None:
         names = getattr(config, "architectures", None) or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            # (a string's first letter would be taken for a class name)
+            bad = names if not isinstance(names, list) else next(n for n in names if not isinstance(n, str))
+            raise ValueError(f"{model_dir}/config.json's architectures must be a list of class names, "
+                             f"not {'one holding ' if isinstance(names, list) else ''}"
+                             f"{_a(type(bad).__name__)} ({bad!r}): fix it, or pass model_class=")
         if not names:
             model_class = getattr(transformers, DEFAULT_AUTO_CLASS)
         else:
@@ -521,6 +527,10 @@ def _model_class(transformers, config, model_class, model_dir, trust_remote_code
         raise ValueError(f"{model_class.__name__} has no model for {type(config).__name__} "
                          f"({model_dir}/config.json, model_type {getattr(config, 'model_type', None)!r}): "
                          "pass model_class=") from None
+
+
+def _a(noun):
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _remote_class(transformers, config, name, model_dir, trust_remote_code):

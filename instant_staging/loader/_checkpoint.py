@@ -3,25 +3,42 @@
 Every header is parsed and validated before anything is allocated.  A
 ``_Checkpoint`` owns its file descriptors; ``close()`` is called only by the
 code that owns the load once its reader threads have stopped.
+
+A Ctrl-C may land anywhere, so a descriptor is recorded in ``fds`` in the
+same step that opens it and leaves it in the step that closes it
+(``_fds.pyx``): ``close()`` always finds exactly what is still open, and
+calling it again finishes a close that an interrupt cut short.  Making a
+``_Checkpoint`` opens nothing: its maker holds it before ``open`` makes it
+own anything, and closes it if ``open`` (or anything after) raises.
 """
 
 import copy
 import os
 import stat
-import threading
 
 from ..defaults import COLD_SAMPLES
 from . import _gc
 from ._errors import not_found
+from ._fds import close_recorded, open_recorded
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry, read_header
 from ._options import for_cache
+from ._source import file_kind
+
+# O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer,
+# forever; only a regular file is read (O_NONBLOCK, which reads of one
+# ignore, is then cleared).
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 class _Checkpoint:
     """The open shards and their tensors in reading order (shard, offset)."""
 
-    def __init__(self, paths):
+    def __init__(self):
         self.paths, self.fds, self.headers = [], [], []
+
+    def open(self, paths):
+        """Opens ``paths`` and parses their headers; returns self.  On any
+        exception (a Ctrl-C too) what it opened is closed."""
         try:
             with _gc.paused():
                 for path in paths:
@@ -31,22 +48,20 @@ class _Checkpoint:
                 self._check_duplicates()
             # (the tensors of a header cover its data section exactly)
             self.total_bytes = sum(h.file_size - h.data_start for h in self.headers)
-        except BaseException:           # a Ctrl-C too: nobody else holds the fds yet
+        except BaseException:
             self.close()
             raise
+        return self
 
     def _open(self, path):
-        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
-        # writer, forever; only a regular file is read (O_NONBLOCK, which
-        # reads of one ignore, is then cleared).
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            fd = open_recorded(self.fds, path, _OPEN_FLAGS)
         except FileNotFoundError:
             raise not_found(os.fsdecode(path)) from None
-        self.fds.append(fd)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise SafetensorsError("not a regular file (a FIFO, a device or a directory cannot "
-                                   "be a safetensors file)", os.fsdecode(path))
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise SafetensorsError(f"is {file_kind(mode)}, not a regular file: it cannot be a "
+                                   "safetensors file", os.fsdecode(path))
         os.set_blocking(fd, True)
         self.paths.append(os.fsdecode(path))     # messages and errors name a str
         self.headers.append(read_header(fd, path))
@@ -116,14 +131,10 @@ class _Checkpoint:
     def share(self, release):
         """This checkpoint for one load: its own selection (``select``,
         ``plan``), the same descriptors; its ``close()`` is ``release``
-        (the owner closes the descriptors once no load holds them)."""
+        (idempotent: a load's owners may each close it; the owner closes
+        the descriptors once no load holds them)."""
         view = copy.copy(self)
-        once = threading.Lock()
-
-        def close():
-            if once.acquire(blocking=False):    # a load's owners may each close it
-                release()
-        view.close = close
+        view.close = release
         return view
 
     def plan(self, plan):
@@ -162,13 +173,12 @@ class _Checkpoint:
         return None
 
     def close(self):
-        """Closes the descriptors (idempotent).  Only the code that joined
-        the load's reader threads calls it: a descriptor number closed under
-        a running reader could be reused by the next open() and the reader
-        would copy another file's bytes."""
-        fds, self.fds = self.fds, []
-        for fd in fds:
-            os.close(fd)
+        """Closes the descriptors (idempotent; again after an interrupt,
+        it closes the rest).  Only the code that joined the load's reader
+        threads calls it: a descriptor number closed under a running reader
+        could be reused by the next open() and the reader would copy another
+        file's bytes."""
+        close_recorded(self.fds)
 
 
 def _paths(paths):

@@ -37,8 +37,10 @@ waiting for the others' posts with a timeout (``timeout``, default
 overrides) that names the ranks that never posted:
 
 1. when ``iter_load`` is called: arguments, headers and ``names=`` checked
-   on every rank, and the checkpoint's layout equal on every rank; the
-   knobs too: where no rank set one, every rank's sample of the page cache
+   on every rank, and every rank loading the same checkpoint: the same
+   layout, the same dtype=, and each file the same content (``_contents``:
+   compared by content, never by path, which may differ between ranks);
+   the knobs too: where no rank set one, every rank's sample of the page cache
    travels with it, and a checkpoint the ranks find cold on average is
    read with the cold defaults on every rank (``_for_cache``);
 2. before the first read: staging buffer made and tensors allocated (the
@@ -82,6 +84,9 @@ CUT_ALIGN = 4096
 # A cut moves to the nearest tensor boundary when that unbalances the
 # ranks by less than this fraction of one rank's share.
 SNAP_FRACTION = 1 / 64
+# A file's identity samples this many pages of its data (_contents).
+IDENTITY_PAGES = 8
+_PAGE = 4096
 
 
 class DistributedLoadError(LoadError):
@@ -369,10 +374,11 @@ def iter_load_group(prepare, process_group):
         if target.device.type == "cpu" and group.backend == "nccl":
             raise ValueError("an NCCL process group exchanges GPU tensors: load to this rank's "
                              "GPU, or use a gloo group for device='cpu'")
-        post = (True, "", _layout(checkpoint), _wanted_mask(checkpoint), resident)
+        post = (True, "", _layout(checkpoint), _wanted_mask(checkpoint), resident,
+                _contents(checkpoint), str(target.dtype))
     except Exception as e:
         local = e
-        post = (False, _describe(e), None, None, None)
+        post = (False, _describe(e), None, None, None, None, None)
     try:
         values = group.agree("plan", post)
         failed = _failed(values)
@@ -383,6 +389,11 @@ def iter_load_group(prepare, process_group):
             raise DistributedLoadError(
                 f"the ranks see different checkpoints: rank(s) {differ} differ from rank 0 "
                 f"in tensor names, dtypes, shapes or offsets", {r: "different layout" for r in differ})
+        differ = _differences([v[5] for v in values], [v[6] for v in values])
+        if differ:
+            raise DistributedLoadError(
+                "the ranks load different checkpoints (compared by content, not by path): "
+                + "; ".join(f"rank {r}: {m}" for r, m in differ.items()), differ)
     except BaseException:
         if checkpoint is not None:
             checkpoint.close()
@@ -415,6 +426,55 @@ def _layout(checkpoint):
     for i, t in _all_entries(checkpoint):
         h.update(repr((i, t.name, t.dtype, t.shape, t.begin, t.end)).encode())
     return h.hexdigest()
+
+
+def _contents(checkpoint):
+    """Each file's identity, to compare with the other ranks' copies (whose
+    paths may differ): ``(name, size, sha256 of its header, sha256 of
+    IDENTITY_PAGES pages of its data)``, the pages spread evenly from the
+    first to the last (the same offsets wherever the size is the same; the
+    whole data section where it is no longer).  Read with pread, a few
+    milliseconds for hundreds of shards.  It cannot see a change between
+    the sampled pages (one byte elsewhere): ``verify=True`` checks every
+    tensor against its file, and fails on the rank whose tensor came from
+    the other copy.  A URL's objects are not fetched again for the pages
+    (one ranged GET for the header each)."""
+    out = []
+    for i, h in enumerate(checkpoint.headers):
+        header = hashlib.sha256(checkpoint.read_bytes(i, 0, h.data_start)).hexdigest()
+        pages = None
+        if checkpoint.fetch is None:        # files
+            data = h.file_size - h.data_start
+            if data <= IDENTITY_PAGES * _PAGE:
+                spans = [(h.data_start, data)]
+            else:
+                last = data - _PAGE
+                spans = [(h.data_start + last * k // (IDENTITY_PAGES - 1), _PAGE)
+                         for k in range(IDENTITY_PAGES)]
+            digest = hashlib.sha256()
+            for offset, length in spans:
+                digest.update(checkpoint.read_bytes(i, offset, length))
+            pages = digest.hexdigest()
+        out.append((os.path.basename(checkpoint.paths[i]), h.file_size, header, pages))
+    return out
+
+
+def _differences(contents, dtypes):
+    """{rank: how its call or files differ from rank 0's} (none when the
+    ranks load the same): every rank finds the same, from every rank's post."""
+    out = {}
+    for r in range(1, len(contents)):
+        what = []
+        if dtypes[r] != dtypes[0]:
+            what.append(f"dtype={dtypes[r]} where rank 0 has dtype={dtypes[0]}")
+        for mine, first in zip(contents[r], contents[0]):
+            parts = [part for part, a, b in (("size", mine[1], first[1]), ("header", mine[2], first[2]),
+                                             ("sampled data pages", mine[3], first[3])) if a != b]
+            if parts:
+                what.append(f"{mine[0]} differs from rank 0's {first[0]} in its {' and '.join(parts)}")
+        if what:
+            out[r] = "; ".join(what)
+    return out
 
 
 def _wanted_mask(checkpoint):

@@ -15,7 +15,8 @@ both on generated and mutated files):
   (leading too), no NaN/Infinity, no number beyond the double range, no
   lone surrogate escape, at most 127 levels of nesting;
 - the root is an object; ``__metadata__`` (at most once) is null or maps
-  strings to strings; a tensor name given twice keeps its last entry;
+  strings to strings; a tensor name given twice keeps its last entry, but
+  every entry must be one (safetensors deserializes each as it reads);
 - an entry is an object with ``dtype``, ``shape`` and ``data_offsets``
   (each at most once; other keys are ignored) or the array ``[dtype,
   shape, data_offsets]``; dtype is a known name (or ``{"NAME": null}``);
@@ -221,8 +222,15 @@ def _parse(text, raw, path):
                 raise SafetensorsError("__metadata__ appears twice in the header", path)
             metadata, seen_metadata = _metadata(value, path), True
         else:
-            entries[name] = value      # a name given twice keeps its last entry
-    return metadata, [_entry(name, value, path) for name, value in entries.items()]
+            # Every entry is checked, a shadowed one too (serde deserializes
+            # each before the map keeps the last of a name).
+            entries[name] = _entry(name, value, path)
+    tensors = list(entries.values())
+    for name, dtype, *_ in tensors:     # what only torch refuses: the entries kept
+        if dtype in NO_TORCH_DTYPE:
+            raise SafetensorsError(f"dtype {dtype} ({NO_TORCH_DTYPE[dtype]}) has no torch dtype: "
+                                   "safetensors.torch refuses it too", path, name)
+    return metadata, tensors
 
 
 def _pread_exact(fd, n, offset, path) -> bytes:
@@ -393,10 +401,7 @@ def _entry(name, value, path):
     dtype, shape, offsets = _fields(name, value, path)
     if isinstance(dtype, _Pairs) and len(dtype) == 1 and dtype[0][1] is None:
         dtype = dtype[0][0]           # serde's map form of an enum variant
-    if isinstance(dtype, str) and dtype in NO_TORCH_DTYPE:
-        raise SafetensorsError(f"dtype {dtype} ({NO_TORCH_DTYPE[dtype]}) has no torch dtype: "
-                               "safetensors.torch refuses it too", path, name)
-    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+    if not isinstance(dtype, str) or (dtype not in DTYPE_BITS and dtype not in NO_TORCH_DTYPE):
         raise SafetensorsError(f"unknown dtype {dtype!r} (known: {', '.join(sorted(DTYPE_BITS))})",
                                path, name)
     if not _u64s(shape):

@@ -133,7 +133,7 @@ class Checkpoint:
         self._shards = shards
         self._source = source
         self._lock = threading.Lock()
-        self._holds = 0
+        self._holds = set()
         self._closed = False
         self.open_seconds = opened_seconds
         self._infos = {t.name: TensorInfo(t.name, t.dtype, tuple(t.shape), t.nbytes, shards.paths[i])
@@ -154,13 +154,22 @@ class Checkpoint:
         """
         t0 = time.perf_counter()
         try:
-            shards, src = _open_shards(source, storage_options)
+            shards, src = _shards(source, storage_options)     # nothing opened yet
+            try:
+                shards.open(src.paths)
+                src.check(shards)
+                # Made here, not by the caller: a Ctrl-C as a call returns
+                # would drop the open shards out of anyone's reach.  Once
+                # made, the Checkpoint closes them when it is collected.
+                return cls(shards, src, time.perf_counter() - t0)
+            except BaseException:
+                shards.close()      # (idempotent: a Checkpoint made above closes nothing twice)
+                raise
         except BaseException as e:
             # The error's frames would keep the object stores (their
             # connections) alive for as long as the caller keeps the error.
             traceback.clear_frames(e.__traceback__)
             raise
-        return cls(shards, src, time.perf_counter() - t0)
 
     # -- what is in it, no data read ---------------------------------------------
 
@@ -255,27 +264,33 @@ class Checkpoint:
         it.timed(began, opened)
         return it
 
+    # A hold is a token in ``_holds``, released once (the load's owners may
+    # each release it, and one whose release a Ctrl-C cut short may release
+    # it again); the files close once the checkpoint is closed and no token
+    # is left.  close() and a release close them every time they find that
+    # so (closing twice closes nothing twice: _checkpoint.py), so a close
+    # that an interrupt cut short is finished by the next, or by __del__.
+
     def _hold(self):
+        token = object()
         with self._lock:
             if self._closed:
                 raise ValueError("the checkpoint is closed")
-            self._holds += 1
-        return self._shards.share(self._release)
+            self._holds.add(token)
+        return self._shards.share(functools.partial(self._release, token))
 
-    def _release(self):
+    def _release(self, token):
         with self._lock:
-            self._holds -= 1
-            last = self._closed and self._holds == 0
+            self._holds.discard(token)
+            last = self._closed and not self._holds
         if last:
             self._shards.close()
 
     def close(self) -> None:
         """Closes the checkpoint: its files once no load holds them (idempotent)."""
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
-            last = self._holds == 0
+            last = not self._holds
         if last:
             self._shards.close()
 
@@ -296,23 +311,16 @@ class Checkpoint:
         return f"<instant_staging Checkpoint of {len(self._shards.paths)} file(s), {state}>"
 
 
-def _open_shards(source, storage_options):
-    """``(shards, Source)``: the open files, or objects, of ``source``."""
+def _shards(source, storage_options):
+    """``(shards, Source)``: the files, or objects, of ``source``, resolved;
+    none opened yet (``_Checkpoint.open``)."""
     if is_url(source):
         src, objects = resolve_url(source, _Stores(storage_options))
-        shards = _RemoteCheckpoint(objects)
-    else:
-        if storage_options is not None:
-            raise ValueError("storage_options apply to a URL source (s3://, gs://, az://, "
-                             "https://), not to files")
-        src = resolve(source)
-        shards = _Checkpoint(src.paths)
-    try:
-        src.check(shards)
-    except BaseException:
-        shards.close()
-        raise
-    return shards, src
+        return _RemoteCheckpoint(objects), src
+    if storage_options is not None:
+        raise ValueError("storage_options apply to a URL source (s3://, gs://, az://, "
+                         "https://), not to files")
+    return _Checkpoint(), resolve(source)
 
 
 def _target(device, dtype):

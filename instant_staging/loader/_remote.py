@@ -257,7 +257,7 @@ class _RemoteCheckpoint(_Checkpoint):
         self._error_lock = threading.Lock()
         self._stop = threading.Event()
         self._obstore = _obstore()
-        super().__init__([o.url for o in self._objects])
+        super().__init__()          # open(): the objects' URLs, in order
 
     def share(self, release):
         # A load's own error and stop: one load's cancel stops only its fetches.

@@ -92,7 +92,8 @@ class _File:
     close; a slice read after that takes one from the pool for that read."""
 
     def __init__(self, checkpoint, torch, target, chunk_size, io_depth, threads):
-        self.checkpoint: _Checkpoint | None = checkpoint
+        self.checkpoint: _Checkpoint = checkpoint
+        self.released = False           # every holder let go: the file is closed
         self.path = checkpoint.paths[0]
         self.torch, self.target = torch, target
         self.chunk_size, self.io_depth, self.threads = chunk_size, io_depth, threads
@@ -121,7 +122,14 @@ class _File:
             self.holders -= 1
             if self.holders:
                 return
-            checkpoint, self.checkpoint = self.checkpoint, None
+            self.released = True
+        self.checkpoint.close()
+
+    def __del__(self):
+        # Nothing reads through it any more (a read holds it): a close that
+        # a Ctrl-C cut short, or a holder that never released, ends here
+        # (closing again closes nothing twice).
+        checkpoint = getattr(self, "checkpoint", None)
         if checkpoint is not None:
             checkpoint.close()
 
@@ -144,7 +152,7 @@ class _File:
         the device; returns their tensors in the order given."""
         target = self.target
         with self.lock:
-            if self.checkpoint is None:
+            if self.released:
                 raise self.closed_error()
             dtypes = {e: target.check(e, self.path) for e in entries}
             view = _View(self.checkpoint, entries)
@@ -194,17 +202,23 @@ class safe_open:
         chunk_size, io_depth, threads = knobs(None, None, None)
         _check_args(chunk_size, io_depth, threads)
         if is_url(filename):        # one object: s3://bucket/key.safetensors, https://...
-            objects = _RemoteCheckpoint.one(filename, storage_options)
-            checkpoint = _RemoteCheckpoint(objects)
+            checkpoint = _RemoteCheckpoint(_RemoteCheckpoint.one(filename, storage_options))
         elif storage_options is not None:
             raise ValueError("storage_options apply to a URL (s3://, gs://, az://, https://), not a file")
         else:
-            checkpoint = _Checkpoint([filename])
-        if left_unset(None, None, None):     # load_file's rule: a file the page cache lacks, a URL
-            cold = checkpoint.default_knobs()
-            if cold:
-                chunk_size, io_depth, threads = cold["chunk_size"], cold["io_depth"], cold["threads"]
-        self._file = _File(checkpoint, torch, target, chunk_size, io_depth, threads)
+            checkpoint = _Checkpoint()
+        # Until the handle's _File holds it, the file is closed here on any
+        # exception (a Ctrl-C too): nothing else could reach it.
+        try:
+            checkpoint.open([filename])
+            if left_unset(None, None, None):     # load_file's rule: a file the page cache lacks, a URL
+                cold = checkpoint.default_knobs()
+                if cold:
+                    chunk_size, io_depth, threads = cold["chunk_size"], cold["io_depth"], cold["threads"]
+            self._file = _File(checkpoint, torch, target, chunk_size, io_depth, threads)
+        except BaseException:
+            checkpoint.close()
+            raise
         header = checkpoint.headers[0]
         self._entries = {t.name: t for t in header.tensors}
         self._order = [t.name for t in header.tensors]

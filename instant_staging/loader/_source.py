@@ -19,7 +19,11 @@ file elsewhere (``../x``, ``/etc/...``).  The rule is on the names, not on
 where they resolve: a shard may be a symbolic link anywhere (the hub
 cache's snapshot folders link every shard to ``../../blobs/...``).  A shard
 it lists that does not exist is a ``FileNotFoundError`` naming the index and
-the shard; after the headers are read, ``Source.check`` makes a tensor the
+the shard, one that is there but is not a regular file (a FIFO, a device, a
+directory) a ``SafetensorsError`` saying what it is (looked at with stat(),
+never opened: opening a FIFO for reading waits for a writer; the index
+itself is opened without waiting, and refused unless regular); after the
+headers are read, ``Source.check`` makes a tensor the
 index promises but no shard holds a ``SafetensorsError``, so an index that
 does not describe its shards fails before anything is allocated.  A JSON file
 passed where a shard belongs is reported as what it is.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 from ._header import SafetensorsError
 
@@ -113,7 +118,7 @@ def resolve(source) -> Source:
 
 def _directory(path: str) -> Source:
     index = os.path.join(path, INDEX_NAME)
-    if os.path.isfile(index):
+    if os.path.exists(index):       # (one that is no regular file is refused, not skipped)
         return _index(index)
     shards = sorted(name for name in os.listdir(path)
                     if name.endswith(SHARD_SUFFIX) and os.path.isfile(os.path.join(path, name)))
@@ -122,9 +127,28 @@ def _directory(path: str) -> Source:
     return Source([os.path.join(path, name) for name in shards])
 
 
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words ("a FIFO")."""
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _without_waiting(path, flags):
+    # (an opener of open(): O_NONBLOCK, or a FIFO would wait for a writer)
+    return os.open(path, flags | os.O_NONBLOCK)
+
+
 def _index(path: str) -> Source:
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=_without_waiting) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise SafetensorsError(f"the index is {file_kind(mode)}, not a regular file", path)
+            os.set_blocking(f.fileno(), True)
             raw = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"no such index file: {path}") from None
@@ -132,11 +156,22 @@ def _index(path: str) -> Source:
     base = os.path.dirname(path)
     shards = sorted(set(weight_map.values()))
     paths = [os.path.join(base, s) for s in shards]
-    missing = [s for s, p in zip(shards, paths) if not os.path.isfile(p)]
+    missing, odd = [], []
+    for s, p in zip(shards, paths):
+        try:
+            mode = os.stat(p).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            missing.append(s)
+            continue
+        if not stat.S_ISREG(mode):
+            odd.append(f"{s} is {file_kind(mode)}, not a regular file")
     if missing:
         raise FileNotFoundError(f"{path}: {len(missing)} shard(s) it lists do not exist in "
                                 f"{base or '.'}: {', '.join(missing[:10])}"
                                 + (" ..." if len(missing) > 10 else ""))
+    if odd:
+        raise SafetensorsError(f"{len(odd)} shard(s) it lists cannot be safetensors files: "
+                               + ", ".join(odd[:10]) + (" ..." if len(odd) > 10 else ""), path)
     return Source(paths, path, {name: os.path.join(base, s) for name, s in weight_map.items()})
 
 

@@ -129,3 +129,39 @@ def test_load_to_a_missing_gpu_is_a_report_not_a_traceback(model):
     no_traceback(proc)
     assert proc.returncode == 1 and "allow_pageable" not in proc.stderr
     assert "cuda:0" in proc.stderr
+
+
+# Every command, its report to a stdout that fails: /dev/full (ENOSPC on the
+# write) or a closed descriptor (Python then has no sys.stdout at all).
+COMMANDS = {"probe": ["probe", "--simulate", "--size", "1MiB", "--segment-size", "1MiB",
+                      "--prefault-threads", "0"],
+            "doctor": ["doctor"],
+            "load": ["load", "--device", "cpu"]}
+
+
+def cli_with_stdout(how, *args):
+    import os
+    import subprocess
+    import sys
+
+    from _child import PACKAGE_PARENT, child_env
+    command = [sys.executable, "-m", "instant_staging", *args]
+    if how == "closed":
+        command = ["sh", "-c", 'exec "$@" >&-', "sh", *command]
+    with open(os.devnull if how == "closed" else "/dev/full", "w") as out:
+        proc = subprocess.run(command, cwd=PACKAGE_PARENT, env=child_env(), stdout=out,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    proc.stdout = ""            # (it went to the failing stdout)
+    return proc
+
+
+@pytest.mark.parametrize("how", ["full", "closed"])
+@pytest.mark.parametrize("as_json", [False, True])
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_report_that_cannot_be_written_is_one_line_and_a_failure(model, command, as_json, how):
+    args = COMMANDS[command] + ([model] if command == "load" else []) + (["--json"] if as_json else [])
+    proc = cli_with_stdout(how, *args)
+    no_traceback(proc)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("loaded ")]  # progress
+    assert len(lines) == 1 and "stdout" in lines[0], proc.stderr

@@ -10,6 +10,7 @@ in a loop, and Ctrl-C during a 1 GiB buffer, repeated, with live counters
 and the process's memory checked.
 """
 
+import json
 import logging
 
 import pytest
@@ -271,3 +272,156 @@ def test_ctrl_c_during_a_1gib_buffer_repeated_does_not_grow_rss():
     assert lines["LIVE"] == "0", out.stdout
     assert int(lines["INTERRUPTED"]) > 0, out.stdout
     assert int(lines["GROWTH"]) < 256 * MiB, out.stdout   # a leak is 1 GiB per interrupt
+
+
+# -- a checkpoint's file descriptors ---------------------------------------------
+
+# Shards of one 4-byte tensor each, written by hand (no torch in the child).
+SHARDS = """
+import gc, json, os, random, signal, sys, threading, time
+from instant_staging.loader import Checkpoint
+
+def shards(d, n):
+    os.makedirs(d)
+    for i in range(n):
+        header = json.dumps({f"t{i}": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}})
+        header += " " * (-len(header) % 8)
+        with open(os.path.join(d, f"s{i:04d}.safetensors"), "wb") as f:
+            f.write(len(header).to_bytes(8, "little") + header.encode() + bytes(4))
+    return d
+
+def fds():
+    return set(os.listdir("/proc/self/fd"))
+"""
+
+# A KeyboardInterrupt at each point of the loader's open and close paths
+# (Checkpoint, safe_open, and the caller's lines that take them) where CPython would run a
+# signal handler, in turn: every descriptor is closed in the end, and none
+# twice (descriptors opened right after the interrupt, which take the numbers
+# just freed, are still open after the checkpoint is gone).
+TRACED = SHARDS + """
+import dis
+from instant_staging.loader import _checkpoint, _load, _safe_open, safe_open
+
+# CPython runs a handler as a function starts or resumes (RESUME), after a
+# call returns and after a backward jump, nowhere else: not between a `with`
+# statement's __enter__ and its block, nor before its __exit__.
+CHECKS_AFTER = {op for op, name in enumerate(dis.opname)
+                if name.startswith("CALL") or name.startswith("JUMP_BACKWARD")}
+
+class Interrupt:
+    def __init__(self, n):
+        self.n, self.seen, self.previous = n, 0, {}
+    def point(self):
+        self.seen += 1
+        if self.seen == self.n:
+            raise KeyboardInterrupt
+    def __call__(self, frame, event, arg):
+        if frame.f_code.co_filename not in FILES:
+            return None
+        frame.f_trace_opcodes = True
+        if event == "call":
+            self.previous[id(frame)] = None
+            self.point()
+        elif event == "opcode":
+            op = frame.f_code.co_code[frame.f_lasti]
+            last, self.previous[id(frame)] = self.previous.get(id(frame)), op
+            if last in CHECKS_AFTER:
+                self.point()
+        return self
+
+def cycle(d):
+    ck = Checkpoint.open(d)
+    ck.close()
+    f = safe_open(os.path.join(d, "s0000.safetensors"), framework="pt")
+    f.close()
+
+FILES = {_checkpoint.__file__, _load.__file__, _safe_open.__file__, cycle.__code__.co_filename}
+d = shards("ck", 8)
+cycle(d)
+base = fds()
+leaks, reused, n, interrupted = [], [], 0, 0
+while True:
+    n += 1
+    trace = Interrupt(n)
+    sys.settrace(trace)
+    try:
+        cycle(d)
+    except KeyboardInterrupt:
+        interrupted += 1
+        bystanders = [os.open(os.devnull, os.O_RDONLY) for _ in range(10)]
+    else:
+        bystanders = []
+    sys.settrace(None)
+    for fd in bystanders:
+        try:
+            os.fstat(fd)
+            os.close(fd)
+        except OSError:
+            reused.append(n)
+    if fds() != base:
+        gc.collect()        # (only then: 0.2 s with torch imported)
+    if fds() != base:
+        leaks.append((n, len(fds() - base)))
+        base = fds()
+    if trace.seen < n:
+        break
+print(json.dumps({"leaks": leaks, "closed_twice": reused, "interrupted": interrupted}))
+"""
+
+
+def test_an_interrupt_at_any_bytecode_of_open_or_close_leaks_no_descriptor():
+    out = run_child(TRACED, timeout=600)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["interrupted"] > 100, result
+    assert not result["leaks"], f"(interrupt at bytecode, descriptors leaked): {result['leaks']}"
+    assert not result["closed_twice"], f"a descriptor closed twice at {result['closed_twice']}"
+
+
+# Real SIGINTs, at random times, while a 300-shard checkpoint is opened and
+# closed again and again: every descriptor is closed once the process let go
+# of the checkpoints.
+STORM_SHARDS = SHARDS + """
+armed = False
+def on_sigint(signum, frame):
+    global armed
+    if armed:
+        armed = False
+        raise KeyboardInterrupt
+signal.signal(signal.SIGINT, on_sigint)
+
+stop = False
+def storm():
+    rng = random.Random(3)
+    while not stop:
+        time.sleep(rng.uniform(0, GAP))
+        os.kill(os.getpid(), signal.SIGINT)
+
+d = shards("ck", 300)
+Checkpoint.open(d).close()
+base = fds()
+threading.Thread(target=storm, daemon=True).start()
+interrupted = 0
+for i in range(ROUNDS):
+    try:
+        armed = True
+        ck = Checkpoint.open(d)
+        ck.close()
+        armed = False
+    except KeyboardInterrupt:
+        interrupted += 1
+    ck = None
+stop = True
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+gc.collect()
+print(json.dumps({"leaked": len(fds() - base), "interrupted": interrupted}))
+"""
+
+
+def test_sigint_storm_while_opening_and_closing_300_shards_leaks_no_descriptor():
+    out = run_child("GAP, ROUNDS = 0.02, 300\n" + STORM_SHARDS, timeout=600)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["interrupted"] > 30, result
+    assert result["leaked"] == 0, result

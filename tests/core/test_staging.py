@@ -50,6 +50,19 @@ def test_segmented_retry_after_whole_registration_fails():
     assert rt.live_registrations == 0
 
 
+def test_default_segment_size_is_256_mib():
+    """The seed's default (docs/design.md step 4), pinned: a buffer built
+    without segment_size= whose whole registration fails is cut into
+    256 MiB segments, the last one short."""
+    MiB = 1 << 20
+    rt = SimulatedRuntime(faults="register#1=invalid_value")
+    with ist.StagingBuffer(600 * MiB, prefault_threads=0, runtime=rt) as buf:
+        assert buf.kind is ist.Kind.SEGMENTED
+        assert buf.segments == ((0, 256 * MiB), (256 * MiB, 256 * MiB), (512 * MiB, 88 * MiB)), (
+            f"default segments {[(o // MiB, n // MiB) for o, n in buf.segments]} (MiB), "
+            "not 256 MiB each")
+
+
 def test_segmentation_skipped_when_buffer_fits_one_segment():
     _rt, buf = make("register=invalid_value", size=SEG)
     assert buf.kind is ist.Kind.RUNTIME_PINNED

@@ -427,6 +427,23 @@ def test_bad_arguments_before_reading(tmp_path, monkeypatch):
         from_pretrained(path, device="cpu")
 
 
+@pytest.mark.parametrize("architectures, match", [
+    ("LlamaForCausalLM", "a str"),
+    ([["LlamaForCausalLM"]], "a list"),
+    ([7], "an int"),
+])
+def test_architectures_that_is_not_a_list_of_names_says_so(tmp_path, monkeypatch, architectures, match):
+    """Not a class named 'L' (the first letter of a string): the field's form."""
+    path, _ = save(tmp_path, "llama", sharded=False)
+    no_read(monkeypatch)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = architectures
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json's architectures must be a list of class "
+                                         rf"names, not .*{match}"):
+        from_pretrained(path, device="cpu")
+
+
 @pytest.mark.parametrize("device_map, match", [
     ("balanced", "spreads the model"),
     ("sequential", "spreads the model"),

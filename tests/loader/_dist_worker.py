@@ -129,6 +129,25 @@ def main(spec_path, rank):
             out[name] = run([files["bad"] if rank == world - 1 else files["single"]])
         elif name == "other_layout":
             out[name] = run([files["other"] if rank == 1 else files["single"]])
+        elif name in ("own_copies", "other_data", "unsampled_change"):
+            # Each rank its own copy of one file, at its own path; rank 1's
+            # with one byte changed: the first data byte (a sampled page), or
+            # one between the sampled pages (only verify= sees it).
+            mine = os.path.join(spec["out"], f"{name}-rank{rank}.safetensors")
+            shutil.copy(files["single"], mine)
+            if rank == 1 and name != "own_copies":
+                with open(mine, "r+b") as f:
+                    where = 8 + int.from_bytes(f.read(8), "little") + (5000 if name == "unsampled_change"
+                                                                        else 0)
+                    f.seek(where)
+                    byte = f.read(1)[0]
+                    f.seek(where)
+                    f.write(bytes([byte ^ 0xFF]))
+            out[name] = run([mine], verify=name == "unsampled_change")
+        elif name == "other_header":    # the same layout, another __metadata__ value
+            out[name] = run([files["meta_b"] if rank == 1 else files["meta_a"]])
+        elif name == "other_dtype":
+            out[name] = run(shards, dtype=torch.float32 if rank == 1 else None)
         elif name == "unknown_name":
             out[name] = run(shards, names=["no such tensor"] if rank == 0 else None)
         elif name == "truncated":       # rank 1's copy shrinks after validation

@@ -120,7 +120,7 @@ def begin_device_load(paths, rt, *, views=True, own_staging=True, staging=None, 
     """iter_load's single path on the simulated device, up to its iterator:
     the plan and its runs, and the staging buffer started beside it.
     Returns ``(LoadIterator, its _Start, the checkpoint)``."""
-    checkpoint = _checkpoint._Checkpoint(paths if isinstance(paths, list) else [paths])
+    checkpoint = _checkpoint._Checkpoint().open(paths if isinstance(paths, list) else [paths])
     checkpoint.select(names)
     target = (target_type or SimTarget)(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
@@ -181,7 +181,7 @@ def test_offsets_that_forbid_views_start_new_blocks(tmp_path, sim_pool):
 
 
 def start_entries(path):
-    ck = _checkpoint._Checkpoint([path])
+    ck = _checkpoint._Checkpoint().open([path])
     try:
         return ck.entries
     finally:
@@ -391,7 +391,7 @@ def make(size, segment):
 _staging_pool._make = make
 p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
 save_file({f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)}, p)
-ck = _checkpoint._Checkpoint([p])
+ck = _checkpoint._Checkpoint().open([p])
 target = SimTarget(rt)
 dtypes = [target.check(t, p) for _, t in ck.entries]
 opts = {"chunk_size": 8192, "io_depth": 4, "threads": 2, "staging": None}

@@ -278,3 +278,21 @@ def test_safe_open_prefetch_hands_each_tensor_out_once(sharded):
         with pytest.raises(ValueError, match="step"):
             f.prefetch({names[0]: slice(0, 4, 2)})
     assert set(os.listdir("/proc/self/fd")) == fds
+
+
+def test_close_closes_every_descriptor_even_past_an_error():
+    """A descriptor that close() refuses (here one never opened) is removed
+    like the others, the rest are still closed, and the error comes last."""
+    import errno
+
+    from instant_staging.loader._fds import close_recorded, open_recorded
+    fds = []
+    for _ in range(3):
+        open_recorded(fds, os.devnull, os.O_RDONLY)
+    opened = list(fds)
+    fds.insert(1, max(opened) + 1000)
+    with pytest.raises(OSError) as e:
+        close_recorded(fds)
+    assert e.value.errno == errno.EBADF
+    assert fds == [] and not any(_is_open(fd) for fd in opened)
+    close_recorded(fds)                           # idempotent

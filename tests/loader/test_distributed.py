@@ -203,6 +203,10 @@ def make_files(d):
                          ("other", {f"w{i}": rand(torch.float32, (33 + i, 97), 40 + i) for i in range(12)})):
         files[key] = os.path.join(d, f"{key}.safetensors")
         st.save_file(tensors, files[key])
+    single = {f"w{i}": rand(torch.float32, (97, 33 + i), 40 + i) for i in range(12)}
+    for key, note in (("meta_a", "a"), ("meta_b", "b")):
+        files[key] = os.path.join(d, f"{key}.safetensors")
+        st.save_file(single, files[key], metadata={"note": note})
     files["bad"] = os.path.join(d, "bad.safetensors")
     with open(files["single"], "rb") as src, open(files["bad"], "wb") as dst:
         data = bytearray(src.read())
@@ -218,7 +222,8 @@ def free_port():
 
 
 SCENARIOS = ["replicated", "load_file", "progress_true", "dtype_and_directory", "names", "predicate",
-             "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "unknown_name",
+             "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "own_copies", "other_data",
+             "other_header", "other_dtype", "unsampled_change", "unknown_name",
              "truncated", "read_fault", "kinds", "staging_unusable", "subgroup", "not_a_group",
              "dropped", "after_failures", "timeout"]
 
@@ -340,6 +345,35 @@ def test_other_layout_on_one_rank(world):
     for rec in scenario(world, "other_layout"):
         assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1]
         assert "different checkpoints" in rec["message"]
+
+
+def test_copies_at_other_paths_are_the_same_checkpoint(world):
+    assert_all_equal(scenario(world, "own_copies"))
+
+
+@pytest.mark.parametrize("name, words", [
+    ("other_data", ["other_data-rank1.safetensors", "sampled data pages"]),
+    ("other_header", ["meta_b.safetensors", "header"]),
+    ("other_dtype", ["dtype"]),
+])
+def test_other_contents_on_one_rank_are_an_error_on_every_rank(world, name, words):
+    """The ranks compare what they load, not its paths: a file whose data
+    or header differs on one rank (the same layout), or another dtype=, is
+    a DistributedLoadError on every rank naming the rank and the file,
+    before any byte is exchanged (never a mix of two checkpoints)."""
+    for r, rec in enumerate(scenario(world, name)):
+        assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1], f"rank {r}: {rec}"
+        assert "different checkpoints" in rec["message"], rec["message"]
+        for word in words:
+            assert word in rec["message"], rec["message"]
+
+
+def test_a_change_between_the_sampled_pages_is_caught_by_verify(world):
+    """What the sampled identity cannot see (one byte elsewhere in the data),
+    verify= does: the rank whose tensor came from the other file fails."""
+    recs = scenario(world, "unsampled_change")
+    assert not all(rec["ok"] for rec in recs), recs
+    assert any(rec.get("error") == "VerifyError" for rec in recs), recs
 
 
 def test_unknown_name_on_one_rank(world):

@@ -26,7 +26,7 @@ from hypothesis import strategies as hs
 from instant_staging.loader import SafetensorsError, load_file
 from instant_staging.loader._header import read_header
 
-from support.headers import CASES, UPSTREAM, encode, raw, shifted, valid_file
+from support.headers import CASES, D8, TJ, UPSTREAM, blob, encode, raw, shifted, valid_file
 
 
 def theirs(path):
@@ -88,6 +88,72 @@ def test_upstream_cases(tmp_path, name):
 
 
 # -- hostile and serde_json edge cases, each compared with safetensors ---------
+
+# A name given twice whose first (shadowed) entry is invalid: safetensors
+# deserializes every entry, so it rejects the file although the last entry
+# is valid; a shadowed entry that is only unloadable (a dtype torch lacks,
+# offsets that do not cover the data) is dropped, and the file accepted.
+SHADOWED = {
+    "unknown_dtype": '{"dtype":"F99","shape":[2],"data_offsets":[0,8]}',
+    "missing_dtype": '{"shape":[2],"data_offsets":[0,8]}',
+    "float_offsets": '{"dtype":"F32","shape":[2],"data_offsets":[0.0,8]}',
+    "bool_offsets": '{"dtype":"F32","shape":[2],"data_offsets":[false,8]}',
+    "negative_dimension": '{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}',
+    "string_dimension": '{"dtype":"F32","shape":["2"],"data_offsets":[0,8]}',
+    "three_offsets": '{"dtype":"F32","shape":[2],"data_offsets":[0,8,8]}',
+    "number": '5',
+    "null": 'null',
+    "field_twice": '{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}',
+    "array_of_2": '["F32",[2]]',
+    "dimension_2_64": '{"dtype":"F32","shape":[18446744073709551616],"data_offsets":[0,8]}',
+    "f6": '{"dtype":"F6_E2M3","shape":[2],"data_offsets":[0,8]}',
+    "gap": '{"dtype":"F32","shape":[1],"data_offsets":[8,12]}',
+    "wrong_size": '{"dtype":"F32","shape":[3],"data_offsets":[0,8]}',
+    "dimension_2_63": '{"dtype":"F32","shape":[9223372036854775808],"data_offsets":[0,8]}',
+    "map_dtype": '{"dtype":{"F32":null},"shape":[2],"data_offsets":[0,8]}',
+    "array_form": '["F32",[2],[0,8]]',
+}
+SHADOWED_REJECTED = {"unknown_dtype", "missing_dtype", "float_offsets", "bool_offsets",
+                     "negative_dimension", "string_dimension", "three_offsets", "number", "null",
+                     "field_twice", "array_of_2", "dimension_2_64"}
+
+
+@pytest.mark.parametrize("name", sorted(SHADOWED))
+def test_every_entry_of_a_name_given_twice_is_checked(tmp_path, name):
+    """safetensors' verdict on the file, stated: the last entry of "a" is
+    valid, so the shadowed one alone decides."""
+    path = write(tmp_path, blob('{"a":%s,"a":%s}' % (SHADOWED[name], TJ), D8))
+    rejected = theirs(path) is None
+    assert rejected == (name in SHADOWED_REJECTED), "safetensors changed its mind"
+    if rejected:
+        with pytest.raises(SafetensorsError, match="'a'"):
+            load_file(path, "cpu")
+    assert_agree(path)
+
+
+@pytest.mark.parametrize("shape, nbytes", [([2], 4), ([1], 8)])
+def test_byte_count_is_checked_by_both_readings(tmp_path, shape, nbytes):
+    """An F32 tensor whose offsets hold fewer or more bytes than its shape
+    needs: the C entry rules decline it, the Python rules reject it, each
+    by itself, and so does the loader (a randomized test alone once found
+    the check missing)."""
+    from instant_staging.loader import _canonical
+    from instant_staging.loader import _header as H
+    tensors = [("a", "F32", tuple(shape), 0, nbytes)]
+    what = f"F32 {shape} in {nbytes} bytes"
+    assert _canonical.checked(tensors, 8, H.DTYPE_BITS, H.TensorEntry) is None, (
+        f"the C entry rules accept {what}")
+    try:
+        H._check_coverage(tensors, "x")
+    except SafetensorsError as e:
+        assert f"needs {4 * shape[0]} bytes" in str(e), str(e)
+    else:
+        raise AssertionError(f"the Python entry rules accept {what}")
+    path = write(tmp_path, blob({"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, nbytes]}},
+                                bytes(nbytes)))
+    assert theirs(path) is None
+    assert ours(path) is None, f"the loader accepts {what}"
+
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_case_agrees_with_safetensors(tmp_path, name):

@@ -346,7 +346,7 @@ def on_a_cold_file(tmp_path, check, tries=3):
 
 def test_resident_tells_a_hot_checkpoint_from_a_cold_one(tmp_path, caplog):
     def check(path, _):
-        checkpoint = _checkpoint._Checkpoint([path])
+        checkpoint = _checkpoint._Checkpoint().open([path])
         try:
             # One probe only: its sample reads start readahead, so a second
             # one may find those pages cached.
@@ -380,7 +380,7 @@ def test_resident_samples_the_same_bytes_with_every_tensor_or_a_selection_of_the
     monkeypatch.setattr(os, "preadv", preadv)
     seen = []
     for names in (None, lambda name: not name.endswith(".empty")):
-        checkpoint = _checkpoint._Checkpoint(paths)
+        checkpoint = _checkpoint._Checkpoint().open(paths)
         try:
             checkpoint.select(names)
             assert len(checkpoint.entries) == 20 - 2 * (names is not None)
@@ -395,7 +395,7 @@ def test_resident_samples_the_same_bytes_with_every_tensor_or_a_selection_of_the
 def test_resident_cannot_tell_without_rwf_nowait(tmp_path, monkeypatch):
     path = save(tmp_path, {"a": torch.zeros(8)})
     monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
-    checkpoint = _checkpoint._Checkpoint([path])
+    checkpoint = _checkpoint._Checkpoint().open([path])
     try:
         assert checkpoint.resident() is None and checkpoint.default_knobs() == {}
     finally:

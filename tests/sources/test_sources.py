@@ -14,6 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
+from _child import run_child
+
 from instant_staging.loader import SafetensorsError, iter_load, load_file
 
 
@@ -134,6 +136,46 @@ def test_missing_shard_of_index(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"model-00002-of-00003.safetensors") as e:
         load_file(tmp_path)
     assert "model.safetensors.index.json" in str(e.value)
+
+
+@pytest.mark.parametrize("kind, make", [
+    ("a FIFO", os.mkfifo),
+    ("a character device", lambda p: os.symlink("/dev/null", p)),   # (links are allowed)
+    ("a directory", os.mkdir),
+])
+def test_index_naming_what_is_not_a_file_says_what_it_is(tmp_path, kind, make):
+    """A shard the index lists that is there but is no regular file is
+    named as what it is (not "does not exist"), and a FIFO is never opened
+    (that would wait for a writer): in a child, under a timeout."""
+    write_sharded(tmp_path)
+    shard = tmp_path / "model-00002-of-00003.safetensors"
+    os.remove(shard)
+    make(str(shard))
+    out = run_child(f"""
+        from instant_staging.loader import SafetensorsError, load_file
+        try:
+            load_file({str(tmp_path)!r})
+        except SafetensorsError as e:
+            print(e)
+    """, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    message = out.stdout.strip()
+    assert "model.safetensors.index.json" in message and shard.name in message, message
+    assert f"is {kind}, not a regular file" in message and "exist" not in message, message
+
+
+def test_an_index_that_is_a_fifo_is_not_opened(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    os.mkfifo(index)
+    out = run_child(f"""
+        from instant_staging.loader import SafetensorsError, load_file
+        try:
+            load_file({str(index)!r})
+        except SafetensorsError as e:
+            print(e)
+    """, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "is a FIFO, not a regular file" in out.stdout, out.stdout
 
 
 def test_index_naming_a_tensor_no_shard_holds(tmp_path):

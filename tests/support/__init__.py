@@ -134,7 +134,7 @@ def drop_from_page_cache(path):
     RWF_NOWAIT) or cannot drop it (tmpfs).  The check after dropping is
     mincore's: a sampling read would start readahead and warm the file."""
     from instant_staging.loader._checkpoint import _Checkpoint
-    checkpoint = _Checkpoint([path])
+    checkpoint = _Checkpoint().open([path])
     try:
         if checkpoint.resident() != 1.0:        # hot: no sample reads the disk
             pytest.skip("this file system cannot tell resident pages (no RWF_NOWAIT)")
