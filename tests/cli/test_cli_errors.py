@@ -144,7 +144,7 @@ def cli_with_stdout(how, *args):
     import subprocess
     import sys
 
-    from _child import PACKAGE_PARENT, child_env
+    from support import PACKAGE_PARENT, child_env
     command = [sys.executable, "-m", "instant_staging", *args]
     if how == "closed":
         command = ["sh", "-c", 'exec "$@" >&-', "sh", *command]

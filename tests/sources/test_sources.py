@@ -14,9 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
-from _child import run_child
-
 from instant_staging.loader import SafetensorsError, iter_load, load_file
+
+from support import run_child
 
 
 def tensors(seed, n=4):
