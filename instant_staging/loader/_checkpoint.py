@@ -134,7 +134,17 @@ class _Checkpoint:
         (idempotent: a load's owners may each close it; the owner closes
         the descriptors once no load holds them)."""
         view = copy.copy(self)
-        view.close = release
+        token = [True]
+
+        def close():
+            # list.pop is one step: exactly one caller releases (an interrupt
+            # after it can only leave the hold, never release it twice)
+            try:
+                token.pop()
+            except IndexError:
+                return
+            release()
+        view.close = close
         return view
 
     def plan(self, plan):
