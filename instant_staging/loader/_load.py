@@ -128,10 +128,9 @@ class Checkpoint:
     until its reader threads are joined.
     """
 
-    def __init__(self, shards, source, opened_seconds):
+    def __init__(self, shards, opened_seconds):
         """Use ``Checkpoint.open``."""
         self._shards = shards
-        self._source = source
         self._lock = threading.Lock()
         self._holds = set()
         self._closed = False
@@ -161,7 +160,7 @@ class Checkpoint:
                 # Made here, not by the caller: a Ctrl-C as a call returns
                 # would drop the open shards out of anyone's reach.  Once
                 # made, the Checkpoint closes them when it is collected.
-                return cls(shards, src, time.perf_counter() - t0)
+                return cls(shards, time.perf_counter() - t0)
             except BaseException:
                 shards.close()      # (idempotent: a Checkpoint made above closes nothing twice)
                 raise
@@ -375,13 +374,14 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     while the iterator is consumed.  Arguments are those of ``load_file``.
     """
     began = time.perf_counter()
+    build = functools.partial(LoadOptions.build, chunk_size=chunk_size, io_depth=io_depth,
+                              threads=threads, staging=staging, verify=verify, progress=progress,
+                              views=views, backend=backend)
     if process_group is not None:
         # Every step, opening included, inside the group's first agreement:
         # a rank whose file is bad (or device unusable) tells the others.
         def prepare(single=False):
-            opts = LoadOptions.build(chunk_size=chunk_size, io_depth=io_depth, threads=threads,
-                                     staging=staging, verify=verify, progress=progress,
-                                     views=views, backend=backend)
+            opts = build()
             target = _target(device, dtype)
             with Checkpoint.open(source, storage_options=storage_options) as checkpoint:
                 shards = checkpoint._hold()
@@ -394,9 +394,7 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
         it = iter_load_group(prepare, process_group)
         it.timed(began)
         return it
-    opts = LoadOptions.build(chunk_size=chunk_size, io_depth=io_depth, threads=threads,
-                             staging=staging, verify=verify, progress=progress, views=views,
-                             backend=backend)
+    opts = build()
     # device and dtype first: a bad one is named before any file is opened
     # (in a fresh process, asking CUDA whether the device is there is its
     # start, before the staging buffer)

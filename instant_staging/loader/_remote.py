@@ -212,13 +212,19 @@ def _objects(urls, stores, index=None, weight_map=None):
     return Source([o.url for o in objects], index, weight_map), objects
 
 
-def _directory(obstore, url, stores):
+def _listing(obstore, url, stores):
+    """``(store, objects)``: the objects directly under the prefix ``url``
+    (obstore's metadata: path, size, ...), one level deep."""
     store, prefix = stores.split(url)
     try:
-        listed = obstore.list_with_delimiter(store, prefix or None)
+        return store, obstore.list_with_delimiter(store, prefix or None)["objects"]
     except Exception as e:
         raise _classify(obstore, e, _safe(url), "listing") from None
-    names = sorted(posixpath.basename(o["path"]) for o in listed["objects"])
+
+
+def _directory(obstore, url, stores):
+    _, objects = _listing(obstore, url, stores)
+    names = sorted(posixpath.basename(o["path"]) for o in objects)
     if INDEX_NAME in names:
         return _index(obstore, url + INDEX_NAME, stores)
     shards = [n for n in names if n.endswith(SHARD_SUFFIX)]
@@ -403,14 +409,10 @@ def fetch_side_files(url, dest, storage_options=None):
     obstore = _obstore()
     stores = _Stores(storage_options)
     url = url.rstrip("/") + "/"
-    store, prefix = stores.split(url)
-    try:
-        listed = obstore.list_with_delimiter(store, prefix or None)
-    except Exception as e:
-        raise _classify(obstore, e, _safe(url), "listing") from None
+    store, objects = _listing(obstore, url, stores)
     os.makedirs(dest, exist_ok=True)
     names = []
-    for meta in listed["objects"]:
+    for meta in objects:
         name = posixpath.basename(meta["path"])
         names.append(name)
         if (not name or name.endswith(_WEIGHT_SUFFIXES) or name.startswith(".")

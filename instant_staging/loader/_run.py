@@ -249,8 +249,8 @@ class LoadIterator:
     def __init__(self, checkpoint, target, dtypes, *, staging=None, chunk_size=CHUNK_SIZE,
                  io_depth=None, threads=None, verify=False, progress=None, faults=None,
                  start=None):
-        self._times = [time.perf_counter(), 0.0, None, None]   # began, open, made, ended
-        self._times[2] = self._times[0]
+        now = time.perf_counter()
+        self._times = [now, 0.0, now, None]     # began, opened (seconds), made, ended
         self._chunk_size = chunk_size
         self._device = str(getattr(target, "device", None))
         self._state = _LoadState(start)

@@ -348,6 +348,7 @@ class PrefetchLoader:
     def __init__(self, it: LoadIterator):
         self._it = it
         self._names = list(it.names)
+        self._planned = frozenset(self._names)   # take() asks once per tensor
         self._ready: dict[str, torch.Tensor] = {}
         self._taken: set[str] = set()
         self._lock = threading.Lock()
@@ -380,7 +381,7 @@ class PrefetchLoader:
     def take(self, name: str) -> torch.Tensor:
         """``name``'s tensor, waiting for its bytes; each once (again: KeyError)."""
         with self._lock:
-            if name in self._taken or name not in self._names:
+            if name in self._taken or name not in self._planned:
                 raise MissingTensorError(f"{name!r} is not in this prefetch or was taken already")
             while name not in self._ready:
                 if not self._pull():
