@@ -101,7 +101,7 @@ MODULE = {"instant_staging": "instant_staging.loader", "safetensors": "safetenso
 BENCH_LOAD_NAME = {"safetensors": "safetensors", "instanttensor": "instanttensor",
                    "fastsafetensors": "fastsafetensors nogds", "runai": "runai streamer"}
 GPU_ONLY = {"instanttensor", "fastsafetensors", "runai"}
-LAYOUTS = ["dense", "moe", "awq"]
+LAYOUTS = ["dense", "moe", "awq", "finemoe", "fp8"]
 MODES = ["cuda", "none", "start"]
 
 
@@ -404,7 +404,8 @@ def _parent_imports():
 
 
 def layout_files(name, divisor):
-    return {"dense": B.dense_layout, "moe": B.moe_layout, "awq": B.awq_layout}[name](divisor)
+    return {"dense": B.dense_layout, "moe": B.moe_layout, "awq": B.awq_layout,
+            "finemoe": B.finemoe_layout, "fp8": B.fp8_layout}[name](divisor)
 
 
 def file_key(paths):
@@ -527,7 +528,7 @@ def main(argv=None):
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layouts", default="dense,moe,awq", help="dense, moe, awq")
+    ap.add_argument("--layouts", default="dense,moe,awq", help=", ".join(LAYOUTS))
     ap.add_argument("--methods", default=",".join(METHODS), help=", ".join(METHODS))
     ap.add_argument("--modes", default="cuda,none,start",
                     help="cuda (CUDA started first), none (nothing started), start (CUDA's start alone)")

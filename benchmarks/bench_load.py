@@ -9,6 +9,11 @@ One process, one run, the same files for everyone.  Layouts (--layouts):
            experts x 3 matrices of 3 MiB, 512 KiB routers, 4 KiB norms)
   awq      AutoAWQ Llama-3-8B (4-bit, group 128): 739 tensors in 2 shards, 5.73 GB
            (I32 qweight [in, out/8] and qzeros, F16 scales, embeddings, lm_head, norms)
+  finemoe  fine-grained MoE: 4,680 bf16 tensors in 2 shards, 4.84 GB (24 layers x
+           64 experts x 3 matrices of 1 MiB, 128 KiB routers, 2 KiB norms)
+  fp8      FP8 block-quantized Llama-3-8B (DeepSeek-V3's scheme): F8_E4M3 weights,
+           F32 weight_scale_inv per 128x128 block, an odd-length U8 tensor per
+           layer, bf16 embeddings, lm_head and norms: 547 tensors in 2 shards, 9.08 GB
   uniform  the older single file of 64 MiB tensors (--uniform-size, 4 GiB)
 
 Files are generated once (random bytes) and reused.  Each method loads a
@@ -27,7 +32,13 @@ on every file (the files are fdatasync'ed first so the cache can drop them):
   ..., cold reads        the same with a cold load's reads (4 threads x 16 MiB);
                          a load is compared with the faster ceiling
   safetensors            safetensors.torch.load_file(device=...)
+  safetensors prefetch   safetensors 0.9's pipelined loader: safe_open(..., backend=B)
+                         .prefetch(threads=T) per file, every tensor taken (B, T
+                         in the name; files opened together so their loads overlap)
   instanttensor          InstantTensor safe_open(...) defaults, tensors() iterated
+                         (its default backend is direct I/O: a cold reader)
+  instanttensor MMAP     the same with INSTANTTENSOR_BACKEND=MMAP (or BUFFERED):
+                         the page-cache backends, its fastest hot
   fastsafetensors nogds  fastsafe_open(nogds=True), get_tensor per name
   runai streamer         Run:ai SafetensorsStreamer (CPU tensors) + .to(device)
   pinned copy ceiling    one pinned 2 GiB torch tensor copied to the device
@@ -118,6 +129,50 @@ def moe_layout(scale=1):
     return [("model-moe.safetensors", sorted(tensors))]
 
 
+def finemoe_layout(scale=1):
+    """Two shards of 24 layers x (64 experts x 3 matrices of 1 MiB, router,
+    2 norms): 4,680 tensors, as fine-grained MoE checkpoints cut them."""
+    H, F, E, L = 1024 // scale, 512 // scale, 64, 24
+    shards = [[], []]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        tensors = [(p + f"mlp.experts.{e}.{m}", [F, H] if m != "down_proj.weight" else [H, F])
+                   for e in range(E) for m in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")]
+        tensors += [(p + "mlp.gate.weight", [E, H]), (p + "input_layernorm.weight", [H]),
+                    (p + "post_attention_layernorm.weight", [H])]
+        shards[i * 2 // L] += tensors
+    return [(f"model-{k + 1:05d}-of-00002.safetensors", sorted(s)) for k, s in enumerate(shards)]
+
+
+def fp8_layout(scale=1):
+    """A block-quantized FP8 Llama-3-8B as DeepSeek-V3's scheme writes it:
+    each linear an F8_E4M3 ``weight`` [out, in] and an F32
+    ``weight_scale_inv`` [ceil(out/128), ceil(in/128)]; a U8 tensor of odd
+    length per layer (packed metadata: it breaks 2- and 4-byte alignment of
+    what follows); embeddings, lm_head and norms bf16.  Two shards."""
+    V, H, I, KV, L = 128256 // scale, 4096 // scale, 14336 // scale, 1024 // scale, 32
+    B = max(1, 128 // scale)
+
+    def linear(prefix, n_in, n_out):
+        return [(prefix + ".weight", [n_out, n_in], "F8_E4M3"),
+                (prefix + ".weight_scale_inv", [-(-n_out // B), -(-n_in // B)], "F32")]
+    shards = [[("model.embed_tokens.weight", [V, H], "BF16")], []]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        t = []
+        for name, n_in, n_out in (("self_attn.q_proj", H, H), ("self_attn.k_proj", H, KV),
+                                  ("self_attn.v_proj", H, KV), ("self_attn.o_proj", H, H),
+                                  ("mlp.gate_proj", H, I), ("mlp.up_proj", H, I),
+                                  ("mlp.down_proj", I, H)):
+            t += linear(p + name, n_in, n_out)
+        t += [(p + "input_layernorm.weight", [H], "BF16"),
+              (p + "post_attention_layernorm.weight", [H], "BF16"),
+              (p + "quant_meta", [333], "U8")]
+        shards[i * 2 // L] += t
+    shards[1] += [("model.norm.weight", [H], "BF16"), ("lm_head.weight", [V, H], "BF16")]
+    return [(f"model-{k + 1:05d}-of-00002.safetensors", sorted(s)) for k, s in enumerate(shards)]
+
+
 def uniform_layout(size):
     count = max(1, size // (64 * C.MiB))
     return [(f"bench-{size // C.MiB}MiB.safetensors",
@@ -160,7 +215,7 @@ def awq_layout(scale=1):
             ("model-00002-of-00002.safetensors", head)]
 
 
-DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "I8": 1}
+DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "I8": 1, "F8_E4M3": 1}
 
 
 def _nbytes(shape, dtype="BF16"):
@@ -416,22 +471,35 @@ def peer_methods(torch, device):
     except ImportError as e:
         notes.append(f"safetensors skipped: {e}")
     if device.type == "cpu":
-        notes.append("instanttensor, fastsafetensors, runai streamer and the pinned ceiling "
-                     "skipped: no GPU")
+        notes.append("safetensors prefetch, instanttensor, fastsafetensors, runai streamer and "
+                     "the pinned ceiling skipped: no GPU")
         return methods, notes
+    methods += _st_prefetch_methods(dev, notes)
     try:
         from instanttensor import safe_open
 
-        def it_load(files, mark):
-            out = {}
-            with safe_open(files, framework="pt", device=device.index) as f:
-                for name, t in f.tensors():
-                    if not out:
-                        mark()
-                    out[name] = t
-            return out
-        methods.append(Method("instanttensor", it_load, note="safe_open defaults, tensors()",
-                              peer=True))
+        def it_method(backend):
+            def it_load(files, mark):
+                old = os.environ.get("INSTANTTENSOR_BACKEND")
+                if backend:
+                    os.environ["INSTANTTENSOR_BACKEND"] = backend
+                try:
+                    out = {}
+                    with safe_open(files, framework="pt", device=device.index) as f:
+                        for name, t in f.tensors():
+                            if not out:
+                                mark()
+                            out[name] = t
+                    return out
+                finally:
+                    if old is None:
+                        os.environ.pop("INSTANTTENSOR_BACKEND", None)
+                    else:
+                        os.environ["INSTANTTENSOR_BACKEND"] = old
+            return Method("instanttensor" + (f" {backend}" if backend else ""), it_load, peer=True,
+                          note="safe_open, tensors(), " + (f"INSTANTTENSOR_BACKEND={backend}"
+                                                           if backend else "defaults (direct I/O)"))
+        methods += [it_method(None), it_method("MMAP"), it_method("BUFFERED")]
     except ImportError as e:
         notes.append(f"instanttensor skipped: {e}")
     try:
@@ -467,6 +535,43 @@ def peer_methods(torch, device):
         notes.append(f"runai streamer skipped: {e}")
     methods.append(_copy_ceiling(torch, device))
     return methods, notes
+
+
+# safetensors 0.9's prefetch loader, in the settings worth comparing: its
+# default (mmap backend, 8 threads), the pread backend the issue measured,
+# and pread with as many threads as our loader runs.
+ST_PREFETCH = [("mmap", 8), ("pread", 8), ("pread", 16)]
+
+
+def _st_prefetch_methods(dev, notes):
+    try:
+        from safetensors import safe_open
+        if not hasattr(safe_open, "prefetch"):
+            raise ImportError("safetensors < 0.9 has no prefetch()")
+    except ImportError as e:
+        notes.append(f"safetensors prefetch skipped: {e}")
+        return []
+
+    def make(backend, threads):
+        def run(files, mark):
+            # Every file's loader started before any is drained: the files
+            # load side by side, as a server loading shards would.
+            import contextlib
+            out = {}
+            with contextlib.ExitStack() as stack:
+                loaders = []
+                for f in files:
+                    h = stack.enter_context(safe_open(f, framework="pt", device=dev, backend=backend))
+                    loaders.append(stack.enter_context(h.prefetch(threads=threads)))
+                for ld in loaders:
+                    for name, t in ld:
+                        if not out:
+                            mark()
+                        out[name] = t
+            return out
+        return Method(f"safetensors prefetch {backend} x{threads}", run, peer=True,
+                      note=f"safe_open(backend={backend!r}).prefetch(threads={threads}), files overlapped")
+    return [make(b, t) for b, t in ST_PREFETCH]
 
 
 def _merge(dicts):
@@ -646,16 +751,20 @@ def layouts(names, scale, uniform_size):
             out.append(("moe", moe_layout(scale)))
         elif name == "awq":
             out.append(("awq", awq_layout(scale)))
+        elif name == "finemoe":
+            out.append(("finemoe", finemoe_layout(scale)))
+        elif name == "fp8":
+            out.append(("fp8", fp8_layout(scale)))
         elif name == "uniform":
             out.append(("uniform", uniform_layout(uniform_size // scale)))
         else:
-            raise SystemExit(f"unknown layout {name!r} (dense, moe, awq, uniform)")
+            raise SystemExit(f"unknown layout {name!r} (dense, moe, awq, finemoe, fp8, uniform)")
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", default="dense,moe", help="dense, moe, awq, uniform")
+    ap.add_argument("--layouts", default="dense,moe", help="dense, moe, awq, finemoe, fp8, uniform")
     ap.add_argument("--cold", default="dense,moe", help="layouts also measured cold ('' for none)")
     ap.add_argument("--cold-only", default=None,
                     help="comma-separated method name prefixes measured cold (default: all)")

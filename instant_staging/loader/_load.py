@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
-from . import _progress
+from . import _gc, _progress
 from ._checkpoint import _Checkpoint
 from ._options import check_backend, knobs, left_unset, torch_dtype
 from ._remote import _RemoteCheckpoint, _Stores, is_url
@@ -135,8 +135,15 @@ class Checkpoint:
         self._holds = set()
         self._closed = False
         self.open_seconds = opened_seconds
-        self._infos = {t.name: TensorInfo(t.name, t.dtype, tuple(t.shape), t.nbytes, shards.paths[i])
-                       for i, t in shards.entries}
+        self._info_table = None     # made when first asked: a load needs none
+
+    @property
+    def _infos(self):
+        if self._info_table is None:
+            shards = self._shards
+            self._info_table = {t.name: TensorInfo(t.name, t.dtype, tuple(t.shape), t.nbytes,
+                                                   shards.paths[i]) for i, t in shards.entries}
+        return self._info_table
 
     @classmethod
     def open(cls, source: Source, *, storage_options: Optional[Mapping] = None) -> "Checkpoint":
@@ -337,21 +344,22 @@ def _prepare(shards, target, opts, names, plan, single=False):
     process group (``single=False``) the plan is the group's to make."""
     start = None
     try:
-        if plan is not None:
-            shards.plan(plan)
-        else:
-            shards.select(names)
-        extra = {}
-        if single:
-            opts = opts.for_checkpoint(shards)
-        elif opts.tuned:            # the ranks agree on it (_distributed.py)
-            extra["resident"] = shards.resident()
-        dtypes = [target.check(t, shards.paths[i]) for i, t in shards.entries]
-        kwargs = opts.run_kwargs(fault_plan(opts.staging))
-        if single:
-            start = kwargs["start"] = _plan(shards, target, dtypes, opts.chunk_size,
-                                            kwargs["faults"], opts.views)
-            start.staging = _begin_staging(target, start.plan, kwargs)
+        with _gc.paused():      # thousands of entries' objects, no cycles
+            if plan is not None:
+                shards.plan(plan)
+            else:
+                shards.select(names)
+            extra = {}
+            if single:
+                opts = opts.for_checkpoint(shards)
+            elif opts.tuned:            # the ranks agree on it (_distributed.py)
+                extra["resident"] = shards.resident()
+            dtypes = [target.check(t, shards.paths[i]) for i, t in shards.entries]
+            kwargs = opts.run_kwargs(fault_plan(opts.staging))
+            if single:
+                start = kwargs["start"] = _plan(shards, target, dtypes, opts.chunk_size,
+                                                kwargs["faults"], opts.views)
+                start.staging = _begin_staging(target, start.plan, kwargs)
     except BaseException:
         if start is not None:
             start.abandon()     # a staging buffer being made goes to the pool
@@ -470,7 +478,10 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
                    chunk_size=chunk_size, io_depth=io_depth, threads=threads, staging=staging,
                    verify=verify, progress=progress, views=views, backend=backend,
                    storage_options=storage_options) as it:
-        loaded = dict(it)
+        # No caller code runs between the tensors here (iter_load's caller
+        # does): the collector stays paused over the whole loop.
+        with _gc.paused():
+            loaded = dict(it)
         return {name: loaded[name] for name in it.names}
 
 

@@ -93,7 +93,9 @@ def assert_same_pairs(pairs, ref, device="cpu"):
 
 def test_options_defaults_and_values():
     assert parse({}) == parse(None) == Options()
-    assert Options().batch_bytes == _options.BATCH_BYTES
+    # The decided bound (issue 28): a load adds at most 1 GiB of device
+    # memory beyond the model (a tensor larger than that aside).
+    assert Options().batch_bytes == _options.BATCH_BYTES == 1 << 30
     o = parse({"chunk_size": "8MiB", "io_depth": 16, "threads": 4, "progress": False, "verify": True,
                "batch_bytes": 1 << 20, "shared_read": True, "enable_weights_track": False})
     assert o == Options(chunk_size=8 << 20, io_depth=16, threads=4, progress=False, verify=True,

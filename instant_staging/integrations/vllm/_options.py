@@ -22,11 +22,12 @@ from ..._types import parse_size
 # parameters): vLLM copies each yielded tensor into its parameter (or its
 # tensor-parallel slice of it) and drops it, but a load allocates all of
 # its tensors up front, so an unbounded one would hold a second copy of the
-# whole checkpoint on every GPU (a TP=8 rank would hold 8x its share).  4 GiB:
-# about one shard of a hub checkpoint; a tensor larger than this is a batch
-# of its own.  Unmeasured inside vLLM: each batch is one load (a few ms of
-# start-up each on the H200 host, benchmarks/RESULTS.md).
-BATCH_BYTES = 4 << 30
+# whole checkpoint on every GPU (a TP=8 rank would hold 8x its share).
+# 1 GiB: the bound decided for the device memory a load adds beyond the
+# model (issue 28); each batch is one load, so smaller batches cost more
+# start-ups (docs/design.md, "The vLLM path's batches").  A tensor
+# larger than this is a batch of its own.
+BATCH_BYTES = 1 << 30
 
 
 class Options(NamedTuple):
