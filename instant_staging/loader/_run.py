@@ -53,6 +53,10 @@ Who owns what, at each moment (everything a load holds is in its
   is freed only after the join;
 - tensors not yet yielded are freed after the join; yielded ones are the
   caller's;
+- a group's load (``_distributed._Shared``) holds, besides, the works of
+  the exchanges it issued (each keeps its tensors alive until it
+  completes; waited for only once every rank issued every exchange), and
+  leaves its keys in the group's store (never deleted: ``_Group``);
 - ``LoadIterator.close()`` may come from any thread: it cancels and joins
   the pipeline first (no lock needed), then takes the iterator's lock,
   which a ``next()`` in another thread releases as soon as it sees the
@@ -570,6 +574,7 @@ class _Solo:
         state.blocks = None         # handles hold the views now
 
     def ready(self, state, error):
+        """Step 4: no one to agree with: the error of steps 1-3 as it is."""
         if error is not None:
             raise error
 
