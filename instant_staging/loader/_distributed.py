@@ -54,6 +54,12 @@ The rank that failed raises its own error (``LoadError``,
 ``SafetensorsError``, ``KeyError``...); the others raise
 ``DistributedLoadError`` (a ``LoadError``) naming it in ``.ranks``.
 
+Agreement 1 is ``iter_load_group``'s, before the iterator exists; the
+load itself is ``_run.run``, the one skeleton of every load, with
+``_Shared`` as its strategy: agreement 2 is its step 4 (ready), the reads,
+the exchange and agreement 3 its step 5, and its teardown is the single
+load's (``_run._LoadState.close()``).
+
 Measured on 2 x H200 (docs/design.md, "Two GPUs of one node"): reading is the shared bottleneck
 (both ranks reading all 16 GB at once 0.52-0.55 s each, half each 0.30 s),
 the GPUs' link nearly free (NCCL broadcast of 8 GB 0.022 s).
@@ -67,8 +73,8 @@ import pickle
 import traceback
 
 from .. import envs
-from ..defaults import DISTRIBUTED_TIMEOUT, reader_threads
-from . import _progress, _run, _staging_pool
+from ..defaults import DISTRIBUTED_TIMEOUT
+from . import _progress, _run
 from ._errors import LoadError
 from ._options import for_cache
 from ._run import LoadIterator
@@ -108,22 +114,22 @@ class DistributedLoadIterator(LoadIterator):
     reaches the agreements, and the others then name it after the timeout."""
 
     def __init__(self, group, wanted, checkpoint, target, dtypes, **options):
-        self._group, self._wanted, self._info = group, wanted, {}
+        self._shared = _Shared(group, wanted)
         super().__init__(checkpoint, target, dtypes, **options)
 
-    def _generate(self, state, checkpoint, target, dtypes, **options):
-        return _load_group(state, self._info, self._group, self._wanted, checkpoint, target,
-                           dtypes, **options)
+    def _generate(self, state, **options):
+        return _run.run(state, self._shared, **options)
 
     def close(self):
         # Closed before loading (never iterated, or dropped): the others
         # would wait for this rank at the next agreement until the timeout;
         # tell them now.
-        if not self._info.get("started") and os.getpid() == self._pid:
-            self._info["started"] = True
+        shared = self._shared
+        if not shared.started and os.getpid() == self._pid:
+            shared.started = True
             try:
-                self._group.post("ready", (False, f"rank {self._group.rank} closed its iterator "
-                                                  "before loading", None))
+                shared.group.post("ready", (False, f"rank {shared.group.rank} closed its iterator "
+                                                   "before loading", None))
             except Exception:  # a store gone at exit: nobody is waiting
                 pass
         super().close()
@@ -133,12 +139,12 @@ class DistributedLoadIterator(LoadIterator):
         """The Kind of every rank's staging buffer, in group rank order
         (None for a rank that loads to the CPU through ordinary memory or
         has nothing to read), once loading started; None before."""
-        return self._info.get("kinds")
+        return self._shared.kinds
 
     @property
     def read_bytes(self):
         """Bytes this rank reads from the host (its share), once planned."""
-        return self._info.get("read_bytes")
+        return self._shared.read_bytes
 
 
 # -- the plan ------------------------------------------------------------------
@@ -493,72 +499,91 @@ def _unpack(mask, n):
 
 # -- the load ------------------------------------------------------------------
 
-def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, staging, chunk_size,
-                io_depth, threads, verify, progress, faults):
-    """The generator behind a group's LoadIterator (``state`` as the plain
-    load's; ``info`` receives the ranks' kinds and this rank's share)."""
-    from ._pipeline import DEVICE, Pipeline, Plan
-    torch = target.torch
-    everything = _all_entries(checkpoint)
-    mine = {(i, t.name): dtype for (i, t), dtype in zip(checkpoint.entries, dtypes)}
-    reads, exchanges = plan([t.nbytes for _, t in everything],
-                            [[r for r in range(group.size) if wanted[r][k]] for k in range(len(everything))],
-                            group.size)
-    info["started"] = True
-    me = group.rank
-    items = reads[me]
-    info["read_bytes"] = sum(u.end - u.begin for u in items)
-    # Each rank reports its own share; our printers say so, and the whole.
-    progress = _progress.for_rank(progress, me, group.size, sum(u.end - u.begin for r in reads for u in r))
-    device = target.index if target.mode == DEVICE else None
-    buf = pipe = runtime = None
-    owned = False
-    tensors = {}           # index in `everything` -> this rank's tensor
-    local = None
-    try:
-        # Step 2: the plan of this rank's reads, staging, tensors; then agree.
-        try:
-            read_plan = Plan([(checkpoint.fds[everything[u.entry][0]],
-                               everything[u.entry][1].begin + u.begin,
-                               everything[u.entry][1].begin + u.end) for u in items],
-                             chunk_size, faults=faults)
-            if read_plan.n_chunks:
-                threads = reader_threads(threads)
-                depth = _run.slot_count(read_plan, io_depth, threads)
-                owned = staging is None and device is not None
-                buf = (_staging_pool.own(device, *_run.staging_size(read_plan, depth))
-                       if owned else staging)
-                pipe = Pipeline(read_plan, threads=threads, staging=buf,
-                                depth=depth, device=device, fetch=checkpoint.fetch)
-                state.pipe = pipe
-                state.threads = pipe.n_threads
-                runtime = buf.runtime if buf is not None else None
-            state.staging_kind = kind = buf.kind if buf is not None else None
-            target.reserve([t for i, t in everything if (i, t.name) in mine])
-            for k, (i, t) in enumerate(everything):
-                if (i, t.name) in mine:
-                    tensors[k] = target.allocate(t, mine[i, t.name])[0]
+class _Shared:
+    """One rank's part of a process group's load: the strategy ``_run.run``
+    runs it with (``_run._Solo`` is a load of one process's).  It reads its
+    share of the bytes (``plan``) into tensors of their own, agrees with the
+    other ranks that every rank is ready, exchanges the parts as its reads
+    finish, agrees that every rank succeeded, and only then hands out its
+    tensors."""
+
+    def __init__(self, group, wanted):
+        self.group, self.wanted = group, wanted
+        self.started = False        # the plan is made: closing no longer tells the others
+        self.kinds = None           # every rank's staging Kind, once all are ready
+        self.read_bytes = None      # this rank's share, once planned
+        self.whole = 0
+        self.everything = self.mine = self.items = self.exchanges = self.read_plan = None
+
+    def plan_reads(self, state, chunk_size, faults):
+        """Step 1: every rank's share of the bytes (``plan``, the same on
+        every rank), and the Plan of this rank's (None: it reads nothing)."""
+        from ._pipeline import Plan
+        group, checkpoint = self.group, state.checkpoint
+        everything = self.everything = _all_entries(checkpoint)
+        self.mine = {(i, t.name): dtype for (i, t), dtype in zip(checkpoint.entries, state.dtypes)}
+        reads, self.exchanges = plan(
+            [t.nbytes for _, t in everything],
+            [[r for r in range(group.size) if self.wanted[r][k]] for k in range(len(everything))],
+            group.size)
+        self.started = True
+        items = self.items = reads[group.rank]
+        self.read_bytes = sum(u.end - u.begin for u in items)
+        self.whole = sum(u.end - u.begin for r in reads for u in r)
+        self.read_plan = Plan([(checkpoint.fds[everything[u.entry][0]],
+                                everything[u.entry][1].begin + u.begin,
+                                everything[u.entry][1].begin + u.end) for u in items],
+                              chunk_size, faults=faults)
+        return self.read_plan if self.read_plan.n_chunks else None
+
+    def while_staging(self, state, pending):
+        pass                        # its buffer is made at once; torch's CUDA waits for step 5
+
+    def provide_destinations(self, state):
+        """Step 3: this rank's tensors, each its own allocation (a part
+        exchanged is one tensor's bytes), all before any read."""
+        target, mine = state.target, self.mine
+        target.reserve([t for i, t in self.everything if (i, t.name) in mine])
+        state.handles[:] = [None] * len(self.everything)
+        for k, (i, t) in enumerate(self.everything):
+            if (i, t.name) in mine:
+                state.handles[k] = target.allocate(t, mine[i, t.name])[0]
+
+    def ready(self, state, error):
+        """Step 4, the second agreement: every rank made its staging buffer
+        and its tensors (their staging kinds travel with it)."""
+        if error is not None:
+            traceback.clear_frames(error.__traceback__)
+            post = (False, _describe(error), None)
+        else:
+            kind = state.staging_kind
             post = (True, "", kind.name if kind is not None else None)
-        except Exception as e:
-            traceback.clear_frames(e.__traceback__)
-            local, post = e, (False, _describe(e), None)
-        values = group.agree("ready", post)
+        values = self.group.agree("ready", post)
         failed = _failed(values)
         if failed:
-            _raise_others(group, failed, local, "making the staging buffer and the tensors")
+            _raise_others(self.group, failed, error, "making the staging buffer and the tensors")
         from .._types import Kind
-        info["kinds"] = tuple(Kind[v[2]] if v[2] is not None else None for v in values)
+        self.kinds = tuple(Kind[v[2]] if v[2] is not None else None for v in values)
         _report_kinds([v[2] for v in values])
-        target.before_copies()
 
-        # Step 3: the reads, and the exchanges as the reads finish.
-        flat = {k: t.reshape(-1).view(torch.uint8) for k, t in tensors.items()}
+    def drive(self, state, verify, progress):
+        """Step 5: the reads, the exchanges as the reads finish, the third
+        agreement (every rank's reads and copies succeeded), then the
+        tensors."""
+        group, target, checkpoint, pipe = self.group, state.target, state.checkpoint, state.pipe
+        me, items, everything, handles = group.rank, self.items, self.everything, state.handles
+        runtime = state.runtime
+        # Each rank reports its own share; our printers say so, and the whole.
+        progress = _progress.for_rank(progress, me, group.size, self.whole)
+        target.before_copies()
+        flat = {k: t.reshape(-1).view(target.torch.uint8) for k, t in enumerate(handles)
+                if t is not None}
         if pipe is not None:
             pipe.start([flat[u.entry].data_ptr() + u.begin for u in items])
         works, issued_all, error = [], False, None
-        waiter = _Waiter(pipe, len(items), info["read_bytes"], progress)
+        waiter = _Waiter(pipe, len(items), self.read_bytes, progress)
         try:
-            for u in exchanges:
+            for u in self.exchanges:
                 if u.src == me:
                     waiter.until(u.item)
                 if u.src == me or me in u.dsts:
@@ -575,8 +600,9 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
         finally:
             if pipe is not None:
                 pipe.close()       # joined: nothing writes into the tensors any more
+        local = None
         if error is not None or waiter.left:
-            local = (_run.load_error(pipe, read_plan, checkpoint, runtime,
+            local = (_run.load_error(pipe, self.read_plan, checkpoint, runtime,
                                      [everything[u.entry] for u in items]) if error is not None else
                      LoadError(f"the load ended with {waiter.left} part(s) unread and no error recorded"))
             post = (False, str(local), issued_all)
@@ -591,26 +617,19 @@ def _load_group(state, info, group, wanted, checkpoint, target, dtypes, *, stagi
         if failed:
             _raise_others(group, failed, local, "reading and exchanging")
         if target.device.type != "cpu":
-            torch.cuda.current_stream(target.device).synchronize()
+            target.torch.cuda.current_stream(target.device).synchronize()
         if progress is not None:
-            progress(info["read_bytes"], info["read_bytes"])
+            progress(self.read_bytes, self.read_bytes)
+        # Finished once every rank agreed, before the first tensor goes out:
+        # closing the iterator after it takes some is no cancel.
         state.finished = True
         for k, (i, t) in enumerate(everything):
-            if k in tensors:
-                handle = tensors.pop(k)
+            handle = handles[k]
+            if handle is not None:
+                handles[k] = None
                 if verify:
                     _run.verify_tensor(checkpoint, (i, t), target, handle)
                 yield t.name, target.result(handle)
-    except BaseException as e:
-        traceback.clear_frames(e.__traceback__)
-        raise
-    finally:
-        if pipe is not None:
-            pipe.close()
-        tensors.clear()
-        if owned and buf is not None:
-            _staging_pool.give(device, buf)
-        checkpoint.close()
 
 
 class _Waiter:

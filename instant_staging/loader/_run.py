@@ -1,10 +1,20 @@
-"""Running a planned load: the plan, the reader pipeline, the consumer,
-and the iterator both loading paths hand out.
+"""Running a planned load: the one skeleton of every load (``run``), the
+plan, the reader pipeline, the consumer, and the iterator every load
+hands out.
 
-``_load.py`` checks a load's arguments and plans it; a load of one
-process runs here (``_load``), a load under a process group in
-``_distributed.py``, each as the generator of a ``LoadIterator``.  Imports
-go one way: ``_load`` -> ``_distributed`` -> ``_run``.
+``_load.py`` checks a load's arguments and plans it; every load then runs
+here, as the generator of a ``LoadIterator``, through the same steps:
+
+1. plan the reads (the bytes this process reads),
+2. the staging buffer and the reader pipeline,
+3. the destinations (where each byte read goes),
+4. ready (a process group: every rank agrees it got this far),
+5. read and copy (a group: and exchange the parts), hand the tensors out,
+
+and one teardown, ``_LoadState.close()``.  What differs is the strategy:
+``_Solo`` (a load of one process, below) or ``_distributed._Shared`` (one
+rank's part of a process group's load).  Imports go one way: ``_load`` ->
+``_distributed`` -> ``_run``.
 
 On a GPU, tensors lying back to back in a file share one device block
 and are handed out as views of it (``_blocks.py``; ``views=False``: each
@@ -21,7 +31,8 @@ to be there, while this thread starts torch's CUDA, allocates the blocks
 and starts the readers' plan; the readers copy only once the buffer is
 made (its registration done: no copy from an unregistered range).
 
-Who owns what, at each moment:
+Who owns what, at each moment (everything a load holds is in its
+``_LoadState``, and ``_LoadState.close()`` gives it back in this order):
 
 - the checkpoint's file descriptors belong to the load from ``iter_load``
   until the generator's ``finally`` (or ``LoadIterator.close()`` for a load
@@ -42,6 +53,10 @@ Who owns what, at each moment:
   is freed only after the join;
 - tensors not yet yielded are freed after the join; yielded ones are the
   caller's;
+- a group's load (``_distributed._Shared``) holds, besides, the works of
+  the exchanges it issued (each keeps its tensors alive until it
+  completes; waited for only once every rank issued every exchange), and
+  leaves its keys in the group's store (never deleted: ``_Group``);
 - ``LoadIterator.close()`` may come from any thread: it cancels and joins
   the pipeline first (no lock needed), then takes the iterator's lock,
   which a ``next()`` in another thread releases as soon as it sees the
@@ -219,19 +234,88 @@ class LoadReport(NamedTuple):
 
 
 class _LoadState:
-    """What a load shares with its LoadIterator.  The generator and the
-    iterator both point here (never at each other), so dropping the
-    iterator frees the load at once."""
+    """What one load holds, and its one teardown (``close()``).
 
-    __slots__ = ("cancelled", "finished", "pipe", "staging_kind", "start", "threads")
+    Made with the load's LoadIterator, which shares it with the load's
+    generator (``run``): both point here, never at each other, so dropping
+    the iterator frees the load at once.  ``close()`` gives back everything,
+    in the one safe order, from the generator's ``finally`` or, for a load
+    whose generator never ran (or a forked child's), from
+    ``LoadIterator.close()``; each step is idempotent, so a second call (or
+    one after an interrupt cut the first short) finishes what is left."""
 
-    def __init__(self, start=None):
-        self.start = start      # a _Start until the generator takes its parts
+    __slots__ = ("blocks", "cancelled", "checkpoint", "device", "dtypes", "finished", "handles",
+                 "own_staging", "pid", "pipe", "staging", "staging_kind", "start", "target",
+                 "threads")
+
+    def __init__(self, checkpoint, target, dtypes, start=None):
+        from ._pipeline import DEVICE
+        self.checkpoint, self.target, self.dtypes = checkpoint, target, dtypes
+        self.device = target.index if target.mode == DEVICE else None
+        self.pid = os.getpid()
+        self.start = start      # a _Start until the load takes its parts
         self.pipe = None
+        self.staging = None     # the buffer the readers' slots are in
+        self.own_staging = None  # ... where the load took or made it: given back by close()
+        # The destinations (tensors, a block's views, the block itself) not
+        # handed out yet: freed by close(), after the join.
+        self.handles = []
+        self.blocks = None      # blocks made before the pipeline (_Solo.while_staging)
         self.staging_kind = None
         self.threads = None
-        self.finished = False
+        self.finished = False   # every tensor loaded (a group: every rank agreed)
         self.cancelled = False
+
+    def open_pipeline(self, how, plan, staging, io_depth, threads):
+        """Step 2: the staging buffer (the caller's, one an earlier load
+        kept, the one ``_StagingStart`` made, or a new one) and the reader
+        pipeline over ``plan``, which holds the buffer until it is joined."""
+        from ._pipeline import Pipeline
+        threads = reader_threads(threads)
+        depth = slot_count(plan, io_depth, threads)
+        pending = None
+        if staging is None and self.device is not None and self.start is not None:
+            pending = self.start.staging
+        how.while_staging(self, pending)
+        if staging is None and self.device is not None:
+            if pending is not None:
+                # Given up by the start only once taken: a Ctrl-C while
+                # waiting for it leaves it to close() (_abandon).
+                staging = self.own_staging = pending.take()
+                self.start.staging = None
+            else:
+                staging = self.own_staging = _staging_pool.own(self.device, *staging_size(plan, depth))
+        self.staging = staging
+        # Holds the buffer from here until its threads are joined (pipe.close()).
+        self.pipe = pipe = Pipeline(plan, threads=threads, staging=staging, depth=depth,
+                                    device=self.device, fetch=self.checkpoint.fetch)
+        if self.cancelled:
+            # Closed from another thread while there was no pipeline to
+            # cancel (the staging buffer still being made): the load's next
+            # wait() reports the cancel, as close() promises.
+            pipe.close()
+        self.staging_kind = staging.kind if staging is not None else None
+        self.threads = pipe.n_threads
+
+    @property
+    def runtime(self):
+        """The staging buffer's runtime (None without one): names its errors."""
+        return self.staging.runtime if self.staging is not None else None
+
+    def close(self):
+        """Gives back everything the load holds: stops and joins the
+        readers first, so nothing is freed while a copy may still write it;
+        closes its files last, so no reader can read a reused descriptor."""
+        if self.pipe is not None:
+            self.pipe.close()       # stop, join: no copy in flight into what we free next
+        self.handles.clear()        # tensors not handed out (the yielded ones are the caller's)
+        self.blocks = None          # blocks not handed out (a failure before the destinations)
+        _abandon(self)              # a buffer still being made when the load ended
+        buf, self.own_staging, self.staging = self.own_staging, None, None
+        if buf is not None and os.getpid() == self.pid:
+            _staging_pool.give(self.device, buf)    # kept for the next load, or closed
+        # (a forked child's copy goes with the object, as _StagingStart's)
+        self.checkpoint.close()     # only now: no reader can use a reused fd number
 
 
 class LoadIterator:
@@ -253,19 +337,19 @@ class LoadIterator:
         self._times = [now, 0.0, now, None]     # began, opened (seconds), made, ended
         self._chunk_size = chunk_size
         self._device = str(getattr(target, "device", None))
-        self._state = _LoadState(start)
+        self._state = _LoadState(checkpoint, target, dtypes, start)
         self._lock = threading.RLock()     # one next() or close() at a time
         self._pid = os.getpid()
-        self._checkpoint = checkpoint
-        self._generator = self._generate(self._state, checkpoint, target, dtypes, staging=staging,
-                                         chunk_size=chunk_size, io_depth=io_depth, threads=threads,
-                                         verify=verify, progress=progress, faults=faults)
+        self._generator = self._generate(self._state, staging=staging, chunk_size=chunk_size,
+                                         io_depth=io_depth, threads=threads, verify=verify,
+                                         progress=progress, faults=faults)
         self.names = [t.name for _, t in checkpoint.entries]
         self.total_bytes = checkpoint.total_bytes
 
-    def _generate(self, state, checkpoint, target, dtypes, **options):
-        """The generator of the load (a process group's iterator has its own)."""
-        return _load(state, checkpoint, target, dtypes, **options)
+    def _generate(self, state, **options):
+        """The generator of the load: ``run`` with this iterator's strategy
+        (a process group's iterator hands it its own)."""
+        return _load(state, **options)
 
     def timed(self, began, opened=0.0):
         """Counts the load's time from ``began`` (the call), of which
@@ -331,9 +415,8 @@ class LoadIterator:
                 # close() from inside this load (a progress callback): the
                 # generator sees the cancel and cleans up as it unwinds.
                 return
-            self._generator.close()      # frees the tensors and the load's buffer
-            _abandon(state)              # (a generator that never ran took nothing)
-            self._checkpoint.close()     # (the generator's finally did, if it ran)
+            self._generator.close()      # its finally: state.close()
+            state.close()                # (a generator that never ran: the files, a buffer being made)
 
     def _close_in_fork_child(self):
         # The parent's threads do not exist here and its locks may have been
@@ -343,8 +426,7 @@ class LoadIterator:
             self._state.pipe.close()
         if not self._generator.gi_running:
             self._generator.close()
-        _abandon(self._state)
-        self._checkpoint.close()
+        self._state.close()
 
     def __enter__(self) -> "LoadIterator":
         return self
@@ -418,54 +500,34 @@ def _abandon(state):
         start.abandon()
 
 
-def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, threads,
-          verify, progress, faults):
-    """The generator behind LoadIterator; ``state`` receives the pipeline,
-    the staging kind and the thread count."""
-    from ._pipeline import DEVICE, Pipeline
-    entries = checkpoint.entries
-    device = target.index if target.mode == DEVICE else None
-    owned = staging is None and device is not None
-    buf = None if owned else staging
-    handles = []
-    pipe = None
-    start = state.start             # this generator's: taken, or abandoned below
+def run(state, how, *, staging, chunk_size, io_depth, threads, verify, progress, faults):
+    """The one skeleton of every load, the generator behind its LoadIterator.
+
+    ``how`` is the load's strategy: ``_Solo`` for a load of one process,
+    ``_distributed._Shared`` for one rank's part of a process group's.  It
+    says which bytes this process reads, where they go, when the process
+    may go on, and how the tensors come out; the steps, what the load holds
+    (``state``) and its one teardown (``state.close()``) are the same.
+    """
     try:
-        if start is None:           # a LoadIterator made without iter_load
-            start = state.start = _plan(checkpoint, target, dtypes, chunk_size,
-                                        faults if faults is not None else fault_plan(staging), False)
-        plan, run_list = start.plan, start.runs
-        threads = reader_threads(threads)
-        depth = slot_count(plan, io_depth, threads)
-        # torch's CUDA (in a fresh process, its start) while the staging
-        # buffer is made; the blocks too if it is still being made (``_allocate_blocks``).
-        target.before_copies()
-        blocks = None
-        if owned and start.staging is not None and not start.staging.ready():
-            blocks = _allocate_blocks(target, run_list, entries, dtypes)
-        if owned:
-            if start.staging is not None:
-                # Given up by the start only once taken: a Ctrl-C while
-                # waiting for it leaves it to _abandon below.
-                buf = start.staging.take()
-                start.staging = None
-            else:
-                buf = _staging_pool.own(device, *staging_size(plan, depth))
-        # Holds buf from here until its threads are joined (pipe.close()).
-        pipe = Pipeline(plan, threads=threads, staging=buf, depth=depth, device=device,
-                        fetch=checkpoint.fetch)
-        state.pipe = pipe
-        if state.cancelled:
-            # Closed from another thread while there was no pipeline to
-            # cancel (the staging buffer still being made): this next()
-            # raises the cancel (wait() reports it), as close() promises.
-            pipe.close()
-        state.staging_kind = buf.kind if buf is not None else None
-        state.threads = pipe.n_threads
-        _start(pipe, handles, target, entries, dtypes, run_list, blocks)
-        blocks = None               # handles hold the views now
-        runtime = buf.runtime if buf is not None else None
-        yield from _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime)
+        error = None
+        try:
+            # 1. Plan the reads: the bytes this process reads (None: none).
+            plan = how.plan_reads(state, chunk_size,
+                                  faults if faults is not None else fault_plan(staging))
+            # 2. The staging buffer and the reader pipeline.
+            if plan is not None:
+                state.open_pipeline(how, plan, staging, io_depth, threads)
+            # 3. The destinations: where each byte read goes.
+            how.provide_destinations(state)
+        except Exception as e:
+            error = e
+        # 4. Ready: raises the error of steps 1-3 (a group: first agrees that
+        #    every rank got this far, or raises on every rank).
+        how.ready(state, error)
+        # 5. Read and copy (a group: and exchange the parts), and hand out
+        #    the tensors.
+        yield from how.drive(state, verify, progress)
         state.finished = True
     except BaseException as e:
         # The traceback's finished frames would keep tensors alive for as
@@ -473,14 +535,53 @@ def _load(state, checkpoint, target, dtypes, *, staging, chunk_size, io_depth, t
         traceback.clear_frames(e.__traceback__)
         raise
     finally:
-        if pipe is not None:
-            pipe.close()           # stop, join: no copy in flight into what we free next
-        handles.clear()
-        blocks = None               # blocks not handed out (a failure before _start)
-        _abandon(state)            # a buffer still being made when the load failed
-        if owned and buf is not None:
-            _staging_pool.give(device, buf)     # kept for the next load, or closed
-        checkpoint.close()         # only now: no reader can use a reused fd number
+        state.close()
+
+
+def _load(state, *, staging, chunk_size, io_depth, threads, verify, progress, faults):
+    """The generator behind a load of one process: ``run`` with ``_Solo``."""
+    return run(state, _Solo(), staging=staging, chunk_size=chunk_size, io_depth=io_depth,
+               threads=threads, verify=verify, progress=progress, faults=faults)
+
+
+class _Solo:
+    """A load of one process: it reads every byte it wants, into device
+    blocks shared by tensors lying back to back (``_blocks.py``) or tensors
+    of their own, given to the readers while they already read, and hands
+    each tensor out as soon as it is finished."""
+
+    def plan_reads(self, state, chunk_size, faults):
+        """Step 1: the ``_Start`` that ``iter_load`` prepared (the staging
+        buffer already being made beside it), else one made now."""
+        if state.start is None:     # a LoadIterator made without iter_load
+            state.start = _plan(state.checkpoint, state.target, state.dtypes, chunk_size, faults,
+                                False)
+        return state.start.plan
+
+    def while_staging(self, state, pending):
+        """Step 2, before the load takes its staging buffer: torch's CUDA (in
+        a fresh process, its start), and the blocks too where the buffer
+        (``pending``) is still being made (``_allocate_blocks``)."""
+        state.target.before_copies()
+        if pending is not None and not pending.ready():
+            state.blocks = _allocate_blocks(state.target, state.start.runs,
+                                            state.checkpoint.entries, state.dtypes)
+
+    def provide_destinations(self, state):
+        """Step 3: starts the readers and gives them every address (``_start``)."""
+        _start(state.pipe, state.handles, state.target, state.checkpoint.entries, state.dtypes,
+               state.start.runs, state.blocks)
+        state.blocks = None         # handles hold the views now
+
+    def ready(self, state, error):
+        """Step 4: no one to agree with: the error of steps 1-3 as it is."""
+        if error is not None:
+            raise error
+
+    def drive(self, state, verify, progress):
+        """Step 5: each tensor as the pipeline finishes it (``_drive``)."""
+        return _drive(state.pipe, state.start.plan, state.checkpoint, state.target, state.handles,
+                      verify, progress, state.runtime)
 
 
 def _allocate_blocks(target, run_list, entries, dtypes):

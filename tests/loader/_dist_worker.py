@@ -8,7 +8,9 @@ Each scenario records {"ok": bool, "error": type name, "message",
 "ranks": failed ranks (DistributedLoadError), "equal": the loaded tensors
 equal safetensors' own load of the same selection bit for bit, "names",
 "kinds", "read_bytes", "warnings"}.  Scenarios after a failure check that
-the group is still usable.
+the group is still usable.  The ``leak_*`` scenarios make rank 1 fail at
+one step of the load (``probe``) and record what each rank's load left:
+its tensors alive, its files open, its staging buffer held, registrations.
 """
 
 import datetime
@@ -81,6 +83,91 @@ def main(spec_path, rank):
                        ranks=sorted(getattr(e, "ranks", {}) or {}))
         rec["warnings"] = list(warnings)
         return rec
+
+    def open_files(paths):
+        real, n = {os.path.realpath(p) for p in paths}, 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{fd}") in real
+            except OSError:
+                pass
+        return n
+
+    def probe(paths, patches=(), fail_allocate=None, faults=None, take=None, **kw):
+        """A load through iter_load with a simulated staging buffer, with
+        ``patches`` ((object, name, value)) and, where set, the
+        ``fail_allocate``-th tensor's allocation failing and ``faults``
+        (read rules) on rank 1 only; ``take`` tensors consumed before a
+        close (None: all).  Records the outcome and what the load left."""
+        import gc
+        import weakref
+
+        from instant_staging.loader import _target
+        mine = rank == 1
+        rt = SimulatedRuntime(faults=faults if mine else None)
+        buf = ist.StagingBuffer(16 * chunk, copy_unit=chunk, runtime=rt)
+        refs, got, error = [], [], None
+        real_allocate = _target._TorchTarget.allocate
+
+        def allocate(self, entry, dtype):
+            if mine and fail_allocate is not None and len(refs) + 1 == fail_allocate:
+                raise MemoryError(f"injected: allocation {fail_allocate} failed")
+            t, ptr = real_allocate(self, entry, dtype)
+            refs.append(weakref.ref(t))
+            return t, ptr
+        patches = [(_target._TorchTarget, "allocate", allocate)] + (list(patches) if mine else [])
+        saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+        rec = {}
+        try:
+            for obj, name, value in patches:
+                setattr(obj, name, value)
+            with iter_load(paths, "cpu", process_group=pg, chunk_size=chunk, staging=buf, **kw) as it:
+                for item in it:
+                    got.append(item)
+                    if take is not None and len(got) == take:
+                        break
+            rec.update(ok=True)
+        except BaseException as e:      # Ctrl-C (an injected KeyboardInterrupt) too
+            error = e
+            rec.update(ok=False, error=type(e).__name__, message=str(e),
+                       ranks=sorted(getattr(e, "ranks", {}) or {}))
+        finally:
+            for obj, name, value in reversed(saved):
+                setattr(obj, name, value)
+        # (error, and its traceback, kept alive meanwhile: it holds no tensor)
+        deadline = time.monotonic() + 10   # (the group's works drop theirs as they finish)
+        while True:
+            gc.collect()
+            alive = sum(r() is not None for r in refs) - len(got)
+            if alive == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        rec.update(alive=alive, allocated=len(refs), taken=len(got), open=open_files(paths))
+        try:
+            buf.close()
+            rec["held"] = False
+        except BufferError as e:
+            rec["held"] = str(e)
+        rec["leaks"] = [rt.live_registrations, rt.live_host_allocs]
+        del error
+        return rec
+
+    from instant_staging.loader import _distributed, _pipeline, _run
+
+    def raising(exc):
+        def f(*args, **kwargs):
+            raise exc
+        return f
+
+    def on_call(n, exc, real):
+        calls = []
+
+        def f(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                raise exc
+            return real(*args, **kwargs)
+        return f
 
     shards = files["shards"]
     everything = reference(shards)
@@ -202,6 +289,24 @@ def main(spec_path, rank):
                 out[name] = dict(ok=None)
             else:
                 out[name] = run(shards)
+        elif name == "leak_plan":      # step 1: rank 1's share of the reads
+            out[name] = probe(shards, [(_distributed, "plan", raising(RuntimeError("injected: plan")))])
+        elif name == "leak_pipeline":  # step 2: rank 1's reader pipeline
+            out[name] = probe(shards, [(_pipeline, "Pipeline",
+                                        raising(RuntimeError("injected: pipeline")))])
+        elif name == "leak_allocate":  # step 3: rank 1's fourth tensor (its pipeline made)
+            out[name] = probe(shards, fail_allocate=4)
+        elif name == "leak_read":      # step 5: a read of rank 1's fails (agreement 3)
+            out[name] = probe(shards, faults="read#2=EIO")
+        elif name == "leak_exchange":  # step 5: Ctrl-C on rank 1 once every exchange is issued
+            out[name] = probe(shards, [(_distributed._Waiter, "until_all", raising(KeyboardInterrupt()))])
+        elif name == "leak_verify":    # step 5: rank 1's third tensor handed out fails verify=
+            from instant_staging.loader import VerifyError
+            out[name] = probe(shards, [(_run, "verify_tensor",
+                                        on_call(3, VerifyError("injected: verify"), _run.verify_tensor))],
+                              verify=True)
+        elif name == "leak_close":     # every rank closes its iterator after one tensor
+            out[name] = probe(shards, take=1)
         elif name == "after_failures":
             out[name] = run(shards, verify=True)
         elif name == "timeout":         # the last rank never calls: the others name it

@@ -225,7 +225,8 @@ SCENARIOS = ["replicated", "load_file", "progress_true", "dtype_and_directory", 
              "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "own_copies", "other_data",
              "other_header", "other_dtype", "unsampled_change", "unknown_name",
              "truncated", "read_fault", "kinds", "staging_unusable", "subgroup", "not_a_group",
-             "dropped", "after_failures", "timeout"]
+             "dropped", "leak_plan", "leak_pipeline", "leak_allocate", "leak_read", "leak_exchange",
+             "leak_verify", "leak_close", "after_failures", "timeout"]
 
 
 def run_world(tmp, world):
@@ -442,6 +443,52 @@ def test_iterator_closed_unstarted_on_one_rank(world):
         if r != 1:
             assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1]
             assert "closed its iterator" in rec["message"] and rec["seconds"] < TIMEOUT
+
+
+def assert_left_nothing(rec, r):
+    assert rec["alive"] == 0, f"rank {r}: tensors not freed: {rec}"
+    assert rec["open"] == 0, f"rank {r}: the checkpoint's files still open: {rec}"
+    assert rec["held"] is False, f"rank {r}: the staging buffer still held: {rec}"
+    assert rec["leaks"] == [0, 0], f"rank {r}: registrations, host allocations: {rec}"
+
+
+@pytest.mark.parametrize("name, error, words", [
+    ("leak_plan", "RuntimeError", "injected: plan"),
+    ("leak_pipeline", "RuntimeError", "injected: pipeline"),
+    ("leak_allocate", "MemoryError", "injected: allocation 4 failed"),
+    ("leak_read", "LoadError", "Input/output error"),
+    ("leak_exchange", "KeyboardInterrupt", "interrupted while exchanging: KeyboardInterrupt"),
+])
+def test_a_failure_at_each_step_of_a_group_load_leaves_nothing(world, name, error, words):
+    """The group's strategy (loader/_distributed.py's _Shared) in the one
+    skeleton (loader/_run.py's run): rank 1 fails at one step; it raises its
+    own error, every other rank a DistributedLoadError naming it (at once,
+    not after the timeout), and no rank's load leaves a tensor, a file, a
+    held staging buffer or a registration behind."""
+    recs = scenario(world, name)
+    assert recs[1]["error"] == error, recs[1]
+    for r, rec in enumerate(recs):
+        if r != 1:
+            assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1], f"rank {r}: {rec}"
+            assert words in rec["message"], f"rank {r}: {rec}"
+        assert rec["seconds"] < TIMEOUT, f"rank {r} waited for the timeout: {rec}"
+        assert_left_nothing(rec, r)
+    if name in ("leak_allocate", "leak_read", "leak_exchange"):
+        assert all(rec["allocated"] for rec in recs)      # (tensors there were, and went)
+
+
+def test_a_group_load_ended_while_handing_out_leaves_nothing(world):
+    # After the last agreement only this rank is concerned: a verify= error
+    # on rank 1 (the others finish), or every rank closing after one tensor.
+    recs = scenario(world, "leak_verify")
+    assert recs[1]["error"] == "VerifyError" and recs[1]["taken"] == 2, recs[1]
+    for r, rec in enumerate(recs):
+        if r != 1:
+            assert rec["ok"], f"rank {r}: {rec}"
+        assert_left_nothing(rec, r)
+    for r, rec in enumerate(scenario(world, "leak_close")):
+        assert rec["ok"] and rec["taken"] == 1 and rec["allocated"] > 1, f"rank {r}: {rec}"
+        assert_left_nothing(rec, r)
 
 
 def test_group_usable_after_failures(world):
