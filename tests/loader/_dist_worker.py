@@ -154,20 +154,8 @@ def main(spec_path, rank):
 
     from instant_staging.loader import _distributed, _pipeline, _run
 
-    def raising(exc):
-        def f(*args, **kwargs):
-            raise exc
-        return f
-
-    def on_call(n, exc, real):
-        calls = []
-
-        def f(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == n:
-                raise exc
-            return real(*args, **kwargs)
-        return f
+    from support.calls import raise_on_call as on_call
+    from support.calls import raising
 
     shards = files["shards"]
     everything = reference(shards)

@@ -33,6 +33,7 @@ from support import PACKAGE_PARENT
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dist_worker.py")
+TESTS = os.path.dirname(os.path.dirname(WORKER))       # the worker imports support.calls
 TIMEOUT = 5       # INSTANT_STAGING_DIST_TIMEOUT of the workers: the "timeout" scenario waits this
 
 
@@ -236,7 +237,8 @@ def run_world(tmp, world):
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = dict(os.environ, INSTANT_STAGING_DIST_TIMEOUT=str(TIMEOUT), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_PARENT, TESTS, os.environ.get("PYTHONPATH"))
+                                          if p))
     env.pop("INSTANT_STAGING_FAULTS", None)
     procs = [subprocess.Popen([sys.executable, WORKER, spec_path, str(r)], cwd=tmp, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

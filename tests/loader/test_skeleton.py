@@ -28,6 +28,7 @@ import instant_staging as ist
 from instant_staging.loader import LoadError, _checkpoint, _pipeline, _run, _staging_pool, empty_cache
 from instant_staging.testing import FaultPlan, SimulatedRuntime
 
+from support.calls import raise_on_call, raising
 from support.tensors import CHUNK, SimTarget, random_tensor, save
 
 
@@ -105,23 +106,6 @@ def assert_nothing_left(rt, made, path, threads_before):
     assert not [t for t in threading.enumerate() if t.name.startswith("instant_staging")]
 
 
-def raising(exc):
-    def f(*args, **kwargs):
-        raise exc
-    return f
-
-
-def _raise_on_call(n, exc, real):
-    calls = []
-
-    def f(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == n:
-            raise exc
-        return real(*args, **kwargs)
-    return f
-
-
 # One case per step of run() (and the skeleton's exits); each installs its
 # fault with monkeypatch and says what the load then raises.
 def _at_plan(mp):            # 1. plan the reads (a load that plans itself)
@@ -145,7 +129,7 @@ def _at_pipeline(mp):        # 2. the reader pipeline (the buffer taken)
 
 
 def _at_allocate(mp):        # 3. the fifth tensor of its own (the readers running)
-    mp.setattr(_run, "_allocate", _raise_on_call(5, MemoryError("injected at allocate"), _run._allocate))
+    mp.setattr(_run, "_allocate", raise_on_call(5, MemoryError("injected at allocate"), _run._allocate))
 
 
 def _at_read(mp):            # 5. a read fails under the readers
@@ -186,7 +170,7 @@ def test_an_error_of_the_consumer_while_the_readers_run_leaves_nothing(exc, sim,
     # progress() runs in the consumer's thread inside step 5, readers running.
     rt, made = sim
     before = threads_now()
-    it = begin(path, rt, progress=_raise_on_call(1, exc, lambda done, total: None))
+    it = begin(path, rt, progress=raise_on_call(1, exc, lambda done, total: None))
     with pytest.raises(type(exc)), it:
         dict(it)
     del it

@@ -4,7 +4,8 @@ repository is.  Helpers that need more than the standard library and
 instant_staging live beside this module, one per subject: ``cli`` (the
 command in a subprocess), ``tensors`` (torch: safetensors files and the
 simulated device), ``headers`` (the header cases safetensors is compared
-on), ``models`` (tiny transformers models) and ``remote_servers`` (S3, a
+on), ``models`` (tiny transformers models), ``calls`` (stand-ins that
+fail on purpose) and ``remote_servers`` (S3, a
 fault-injecting proxy, a ranged HTTP server).  Test modules import from
 here, never from one another.
 
