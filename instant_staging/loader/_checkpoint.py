@@ -67,6 +67,8 @@ class _Checkpoint:
         self.headers.append(read_header(fd, path))
 
     def _check_duplicates(self):
+        if len({t.name for _, t in self.entries}) == len(self.entries):
+            return              # (the usual case, in one set: 4,680 names in a fraction of a ms)
         seen = {}
         for i, t in self.entries:
             if t.name in seen:
