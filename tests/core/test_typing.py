@@ -151,13 +151,17 @@ def test_stubs_match_the_compiled_modules(tmp_path):
 def _mypy(path, tmp_path, *flags):
     pytest.importorskip("mypy")
     config = tmp_path / "mypy.ini"
-    # torch and safetensors are skipped: the examples are about this
-    # package's types, and analysing torch takes minutes.
+    # torch, transformers and safetensors are skipped: the examples are
+    # about this package's types, and analysing torch takes minutes,
+    # transformers half of one (test_from_pretrained_is_typed_as_transformers_model
+    # checks what from_pretrained returns).
     config.write_text(textwrap.dedent("""\
         [mypy]
         follow_imports = silent
         ignore_missing_imports = True
         [mypy-torch.*]
+        follow_imports = skip
+        [mypy-transformers.*]
         follow_imports = skip
         [mypy-safetensors.*]
         follow_imports = skip
@@ -220,3 +224,71 @@ def test_mypy_rejects_what_the_signature_forbids(tmp_path):
 def test_faulty_runtime_signature():
     from instant_staging.runtime._faults import FaultyRuntime
     assert list(inspect.signature(FaultyRuntime).parameters) == ["inner", "plan"]
+
+
+# Stand-ins for torch and transformers, so that what from_pretrained is
+# typed as is checked in seconds (mypy over the real ones takes a minute):
+# what a module does not declare is Any, as for a module followed silently.
+FAKE_STUBS = {
+    "torch/__init__.pyi": """\
+        from typing import Any
+        from . import nn as nn
+        class dtype: ...
+        class Tensor: ...
+        bfloat16: dtype
+        def tensor(data: Any) -> Tensor: ...
+        def __getattr__(name: str) -> Any: ...
+        """,
+    "torch/nn/__init__.pyi": """\
+        from typing import Any
+        class Module:
+            training: bool
+        def __getattr__(name: str) -> Any: ...
+        """,
+    "transformers/__init__.pyi": """\
+        from typing import Any
+        from torch.nn import Module
+        class PreTrainedModel(Module):
+            def generate(self, inputs: Any = ..., **kwargs: Any) -> Any: ...
+        def __getattr__(name: str) -> Any: ...
+        """,
+}
+
+
+def test_from_pretrained_is_typed_as_transformers_model(tmp_path):
+    """``model.generate(...)`` type-checks under ``mypy --strict``: the model is
+    transformers' PreTrainedModel (it was torch's nn.Module, which has no
+    generate), and with ``output_loading_info=True`` a (model, info) pair."""
+    pytest.importorskip("mypy")
+    fakes = tmp_path / "fakes"
+    for name, text in FAKE_STUBS.items():
+        (fakes / name).parent.mkdir(parents=True, exist_ok=True)
+        (fakes / name).write_text(textwrap.dedent(text))
+    example = tmp_path / "generate_example.py"
+    example.write_text(textwrap.dedent("""\
+        import torch
+        from instant_staging.integrations.transformers import from_pretrained
+
+        model = from_pretrained("Llama-3-8B/", device="cuda:0", dtype=torch.bfloat16)
+        out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+        pair = from_pretrained("Llama-3-8B/", output_loading_info=True)
+        reveal_type(model)
+        reveal_type(pair)
+        """))
+    config = tmp_path / "mypy.ini"     # this package followed, nothing else (but stubs)
+    config.write_text("[mypy]\nfollow_imports = skip\n[mypy-instant_staging.*]\nfollow_imports = silent\n")
+    env = dict(os.environ)
+    parts = [str(fakes)]
+    if os.path.basename(PACKAGE_PARENT) not in ("site-packages", "dist-packages"):
+        parts.append(PACKAGE_PARENT)         # the in-place build
+    env["MYPYPATH"] = os.pathsep.join(parts)
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--config-file", str(config), "--cache-dir",
+         str(tmp_path / "cache"), "--python-executable", sys.executable, "--no-error-summary",
+         "--show-error-codes", str(example)],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    revealed = [line.split("Revealed type is ")[1].replace("builtins.", "")   # (as older mypy names them)
+                for line in result.stdout.splitlines() if "Revealed type is" in line]
+    assert revealed == ['"transformers.PreTrainedModel"',
+                        '"tuple[transformers.PreTrainedModel, dict[str, Any]]"'], result.stdout
