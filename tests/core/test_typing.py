@@ -292,3 +292,52 @@ def test_from_pretrained_is_typed_as_transformers_model(tmp_path):
                 for line in result.stdout.splitlines() if "Revealed type is" in line]
     assert revealed == ['"transformers.PreTrainedModel"',
                         '"tuple[transformers.PreTrainedModel, dict[str, Any]]"'], result.stdout
+
+
+def test_an_editable_install_is_a_path_mypy_follows(tmp_path, monkeypatch):
+    """README's ``pip install -e .``: setuptools writes a plain path into a
+    .pth file (not an import hook, which mypy cannot follow), and mypy,
+    given an interpreter with that file, finds the package and its stubs.
+    The strategy is setuptools' own choice for this pyproject.toml, made
+    without building anything."""
+    pytest.importorskip("mypy")
+    editable = pytest.importorskip("setuptools.command.editable_wheel")
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+    if not os.path.isfile(os.path.join(ROOT, "pyproject.toml")):
+        pytest.skip("no pyproject.toml beside the tests")
+    if not hasattr(editable.editable_wheel, "_select_strategy"):
+        pytest.skip("this setuptools chooses its editable strategy elsewhere")
+    monkeypatch.chdir(ROOT)
+    dist = apply_configuration(Distribution(), "pyproject.toml")
+    command = editable.editable_wheel(dist)
+    command.ensure_finalized()
+    strategy = command._select_strategy("instant_staging", "py3-none-any", "build/lib")
+    entries = getattr(strategy, "path_entries", None)
+    assert entries, f"setuptools installs {type(strategy).__name__}: an import hook mypy cannot follow"
+    assert [os.path.realpath(p) for p in entries] == [os.path.realpath(ROOT)]
+    # An interpreter whose site-packages holds only that .pth file.
+    import venv
+    venv.create(tmp_path / "env", with_pip=False, symlinks=True)
+    python = tmp_path / "env" / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "__editable__.instant_staging.pth"), "w") as f:
+        f.write("".join(os.path.realpath(p) + "\n" for p in entries))   # as setuptools resolves them
+    example = tmp_path / "editable_example.py"
+    example.write_text(textwrap.dedent("""\
+        import instant_staging as ist
+
+        buf = ist.StagingBuffer(4096)
+        kind: ist.Kind = buf.kind
+        reveal_type(buf.spans())
+        """))
+    env = dict(os.environ)
+    env.pop("MYPYPATH", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"),
+         "--python-executable", str(python), "--no-error-summary", "--show-error-codes", str(example)],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert 'Revealed type is "list[tuple[int, int]]"' in result.stdout.replace("builtins.", ""), \
+        result.stdout
