@@ -11,8 +11,10 @@ itself (sized by what the checkpoint can use; the loader's slots are whole
 chunks inside each registration, so any chunk size works), loads with
 ``checkpoint.iter_load`` and returns a plain dict with the figures of the
 load's ``LoadReport``: the tensor count, the bytes read, seconds (torch
-imported and the staging buffer made before the load's clock starts), GB/s
-and the staging kind reached.
+imported and the staging buffer made before the load's clock starts), the
+rate and the staging kind reached (shown in the package's one unit system,
+``format_size``/``format_rate``; the JSON's ``gbps`` is 10^9 bytes/s, as
+its name says).
 ``Progress`` is the progress callback: a bar on a terminal, a line per
 tenth otherwise.  Nothing here prints to stdout.
 """
@@ -22,12 +24,11 @@ import re
 import time
 
 from .. import defaults
-from .._types import StagingError, format_size
+from .._types import StagingError, format_rate, format_size
 from ..loader import (
     Checkpoint,
     Progress,  # noqa: F401  (the CLI's progress, one implementation)
     SafetensorsError,
-    format_si,
     import_torch,
     parse_device,
     resolve_device,
@@ -269,9 +270,9 @@ def format_text(result):
     if s["hugepages"] is not None:
         segments += ", 2 MiB huge pages" if s["hugepages"]["on"] else ", 4 KiB pages"
     as_dtype = f" as {result['dtype']}" if result.get("dtype") else ""
-    # Bytes and rate in one unit system (decimal, as GB/s is).
-    return [f"{result['tensors']} tensors, {format_si(result['bytes'])} to "
-            f"{result['device']}{as_dtype} in {result['seconds']:.3f} s: {result['gbps']:.2f} GB/s"
+    rate = format_rate(result["bytes"] / max(result["seconds"], 1e-9), digits=2)
+    return [f"{result['tensors']} tensors, {format_size(result['bytes'])} to "
+            f"{result['device']}{as_dtype} in {result['seconds']:.3f} s: {rate}"
             + (", verified" if result["verified"] else ""),
             f"staging: {s['kind']}{pinned}, {format_size(s['size'])}{segments}, "
             f"made in {s['seconds']:.3f} s"]
