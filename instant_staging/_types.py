@@ -107,6 +107,11 @@ class RuntimeCallError(RuntimeError):
 _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 
+# Every size and rate this package shows (CLI, progress, logs, errors) is in
+# these binary units, the ones its sizes are given in (--chunk-size 8MiB):
+# format_size and format_rate, nowhere else.
+
+
 def format_size(n: int) -> str:
     """2147483648 -> '2 GiB'; 1536 -> '1.5 KiB'; 100 -> '100 B'."""
     for unit, scale in _UNITS:
@@ -115,6 +120,15 @@ def format_size(n: int) -> str:
             text = f"{value:.0f}" if value == int(value) else f"{value:.2f}".rstrip("0").rstrip(".")
             return f"{text} {unit}"
     return f"{n} B"
+
+
+def format_rate(bytes_per_second: float, digits: int = 1) -> str:
+    """Bytes a second in format_size's units: 36.3e9 -> '33.8 GiB/s';
+    5e6 -> '4.8 MiB/s'; 100 -> '100 B/s'."""
+    for unit, scale in _UNITS:
+        if bytes_per_second >= scale:
+            return f"{bytes_per_second / scale:.{digits}f} {unit}/s"
+    return f"{bytes_per_second:.0f} B/s"
 
 
 def parse_size(text) -> int:

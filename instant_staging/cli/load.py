@@ -1,8 +1,10 @@
 """load: load safetensors checkpoints through a StagingBuffer and report how fast.
 
 ``sources()`` turns the command's SOURCE arguments (files, a directory, an
-index.json, URLs) into a ``Checkpoint.open`` source, with the checks of
-local paths (a missing file, a FIFO, a file named twice) as usage errors;
+index.json, URLs, hub ids) into a ``Checkpoint.open`` source, with the
+checks of local paths (a missing file, a FIFO, a file named twice) as usage
+errors; a hub id resolves as ``from_pretrained``'s does (``_hub``: the
+weights of its snapshot in huggingface_hub's cache, fetched unless offline);
 ``open_checkpoint()`` opens it once (its shards resolved, every header
 parsed), telling a SOURCE named wrongly (``UsageError``) from a bad file.
 ``knobs()`` gives the load's knobs: the user's, else the checkpoint's own
@@ -11,8 +13,10 @@ itself (sized by what the checkpoint can use; the loader's slots are whole
 chunks inside each registration, so any chunk size works), loads with
 ``checkpoint.iter_load`` and returns a plain dict with the figures of the
 load's ``LoadReport``: the tensor count, the bytes read, seconds (torch
-imported and the staging buffer made before the load's clock starts), GB/s
-and the staging kind reached.
+imported and the staging buffer made before the load's clock starts), the
+rate and the staging kind reached (shown in the package's one unit system,
+``format_size``/``format_rate``; the JSON's ``gbps`` is 10^9 bytes/s, as
+its name says).
 ``Progress`` is the progress callback: a bar on a terminal, a line per
 tenth otherwise.  Nothing here prints to stdout.
 """
@@ -21,13 +25,12 @@ import os
 import re
 import time
 
-from .. import defaults
-from .._types import StagingError, format_size
+from .. import _hub, defaults
+from .._types import StagingError, format_rate, format_size
 from ..loader import (
     Checkpoint,
     Progress,  # noqa: F401  (the CLI's progress, one implementation)
     SafetensorsError,
-    format_si,
     import_torch,
     parse_device,
     resolve_device,
@@ -117,20 +120,39 @@ def _check_file(path):
         raise FileNotFoundError(f"no such file: {path}")
 
 
-def sources(args):
+def hub_source(arg, revision=None):
+    """``arg`` as it is where it is a local path or cannot name a hub repo;
+    else the weights of the hub id's snapshot (``from_pretrained``'s path:
+    ``_hub.local_dir``, then ``_hub.weights``).  FileNotFoundError (one line)
+    where it is neither a path nor a model there."""
+    if os.path.exists(arg) or not _hub.may_be_hub_id(arg):
+        return arg
+    try:
+        return _hub.weights(_hub.local_dir(arg, revision=revision, needs_config=False))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"no such file or directory: {arg}, nor a model on the hub ({e})") from None
+
+
+def sources(args, revision=None):
     """What ``load SOURCE...`` opens (``Checkpoint.open``'s source): one
-    SOURCE as given (a file, a directory, an index.json, a URL); several
-    local ones as the list of the shards each names (each resolved here,
-    nothing opened); several URLs as their list.  Raises OSError,
-    ValueError or TypeError with the message to show (a usage error), or
-    SafetensorsError for a bad index among several (the load's failure)."""
+    SOURCE as given (a file, a directory, an index.json, a URL; a hub id as
+    the weights of its snapshot, at ``revision``); several local ones as the
+    list of the shards each names (each resolved here, nothing opened);
+    several URLs as their list.  Raises OSError, ValueError or TypeError
+    with the message to show (a usage error), or SafetensorsError for a bad
+    index among several (the load's failure)."""
     urls = [is_url(arg) for arg in args]
     if any(urls):
         if not all(urls):
             raise ValueError("a load reads local files or URLs, not both: "
                              f"{next(a for a, u in zip(args, urls) if u)} is a URL, "
                              f"{next(a for a, u in zip(args, urls) if not u)} is not")
+        if revision is not None:
+            raise ValueError("--revision applies to a hub id SOURCE, not to a URL")
         return args[0] if len(args) == 1 else list(args)
+    given, args = args, [hub_source(arg, revision) for arg in args]
+    if revision is not None and args == list(given):
+        raise ValueError("--revision applies to a hub id SOURCE (org/name), and none is given")
     if len(args) == 1:
         if not os.path.isdir(args[0]) and not args[0].endswith(".json"):
             _check_file(args[0])
@@ -269,9 +291,9 @@ def format_text(result):
     if s["hugepages"] is not None:
         segments += ", 2 MiB huge pages" if s["hugepages"]["on"] else ", 4 KiB pages"
     as_dtype = f" as {result['dtype']}" if result.get("dtype") else ""
-    # Bytes and rate in one unit system (decimal, as GB/s is).
-    return [f"{result['tensors']} tensors, {format_si(result['bytes'])} to "
-            f"{result['device']}{as_dtype} in {result['seconds']:.3f} s: {result['gbps']:.2f} GB/s"
+    rate = format_rate(result["bytes"] / max(result["seconds"], 1e-9), digits=2)
+    return [f"{result['tensors']} tensors, {format_size(result['bytes'])} to "
+            f"{result['device']}{as_dtype} in {result['seconds']:.3f} s: {rate}"
             + (", verified" if result["verified"] else ""),
             f"staging: {s['kind']}{pinned}, {format_size(s['size'])}{segments}, "
             f"made in {s['seconds']:.3f} s"]

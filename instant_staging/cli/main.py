@@ -145,8 +145,12 @@ def build_parser():
         "the page cache lacks gets the cold defaults (larger reads by fewer threads).")
     ld.add_argument("sources", nargs="+", metavar="SOURCE",
                     help="a .safetensors file (or several), a checkpoint directory, "
-                    "a model.safetensors.index.json, or the same as URLs (s3://, gs://, az://, "
-                    "https://: the remote extra)")
+                    "a model.safetensors.index.json, the same as URLs (s3://, gs://, az://, "
+                    "https://: the remote extra), or a Hugging Face hub id (org/name: the weights "
+                    "from_pretrained reads, from huggingface_hub's cache, fetched unless "
+                    "HF_HUB_OFFLINE=1)")
+    ld.add_argument("--revision", default=None,
+                    help="the revision (branch, tag or commit) of a hub id SOURCE (default: main)")
     ld.add_argument("--device", default=None,
                     help="where the tensors go: cuda:N or cpu (default: the current CUDA device "
                          "where torch sees one, else cpu)")
@@ -208,7 +212,7 @@ def run_load(args, parser):
     failed = None
     try:
         try:
-            source = load_cmd.sources(args.sources)
+            source = load_cmd.sources(args.sources, args.revision)
         except SafetensorsError as e:
             # a malformed index is a bad file, not a usage error: the load
             # reports it (exit 1)

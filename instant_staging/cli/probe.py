@@ -14,7 +14,7 @@ import time
 
 from .. import defaults
 from .._staging import StagingBuffer
-from .._types import RuntimeCallError, StagingError, format_size
+from .._types import RuntimeCallError, StagingError, format_rate, format_size
 from .report import attempt_dict, describe_attempt, driver_problem, version_text
 
 H2D = 1  # memcpy kinds of the runtime table
@@ -354,7 +354,7 @@ def format_text(result):
         return lines
     if result["simulated"]:
         lines.append("SIMULATED: host memory stands in for the device; "
-                     "times and GB/s are of this host, not of a GPU")
+                     "times and rates are of this host, not of a GPU")
     elif gpu is not None:
         lines.append(f"device 0: {gpu['device_name']} ({result['backend']} runtime "
                      f"{version_text(result['backend'], result.get('runtime_version'))}, "
@@ -388,7 +388,11 @@ def _copy_lines(result, sim):
     head = (f"{sim}copy: {format_size(c['bytes'])} in {c['chunks']} chunks of "
             f"{format_size(c['chunk_size'])} ({c['copies']} copies, {c['split_chunks']} "
             f"chunks split at segment boundaries)")
-    speed = (f"{sim}host-to-device {c['h2d_gbps']:.1f} GB/s ({c['h2d_seconds']:.3f} s)"
-             + (f", device-to-host {c['d2h_gbps']:.1f} GB/s" if c["d2h_gbps"] else ""))
+    speed = (f"{sim}host-to-device {_rate(c['bytes'], c['h2d_seconds'])} ({c['h2d_seconds']:.3f} s)"
+             + (f", device-to-host {_rate(c['bytes'], c['d2h_seconds'])}" if c["d2h_gbps"] else ""))
     check = "data verified" if c["ok"] else f"FAILED: {c['error']}"
     return [head, speed, f"{sim}{check}"]
+
+
+def _rate(nbytes, seconds):
+    return format_rate(nbytes / max(seconds, 1e-9))

@@ -7,54 +7,72 @@
 The contract: what transformers' ``from_pretrained`` returns for the same
 checkpoint and arguments (class, parameters, buffers, tying, dtypes, config,
 generation config, eval mode), with the safetensors bytes read by
-``instant_staging.loader.Checkpoint`` straight onto the one device.  Only the
-reading is ours; everything else is transformers' own machinery:
+``instant_staging.loader.Checkpoint`` straight onto the one device, for
+every transformers the package declares (4.56 and newer: ``_Arriving``
+stands in for what each one's loader reads).  Only the reading is ours;
+everything else is transformers' own machinery:
 
 1. ``model_dir`` is a local directory, or a hub id resolved through
    ``huggingface_hub.snapshot_download`` (its cache; with
    ``HF_HUB_OFFLINE=1`` or ``local_files_only=True`` nothing is fetched;
-   of the weights, only the files step 3 reads: ``_snapshot``).
-2. The config comes from ``AutoConfig.from_pretrained`` (``revision``,
-   ``trust_remote_code``); the class is ``model_class``, else the one
+   of the weights, only the files step 3 reads: ``_hub.snapshot``), and
+   ``subfolder`` inside it.
+2. The config is what the Auto class makes of it (``_config``):
+   ``AutoConfig.from_pretrained`` with the caller's other keyword arguments,
+   those that are attributes of the config overriding it
+   (``num_hidden_layers=1``), the rest handed on to the model's
+   ``from_pretrained`` (which gives what it does not take to the model's
+   ``__init__``, as it does); or the caller's ``config=`` (an object, or a
+   path).  The class is ``model_class``, else the one
    ``config.architectures`` names (remote code through transformers'
    ``get_class_from_dynamic_module``), else, for a config without
    ``architectures``, the one ``AutoModelForCausalLM`` maps its type to (as
    the Auto class does).  An Auto class as ``model_class`` is resolved the
    same way.
-3. ``Checkpoint.open(weights).iter_load(device)`` (``_weights``: the files
-   transformers would read there; their headers parsed once, for the
-   layout and the load) reads every tensor in the file's dtype
+3. ``Checkpoint.open(weights).iter_load(device)`` (``_hub.weights``: the files
+   transformers would read there, ``variant`` included; their headers parsed
+   once, for the layout and the load) reads every tensor in the file's dtype
    onto the device (one read of each byte, no host copy), in a thread of
    its own (``_BackgroundLoad``), while
 4. ``cls.from_pretrained(None, config=..., state_dict=..., dtype=...,
    device_map={"": device}, ...)`` runs: transformers builds the model on
-   the meta device and maps the tensors in: its key renaming, the fusing of
-   per-expert MoE tensors (its conversion mapping), ``dtype`` and
+   the meta device and maps the tensors in: its key renaming
+   (``key_mapping`` too), the fusing of per-expert MoE tensors (its
+   conversion mapping, transformers 5), ``dtype`` and
    ``_keep_in_fp32_modules``, quantizers, tied weights, non-persistent
-   buffers.  The state dict holds ``_Arriving`` values where transformers'
-   own loading holds safetensors slices (``t[...]`` materialises one):
-   each waits for its tensor, so building the model (0.11 s of meta
-   construction for the Llama-3-8B layout on a 2-core CPU) overlaps the
-   read instead of following it.  A tensor already on its device in its
-   dtype is assigned, not copied (``core_model_loading._materialize_copy``:
-   ``t[...]`` and a ``.to()`` that is a no-op).  Its allocator warm-up is
-   skipped for this call (``_no_allocator_warmup``): every tensor gets its
-   own allocation from the load, so the warm-up could only reserve a second
-   model-sized block on the GPU (2x the peak memory, an OOM for a model over
-   half the device).  With a quantization config the whole checkpoint is
-   read first and real tensors handed over (quantizers read them in ways of
-   their own).
+   buffers, tensor parallelism (``tp_plan``: it shards what we read).  The
+   state dict holds ``_Arriving`` values where transformers' own loading
+   holds safetensors slices (``t[...]`` materialises one; transformers 4,
+   given a state dict, asks ``t.to(device)`` instead): each waits for its
+   tensor, so building the model (0.11 s of meta construction for the
+   Llama-3-8B layout on a 2-core CPU) overlaps the read instead of
+   following it.  A tensor already on its device in its dtype is assigned,
+   not copied (``core_model_loading._materialize_copy``: ``t[...]`` and a
+   ``.to()`` that is a no-op).  Its allocator warm-up is skipped for this
+   call (``_no_allocator_warmup``): every tensor gets its own allocation
+   from the load, so the warm-up could only reserve a second model-sized
+   block on the GPU (2x the peak memory, an OOM for a model over half the
+   device).  With a quantization config the whole checkpoint is read first
+   and real tensors handed over (quantizers read them in ways of their own).
 5. A weight the model has and the checkpoint lacks is a ``KeyError`` naming
-   it (transformers would initialise it randomly and warn); a read that
-   fails raises its ``LoadError`` (transformers would log it as a
-   conversion error and go on), nothing of the model kept.
+   it (transformers would initialise it randomly and warn), unless the
+   caller asked ``output_loading_info=True``: then, as transformers, the
+   model and its loading info (missing, unexpected, mismatched keys) are
+   returned.  A read that fails raises its ``LoadError`` (transformers
+   would log it as a conversion error and go on), nothing of the model kept.
 
-Arguments transformers users pass: ``device_map`` (a device, ``{"": device}``
-or ``"auto"`` where torch sees at most one GPU), ``torch_dtype`` (an alias of
-``dtype``), ``revision``, ``attn_implementation``, ``trust_remote_code``,
-``quantization_config``, ``cache_dir``, ``token``, ``local_files_only``.
-Anything else, and a model spread over several devices, is an error naming
-it before anything is read.
+Every keyword argument transformers' ``from_pretrained`` takes is taken,
+with its meaning: the hub's (``revision``, ``cache_dir``, ``token``,
+``local_files_only``, ``force_download``, ``subfolder``, ...) resolve
+``model_dir`` here; ``dtype``/``torch_dtype`` and ``device_map`` (a device,
+``{"": device}`` or ``"auto"`` where torch sees at most one GPU) choose the
+load's; the rest go to transformers (``low_cpu_mem_usage``,
+``output_loading_info``, ``key_mapping``, ``tp_plan``,
+``attn_implementation``, ``quantization_config``, ...).  Those that ask
+for weights this loader does not read (``use_safetensors=False``,
+``from_tf``, ``gguf_file``, ``state_dict``, PEFT ``adapter_kwargs``) are a
+``ValueError`` naming them, as is a model spread over several devices,
+before anything is read.
 
 transformers is an optional dependency: ``pip install
 'instant_staging[transformers]'`` (with accelerate, which transformers
@@ -64,14 +82,16 @@ needs for a GPU ``device_map``).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import threading
 import time
 import traceback
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
+from .. import _hub
 from ..loader import (
     TORCH_DTYPES,
     Checkpoint,
@@ -88,21 +108,30 @@ from ..loader import resolve_device as _resolve_device
 from ..loader import torch_dtype as _check_dtype
 
 if TYPE_CHECKING:
-    import torch
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger("instant_staging")
 
-# The default device of DESIGN.md's signature.
-# What a hub snapshot needs for this function beside the weights: the
-# configs, the shards' index, and the code of a trust_remote_code model
-# (the weights: ``_snapshot``).
-HUB_PATTERNS = ("*.json", "*.py")
 # The Auto class whose mapping a config without `architectures` goes through.
 DEFAULT_AUTO_CLASS = "AutoModelForCausalLM"
-# Keyword arguments passed on to transformers as they are (others are an error).
-PASSED_THROUGH = ("attn_implementation", "quantization_config")
 # transformers' device_map strategies that spread a model over devices.
 SPREADING = ("balanced", "balanced_low_0", "sequential")
+# transformers' arguments asking for weights this loader does not read: a
+# ValueError where one is given (a true or non-empty value), saying what.
+NOT_READ_HERE = {
+    "state_dict": "a state dict you hold (transformers' own from_pretrained(None, state_dict=...) takes it)",
+    "gguf_file": "a GGUF file",
+    "from_tf": "TensorFlow weights",
+    "from_flax": "Flax weights",
+    "adapter_kwargs": "a PEFT adapter",
+}
+# Hub arguments beside the named ones: used to resolve a hub id here (no
+# more once it is a local directory, as for transformers).
+HUB_ARGUMENTS = ("proxies", "resume_download", "use_auth_token", "_commit_hash", "code_revision")
+# transformers' tensor parallelism: each rank's device is its own (LOCAL_RANK).
+TENSOR_PARALLEL = ("tp_plan", "tp_size", "device_mesh", "distributed_config")
+# transformers 4's quantization switches (a quantization config in 5).
+QUANTIZING = ("quantization_config", "load_in_8bit", "load_in_4bit")
 
 
 def _import_transformers():
@@ -114,13 +143,38 @@ def _import_transformers():
     return transformers
 
 
+@overload
+def from_pretrained(model_dir: PathLike, *, device: Device | None = ..., dtype: DType = ...,
+                    model_class: type[Any] | None = ..., device_map: Any = ...,
+                    torch_dtype: DType = ..., config: Any = ..., revision: str | None = ...,
+                    subfolder: str = ..., variant: str | None = ..., use_safetensors: bool | None = ...,
+                    trust_remote_code: bool = ..., cache_dir: PathLike | None = ...,
+                    token: str | bool | None = ..., local_files_only: bool = ...,
+                    force_download: bool = ..., output_loading_info: Literal[False] = ...,
+                    storage_options: dict[str, Any] | None = ..., **kwargs: Any) -> PreTrainedModel: ...
+
+
+@overload
+def from_pretrained(model_dir: PathLike, *, device: Device | None = ..., dtype: DType = ...,
+                    model_class: type[Any] | None = ..., device_map: Any = ...,
+                    torch_dtype: DType = ..., config: Any = ..., revision: str | None = ...,
+                    subfolder: str = ..., variant: str | None = ..., use_safetensors: bool | None = ...,
+                    trust_remote_code: bool = ..., cache_dir: PathLike | None = ...,
+                    token: str | bool | None = ..., local_files_only: bool = ...,
+                    force_download: bool = ..., output_loading_info: Literal[True],
+                    storage_options: dict[str, Any] | None = ...,
+                    **kwargs: Any) -> tuple[PreTrainedModel, dict[str, Any]]: ...
+
+
 def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype: DType = None,
                     model_class: type[Any] | None = None, device_map: Any = None,
-                    torch_dtype: DType = None, revision: str | None = None,
+                    torch_dtype: DType = None, config: Any = None, revision: str | None = None,
+                    subfolder: str = "", variant: str | None = None, use_safetensors: bool | None = None,
                     trust_remote_code: bool = False, cache_dir: PathLike | None = None,
                     token: str | bool | None = None, local_files_only: bool = False,
+                    force_download: bool = False, output_loading_info: bool = False,
                     storage_options: dict[str, Any] | None = None,
-                    **kwargs: Any) -> torch.nn.Module:
+                    **kwargs: Any) -> PreTrainedModel | tuple[PreTrainedModel, dict[str, Any]]:
     """A ready model (eval mode): transformers' ``from_pretrained`` with the
     weights read by instant_staging.
 
@@ -135,60 +189,90 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
                    current CUDA device where torch sees one, else the CPU
     device_map     as transformers': a device, {"": device}, or "auto" (the one
                    GPU torch sees, else the CPU); overrides ``device``
-    dtype          None or "auto" (transformers' default: the config's dtype,
-                   else the checkpoint's), or a floating torch dtype (or its name);
-                   ``torch_dtype`` is an alias
+    dtype          None (transformers' default: 5 takes "auto", 4 float32),
+                   "auto" (the config's dtype, else the checkpoint's), or a
+                   floating torch dtype (or its name); ``torch_dtype`` is an alias
     model_class    a transformers model class or Auto class; None: the class
                    config.json's ``architectures`` names, else
                    AutoModelForCausalLM's for the config's model_type
-    revision, trust_remote_code, cache_dir, token, local_files_only
-                   as transformers' (revision and the hub ones matter for a hub id)
-    attn_implementation, quantization_config
-                   passed on to transformers
+    config         a config object (used as it is), or the path or hub id of one
+    output_loading_info
+                   True: ``(model, info)``, info as transformers' (its
+                   missing, unexpected and mismatched keys; a missing weight is
+                   then no error)
+    revision, subfolder, variant, trust_remote_code, cache_dir, token,
+    local_files_only, force_download, use_safetensors (None or True)
+                   as transformers' (the hub ones matter for a hub id)
+    **kwargs       as transformers takes them: config attributes override the
+                   config's (``num_hidden_layers=1``); the rest
+                   (``attn_implementation``, ``quantization_config``,
+                   ``key_mapping``, ``tp_plan``, ``low_cpu_mem_usage``, ...) go to
+                   transformers' ``from_pretrained``
 
-    Errors come before anything is read: TypeError for an argument this
-    function does not take (naming it), ValueError for a bad value or a
-    model spread over several devices, FileNotFoundError for a directory
+    Errors come before anything is read: ValueError for a bad value, for an
+    argument asking for weights that are not safetensors ones
+    (``use_safetensors=False``, ``from_tf``, ``gguf_file``, ``state_dict``) or a
+    model spread over several devices; FileNotFoundError for a directory
     without config.json or weights.  A weight missing from the checkpoint is
     a KeyError naming it.
     """
     torch = _import_torch()
     transformers = _import_transformers()
-    passed = _check_kwargs(kwargs)
+    _refuse_what_is_not_read_here(kwargs, use_safetensors)
+    hub = _hub_arguments(kwargs, token=token, local_files_only=local_files_only,
+                         force_download=force_download)
+    code_revision = kwargs.get("code_revision")
+    for name in HUB_ARGUMENTS:
+        kwargs.pop(name, None)
+    if not isinstance(subfolder, str):
+        raise TypeError(f"subfolder must be a str, not {type(subfolder).__name__}")
+    if variant is not None and not isinstance(variant, str):
+        raise TypeError(f"variant must be a str, not {type(variant).__name__}")
+    given_config = config is not None
     given = model_dir
     weights_from = None
     if is_url(model_dir):
-        model_dir, weights_from = _remote_dir(model_dir, cache_dir, storage_options)
+        if subfolder:
+            model_dir = model_dir.rstrip("/") + "/" + subfolder.strip("/")
+        model_dir, weights_from = _remote_dir(model_dir, cache_dir, storage_options, given_config)
     elif storage_options is not None:
         raise ValueError("storage_options apply to a URL model_dir (s3://, gs://, az://, https://)")
-    model_dir = _local_dir(model_dir, revision=revision, cache_dir=cache_dir, token=token,
-                           local_files_only=local_files_only)
-    weights = _Weights(model_dir, weights_from, storage_options)
-    device = _target_device(torch, device, device_map)
+    else:
+        model_dir = _hub.local_dir(model_dir, revision=revision, cache_dir=cache_dir, subfolder=subfolder,
+                                   variant=variant, needs_config=not given_config, **hub)
+    weights = _Weights(model_dir, weights_from, storage_options, variant)
+    parallel = any(kwargs.get(name) is not None for name in TENSOR_PARALLEL)
+    if parallel:
+        device = _parallel_device(torch, device, device_map)
+    else:
+        device = _target_device(torch, device, device_map)
     dtype = _one_dtype(torch, dtype, torch_dtype)
     if model_class is not None and not isinstance(model_class, type):
         raise TypeError(f"model_class must be a class, not {type(model_class).__name__}")
     if not isinstance(trust_remote_code, bool):
         raise TypeError(f"trust_remote_code must be a bool, not {type(trust_remote_code).__name__}")
 
-    config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    cls = _model_class(transformers, config, model_class, model_dir, trust_remote_code)
-    extra = dict(passed)
+    config, kwargs = _config(transformers, config, model_dir, kwargs, dtype=dtype,
+                             trust_remote_code=trust_remote_code, code_revision=code_revision,
+                             revision=revision, cache_dir=cache_dir, subfolder=subfolder, hub=hub)
+    cls = _model_class(transformers, config, model_class, model_dir, trust_remote_code, code_revision)
     generation = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(generation):
-        extra["generation_config"] = transformers.GenerationConfig.from_pretrained(model_dir)
+    if kwargs.get("generation_config") is None and os.path.isfile(generation):
+        kwargs["generation_config"] = transformers.GenerationConfig.from_pretrained(model_dir)
     # transformers needs accelerate for any device_map; on the CPU none is
     # needed (its default places everything there, and a .to("cpu") of a CPU
-    # tensor is a no-op).
-    device_map = None if device.type == "cpu" else {"": device}
-    if device_map is not None and not transformers.utils.is_accelerate_available():
-        raise ImportError(f"loading onto {device} needs accelerate (transformers' device_map does): "
-                          "pip install accelerate, or 'instant_staging[transformers]'")
-
-    kwargs = dict(config=config, dtype=dtype, device_map=device_map, output_loading_info=True,
-                  trust_remote_code=trust_remote_code, **extra)
+    # tensor is a no-op).  Tensor parallelism places each rank's part itself.
+    if not parallel and device.type != "cpu":
+        kwargs["device_map"] = {"": device}
+        if not transformers.utils.is_accelerate_available():
+            raise ImportError(f"loading onto {device} needs accelerate (transformers' device_map does): "
+                              "pip install accelerate, or 'instant_staging[transformers]'")
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    kwargs.update(config=config, output_loading_info=True, trust_remote_code=trust_remote_code)
     t0 = time.perf_counter()
-    if "quantization_config" in passed or getattr(config, "quantization_config", None) is not None:
+    quantized = getattr(config, "quantization_config", None) is not None
+    if quantized or any(kwargs.get(name) for name in QUANTIZING):
         # Quantizers read tensors in ways of their own: hand them real ones.
         state = load_file(weights.source, device, storage_options=weights.storage_options)
         try:
@@ -200,13 +284,13 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
         model, info = _assemble_while_reading(transformers, cls, weights, device, kwargs)
     t1 = time.perf_counter()
     missing = sorted(info.get("missing_keys") or ())
-    if missing:
+    if missing and not output_loading_info:
         name, model = type(model).__name__, None       # not kept alive by the traceback
         raise KeyError(f"{model_dir}: {len(missing)} weight(s) of {name} are not in the checkpoint: "
                        + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
     _set_name_or_path(model, os.fsdecode(os.fspath(given)))
     logger.info("from_pretrained %s: %s in %.3f s", model_dir, type(model).__name__, t1 - t0)
-    return model
+    return (model, info) if output_loading_info else model
 
 
 # -- the steps ----------------------------------------------------------------------
@@ -315,8 +399,12 @@ class _BackgroundLoad:
 class _Arriving:
     """A checkpoint tensor still being read, standing where transformers'
     own loading puts a safetensors slice (``safe_open(...).get_slice(k)``):
-    ``t[...]`` is the tensor (it waits for it); shape and dtype come from
-    the header."""
+    ``t[...]`` is the tensor (it waits for it), a narrower index a tensor of
+    its own as a slice's (a tensor-parallel rank's part does not keep the
+    whole alive); ``t.to(device)``, what transformers 4 asks of a state
+    dict's value, the tensor moved there (the tensor itself when it is
+    there).  Shape, dtype, and what else a meta tensor tells, come from the
+    header."""
 
     __slots__ = ("_load", "dtype", "name", "shape")
 
@@ -329,8 +417,29 @@ class _Arriving:
     def is_floating_point(self):
         return self.dtype.is_floating_point
 
+    # What transformers 4's tensor parallelism asks of the meta tensor it
+    # takes a state dict's value for (the layout, from the header).
+    def dim(self):
+        return len(self.shape)
+
+    def size(self, dim=None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def stride(self, dim=None):
+        strides, step = [], 1
+        for n in reversed(self.shape):
+            strides.append(step)
+            step *= n
+        strides = tuple(reversed(strides))
+        return strides if dim is None else strides[dim]
+
     def __getitem__(self, index):
-        return self._load.wait(self.name)[index]
+        tensor = self._load.wait(self.name)
+        part = tensor[index]
+        return part if part.numel() == tensor.numel() else part.clone()
+
+    def to(self, *args, **kwargs):
+        return self._load.wait(self.name).to(*args, **kwargs)
 
 
 def _layout(checkpoint):
@@ -343,34 +452,70 @@ def _layout(checkpoint):
     return {t.name: (torch.Size(t.shape), getattr(torch, TORCH_DTYPES[t.dtype])) for t in infos}
 
 
-def _check_kwargs(kwargs):
-    unknown = sorted(set(kwargs) - set(PASSED_THROUGH))
-    if unknown:
-        raise TypeError(f"from_pretrained() does not take {', '.join(map(repr, unknown))}: it takes "
-                        "device, device_map, dtype, torch_dtype, model_class, revision, trust_remote_code, "
-                        "cache_dir, token, local_files_only, " + ", ".join(PASSED_THROUGH))
-    return {k: v for k, v in kwargs.items() if v is not None}
+def _refuse_what_is_not_read_here(kwargs, use_safetensors):
+    """A ValueError for an argument asking for weights this loader does not
+    read (``NOT_READ_HERE``, ``use_safetensors=False``); such arguments given
+    as None, False or empty are dropped (transformers 5 ignores from_tf)."""
+    if use_safetensors is not None and not isinstance(use_safetensors, bool):
+        raise TypeError(f"use_safetensors must be None or a bool, not {type(use_safetensors).__name__}")
+    if use_safetensors is False:
+        raise ValueError("use_safetensors=False asks for weights that are not safetensors files "
+                         "(pytorch_model.bin): this loader reads safetensors only; load those with "
+                         "transformers' own from_pretrained")
+    for name, what in NOT_READ_HERE.items():
+        value = kwargs.pop(name, None)
+        if value is None or value is False or (name == "adapter_kwargs" and not value):
+            continue
+        raise ValueError(f"{name}= asks for {what}: this loader reads a checkpoint's safetensors "
+                         "weights only; load it with transformers' own from_pretrained")
+
+
+def _hub_arguments(kwargs, *, token, local_files_only, force_download):
+    """The arguments of ``snapshot_download`` for a hub id: the named ones,
+    ``use_auth_token`` (transformers 4's name of ``token``) and ``proxies``
+    where this huggingface_hub still takes them."""
+    alias = kwargs.get("use_auth_token")
+    if alias is not None:
+        if token is not None:
+            raise ValueError("token and use_auth_token are both given: pass token")
+        token = alias
+    hub = {"token": token, "local_files_only": local_files_only}
+    if force_download:
+        hub["force_download"] = True
+    proxies = kwargs.get("proxies")
+    if proxies is not None:
+        from huggingface_hub import snapshot_download
+        if "proxies" in inspect.signature(snapshot_download).parameters:
+            hub["proxies"] = proxies
+        else:
+            logger.warning("proxies= is not taken by this huggingface_hub (1.0 and newer): set "
+                           "HTTPS_PROXY instead")
+    return hub
 
 
 class _Weights:
-    """Where the weights of a model come from: ``_weights(model_dir)`` for a
+    """Where the weights of a model come from: ``_hub.weights(model_dir)`` for a
     local one; for a URL one the same rule over the names its prefix holds
     (``fetch_side_files`` fetched the index and config beside them)."""
 
-    def __init__(self, model_dir, remote, storage_options):
+    def __init__(self, model_dir, remote, storage_options, variant=None):
         self.storage_options = storage_options
         if remote is None:
-            self.source = _weights(model_dir)
+            self.source = _hub.weights(model_dir, variant)
             return
         url, names = remote
         self.source = url
-        for name in ("model.safetensors", "model.safetensors.index.json"):
+        for name in _hub.weight_names(variant):
             if name in names:
                 self.source = url + name
                 break
+        else:
+            if variant is not None:
+                raise FileNotFoundError(f"{url} has no {' or '.join(_hub.weight_names(variant))} "
+                                        f"(variant={variant!r})")
 
 
-def _remote_dir(url, cache_dir, storage_options):
+def _remote_dir(url, cache_dir, storage_options, given_config=False):
     """``(local directory, (URL prefix, its object names))`` of a URL model: its
     config and tokenizer files fetched to ``cache_dir`` (default
     ~/.cache/instant_staging/remote), under a name of the URL's own."""
@@ -380,78 +525,9 @@ def _remote_dir(url, cache_dir, storage_options):
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "instant_staging", "remote")
     local = os.path.join(root, hashlib.sha256(url.encode()).hexdigest()[:24])
     names = fetch_side_files(url, local, storage_options)
-    if "config.json" not in names:
+    if "config.json" not in names and not given_config:
         raise FileNotFoundError(f"{url} has no config.json")
     return local, (url, set(names))
-
-
-def _weights(model_dir):
-    """The weights transformers' from_pretrained reads in ``model_dir``:
-    model.safetensors where it is a file, else the shards
-    model.safetensors.index.json lists, else (beyond transformers) every
-    *.safetensors there.  transformers' own saves leave both behind (a
-    one-file save over a sharded one keeps the index, and the other way
-    round the old file), and a hub repo may hold a variant
-    (model.fp16.safetensors) beside them: loading the directory as
-    ``load_file`` does read the other set, or both."""
-    for name in ("model.safetensors", "model.safetensors.index.json"):
-        path = os.path.join(model_dir, name)
-        if os.path.isfile(path):
-            return path
-    return model_dir
-
-
-def _local_dir(model_dir, *, revision, cache_dir, token, local_files_only):
-    """The local directory of ``model_dir``: itself, or the snapshot of a hub
-    id in huggingface_hub's cache (fetched as transformers would, unless
-    offline or ``local_files_only``)."""
-    if not isinstance(model_dir, (str, bytes, os.PathLike)):
-        raise TypeError(f"model_dir must be a path or a hub id, not {type(model_dir).__name__}")
-    path = os.fsdecode(os.fspath(model_dir))
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"{path} has no config.json")
-        return path
-    if revision is not None and not isinstance(revision, str):
-        raise TypeError(f"revision must be a str, not {type(revision).__name__}")
-    if os.path.isabs(path) or path.startswith(".") or path.count("/") > 1 or not path:
-        raise FileNotFoundError(f"no such model directory: {path}")
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-    try:
-        snapshot = _snapshot(path, revision=revision, cache_dir=cache_dir, token=token,
-                             local_files_only=local_files_only)
-    except HFValidationError:
-        raise FileNotFoundError(f"no such model directory: {path} (nor a valid hub id)") from None
-    except LocalEntryNotFoundError as e:
-        raise FileNotFoundError(f"{path}: neither a local directory nor in huggingface_hub's cache "
-                                f"(offline, or local_files_only=True): {e}") from None
-    if not os.path.isfile(os.path.join(snapshot, "config.json")):
-        raise FileNotFoundError(f"{path} (revision {revision or 'main'}) has no config.json")
-    return snapshot
-
-
-def _snapshot(repo, **kwargs):
-    """The snapshot of ``repo`` holding what ``_weights`` reads, and only
-    that: the configs and code with model.safetensors; where the repo has
-    none, the shards its index lists; where it has no index either, every
-    *.safetensors.  (One pattern for every *.safetensors fetched a repo's
-    variants too, model.fp16.safetensors beside model.safetensors, and both
-    a one-file and a sharded copy where a repo keeps both.)"""
-    import json
-
-    from huggingface_hub import snapshot_download
-    snapshot = snapshot_download(repo, allow_patterns=[*HUB_PATTERNS, "model.safetensors"], **kwargs)
-    if os.path.isfile(os.path.join(snapshot, "model.safetensors")):
-        return snapshot
-    index = os.path.join(snapshot, "model.safetensors.index.json")
-    if not os.path.isfile(index):
-        return snapshot_download(repo, allow_patterns=["*.safetensors"], **kwargs)
-    try:
-        with open(index, encoding="utf-8") as f:
-            shards = sorted({str(v) for v in json.load(f)["weight_map"].values()})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return snapshot             # the load reports what is wrong with the index
-    return snapshot_download(repo, allow_patterns=shards, **kwargs) if shards else snapshot
 
 
 def _target_device(torch, device, device_map):
@@ -486,20 +562,71 @@ def _target_device(torch, device, device_map):
     return mapped
 
 
+def _parallel_device(torch, device, device_map):
+    """The device of this rank under transformers' tensor parallelism: its
+    accelerator LOCAL_RANK where torch sees one, else the CPU (as
+    transformers' ``initialize_tensor_parallelism`` places it)."""
+    if device is not None or device_map is not None:
+        raise ValueError("tensor parallelism (tp_plan, tp_size, device_mesh, distributed_config) places "
+                         "each rank's part on the rank's own device (LOCAL_RANK): pass no device or "
+                         "device_map (transformers takes no device_map with it either)")
+    if torch.cuda.is_available():
+        return _resolve_device(torch, f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+    return torch.device("cpu")
+
+
 def _one_dtype(torch, dtype, alias):
-    """``dtype`` or its alias ``torch_dtype`` (not both, unless equal); None
-    and "auto" are transformers' "auto"."""
+    """``dtype`` or its alias ``torch_dtype`` (not both, unless equal): a
+    torch dtype, "auto", or None where neither is given (transformers'
+    default then: "auto" in 5, float32 in 4)."""
     values = []
     for name, value in (("dtype", dtype), ("torch_dtype", alias)):
-        if value is None or (isinstance(value, str) and value == "auto"):
+        if value is None:
             continue
-        values.append((name, _check_dtype(torch, value)))
+        values.append((name, "auto" if isinstance(value, str) and value == "auto"
+                       else _check_dtype(torch, value)))
     if len({v for _, v in values}) > 1:
         raise ValueError(f"dtype={dtype!r} and torch_dtype={alias!r} differ: pass one of them")
-    return values[0][1] if values else "auto"
+    return values[0][1] if values else None
 
 
-def _model_class(transformers, config, model_class, model_dir, trust_remote_code):
+def _config(transformers, config, model_dir, kwargs, *, dtype, trust_remote_code, code_revision,
+            revision, cache_dir, subfolder, hub):
+    """``(config, the keyword arguments left for the model's from_pretrained)``:
+    the Auto class's step.  A config object is used as it is (transformers
+    copies it), every argument going on; else ``AutoConfig.from_pretrained``
+    of ``config`` (a path or hub id) or of ``model_dir`` takes those that are
+    attributes of the config (overrides: ``num_hidden_layers=1``) and
+    leaves the others, the quantization config and the dtype going on
+    beside them, as the Auto class passes them."""
+    kwargs = dict(kwargs)
+    if isinstance(config, transformers.PretrainedConfig):
+        return config, kwargs
+    if config is not None and not isinstance(config, (str, os.PathLike)):
+        raise TypeError(f"config must be a transformers config, or the path or hub id of one, "
+                        f"not {type(config).__name__}")
+    quantization = kwargs.pop("quantization_config", None)
+    if dtype is not None and dtype != "auto":
+        kwargs["dtype"] = dtype
+    if code_revision is not None:
+        kwargs["code_revision"] = code_revision
+    if config is None:
+        source = model_dir
+    else:
+        source = os.fspath(config)
+        where = {"revision": revision, "cache_dir": cache_dir, "subfolder": subfolder or None,
+                 **{k: v for k, v in hub.items() if k != "proxies"}}
+        kwargs.update({k: v for k, v in where.items() if v is not None})
+    config, rest = transformers.AutoConfig.from_pretrained(source, return_unused_kwargs=True,
+                                                           trust_remote_code=trust_remote_code, **kwargs)
+    for name in ("dtype", "torch_dtype"):
+        rest.pop(name, None)            # from_pretrained's own, given beside them
+    if quantization is not None:
+        rest["quantization_config"] = quantization
+    return config, rest
+
+
+def _model_class(transformers, config, model_class, model_dir, trust_remote_code, code_revision=None):
     if model_class is None:
         names = getattr(config, "architectures", None) or []
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -513,14 +640,16 @@ def _model_class(transformers, config, model_class, model_dir, trust_remote_code
         else:
             model_class = getattr(transformers, names[0], None)
             if model_class is None:
-                return _remote_class(transformers, config, names[0], model_dir, trust_remote_code)
+                return _remote_class(transformers, config, names[0], model_dir, trust_remote_code,
+                                     code_revision)
     if getattr(model_class, "_model_mapping", None) is None:
         return model_class
     # An Auto class: remote code where the config maps this Auto class to
     # some, else its mapping, as the Auto class's from_pretrained does.
     auto_map = getattr(config, "auto_map", None) or {}
     if model_class.__name__ in auto_map:
-        return _remote_class(transformers, config, model_class.__name__, model_dir, trust_remote_code)
+        return _remote_class(transformers, config, model_class.__name__, model_dir, trust_remote_code,
+                             code_revision)
     try:
         return model_class._model_mapping[type(config)]
     except KeyError:
@@ -533,7 +662,7 @@ def _a(noun):
     return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
-def _remote_class(transformers, config, name, model_dir, trust_remote_code):
+def _remote_class(transformers, config, name, model_dir, trust_remote_code, code_revision=None):
     auto_map = getattr(config, "auto_map", None) or {}
     ref = auto_map.get(name) or next((v for k, v in auto_map.items()
                                       if isinstance(v, str) and v.endswith("." + name)), None)
@@ -547,7 +676,7 @@ def _remote_class(transformers, config, name, model_dir, trust_remote_code):
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
     if isinstance(ref, (list, tuple)):
         ref = ref[0]
-    return get_class_from_dynamic_module(ref, model_dir)
+    return get_class_from_dynamic_module(ref, model_dir, code_revision=code_revision)
 
 
 @contextlib.contextmanager

@@ -57,7 +57,8 @@ benchmarks), who import nothing from an underscored module of it
   (safetensors' dtype name -> bits per element);
 - progress: ``resolve_progress(progress)`` (``progress=``'s value as a load
   uses it: None, a callable, or a printer for True), ``Progress`` (the
-  printer: a bar or a line per tenth), ``format_si(n)`` ("16.06 GB");
+  printer: a bar or a line per tenth, in the units of
+  ``instant_staging.format_size``);
 - type aliases for annotations: ``Source``, ``PathLike``, ``Device``,
   ``DType``, ``Names``, ``ProgressArg``.
 """
@@ -77,7 +78,7 @@ from ._options import (
     ENV_THREADS,
     torch_dtype,
 )
-from ._progress import Progress, format_si
+from ._progress import Progress
 from ._progress import resolve as resolve_progress
 from ._remote import RemoteChangedError, fetch_side_files, is_url
 from ._run import LoadIterator, LoadReport
@@ -121,7 +122,6 @@ __all__ = [
     "default_device",
     "empty_cache",
     "fetch_side_files",
-    "format_si",
     "import_torch",
     "is_url",
     "iter_load",

@@ -11,9 +11,10 @@ The rate shown is the bytes moved over the time of moving them: the clock
 starts at the first report of the load, not when the callable was made
 (the CLI makes it before torch is imported and the staging buffer made,
 and a rate counted from there said 0.8-1.2 GB/s of an MoE load that
-finished at 36 GB/s on the H200 host).  Sizes and rates are in one unit
-system per line, decimal (GB and GB/s, as every benchmark of this
-package reports).
+finished at 36 GB/s on the H200 host).  Sizes and rates are in the
+package's one unit system, binary (GiB and GiB/s: ``_types.format_size``
+and ``format_rate``, as the CLI's other lines and the sizes it takes),
+the tqdm bar's included.
 
 Under a process group each rank reads its own share of the load and
 reports that (a callable gets ``(done, share)`` on every rank); the
@@ -26,13 +27,16 @@ import sys
 import threading
 import time
 
+from .._types import format_rate, format_size
 
-def format_si(n):
-    """Bytes in decimal units: 3630000000 -> '3.63 GB'; 512 -> '512 B'."""
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+
+def _rate(start, done, now):
+    """', 33.8 GiB/s': the bytes since ``start`` (the first report's time and
+    bytes) over the time since; '' until there is such an interval."""
+    t0, done0 = start
+    if now <= t0 or done <= done0:
+        return ""
+    return f", {format_rate((done - done0) / (now - t0))}"
 
 
 def resolve(progress):
@@ -69,21 +73,30 @@ def _default(stream):
 
 
 class TqdmProgress:
-    """A tqdm bar in bytes, made on the first call, closed when the load is done."""
+    """A tqdm bar in bytes, made on the first call, closed when the load is
+    done; its sizes and rate are ours (tqdm's own would be kB and MB/s)."""
 
-    def __init__(self, stream):
+    FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {postfix} [{elapsed}<{remaining}]"
+
+    def __init__(self, stream, clock=time.perf_counter):
         self._stream = stream
+        self._clock = clock
         self._bar = None
+        self._start = None
         self.label = None             # (rank text, whole bytes): for_rank()
 
     def __call__(self, done, total):
+        now = self._clock()
         if self._bar is None:
             from tqdm import tqdm
             desc = "loading"
             if self.label is not None:
-                desc = f"{self.label[0]}: its share of {format_si(self.label[1])}"
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc,
-                             file=self._stream, leave=True)
+                desc = f"{self.label[0]}: its share of {format_size(self.label[1])}"
+            self._start = (now, done)
+            self._bar = tqdm(total=total, desc=desc, file=self._stream, leave=True,
+                             bar_format=self.FORMAT)
+        self._bar.set_postfix_str(f"{format_size(done)} / {format_size(total)}"
+                                  f"{_rate(self._start, done, now)}", refresh=False)
         self._bar.update(done - self._bar.n)
         if done >= total:
             self.close()
@@ -138,15 +151,7 @@ class Progress:
         return "" if self.label is None else f"{self.label[0]}: "
 
     def _share(self):
-        return "" if self.label is None else f" (its share of {format_si(self.label[1])})"
-
-    def _rate(self, done, now):
-        """', 36.1 GB/s': the bytes since the first report over the time
-        since; '' until there is such an interval."""
-        t0, done0 = self._start
-        if now <= t0 or done <= done0:
-            return ""
-        return f", {(done - done0) / (now - t0) / 1e9:.1f} GB/s"
+        return "" if self.label is None else f" (its share of {format_size(self.label[1])})"
 
     def _draw_bar(self, done, total, now):
         if done < total and now - self._last_draw < self._interval:
@@ -155,8 +160,8 @@ class Progress:
         frac = done / total if total else 1.0
         filled = int(frac * self.WIDTH)
         self._stream.write(f"\r{self._head()}[{'#' * filled}{' ' * (self.WIDTH - filled)}] "
-                           f"{frac:4.0%} {format_si(done)} / {format_si(total)}{self._share()}"
-                           f"{self._rate(done, now)} ")
+                           f"{frac:4.0%} {format_size(done)} / {format_size(total)}{self._share()}"
+                           f"{_rate(self._start, done, now)} ")
         self._stream.flush()
         self._drawn = True
 
@@ -165,8 +170,8 @@ class Progress:
         if tenth <= self._last_tenth:
             return
         self._last_tenth = tenth
-        self._stream.write(f"{self._head()}loaded {tenth * 10}%: {format_si(done)} of "
-                           f"{format_si(total)}{self._share()}{self._rate(done, now)}\n")
+        self._stream.write(f"{self._head()}loaded {tenth * 10}%: {format_size(done)} of "
+                           f"{format_size(total)}{self._share()}{_rate(self._start, done, now)}\n")
         self._stream.flush()
 
     def close(self):

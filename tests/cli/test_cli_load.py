@@ -3,6 +3,7 @@ subprocesses and through its Python API."""
 
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,10 @@ from instant_staging.testing import SimulatedRuntime
 
 from support import PACKAGE_PARENT, MiB, child_env, drop_from_page_cache
 from support.cli import cli, cli_json, needs_no_gpu
+
+# A size or rate in decimal units: the package shows binary ones only (KiB,
+# MiB, GiB; GiB/s), the units its sizes are given in.
+DECIMAL = re.compile(r"\d (?:kB|KB|MB|GB|TB)\b|[kMGT]B/s")
 
 # -- load ----------------------------------------------------------------------------------
 
@@ -38,7 +43,7 @@ def test_progress_bar_and_plain_lines():
     bar.close()
     text = out.getvalue()
     assert text.count("\r") == 5 and text.endswith("\n")
-    assert "100% 104.86 MB / 104.86 MB" in text and "#" * load_cmd.Progress.WIDTH in text
+    assert "100% 100 MiB / 100 MiB" in text and "#" * load_cmd.Progress.WIDTH in text
     out = io.StringIO()
     plain = load_cmd.Progress(out, bar=False)
     for done in range(0, 101, 5):
@@ -60,37 +65,54 @@ class Clock:
 @pytest.mark.parametrize("bar", [False, True])
 def test_progress_rate_is_bytes_moved_over_the_time_of_moving_them(bar):
     # The CLI makes its Progress before torch is imported and the staging
-    # buffer made: 5 s of start-up, then 3.63 GB moved in 0.1 s (36.3 GB/s).
+    # buffer made: 5 s of start-up, then 10 GiB moved in 0.1 s (100 GiB/s).
     out, clock = io.StringIO(), Clock()
     progress = load_cmd.Progress(out, bar=bar, interval=0, clock=clock)
     clock.now += 5.0
-    total = 3_630_000_000
+    total = 10 << 30
     progress(0, total)                      # the load's first report
     for step in range(1, 11):
         clock.now += 0.01
         progress(total * step // 10, total)
     progress.close()
     lines = [t for t in out.getvalue().replace("\r", "\n").splitlines() if t.strip()]
-    rates = [float(t.rsplit(", ", 1)[1].split()[0]) for t in lines if "GB/s" in t]
-    assert len(rates) == 10 and all(r == 36.3 for r in rates), lines
-    assert lines[-1].strip().endswith("3.63 GB / 3.63 GB, 36.3 GB/s" if bar else
-                                      "loaded 100%: 3.63 GB of 3.63 GB, 36.3 GB/s")
-    for line in lines:                      # one unit system a line: decimal
-        assert "iB" not in line, line
+    rates = [float(t.rsplit(", ", 1)[1].split()[0]) for t in lines if "GiB/s" in t]
+    assert len(rates) == 10 and all(r == 100.0 for r in rates), lines
+    assert lines[-1].strip().endswith("10 GiB / 10 GiB, 100.0 GiB/s" if bar else
+                                      "loaded 100%: 10 GiB of 10 GiB, 100.0 GiB/s")
+    for line in lines:                      # the package's one unit system: binary
+        assert not DECIMAL.search(line), line
     # A first report that already holds bytes counts only what came after it.
     out, clock = io.StringIO(), Clock()
     progress = load_cmd.Progress(out, bar=False, clock=clock)
     progress(total // 2, total)             # no interval yet: no rate
     clock.now += 0.05
     progress(total, total)
-    assert out.getvalue().splitlines() == ["loaded 50%: 1.81 GB of 3.63 GB",
-                                           "loaded 100%: 3.63 GB of 3.63 GB, 36.3 GB/s"]
+    assert out.getvalue().splitlines() == ["loaded 50%: 5 GiB of 10 GiB",
+                                           "loaded 100%: 10 GiB of 10 GiB, 100.0 GiB/s"]
 
 
-def test_format_si():
-    from instant_staging.loader._progress import format_si
-    assert [format_si(n) for n in (0, 999, 1000, 16_060_000_000, 5 * MiB)] == [
-        "0 B", "999 B", "1.00 kB", "16.06 GB", "5.24 MB"]
+def test_format_rate():
+    from instant_staging._types import format_rate
+    assert [format_rate(r) for r in (0, 999, 1536, 5 * MiB, 36.3e9)] == [
+        "0 B/s", "999 B/s", "1.5 KiB/s", "5.0 MiB/s", "33.8 GiB/s"]
+    assert format_rate(36.3e9, digits=2) == "33.81 GiB/s"
+
+
+def test_tqdm_bar_in_the_same_units():
+    """tqdm's own bar would say kB, MB and MB/s: ours gives it our sizes and rate."""
+    pytest.importorskip("tqdm")
+    from instant_staging.loader import _progress
+    out, clock = io.StringIO(), Clock()
+    bar = _progress.TqdmProgress(out, clock=clock)
+    total = 4 << 30
+    bar(0, total)
+    for step in range(1, 11):
+        clock.now += 0.01
+        bar(total * step // 10, total)
+    text = out.getvalue()
+    assert "4 GiB / 4 GiB, 40.0 GiB/s" in text, text
+    assert not DECIMAL.search(text), text
 
 
 @pytest.fixture
@@ -120,12 +142,14 @@ def test_load_to_cpu_reports_tensors_bytes_and_seconds(weights):
                             "attempts": []}
     proc = cli("load", str(path), "--device", "cpu", "--chunk-size", "64KiB")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"{count} tensors, ") and "GB/s" in proc.stdout
+    assert proc.stdout.startswith(f"{count} tensors, ") and "iB/s" in proc.stdout
     first = proc.stdout.splitlines()[0]
-    assert "iB" not in first and " MB to cpu in " in first, first   # one unit system
+    assert " MiB to cpu in " in first, first
     assert "staging: HOST" in proc.stdout
     assert "loaded 100%" in proc.stderr  # not a terminal: plain progress lines
-    assert all("iB" not in line for line in proc.stderr.splitlines() if "loaded" in line)
+    # one unit system in all of a load's output (it said "6.29 MB to cpu"
+    # beside "staging: HOST, 256 KiB")
+    assert not DECIMAL.search(proc.stdout + proc.stderr), proc.stdout + proc.stderr
 
 
 def test_load_of_a_bad_file_exits_1(tmp_path):
@@ -258,8 +282,8 @@ def test_progress_for_a_rank_names_it_and_the_whole():
     bar(256_000_000, 256_000_000)
     bar.close()
     last = out.getvalue().split("\r")[-1]
-    assert last.startswith("rank 1 of 2: [") and "(its share of 512.00 MB)" in last, last
-    assert "100% 256.00 MB / 256.00 MB" in last
+    assert last.startswith("rank 1 of 2: [") and "(its share of 488.28 MiB)" in last, last
+    assert "100% 244.14 MiB / 244.14 MiB" in last
     # A caller's callable gets this rank's share, as it is; one rank needs no label.
     calls = []
     mine = calls.append

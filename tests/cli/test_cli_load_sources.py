@@ -153,3 +153,55 @@ def test_urls_and_files_together_are_a_usage_error(ckpt):
     _, _, shards = ckpt
     proc = cli(shards[0], "s3://bucket/x.safetensors", "--device", "cpu")
     assert proc.returncode == 2 and "not both" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- a Hugging Face hub id, as from_pretrained takes it --------------------------------
+
+@pytest.fixture
+def hub(tmp_path, ckpt):
+    """huggingface_hub's cache holding org/tiny (the sharded checkpoint, main)
+    and the tag v1 (one file), as snapshot_download leaves it; the
+    environment of a run that reads only that cache."""
+    pytest.importorskip("huggingface_hub")
+    import shutil
+    path, tensors, _ = ckpt
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny"
+    shutil.copytree(path, repo / "snapshots" / ("a" * 40), ignore=shutil.ignore_patterns("hub"))
+    one = repo / "snapshots" / ("b" * 40)
+    one.mkdir(parents=True)
+    st.save_file({"only.w": torch.ones(8, 8)}, one / "model.safetensors")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    (repo / "refs" / "v1").write_text("b" * 40)
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    return env, tensors, repo
+
+
+def test_hub_id_from_the_cache(hub):
+    env, tensors, repo = hub
+    r = cli_json("org/tiny", "--device", "cpu", env=env)
+    assert r["ok"] is True and r["tensors"] == len(tensors) and r["bytes"] == nbytes(tensors)
+    assert r["files"] == [str(repo / "snapshots" / ("a" * 40) / f"model-{k:05d}-of-00003.safetensors")
+                          for k in (1, 2, 3)]
+    r = cli_json("org/tiny", "--revision", "v1", "--device", "cpu", env=env)
+    assert r["tensors"] == 1 and r["files"] == [str(repo / "snapshots" / ("b" * 40) / "model.safetensors")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["org/absent"], "org/absent"),
+    (["org/tiny", "--revision", "v9"], "org/tiny"),
+    (["absent-dir"], "absent-dir"),
+])
+def test_hub_id_not_there_is_a_usage_error(hub, args, message):
+    env, _, _ = hub
+    proc = cli(*args, "--device", "cpu", env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert message in last and "nor a model on the hub" in last and "Traceback" not in proc.stderr
+
+
+def test_revision_without_a_hub_id_is_a_usage_error(hub, ckpt):
+    env, _, _ = hub
+    proc = cli(str(ckpt[0]), "--revision", "v1", "--device", "cpu", env=env)
+    assert proc.returncode == 2 and "--revision applies to a hub id" in proc.stderr

@@ -71,7 +71,7 @@ def test_probe_text_names_steps_errors_and_kind():
     assert "[0, 16 MiB)" in segment and "FAILED" in segment
     assert any(l.strip().startswith("runtime_alloc") and " ok " in l for l in lines)
     assert "SIMULATED kind: RUNTIME_PINNED (pinned)" in out
-    assert "host-to-device" in out and "GB/s" in out and "data verified" in out
+    assert "host-to-device" in out and "iB/s" in out and "data verified" in out
     # The fallbacks are logged once each, on stderr.
     assert "retrying as 3 segments of 16 MiB" in proc.stderr
     assert proc.stderr.count("falling back to") == 1

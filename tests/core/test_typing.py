@@ -151,13 +151,17 @@ def test_stubs_match_the_compiled_modules(tmp_path):
 def _mypy(path, tmp_path, *flags):
     pytest.importorskip("mypy")
     config = tmp_path / "mypy.ini"
-    # torch and safetensors are skipped: the examples are about this
-    # package's types, and analysing torch takes minutes.
+    # torch, transformers and safetensors are skipped: the examples are
+    # about this package's types, and analysing torch takes minutes,
+    # transformers half of one (test_from_pretrained_is_typed_as_transformers_model
+    # checks what from_pretrained returns).
     config.write_text(textwrap.dedent("""\
         [mypy]
         follow_imports = silent
         ignore_missing_imports = True
         [mypy-torch.*]
+        follow_imports = skip
+        [mypy-transformers.*]
         follow_imports = skip
         [mypy-safetensors.*]
         follow_imports = skip
@@ -220,3 +224,124 @@ def test_mypy_rejects_what_the_signature_forbids(tmp_path):
 def test_faulty_runtime_signature():
     from instant_staging.runtime._faults import FaultyRuntime
     assert list(inspect.signature(FaultyRuntime).parameters) == ["inner", "plan"]
+
+
+# Stand-ins for torch and transformers, so that what from_pretrained is
+# typed as is checked in seconds (mypy over the real ones takes a minute):
+# what a module does not declare is Any, as for a module followed silently.
+FAKE_STUBS = {
+    "torch/__init__.pyi": """\
+        from typing import Any
+        from . import nn as nn
+        class dtype: ...
+        class Tensor: ...
+        bfloat16: dtype
+        def tensor(data: Any) -> Tensor: ...
+        def __getattr__(name: str) -> Any: ...
+        """,
+    "torch/nn/__init__.pyi": """\
+        from typing import Any
+        class Module:
+            training: bool
+        def __getattr__(name: str) -> Any: ...
+        """,
+    "transformers/__init__.pyi": """\
+        from typing import Any
+        from torch.nn import Module
+        class PreTrainedModel(Module):
+            def generate(self, inputs: Any = ..., **kwargs: Any) -> Any: ...
+        def __getattr__(name: str) -> Any: ...
+        """,
+}
+
+
+def test_from_pretrained_is_typed_as_transformers_model(tmp_path):
+    """``model.generate(...)`` type-checks under ``mypy --strict``: the model is
+    transformers' PreTrainedModel (it was torch's nn.Module, which has no
+    generate), and with ``output_loading_info=True`` a (model, info) pair."""
+    pytest.importorskip("mypy")
+    fakes = tmp_path / "fakes"
+    for name, text in FAKE_STUBS.items():
+        (fakes / name).parent.mkdir(parents=True, exist_ok=True)
+        (fakes / name).write_text(textwrap.dedent(text))
+    example = tmp_path / "generate_example.py"
+    example.write_text(textwrap.dedent("""\
+        import torch
+        from instant_staging.integrations.transformers import from_pretrained
+
+        model = from_pretrained("Llama-3-8B/", device="cuda:0", dtype=torch.bfloat16)
+        out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+        pair = from_pretrained("Llama-3-8B/", output_loading_info=True)
+        reveal_type(model)
+        reveal_type(pair)
+        """))
+    config = tmp_path / "mypy.ini"     # this package followed, nothing else (but stubs)
+    config.write_text("[mypy]\nfollow_imports = skip\n[mypy-instant_staging.*]\nfollow_imports = silent\n")
+    env = dict(os.environ)
+    parts = [str(fakes)]
+    if os.path.basename(PACKAGE_PARENT) not in ("site-packages", "dist-packages"):
+        parts.append(PACKAGE_PARENT)         # the in-place build
+    env["MYPYPATH"] = os.pathsep.join(parts)
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--config-file", str(config), "--cache-dir",
+         str(tmp_path / "cache"), "--python-executable", sys.executable, "--no-error-summary",
+         "--show-error-codes", str(example)],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    revealed = [line.split("Revealed type is ")[1].replace("builtins.", "")   # (as older mypy names them)
+                for line in result.stdout.splitlines() if "Revealed type is" in line]
+    assert revealed == ['"transformers.PreTrainedModel"',
+                        '"tuple[transformers.PreTrainedModel, dict[str, Any]]"'], result.stdout
+
+
+def test_an_editable_install_is_a_path_mypy_follows(tmp_path, monkeypatch):
+    """README's ``pip install -e .``: setuptools writes a plain path into a
+    .pth file (not an import hook, which mypy cannot follow), and mypy,
+    given an interpreter with that file, finds the package and its stubs.
+    The strategy is setuptools' own choice for this pyproject.toml, made
+    without building anything."""
+    pytest.importorskip("mypy")
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip(f"setuptools {setuptools.__version__} cannot read this pyproject.toml "
+                    "(the build requires 77+)")
+    import setuptools.command.editable_wheel as editable
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+    if not os.path.isfile(os.path.join(ROOT, "pyproject.toml")):
+        pytest.skip("no pyproject.toml beside the tests")
+    if not hasattr(editable.editable_wheel, "_select_strategy"):
+        pytest.skip("this setuptools chooses its editable strategy elsewhere")
+    monkeypatch.chdir(ROOT)
+    dist = apply_configuration(Distribution(), "pyproject.toml")
+    command = editable.editable_wheel(dist)
+    command.ensure_finalized()
+    strategy = command._select_strategy("instant_staging", "py3-none-any", "build/lib")
+    entries = getattr(strategy, "path_entries", None)
+    assert entries, f"setuptools installs {type(strategy).__name__}: an import hook mypy cannot follow"
+    assert [os.path.realpath(p) for p in entries] == [os.path.realpath(ROOT)]
+    # An interpreter whose site-packages holds only that .pth file.
+    import venv
+    venv.create(tmp_path / "env", with_pip=False, symlinks=True)
+    python = tmp_path / "env" / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "__editable__.instant_staging.pth"), "w") as f:
+        f.write("".join(os.path.realpath(p) + "\n" for p in entries))   # as setuptools resolves them
+    example = tmp_path / "editable_example.py"
+    example.write_text(textwrap.dedent("""\
+        import instant_staging as ist
+
+        buf = ist.StagingBuffer(4096)
+        kind: ist.Kind = buf.kind
+        reveal_type(buf.spans())
+        """))
+    env = dict(os.environ)
+    env.pop("MYPYPATH", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"),
+         "--python-executable", str(python), "--no-error-summary", "--show-error-codes", str(example)],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert 'Revealed type is "list[tuple[int, int]]"' in result.stdout.replace("builtins.", ""), \
+        result.stdout

@@ -27,8 +27,12 @@ from instant_staging.integrations import transformers as integration
 from instant_staging.integrations.transformers import from_pretrained
 from instant_staging.loader import _run
 
-from support import record_reads
+from support import ROOT, record_reads
 from support.models import AUTO, assert_same_model, configs, save
+
+# transformers 5 fuses per-expert MoE tensors and loads dtype="auto" by
+# default; 4 (4.56 is the floor this package declares) does neither.
+MAJOR = int(transformers.__version__.split(".")[0])
 
 
 def checkpoint_names(path):
@@ -51,6 +55,7 @@ def test_same_model_as_transformers(tmp_path, arch, sharded):
     assert_same_model(ours, ref)
 
 
+@pytest.mark.skipif(MAJOR < 5, reason="transformers 4 keeps the per-expert tensors as they are")
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_moe_experts_are_fused_from_per_expert_tensors(tmp_path, arch):
     # The case the re-implementation failed on: the checkpoint has one tensor
@@ -130,11 +135,15 @@ def test_dtype_auto_takes_the_config_dtype(tmp_path):
     config = json.loads((path / "config.json").read_text())
     config["dtype"] = "bfloat16"
     (path / "config.json").write_text(json.dumps(config))
-    ref = AUTO.from_pretrained(path)
-    for kwargs in ({}, {"dtype": "auto"}, {"torch_dtype": "auto"}):
+    ref = AUTO.from_pretrained(path, dtype="auto")
+    for kwargs in ({"dtype": "auto"}, {"torch_dtype": "auto"}):
         ours = from_pretrained(path, device="cpu", **kwargs)
         assert ours.model.embed_tokens.weight.dtype == torch.bfloat16
         assert_same_model(ours, ref)
+    # none given: transformers' own default ("auto" in 5, float32 in 4)
+    ours = from_pretrained(path, device="cpu")
+    assert ours.model.embed_tokens.weight.dtype == (torch.bfloat16 if MAJOR >= 5 else torch.float32)
+    assert_same_model(ours, AUTO.from_pretrained(path))
 
 
 def test_keep_in_fp32_modules(tmp_path, monkeypatch):
@@ -162,7 +171,8 @@ def test_rotary_buffers_equal_transformers(tmp_path):
     model = from_pretrained(path, device="cpu")
     inv_freq = model.model.rotary_emb.inv_freq
     dim = 32 // 4
-    base = model.config.rope_parameters["rope_theta"]
+    rope = getattr(model.config, "rope_parameters", None)      # transformers 5; 4: rope_theta
+    base = rope["rope_theta"] if rope else model.config.rope_theta
     expected = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     assert inv_freq.device.type == "cpu" and torch.equal(inv_freq, expected)
 
@@ -289,10 +299,10 @@ def test_hub_id_not_in_the_cache(tmp_path, offline):
 @pytest.mark.parametrize("layout", ["one_file", "sharded", "neither"])
 def test_hub_fetches_only_the_weights_it_reads(tmp_path, monkeypatch, layout):
     # A repo holding a variant (model.fp16.safetensors) beside its weights:
-    # only what _weights reads is asked for, after the configs.
+    # only what _hub.weights reads is asked for, after the configs.
     import huggingface_hub
 
-    from instant_staging.integrations import transformers as T
+    from instant_staging import _hub
     snapshot = tmp_path / "snap"
     snapshot.mkdir()
     if layout == "one_file":
@@ -308,7 +318,7 @@ def test_hub_fetches_only_the_weights_it_reads(tmp_path, monkeypatch, layout):
         asked.append(allow_patterns)
         return str(snapshot)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    assert T._snapshot("org/tiny", revision="v2", token=None) == str(snapshot)
+    assert _hub.snapshot("org/tiny", revision="v2", token=None) == str(snapshot)
     first = ["*.json", "*.py", "model.safetensors"]
     assert asked == {"one_file": [first],
                      "sharded": [first, ["model-00001-of-00002.safetensors",
@@ -387,10 +397,11 @@ def test_shape_mismatch_is_an_error(tmp_path):
     config["intermediate_size"] = 72
     (path / "config.json").write_text(json.dumps(config))
     # transformers' own error (its report, logged, names the keys), as from its from_pretrained
-    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+    with pytest.raises(RuntimeError, match=r"ignore_mismatched_sizes|size mismatch") as theirs:
         AUTO.from_pretrained(path)
-    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+    with pytest.raises(RuntimeError) as ours:
         from_pretrained(path, device="cpu")
+    assert str(ours.value) == str(theirs.value)
 
 
 def no_read(monkeypatch):
@@ -408,8 +419,20 @@ def test_bad_arguments_before_reading(tmp_path, monkeypatch):
         from_pretrained(path, device="mps")
     with pytest.raises(TypeError, match="model_class"):
         from_pretrained(path, device="cpu", model_class="LlamaForCausalLM")
-    with pytest.raises(TypeError, match="'low_cpu_mem_usage', 'max_memory'"):
-        from_pretrained(path, device="cpu", max_memory={0: "1GiB"}, low_cpu_mem_usage=True)
+    for kwargs, what in (({"use_safetensors": False}, "use_safetensors=False"),
+                         ({"from_tf": True}, "from_tf"), ({"gguf_file": "m.gguf"}, "gguf_file"),
+                         ({"state_dict": {}}, "state_dict"),
+                         ({"adapter_kwargs": {"revision": "x"}}, "adapter_kwargs")):
+        with pytest.raises(ValueError, match=rf"{what}.*safetensors"):
+            from_pretrained(path, device="cpu", **kwargs)
+    with pytest.raises(TypeError, match="use_safetensors"):
+        from_pretrained(path, device="cpu", use_safetensors="yes")
+    with pytest.raises(TypeError, match="config must be"):
+        from_pretrained(path, device="cpu", config=7)
+    with pytest.raises(FileNotFoundError, match="subfolder"):
+        from_pretrained(path, device="cpu", subfolder="absent")
+    with pytest.raises(FileNotFoundError, match=r"model\.fp8\.safetensors"):
+        from_pretrained(path, device="cpu", variant="fp8")
     with pytest.raises(TypeError, match="trust_remote_code"):
         from_pretrained(path, device="cpu", trust_remote_code="yes")
     with pytest.raises(FileNotFoundError, match="no such model directory"):
@@ -561,3 +584,203 @@ def test_no_device_loads_where_torch_can(tmp_path, caplog):
     want = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     assert next(model.parameters()).device == torch.device(want)
     assert f"no device given: loading onto {want}" in caplog.text
+
+
+# -- every transformers the package declares (issue 29, item 1) ------------------------
+
+def test_the_declared_floor_is_the_one_tox_tests():
+    """pyproject's transformers floor is the version tox's transformers-floor
+    env installs: the oldest transformers the package claims is tested."""
+    import re
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        floors = set(re.findall(r'"transformers>=([0-9.]+)"', f.read()))
+    with open(os.path.join(ROOT, "tox.ini")) as f:
+        tox = f.read()
+    env = tox[tox.index("[testenv:transformers-floor]"):]
+    env = env[:env.find("\n[", 1) if "\n[" in env[1:] else len(env)]
+    assert len(floors) == 1 and re.search(rf"transformers=={re.escape(floors.pop())}\.\*", env), env
+
+
+def test_an_arriving_tensor_is_what_each_transformers_asks_of_a_state_dict_value(tmp_path):
+    """transformers 5 asks ``t[...]`` (a safetensors slice's call), 4 asks
+    ``t.to(device)`` of a state dict's value: both wait for the tensor and
+    give it (not a copy) where it is already there."""
+    path, _ = save(tmp_path, "llama", sharded=False)
+    load = integration._BackgroundLoad(str(path / "model.safetensors"), torch.device("cpu"))
+    try:
+        name = "model.embed_tokens.weight"
+        shape, dtype = load.layout[name]
+        value = integration._Arriving(load, name, shape, dtype)
+        assert value.get_shape() == list(shape) and value.is_floating_point()
+        meta = torch.empty(shape, dtype=dtype, device="meta")
+        assert (value.dim(), value.size(), value.size(1), value.stride(), value.stride(0)) == \
+            (meta.dim(), meta.size(), meta.size(1), meta.stride(), meta.stride(0))
+        moved = value.to("cpu")
+        assert moved.shape == shape and moved.dtype == dtype
+        assert value[...].data_ptr() == moved.data_ptr()     # the tensor itself, no copy
+        part = value[1:3]                                     # a rank's rows: a tensor of its own
+        assert torch.equal(part, moved[1:3]) and part.data_ptr() != moved[1:3].data_ptr()
+        assert value.to(torch.float16).dtype == torch.float16
+        load.finish()
+    finally:
+        load.close()
+
+
+# -- the arguments transformers users pass (issue 29, item 3) ---------------------------
+
+def no_read_after_error(monkeypatch):
+    monkeypatch.setattr(integration, "_BackgroundLoad", lambda *a, **k: pytest.fail("read before the check"))
+    no_read(monkeypatch)
+
+
+@pytest.mark.parametrize("kwargs", [{"low_cpu_mem_usage": True}, {"low_cpu_mem_usage": False},
+                                    {"use_safetensors": True}, {"use_safetensors": None},
+                                    {"num_hidden_layers": 1}, {"output_attentions": True},
+                                    {"ignore_mismatched_sizes": False}, {"weights_only": True},
+                                    {"force_download": False, "proxies": None}],
+                         ids=lambda kw: ",".join(kw))
+def test_arguments_transformers_takes(tmp_path, kwargs):
+    """As transformers' own from_pretrained given the same: config
+    attributes override the config (one layer: the second's weights are
+    unexpected, not missing), the others mean what they mean there."""
+    path, _ = save(tmp_path, "llama", sharded=True)
+    ref = AUTO.from_pretrained(path, **kwargs)
+    ours = from_pretrained(path, device="cpu", **kwargs)
+    assert_same_model(ours, ref)
+    if "num_hidden_layers" in kwargs:
+        assert len(ours.model.layers) == 1
+
+
+def test_config_object_and_path(tmp_path):
+    path, cls = save(tmp_path, "llama", sharded=False)
+    config = transformers.AutoConfig.from_pretrained(path, num_hidden_layers=1)
+    ref = AUTO.from_pretrained(path, config=config)
+    ours = from_pretrained(path, device="cpu", config=config)
+    assert_same_model(ours, ref)
+    assert config.num_hidden_layers == 1 and len(ours.model.layers) == 1
+    # a path: its config.json, the model directory's weights (which then
+    # needs none of its own), as the model class takes it (the Auto class
+    # reads the model directory's config.json whatever config names)
+    other = tmp_path / "config-only"
+    config.save_pretrained(other)
+    (path / "config.json").unlink()
+    assert_same_model(from_pretrained(path, device="cpu", config=str(other)),
+                      cls.from_pretrained(path, config=str(other)))
+
+
+def test_subfolder(tmp_path):
+    inner, _ = save(tmp_path / "outer", "qwen2", sharded=True, name="sub")
+    outer = inner.parent
+    ref = AUTO.from_pretrained(outer, subfolder="sub")
+    assert_same_model(from_pretrained(outer, device="cpu", subfolder="sub"), ref)
+
+
+def test_variant(tmp_path):
+    config, cls = configs()["llama"]
+    path = tmp_path / "variants"
+    torch.manual_seed(1)
+    cls(config).save_pretrained(path)
+    torch.manual_seed(2)
+    cls(config).save_pretrained(path, variant="v2", max_shard_size="24KB")
+    ours = from_pretrained(path, device="cpu", variant="v2")
+    assert_same_model(ours, AUTO.from_pretrained(path, variant="v2"))
+    assert not torch.equal(ours.lm_head.weight, from_pretrained(path, device="cpu").lm_head.weight)
+
+
+def test_hub_id_with_subfolder_from_the_cache(tmp_path, offline):
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--nested" / "snapshots" / ("c" * 40)
+    save(snapshot, "llama", sharded=True, name="model")
+    (cache / "models--org--nested" / "refs").mkdir(parents=True)
+    (cache / "models--org--nested" / "refs" / "main").write_text("c" * 40)
+    ref = AUTO.from_pretrained("org/nested", subfolder="model", cache_dir=str(cache))
+    assert_same_model(from_pretrained("org/nested", device="cpu", subfolder="model", cache_dir=str(cache)),
+                      ref)
+
+
+def remove_weight(path, victim):
+    from safetensors.torch import load_file as st_load
+    from safetensors.torch import save_file as st_save
+    tensors = st_load(path / "model.safetensors")
+    del tensors[victim]
+    tensors["extra.head.weight"] = torch.ones(4, 4)
+    st_save(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_output_loading_info(tmp_path):
+    """(model, info) as transformers returns them: the same missing and
+    unexpected keys; a missing weight is then no error, and it is
+    initialised as transformers initialises it."""
+    path, _ = save(tmp_path, "llama", sharded=False)
+    ours, info = from_pretrained(path, device="cpu", output_loading_info=True)
+    ref, ref_info = AUTO.from_pretrained(path, output_loading_info=True)
+    assert_same_model(ours, ref)
+    assert info == ref_info
+    victim = "model.layers.1.mlp.down_proj.weight"
+    remove_weight(path, victim)
+    torch.manual_seed(7)
+    ref, ref_info = AUTO.from_pretrained(path, output_loading_info=True)
+    torch.manual_seed(7)
+    ours, info = from_pretrained(path, device="cpu", output_loading_info=True)
+    assert sorted(info["missing_keys"]) == sorted(ref_info["missing_keys"]) == [victim]
+    assert sorted(info["unexpected_keys"]) == sorted(ref_info["unexpected_keys"]) == ["extra.head.weight"]
+    assert sorted(info["mismatched_keys"]) == sorted(ref_info["mismatched_keys"]) == []
+    assert_same_model(ours, ref)
+    with pytest.raises(KeyError, match=victim):       # without it: the error
+        from_pretrained(path, device="cpu")
+
+
+def test_key_mapping(tmp_path):
+    """A checkpoint whose names are not the model's: transformers renames
+    them with the caller's key_mapping, as from its own files."""
+    from safetensors.torch import load_file as st_load
+    from safetensors.torch import save_file as st_save
+    path, _ = save(tmp_path, "llama", sharded=False)
+    tensors = st_load(path / "model.safetensors")
+    st_save({n.replace(".mlp.", ".feed_forward."): t for n, t in tensors.items()},
+            path / "model.safetensors", metadata={"format": "pt"})
+    mapping = {r"\.feed_forward\.": ".mlp."}
+    ref = AUTO.from_pretrained(path, key_mapping=mapping)
+    ours = from_pretrained(path, device="cpu", key_mapping=mapping)
+    assert_same_model(ours, ref)
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert torch.equal(ours.get_parameter(name), tensors[name])
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """torch.distributed's environment of a world of one (gloo on the CPU):
+    transformers' tensor parallelism sets up its group from it."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a world of one on the CPU")
+def test_tp_plan(tmp_path, one_rank):
+    import warnings
+    path, _ = save(tmp_path, "llama", sharded=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)     # transformers 5: "pass a DistributedConfig"
+        ref = AUTO.from_pretrained(path, tp_plan="auto")
+        ours = from_pretrained(path, tp_plan="auto")
+    assert_same_model(ours, ref)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        from_pretrained(path, device="cpu", tp_plan="auto")
+
+
+def test_an_argument_transformers_refuses_is_its_error(tmp_path):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    with pytest.raises(TypeError) as theirs:
+        AUTO.from_pretrained(path, no_such_argument=1)
+    with pytest.raises(TypeError) as ours:
+        from_pretrained(path, device="cpu", no_such_argument=1)
+    assert str(ours.value) == str(theirs.value)
+    assert not [t for t in __import__("threading").enumerate() if t.name == "instant_staging-from_pretrained"]

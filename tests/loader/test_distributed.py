@@ -299,20 +299,20 @@ def test_progress_true_lines_name_their_rank_and_the_whole(world):
     # Each rank prints its own share's progress; every line says whose it is
     # and what the whole load is (the lines were unlabelled, each rank's share
     # shown as the total: "loaded 100%: 256 MiB of 256 MiB" twice for 512 MiB).
-    from instant_staging.loader._progress import format_si
+    from instant_staging import format_size
     n = world[0]
     recs = scenario(world, "progress_true")
     assert_all_equal(recs)
     shares = [rec["read_bytes"] for rec in scenario(world, "replicated")]
-    whole = format_si(sum(shares))
+    whole = format_size(sum(shares))
     for r, (rec, share) in enumerate(zip(recs, shares)):
         lines = [line for line in rec["lines"] if "loaded" in line]
         assert lines, rec["lines"]
         for line in lines:
             assert line.startswith(f"rank {r} of {n}: loaded "), line
             assert f"(its share of {whole})" in line, line
-        assert lines[-1].startswith(f"rank {r} of {n}: loaded 100%: {format_si(share)} of "
-                                    f"{format_si(share)} (its share of {whole})"), lines
+        assert lines[-1].startswith(f"rank {r} of {n}: loaded 100%: {format_size(share)} of "
+                                    f"{format_size(share)} (its share of {whole})"), lines
 
 
 def test_dtype_and_directory(world):

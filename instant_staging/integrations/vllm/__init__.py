@@ -32,7 +32,7 @@ The contract:
   ``{"shared_read": true}`` makes the batches collective loads over vLLM's
   world group (``process_group=``: each rank reads 1/N of the bytes);
   off by default until measured inside vLLM.
-- One INFO line per worker on vLLM's logger: bytes, tensors, seconds, GB/s,
+- One INFO line per worker on vLLM's logger: bytes, tensors, seconds, rate (GiB/s),
   the device, the staging kind, the rank.
 - Only safetensors checkpoints: a checkpoint without them, or a
   torchao-serialized one, is a ValueError naming the load format to use.

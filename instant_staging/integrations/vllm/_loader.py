@@ -24,7 +24,7 @@ from vllm.model_executor.model_loader.weight_utils import (
     filter_safetensors_files_by_weight_name,
 )
 
-from ..._types import format_size
+from ..._types import format_rate, format_size
 from ...loader import Checkpoint, is_url
 from ...loader import resolve_progress as _progress
 from . import LOAD_FORMAT
@@ -132,8 +132,9 @@ class InstantStagingModelLoader(DefaultModelLoader):
         yield from iter_weights(files, device, self.options, keep=keep,
                                 process_group=group if shared else None, progress=progress, stats=stats)
         self.stats = stats
-        logger.info("instant_staging read %s (%d tensors) in %.2f s (%.2f GB/s) onto %s, staging %s, "
-                    "rank %d of %d%s", format_size(stats.bytes), stats.tensors, stats.seconds, stats.gbps,
+        logger.info("instant_staging read %s (%d tensors) in %.2f s (%s) onto %s, staging %s, "
+                    "rank %d of %d%s", format_size(stats.bytes), stats.tensors, stats.seconds,
+                    format_rate(stats.bytes / max(stats.seconds, 1e-9)),
                     device, "/".join(stats.kinds) or "none", rank, world, ", shared read" if shared else "")
 
     def _device(self):
