@@ -68,3 +68,14 @@ def test_the_sdist_holds_the_examples_and_the_changelog():
     manifest = read("MANIFEST.in")
     assert "recursive-include examples *.py" in manifest
     assert re.search(r"^include .*\bCHANGELOG\.md\b", manifest, re.M)
+
+
+def test_what_the_quick_run_leaves_out_exists():
+    # a renamed module or test must not slip into the quick run unnoticed
+    import conftest
+    for module in conftest.SLOW_MODULES:
+        assert os.path.isfile(os.path.join(ROOT, "tests", module)), module
+    for test in conftest.SLOW_TESTS:
+        module, name = test.split("::")
+        assert re.search(rf"^def {name}\(", read(os.path.join("tests", module)), re.M), test
+    assert "commands = pytest -q -m \"not slow\"" in read("tox.ini")
