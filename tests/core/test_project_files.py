@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from support import ROOT
+from support import ROOT, SLOW_MODULES, SLOW_TESTS
 
 
 def read(name):
@@ -72,10 +72,9 @@ def test_the_sdist_holds_the_examples_and_the_changelog():
 
 def test_what_the_quick_run_leaves_out_exists():
     # a renamed module or test must not slip into the quick run unnoticed
-    import conftest
-    for module in conftest.SLOW_MODULES:
+    for module in SLOW_MODULES:
         assert os.path.isfile(os.path.join(ROOT, "tests", module)), module
-    for test in conftest.SLOW_TESTS:
+    for test in SLOW_TESTS:
         module, name = test.split("::")
         assert re.search(rf"^def {name}\(", read(os.path.join("tests", module)), re.M), test
     assert "commands = pytest -q -m \"not slow\"" in read("tox.ini")
