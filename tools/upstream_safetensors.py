@@ -4,8 +4,13 @@ in for theirs (``tox -e upstream``; or ``python tools/upstream_safetensors.py
 
 The tests are not part of this repository: they come, at test time, from
 the safetensors sdist on PyPI (``bindings/python/tests/`` is in it), of the
-version installed, checked against the sha256 pinned below.  Set
-``INSTANT_STAGING_UPSTREAM_SDIST`` to a downloaded sdist to run offline.
+version installed, checked against the sha256 pinned below.  Then the
+tests of ``ALSO`` run the same way, the installed safetensors writing their
+files: safetensors 0.9.0rc1's prefetch tests (``safe_open(...).prefetch``,
+``PrefetchLoader``), which ours offers whatever safetensors is installed.
+Set ``INSTANT_STAGING_UPSTREAM_SDIST`` to a downloaded sdist of the
+installed version, or to a directory holding ``safetensors-VERSION.tar.gz``
+files (a version it lacks is fetched), to run offline.  Extra arguments go to each pytest.
 They run in a scratch directory (they write their files into the working
 directory) under ``tools/upstream_shim.py``, which swaps ``load_file``,
 ``load`` and ``safe_open`` for ours and reports which tests read through
@@ -31,7 +36,12 @@ SDISTS = {
     "0.8.0": ("https://files.pythonhosted.org/packages/45/06/"
               "f955dbbb1859e3bd23c8ac6141af5106e7ad5fedec4a3a6e3d60f94b7001/safetensors-0.8.0.tar.gz",
               "fabaf3e0f18a6618d9b36560682562157f77c2b71fcffc7b432be2baed9d753d"),
+    "0.9.0rc1": ("https://files.pythonhosted.org/packages/60/82/"
+                 "5c68745e51b3e7432c5932c7d4f87a9b134dfe4fb81026aa70558ffeb1c1/safetensors-0.9.0rc1.tar.gz",
+                 "8a70d139a45d71557e116339f5115afe88af2d80b08701c31ce0478d5bfc8d93"),
 }
+# (version, pytest arguments): tests of another safetensors that run too.
+ALSO = [("0.9.0rc1", ["tests/test_pread_backend.py", "-k", "prefetch"])]
 ENV_SDIST = "INSTANT_STAGING_UPSTREAM_SDIST"
 TESTS = "bindings/python/tests/"
 
@@ -42,6 +52,9 @@ def sdist_bytes(version):
                  f"to SDISTS in {__file__}")
     url, sha256 = SDISTS[version]
     local = os.environ.get(ENV_SDIST)
+    if local and os.path.isdir(local):        # a folder of sdists: this version's, else PyPI's
+        local = os.path.join(local, f"safetensors-{version}.tar.gz")
+        local = local if os.path.exists(local) else None
     if local:
         with open(local, "rb") as f:
             data = f.read()
@@ -72,19 +85,29 @@ def extract_tests(data, version, dest):
     return run_dir
 
 
+def run_tests(version, args, env):
+    """pytest of the sdist of safetensors ``version``'s tests under the shim;
+    its exit status."""
+    data = sdist_bytes(version)
+    with tempfile.TemporaryDirectory(prefix="upstream-safetensors-") as scratch:
+        run_dir = extract_tests(data, version, scratch)
+        cmd = [sys.executable, "-m", "pytest", "-p", "upstream_shim", "-p", "no:cacheprovider", "-rs", *args]
+        return subprocess.run(cmd, cwd=run_dir, env={**env, "UPSTREAM_TESTS_VERSION": version},
+                              check=False).returncode
+
+
 def main(argv):
     version = importlib.metadata.version("safetensors")
-    data = sdist_bytes(version)
     path = [TOOLS]
     if importlib.util.find_spec("instant_staging") is None:
         path.append(ROOT)          # a checkout built in place, not installed
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(path + [env["PYTHONPATH"]] if env.get("PYTHONPATH") else path)
-    with tempfile.TemporaryDirectory(prefix="upstream-safetensors-") as scratch:
-        run_dir = extract_tests(data, version, scratch)
-        cmd = [sys.executable, "-m", "pytest", "-p", "upstream_shim", "-p", "no:cacheprovider",
-               "-rs", "tests", *argv]
-        return subprocess.run(cmd, cwd=run_dir, env=env, check=False).returncode
+    status = run_tests(version, ["tests", *argv], env)
+    for other, selection in ALSO:
+        if other != version:
+            status = max(status, run_tests(other, [*selection, *argv], env))
+    return status
 
 
 if __name__ == "__main__":

