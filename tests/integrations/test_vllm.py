@@ -92,6 +92,17 @@ def assert_same_pairs(pairs, ref, device="cpu"):
 
 # -- the extra config (no vLLM) ----------------------------------------------------
 
+def test_shared_read_default_is_one_node():
+    # Unset: collective loads where every rank runs on one node, not across
+    # nodes; the extra config decides either way.
+    assert Options().shared_read is None
+    assert _options.shared_default(None, True) is True
+    assert _options.shared_default(None, False) is False
+    assert _options.shared_default(False, True) is False
+    assert _options.shared_default(True, False) is True
+    assert parse({"shared_read": False}).shared_read is False
+
+
 def test_options_defaults_and_values():
     assert parse({}) == parse(None) == Options()
     # The decided bound (issue 28): a load adds at most 1 GiB of device
@@ -712,3 +723,24 @@ def test_llm_generates_the_same_tokens(tmp_path, vllm, arch, sharded, tp):
         assert f"onto cpu, staging none (cpu), rank {rank} of {tp}" in log
     if tp > 1:
         assert "shared read" in log
+
+
+def test_world_says_whether_every_rank_runs_on_this_node(vllm, monkeypatch):
+    # The shared read's default (_options.shared_default) asks vLLM's own
+    # collective node test, on the gloo group (it refuses NCCL's).
+    from types import SimpleNamespace
+
+    from vllm.distributed import parallel_state
+
+    from instant_staging.integrations.vllm import _loader
+    world = SimpleNamespace(world_size=2, rank_in_group=1, device_group="nccl group", cpu_group="gloo group")
+    monkeypatch.setattr(parallel_state, "get_world_group", lambda: world)
+    asked = []
+    for answer, one_node in (([True, True], True), ([True, False], False)):
+        monkeypatch.setattr(parallel_state, "in_the_same_node_as",
+                            lambda pg, source_rank=0, a=answer: asked.append((pg, source_rank)) or a)
+        assert _loader._world() == ("nccl group", 1, 2, one_node)
+    assert asked == [("gloo group", 0)] * 2
+    monkeypatch.setattr(parallel_state, "get_world_group",
+                        lambda: SimpleNamespace(world_size=1, rank_in_group=0))
+    assert _loader._world() == (None, 0, 1, True)

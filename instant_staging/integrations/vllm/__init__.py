@@ -27,11 +27,12 @@ The contract:
   it when vLLM makes the loader; keys left out come from instant_staging's
   environment variables (``INSTANT_STAGING_CHUNK_SIZE`` ...), else the
   loader's defaults.
-- Tensor parallel: every worker loads the whole checkpoint onto its own GPU
-  with its own staging buffer (vLLM slices each tensor as it copies it).
-  ``{"shared_read": true}`` makes the batches collective loads over vLLM's
-  world group (``process_group=``: each rank reads 1/N of the bytes);
-  off by default until measured inside vLLM.
+- Tensor parallel: where every worker runs on one node, the batches are
+  collective loads over vLLM's world group (``process_group=``: each rank
+  reads 1/N of the bytes, the ranks exchange them; ``_options.shared_default``
+  says why); across nodes every worker loads the whole checkpoint onto its
+  own GPU with its own staging buffer (vLLM slices each tensor as it copies
+  it).  ``{"shared_read": true|false}`` decides it either way.
 - One INFO line per worker on vLLM's logger: bytes, tensors, seconds, rate (GiB/s),
   the device, the staging kind, the rank.
 - Only safetensors checkpoints: a checkpoint without them, or a

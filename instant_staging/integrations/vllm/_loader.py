@@ -30,7 +30,7 @@ from ..._types import format_rate, format_size
 from ...loader import Checkpoint, is_url
 from ...loader import resolve_progress as _progress
 from . import LOAD_FORMAT
-from ._options import parse
+from ._options import parse, shared_default
 from ._settings import prefetch, settings
 from ._weights import Stats, iter_weights, natural_key
 
@@ -125,13 +125,13 @@ class InstantStagingModelLoader(DefaultModelLoader):
 
     def _iterate(self, files, local=True):
         device = self._device()
-        group, rank, world = _world()
+        group, rank, world, one_node = _world()
         keep = None
         skip, experts = _should_skip_weight(), getattr(self, "local_expert_ids", None)
         if skip is not None and experts is not None:
             def keep(name):
                 return not skip(name, experts)
-        shared = self.options.shared_read and group is not None
+        shared = group is not None and shared_default(self.options.shared_read, one_node)
         show = self.options.progress
         if show is None:
             show = self.load_config.use_tqdm_on_load
@@ -184,14 +184,20 @@ def _engram_on_cpu():
 
 
 def _world():
-    """(the group for a shared read or None, this rank, the world size)."""
+    """(the group for a shared read or None, this rank, the world size,
+    whether every rank of it runs on this node)."""
     try:
         from vllm.distributed.parallel_state import get_world_group
         world = get_world_group()
     except (AssertionError, ImportError):      # no distributed state (a bare loader, tests)
-        return None, 0, 1
-    group = world.device_group if world.world_size > 1 else None
-    return group, world.rank_in_group, world.world_size
+        return None, 0, 1, True
+    if world.world_size == 1:
+        return None, world.rank_in_group, 1, True
+    from vllm.distributed.parallel_state import in_the_same_node_as
+    # Collective, over the gloo group (vLLM's helper refuses NCCL): every
+    # rank gets the same answer, so every rank makes the same choice.
+    one_node = all(in_the_same_node_as(world.cpu_group, source_rank=0))
+    return world.device_group, world.rank_in_group, world.world_size, one_node
 
 
 __all__ = ["LOAD_FORMAT", "InstantStagingModelLoader"]

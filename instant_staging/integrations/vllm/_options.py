@@ -39,7 +39,7 @@ class Options(NamedTuple):
     progress: bool | None = None       # None: vLLM's use_tqdm_on_load, on rank 0
     verify: bool = False
     batch_bytes: int = BATCH_BYTES
-    shared_read: bool = False             # process_group= over vLLM's world group
+    shared_read: bool | None = None       # process_group= over vLLM's world group (None: one node)
     enable_weights_track: bool | None = None   # vLLM's DefaultModelLoader key, passed on
     weights: str | None = None            # a URL the weights come from (config files local)
 
@@ -119,3 +119,16 @@ def _flag(key, value):
     if not isinstance(value, bool):
         raise _bad(key, value)
     return value
+
+
+def shared_default(option: bool | None, one_node: bool) -> bool:
+    """Whether a tensor-parallel load's batches are collective loads
+    (``process_group=``): the extra config's ``shared_read`` where it is
+    given; unset, where every rank runs on this node.  There each byte is
+    read from the host once and the ranks exchange the rest over their GPU
+    links, which measured faster than every rank reading everything
+    (benchmarks/RESULTS.md, "tp2 with a process group"); vLLM's built-in
+    instanttensor format loads collectively by default too.  Across nodes
+    the exchange would cross the network that each node's own disk or page
+    cache may beat, unmeasured: each rank reads everything."""
+    return one_node if option is None else option
