@@ -7,14 +7,13 @@ The rule (``decide``; docs/design.md, "The allocation state machine"):
 where set; else auto: MADV_HUGEPAGE exactly when THP is ``always`` or
 ``madvise``, pages are 4 KiB, the buffer holds at least one 2 MiB page and
 ``huge_pages_free()`` finds the 2 MiB blocks free in the buddy allocator.
-Huge pages halve the pinning (2 GiB on the H200 host: 0.117 s against
-0.219 s with 4 KiB pages), but faulting a MADV_HUGEPAGE range on
+Huge pages halve the pinning, but faulting a MADV_HUGEPAGE range on
 fragmented memory compacts it first, and that stalled pinning for minutes
 on hosts in the field (docs/design.md, "Known failing hosts"); a range
 whose every 2 MiB page the buddy allocator already holds free needs no
-compaction, so auto asks only then (MoE shard on the H200 host: 45.8
-against 42.8 GB/s with 4 KiB pages, the loader's buffer made in 5 ms
-instead of 14).  Every input is a parameter (the files' texts, the
+compaction, so auto asks only then (a MoE load a little faster, the
+loader's buffer made in a third of the time; docs/design.md, "Measured:
+huge pages").  Every input is a parameter (the files' texts, the
 variable's value), so each decision is testable on any host; ``decide``
 returns the reason with the choice, which the buffer keeps
 (``StagingBuffer.hugepages_reason``) and ``probe`` and ``doctor`` show.
@@ -33,9 +32,9 @@ HUGE_PAGE = 2 << 20
 # The buddy order of a 2 MiB block with 4 KiB pages.
 _HUGE_ORDER = 9
 # Free 2 MiB blocks wanted per huge page asked for: other processes fault
-# too, and a huge page found taken costs a compaction.  (The H200 host,
-# its page cache holding the checkpoints, had 117 such blocks free in its
-# Normal zone: a 128 MiB buffer needs 64.)
+# too, and a huge page found taken costs a compaction.  A host whose page
+# cache held the checkpoints still had almost twice the free blocks a
+# loader's buffer needs (docs/design.md, "Measured: huge pages").
 FREE_MARGIN = 2
 
 

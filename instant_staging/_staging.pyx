@@ -85,11 +85,11 @@ def auto_prefault_threads(size_t size, *, size_t bytes_per_thread=32 << 20,
 
     INSTANT_STAGING_PREFAULT_THREADS overrides (an int in [0, 1024]; 0
     disables; parsed by ``envs``).  Otherwise one thread per
-    `bytes_per_thread`, at most `max_threads` (16: where the H200 host
-    stopped gaining) and at most the CPUs this process may run on; and
-    none where that comes to fewer than two: on the H200 host one thread
-    writing each page took 1.12 s for 2 GiB where the registration faulting
-    the pages itself took 0.70 s, two threads 0.62 s (docs/design.md, "Measured").
+    `bytes_per_thread`, at most `max_threads` (16: where more stopped
+    gaining) and at most the CPUs this process may run on; and none where
+    that comes to fewer than two: one thread writing each page is slower
+    than the registration faulting the pages itself, two threads only a
+    little faster (docs/design.md, "Measured: prefault threads").
     """
     threads = envs.get("INSTANT_STAGING_PREFAULT_THREADS")     # a bad value: ValueError
     if threads is not None:
@@ -128,9 +128,10 @@ cdef void* _touch_pages(void* arg) noexcept nogil:
 
 cdef void* _drop_pages(void* arg) noexcept nogil:
     # Frees this range's pages now, in this thread; the munmap that follows
-    # finds them gone.  One thread freeing 2 GiB of 4 KiB pages took 0.11 s
-    # on the H200 host (docs/design.md, "Measured"), as long as the threads took to
-    # fault them in: a refused registration paid both before cudaHostAlloc.
+    # finds them gone.  One thread freeing 4 KiB pages takes about as long
+    # as the threads took to fault them in: a refused registration paid
+    # both before cudaHostAlloc (docs/design.md, "Measured: releasing pages
+    # in threads").
     cdef PageRange* r = <PageRange*>arg
     madvise(r.start, r.length, MADV_DONTNEED)
     return NULL
@@ -291,9 +292,9 @@ cdef class StagingBuffer:
                 raise ValueError(f"prefault_threads must be <= {MAX_PREFAULT_THREADS}, "
                                  f"got {prefault_threads}")
         # None: INSTANT_STAGING_HUGEPAGES where set, else huge pages where THP
-        # allows them and their 2 MiB blocks are free (``_hugepages.py``: 2 GiB
-        # pinned in 0.117 s instead of 0.219 s on the H200 host, and no
-        # compaction stall on a fragmented one).
+        # allows them and their 2 MiB blocks are free (``_hugepages.py``: half
+        # the pinning time, and no compaction stall on a fragmented host;
+        # docs/design.md, "Measured: huge pages").
         hugepages, self._hugepages_reason = _decide_hugepages(self._size, hugepages)
         if runtime is None:
             from instant_staging.runtime import default_runtime

@@ -1,8 +1,8 @@
 """Every default of instant_staging, defined once, with the reason for it.
 
 The state machine, the loader, the CLI and the benchmarks import these;
-none of them writes the numbers again.  Measurements are from the H200 host
-described in docs/design.md ("Measured").
+none of them writes the numbers again.  The measurements behind them are
+in docs/design.md, "Why the defaults are what they are".
 """
 
 import mmap
@@ -16,29 +16,27 @@ STAGING_SIZE = 2 << 30
 # registration becomes eight of these.
 SEGMENT_SIZE = 256 << 20
 
-# Bytes per read and per host-to-device copy.  4 MiB copies still move
-# the link's ~55 GB/s, and with two slots per thread (below) the H200 host
-# loaded fastest at 4 MiB on both realistic layouts (benchmarks/
-# profile_load.py, 2026-11-30, page cache hot, GB/s with 16 threads, chunk /
-# slots: Llama-3-8B 4 MiB/32 52.1, 8 MiB/16 50.4, 2 MiB/32 50.2, 8 MiB/32
-# 37.4; MoE shard of 1,188 tensors 48.0, 46.0, 46.5, 36.1).
+# Bytes per read and per host-to-device copy.  Copies of this size still
+# move what the link can, and with two slots per thread (below) it loaded
+# fastest of the sizes tried on both realistic layouts, the dense and the
+# MoE one (docs/design.md, "Measured: the chunk size").
 CHUNK_SIZE = 4 << 20
 
 # Slots per reader thread: two let a thread read its next chunk while the
-# previous one is still being copied (one slot serialised them: 8 MiB/16
-# slots/16 threads 50.4 GB/s vs 4 MiB/32/16 52.1); more were slower at any
-# chunk size (4 MiB with 8 threads: 2 slots 47.6, 4 slots 36.5, 8 slots
-# 26.8 GB/s): slots a thread refills rarely only add bytes in flight.
+# previous one is still being copied (one slot serialised them); more were
+# slower at any chunk size: slots a thread refills rarely only add bytes in
+# flight (docs/design.md, "Measured: slots per reader thread").
 SLOTS_PER_THREAD = 2
 
 # Slots one reader thread cycles through at most: a thread waits only for
 # its oldest copy, so a few in flight keep the link busy; the bound keeps a
 # tiny chunk_size over a large reused buffer from planning millions of slots
-# (16 MiB with chunk_size=1 built 16 Mi Python ints: 3 s, 1.4 GB).
+# as Python ints, seconds and gigabytes of them (docs/design.md, "Measured:
+# the bound on a thread's slots").
 MAX_SLOTS_PER_THREAD = 64
 
-# Reader threads: more stopped paying off on the H200 host (16 threads
-# 41 GB/s, 32 threads 39 GB/s).
+# Reader threads: more stopped paying off, 32 loading slower than 16
+# (docs/design.md, "Measured: reader threads").
 MAX_THREADS = 16
 
 # Chunks in flight when the reader threads are MAX_THREADS: the staging
@@ -48,12 +46,10 @@ IO_DEPTH = SLOTS_PER_THREAD * MAX_THREADS
 
 # A checkpoint not in the page cache is read from disk (load_file and
 # iter_load with every knob left unset, loader/_checkpoint.py's resident()):
-# in larger reads by fewer threads, in a staging buffer of the same 128 MiB.
-# Cold MoE shard on the H200 host's virtio disk, GB/s (two rounds): 16
-# threads x 4 MiB 1.36 / 1.60, x 8 MiB 1.43 / 1.58, x 16 MiB 2.08 / 2.01;
-# 4 threads x 16 MiB 1.92 / 2.02; one thread of 64 MiB reads 1.87 / 1.71;
-# an mmap read in order (safetensors' way) 2.02 / 1.86.  Hot, 16 threads
-# of 4 MiB stay the defaults above.
+# in larger reads by fewer threads, in a staging buffer of the same 128 MiB:
+# from a disk, 16 MiB reads were the fastest tried, and 4 threads of them
+# as fast as 16.  Hot, 16 threads of 4 MiB stay the defaults above
+# (docs/design.md, "Measured: cold reads").
 COLD_CHUNK_SIZE = 16 << 20
 COLD_THREADS = 4
 # Pages sampled (one byte each, without waiting for the disk) to tell a
@@ -61,9 +57,11 @@ COLD_THREADS = 4
 COLD_SAMPLES = 8
 
 # A load that made its own staging buffer keeps it for the next load to the
-# same device (loader/_staging_pool.py): making and releasing 128 MiB cost
-# 21-28 ms a load on the H200 host.  INSTANT_STAGING_KEEP_STAGING=0 turns
-# it off; empty_cache() releases what is kept.
+# same device (loader/_staging_pool.py): making and releasing 128 MiB is a
+# fixed cost of every load that makes its own, a fifth of a MoE shard's
+# load (docs/design.md, "Measured: the kept staging buffer").
+# INSTANT_STAGING_KEEP_STAGING=0 turns it off; empty_cache() releases what
+# is kept.
 KEEP_STAGING = True
 
 # The largest buffer kept: twice a default load's (IO_DEPTH * CHUNK_SIZE),
@@ -90,11 +88,9 @@ def usable_cpus() -> int:
 
 # The most reader threads a load starts, whatever it is asked (argument,
 # INSTANT_STAGING_THREADS, --threads): twice the usable CPUs, beyond which
-# every host measured lost.  256 MiB hot to the CPU on the 2-CPU CI host,
-# 4 MiB chunks, median of 5: 2 threads 4.05 GB/s, 4 3.78, 8 3.55, 16
-# 2.40, 64 3.15, 256 2.40; on the 16-CPU H200 host 32 threads 39 GB/s
-# against 16's 41 (MAX_THREADS above).  Unbounded, threads=10**11 started
-# one thread per chunk (400 for 400 MiB of 1 MiB chunks).
+# every host measured lost, the 2-CPU one without a GPU and the 16-CPU one
+# with (MAX_THREADS above).  Unbounded, a huge thread count started one
+# thread per chunk (docs/design.md, "Measured: threads per CPU").
 THREADS_PER_CPU = 2
 
 
@@ -132,8 +128,8 @@ def staging_segment_size(slot_bytes) -> int:
 
 # An object-storage source (loader/_remote.py): one ranged GET per chunk.
 # Larger ranges than a disk's amortise each request's cost: 16 MiB reached
-# the client's own ceiling on the H200 host where 8 MiB fell short of it on
-# the dense layout (benchmarks/RESULTS.md, "Object storage"); 16 requests in
+# the client's own ceiling where 8 MiB fell short of it on the dense layout
+# (benchmarks/RESULTS.md, "Object storage"); 16 requests in
 # flight.  Host memory: the staging buffer plus the client's buffers of the
 # chunks in flight (threads x chunk), whatever the checkpoint's size.
 REMOTE_CHUNK_SIZE = 16 << 20

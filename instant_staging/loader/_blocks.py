@@ -1,9 +1,10 @@
 """Tensors as views into one device block per run of tensors that lie back
 to back in a file.
 
-A copy per tensor costs a launch per tensor: on the H200 host 8 KiB copies
-move 0.2-0.4 GB/s, and checkpoints of many small tensors (a MoE shard's
-1,188, an AWQ checkpoint's 739) lost 10-20% of the link to them.  So a
+A copy per tensor costs a launch per tensor: small copies move a sliver
+of what the link can, and checkpoints of many small tensors (MoE shards,
+AWQ checkpoints) lost a noticeable part of the link to them
+(docs/design.md, "Measured: a copy per tensor").  So a
 load to a GPU allocates one block per *run*, copies each chunk into it at
 the chunk's place in the file (the pipeline joins the pieces of a chunk
 that continue one block into one copy: ``_pipeline.pyx``'s ``_next_copy``,

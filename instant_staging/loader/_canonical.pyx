@@ -15,9 +15,9 @@ applies, never whether a file is valid: a header it declines is read the
 slow way, and ``tests/loader/test_header_validity.py`` checks that both
 readings agree.
 
-Python took 1.75 ms (regular expressions) for the 1,188 entries of the
-MoE benchmark shard on the CPU host, and 10 ms of a 90 ms load on a slow
-H200 host; this takes about a tenth of that.
+Python (regular expressions) took a tenth of a MoE shard's load on a
+slow host; this takes about a tenth of that (docs/design.md, "Measured:
+the fast header reading").
 
 ``checked`` does the same for the entries' rules (``_header``'s coverage,
 byte counts and torch's limits): it accepts entries that pass them all,
@@ -213,8 +213,8 @@ def checked(list tensors, unsigned long long data_start, dict bits, type entry):
     ``_header`` applies the rules itself and words the error.  Like
     ``read``, this only decides whether the fast path applies.
 
-    0.28 ms for the MoE shard's 1,188 entries where the Python rules took
-    0.8 ms on the CPU host."""
+    About a third of the Python rules' time for a MoE shard's entries
+    (docs/design.md, "Measured: the fast header reading")."""
     cdef unsigned long long start = 0, b, e, numel, nbits, d, dtype_bits
     out = []
     try:

@@ -60,9 +60,10 @@ load itself is ``_run.run``, the one skeleton of every load, with
 the exchange and agreement 3 its step 5, and its teardown is the single
 load's (``_run._LoadState.close()``).
 
-Measured on 2 x H200 (docs/design.md, "Two GPUs of one node"): reading is the shared bottleneck
-(both ranks reading all 16 GB at once 0.52-0.55 s each, half each 0.30 s),
-the GPUs' link nearly free (NCCL broadcast of 8 GB 0.022 s).
+Reading is the shared bottleneck (two ranks each reading everything at
+once take nearly twice as long as each reading half), the GPUs' link
+nearly free (exchanging costs a tenth of reading): docs/design.md,
+"Measured: reading and exchanging across GPUs".
 """
 
 import datetime
@@ -82,8 +83,9 @@ from ._run import LoadIterator
 log = logging.getLogger("instant_staging")
 
 # Largest unit of exchange: a unit is sent once its reader has it, so the
-# exchange of the last unit is what stays exposed after the reads (64 MiB
-# over NVLink: about 0.2 ms at 370 GB/s).
+# exchange of the last unit is what stays exposed after the reads (a
+# fraction of a millisecond over NVLink; docs/design.md, "Measured: reading
+# and exchanging across GPUs").
 UNIT_BYTES = 64 << 20
 # Cuts inside a tensor fall on this boundary (relative to the tensor).
 CUT_ALIGN = 4096

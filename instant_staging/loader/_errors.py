@@ -9,10 +9,10 @@ they are a ``ValueError`` and a ``KeyError`` only.  A file that does not
 exist is a ``FileNotFoundError`` whose message is safetensors' ("No such
 file or directory: PATH"), its ``errno`` ENOENT.
 
-Importing safetensors here costs 0.6 ms warm, 1.1 ms with its 1.2 MB
-extension dropped from the page cache (median of 15 runs, 2-core CI
-machine), once, on ``import instant_staging.loader`` (about 40 ms there);
-``import instant_staging`` does not import the loader.  A server that
+Importing safetensors here costs about a millisecond, a small part of
+``import instant_staging.loader`` and paid once (docs/design.md,
+"Measured: importing safetensors"); ``import instant_staging`` does not
+import the loader.  A server that
 loads models has usually imported it already (transformers does).
 """
 

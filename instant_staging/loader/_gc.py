@@ -3,8 +3,9 @@
 Parsing a 1,188-tensor header makes ~12,000 objects and allocating its
 tensors ~5,000 more; each 700 allocations start a collection, and now and
 then a full one, whose cost grows with every object the process holds:
-in a process that had imported transformers (380,000 objects) one parse
-in 20 took 194 ms instead of 5 (gc.disable(): 4.9 ms at most).  These
+in a process that had imported transformers an occasional parse took
+forty times as long, never with the collector paused (docs/design.md,
+"Measured: the collector during a parse").  These
 stretches free no cycles, so the collector is paused over them only (a few
 milliseconds, never across a yield to the caller) and runs as usual after.
 """

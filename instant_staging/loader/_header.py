@@ -315,8 +315,9 @@ def _decode(text, raw, path):
 def _check_tree(obj, path, strings=True):
     """Nesting depth, and lone surrogates where ``strings``, without recursion.
 
-    Level by level, pushing only containers: a 1,188-tensor header took 6.6
-    ms to parse with every value pushed, 3 ms of it here."""
+    Level by level, pushing only containers: pushing every value made this
+    walk half of a large header's parse (docs/design.md, "Measured: walking
+    the header")."""
     if not isinstance(obj, list):       # a scalar root: no containers to walk
         if strings and isinstance(obj, str):
             _check_strings([obj], path)

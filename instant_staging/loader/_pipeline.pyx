@@ -1,8 +1,9 @@
 # cython: language_level=3
 """The loader's copy pipeline: reader threads in C, without the GIL.
 
-At 40 GB/s and 8 MiB chunks a loader moves 5,000 chunks a second; Python
-threads would hold the GIL for every read, copy and event call.  Here the
+A loader moves thousands of chunks a second (docs/design.md, "Measured:
+chunks a second"); Python threads would hold the GIL for every read, copy
+and event call.  Here the
 whole per-chunk path runs in plain C threads:
 
     claim the next chunk -> wait for the slot's previous copy (its event)
@@ -14,11 +15,11 @@ A *chunk* is a contiguous file range of at most ``chunk_size`` bytes; a
 *piece* is the part of one tensor inside one chunk, so small tensors share
 a chunk and large ones span several.  A ``Plan`` cuts the tensors into
 chunks and pieces; a ``Pipeline`` runs one plan once.  Each thread owns its
-own slots (as in the C program of docs/design.md ("Measured") that reached 41 GB/s), so
-no thread waits on another.  Device copies go through the staging
-buffer's runtime table on the thread's own stream (after ``set_device``:
-the current device is per thread); in host mode a piece is a ``memcpy``
-into CPU memory.
+own slots (as in the C program of docs/design.md ("Measured") that came
+closest to the host's ceiling), so no thread waits on another.  Device
+copies go through the staging buffer's runtime table on the thread's own
+stream (after ``set_device``: the current device is per thread); in host
+mode a piece is a ``memcpy`` into CPU memory.
 
 Slots are whole chunks inside each registration of the staging buffer
 (``StagingBuffer.segments``), so no copy ever spans two registrations,
@@ -561,9 +562,9 @@ cdef class Plan:
             if not packed and open_ and <size_t>(e - b) > chunk_size - length:
                 # A tensor that does not fit in what is left of the open chunk
                 # starts the next one: a tensor of at most chunk_size is then
-                # one piece, one copy (a MoE shard's 3 MiB experts were ~2,000
-                # pieces of 4 MiB chunks, the copies ceiling 50.9 GB/s against
-                # 54.2 for the dense layout's large pieces).
+                # one piece, one copy (a MoE shard's experts, many cut in two
+                # pieces, lowered what the copies could move; docs/design.md,
+                # "Measured: a tensor in one piece").
                 nc += 1
                 open_ = False
             while pos < e:

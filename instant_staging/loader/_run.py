@@ -91,8 +91,9 @@ _BATCH = 32
 
 class _StagingStart:
     """A load's own staging buffer, made by a thread of its own
-    (``_staging_pool.own``) while the load goes on: 128 MiB take 6-13 ms to
-    prefault and register on the H200 host, and in a fresh process their
+    (``_staging_pool.own``) while the load goes on: prefaulting and
+    registering 128 MiB takes milliseconds (docs/design.md, "Measured:
+    making a load's own staging buffer"), and in a fresh process their
     registration waits for CUDA's context as torch's start does.  (One
     that an earlier load kept is taken at once, without the thread.)
 
@@ -111,8 +112,9 @@ class _StagingStart:
         self._abandoned = False
         self._made = threading.Event()
         # A buffer an earlier load kept is taken here, with no thread: starting
-        # one and setting its device cost 0.4-0.8 ms of a 78 ms MoE load on
-        # the H200 host, for a take of 20 us.
+        # one and setting its device cost about a percent of a MoE load, for
+        # a take of microseconds (docs/design.md, "Measured: making a load's
+        # own staging buffer").
         self._buf = _staging_pool.take_kept(device, size, slot_bytes)
         if self._buf is not None:
             self._thread = None
@@ -463,7 +465,8 @@ def _plan(checkpoint, target, dtypes, chunk_size, faults, views):
     """The load's ``_Start``: which tensors share a block, and the chunks."""
     from ._pipeline import Plan
     entries = checkpoint.entries
-    # (the rule asked once per dtype: per tensor, 0.3 ms of a MoE shard's setup)
+    # (the rule asked once per dtype: per tensor it showed in a MoE shard's
+    # setup; docs/design.md, "Measured: the view rule per dtype")
     viewable = {d: target.joins(d, views) for d in set(dtypes)}
     run_list = _blocks.runs(entries, [viewable[d] for d in dtypes])
     plan = Plan([(checkpoint.fds[i], t.begin, t.end) for i, t in entries], chunk_size,
@@ -590,11 +593,11 @@ def _allocate_blocks(target, run_list, entries, dtypes):
 
     All before the first copy: a cudaMalloc made while copies run cost more
     than one made before (``_target.allocate_blocks``).  Where the load's
-    staging buffer is still being made (a fresh one: 7-10 ms for 128 MiB on
-    the H200 host) this runs while the loading thread would wait for it;
-    otherwise (a kept or passed buffer) just after the readers start, while
-    they fill the first slots, as the copies wait for the addresses anyway
-    (0.5-1.5 ms for the MoE shard's block there)."""
+    staging buffer is still being made (a fresh one takes milliseconds) this
+    runs while the loading thread would wait for it; otherwise (a kept or
+    passed buffer) just after the readers start, while they fill the first
+    slots, as the copies wait for the addresses anyway (docs/design.md,
+    "Measured: making a load's own staging buffer")."""
     if not any(r.block for r in run_list):
         return {}
     return target.allocate_blocks(run_list, entries, dtypes)
@@ -605,14 +608,14 @@ def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
     order: a block's at once (``blocks``: ``_allocate_blocks``'s, made
     before, or None to make them now), tensors of their own as they are
     allocated, while the threads already read, in batches: a thread waits
-    only for the tensors of its own chunk.  1,188 tensors of a MoE shard
-    took 26 ms to allocate one by one on the H200 host, a third of the 76 ms
-    their bytes take to load; before, every byte waited for the last
-    allocation.  The threads also fill their slots while torch reserves
-    those tensors' memory (``reserve``: one cudaMalloc of their size, ~4 ms
-    for 3.6 GB there).  The views of a block are made last, once every
-    address is given (1.3 ms for the MoE shard's 1,188 there, which the
-    copies waited for when they were made first).
+    only for the tensors of its own chunk.  A MoE shard's tensors took a
+    third as long to allocate one by one as their bytes take to load;
+    before, every byte waited for the last allocation.  The threads also
+    fill their slots while torch reserves those tensors' memory
+    (``reserve``: one cudaMalloc of their size).  The views of a block are
+    made last, once every address is given (the copies waited for them
+    when they were made first).  The figures: docs/design.md, "Measured:
+    addresses handed out while reading".
 
     (``before_copies`` ran first: allocating queues no GPU work, so every
     block handed out here was freed by work that has finished; where it

@@ -1,12 +1,12 @@
 """The loader's own staging buffers, kept between loads.
 
 Making a pinned buffer and releasing it is a fixed cost of every load that
-made its own: 128 MiB took 14-17 ms to prefault and register and 7-11 ms
-to unregister and unmap on the H200 host, a fifth of the 120 ms in which a
-3.6 GB MoE shard loads, and paid again for each file a caller loads one
-call at a time.  So, as torch's CachingHostAllocator keeps pinned blocks,
-a load that made its own buffer gives it back here, and the next load to
-the same device takes it instead of making one.
+made its own: for a default load's 128 MiB, a fifth of the time in which
+a MoE shard loads (docs/design.md, "Measured: the kept staging buffer"),
+and paid again for each file a caller loads one call at a time.  So, as
+torch's CachingHostAllocator keeps pinned blocks, a load that made its own
+buffer gives it back here, and the next load to the same device takes it
+instead of making one.
 
 Who owns a kept buffer, at each moment:
 
@@ -63,8 +63,8 @@ def _make(size, segment):
     try:
         # Prefault with the load's thread count rather than one thread per
         # 32 MiB (4 for 128 MiB): making the buffer is on the critical path
-        # of a load that keeps none, 26-33 ms of a 140 ms MoE load on the
-        # H200 host.
+        # of a load that keeps none, a fifth of a MoE load
+        # (docs/design.md, "Measured: making a load's own staging buffer").
         # (Pages: StagingBuffer's own rule, huge where their blocks are free.)
         return StagingBuffer(size, segment_size=segment, prefault_threads=_prefault_threads(size))
     except StagingError as e:
