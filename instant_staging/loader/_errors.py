@@ -12,8 +12,8 @@ file or directory: PATH"), its ``errno`` ENOENT.
 Importing safetensors here costs about a millisecond, a small part of
 ``import instant_staging.loader`` and paid once (docs/design.md,
 "Measured: importing safetensors"); ``import instant_staging`` does not
-import the loader.  A server that
-loads models has usually imported it already (transformers does).
+import the loader.  A server that loads models has usually imported it
+already (transformers does).
 """
 
 import errno

@@ -10,12 +10,11 @@ line per tenth (``Progress(bar=False)``).  ``Progress`` is also the CLI's
 The rate shown is the bytes moved over the time of moving them: the clock
 starts at the first report of the load, not when the callable was made
 (the CLI makes it before torch is imported and the staging buffer made,
-and a rate counted from there said a thirtieth or less of the rate at which the
-load finished; docs/design.md, "Measured: the rate's clock").  Sizes and
-rates are in the
-package's one unit system, binary (GiB and GiB/s: ``_types.format_size``
-and ``format_rate``, as the CLI's other lines and the sizes it takes),
-the tqdm bar's included.
+and a rate counted from there said a thirtieth or less of the rate at
+which the load finished; docs/design.md, "Measured: the rate's clock").
+Sizes and rates are in the package's one unit system, binary (GiB and
+GiB/s: ``_types.format_size`` and ``format_rate``, as the CLI's other
+lines and the sizes it takes), the tqdm bar's included.
 
 Under a process group each rank reads its own share of the load and
 reports that (a callable gets ``(done, share)`` on every rank); the
