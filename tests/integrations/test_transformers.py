@@ -330,6 +330,22 @@ def test_device_map_as_transformers_places_it(tmp_path, monkeypatch, kwargs):
         assert os.listdir(tmp_path / "offload")       # transformers wrote what we read
 
 
+@pytest.mark.parametrize("arch, device_map", [
+    ("gpt2", {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.h.0": "disk",
+              "transformer.h.1": "cpu", "transformer.ln_f": "cpu", "lm_head": "cpu"}),
+    ("mixtral", {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu",
+                 "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}),
+], ids=["gpt2-tied", "mixtral-fused-experts"])
+def test_disk_offload_of_tied_and_fused_weights(tmp_path, arch, device_map):
+    # a tied model (its prefix "transformer"), and experts transformers 5
+    # fuses before it writes them to the offload folder
+    pytest.importorskip("accelerate")
+    path, _ = save(tmp_path, arch, sharded=True)
+    ref = AUTO.from_pretrained(path, device_map=device_map, offload_folder=str(tmp_path / "ref-offload"))
+    ours = from_pretrained(path, device_map=device_map, offload_folder=str(tmp_path / "offload"))
+    assert_same_placed_model(ours, ref)
+
+
 def test_one_load_per_device(tmp_path, monkeypatch):
     # Two groups (as two devices would be; both the CPU here): one Checkpoint,
     # one load each, in the order given, the model as transformers'.
