@@ -378,6 +378,8 @@ class _BackgroundLoad:
         self._cond = threading.Condition()
         self._it = self._thread = None
         self._rest = []
+        # (where each tensor goes is the map's, known at start())
+        self.placed = device is None
         self._checkpoint = Checkpoint.open(source, storage_options=storage_options)
         try:
             self.layout = _layout(self._checkpoint)
@@ -524,14 +526,23 @@ class _Arriving:
         return part if part.numel() == tensor.numel() else part.clone()
 
     def to(self, *args, **kwargs):
-        # transformers 4 asks .to("disk") of every value where the map is
-        # {"": "disk"} (then writes what it gets to the offload folder): the
-        # tensor as read, on the CPU.
-        if args and isinstance(args[0], str) and args[0] == "disk":
-            args = ("cpu",) + args[1:]
-        if isinstance(kwargs.get("device"), str) and kwargs["device"] == "disk":
-            kwargs["device"] = "cpu"
-        return self._load.wait(self.name).to(*args, **kwargs)
+        tensor = self._load.wait(self.name)
+        # Under a map transformers resolved (``_BackgroundLoad.placed``),
+        # transformers 4 asks a device-only .to() of every value: the map's
+        # "" entry, else the CPU ("disk" where the map is {"": "disk"}),
+        # where its own loading has safe_open read, before it moves the
+        # tensor to its module's device.  Ours was read there already (a
+        # "disk" one to the CPU): as read, not a round trip through the CPU.
+        if self._load.placed and len(args) + len(kwargs) == 1 and (
+                (args and _is_device(args[0])) or _is_device(kwargs.get("device"))):
+            return tensor
+        return tensor.to(*args, **kwargs)
+
+
+def _is_device(value):
+    torch = _import_torch()
+    return (isinstance(value, (str, torch.device)) or
+            (isinstance(value, int) and not isinstance(value, bool)))
 
 
 def _layout(checkpoint):

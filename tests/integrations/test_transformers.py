@@ -346,6 +346,27 @@ def test_disk_offload_of_tied_and_fused_weights(tmp_path, arch, device_map):
     assert_same_placed_model(ours, ref)
 
 
+def test_transformers_4_gets_a_mapped_tensor_where_it_was_read():
+    # Under a resolved map transformers 4 asks .to(<the map's "" device, else
+    # "cpu">) before it moves a value to its module's device: the tensor as
+    # read, not a round trip through the CPU (a meta tensor plays one read to
+    # a GPU: it cannot be copied to the CPU).
+    read = torch.empty(2, 3, device="meta")
+
+    class Load:
+        placed = True
+
+        def wait(self, name):
+            return read
+    arriving = integration._Arriving(Load(), "w", torch.Size([2, 3]), torch.float32)
+    for args, kwargs in [(("cpu",), {}), ((0,), {}), (("disk",), {}), ((), {"device": "cpu"})]:
+        assert arriving.to(*args, **kwargs) is read
+    assert arriving.to(torch.float16).dtype == torch.float16       # not a move: done
+    Load.placed = False                                             # one device: as asked
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        arriving.to("cpu")
+
+
 def test_one_load_per_device(tmp_path, monkeypatch):
     # Two groups (as two devices would be; both the CPU here): one Checkpoint,
     # one load each, in the order given, the model as transformers'.
