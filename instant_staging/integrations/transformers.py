@@ -284,12 +284,15 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
     # transformers needs accelerate for any device_map; on the CPU none is
     # needed (its default places everything there, and a .to("cpu") of a CPU
     # tensor is a no-op).  Tensor parallelism places each rank's part itself.
+    # A map transformers resolves is its own: where it needs accelerate (to
+    # dispatch over several devices) it says so, before our read starts.
     spread = isinstance(device, _Spread)
-    if spread or (not parallel and device.type != "cpu"):
-        kwargs["device_map"] = device.device_map if spread else {"": device}
+    if spread:
+        kwargs["device_map"] = device.device_map
+    elif not parallel and device.type != "cpu":
+        kwargs["device_map"] = {"": device}
         if not transformers.utils.is_accelerate_available():
-            where = f"device_map={device.device_map!r}" if spread else f"loading onto {device}"
-            raise ImportError(f"{where} needs accelerate (transformers' device_map does): "
+            raise ImportError(f"loading onto {device} needs accelerate (transformers' device_map does): "
                               "pip install accelerate, or 'instant_staging[transformers]'")
     if spread and getattr(transformers.modeling_utils, "_get_device_map", None) is None:
         raise ValueError(f"device_map={device.device_map!r}: transformers {transformers.__version__} "
