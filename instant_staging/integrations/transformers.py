@@ -7,7 +7,8 @@
 The contract: what transformers' ``from_pretrained`` returns for the same
 checkpoint and arguments (class, parameters, buffers, tying, dtypes, config,
 generation config, eval mode), with the safetensors bytes read by
-``instant_staging.loader.Checkpoint`` straight onto the one device, for
+``instant_staging.loader.Checkpoint`` straight onto the device the
+``device_map`` gives each tensor (step 6), for
 every transformers the package declares (4.56 and newer: ``_Arriving``
 stands in for what each one's loader reads).  Only the reading is ours;
 everything else is transformers' own machinery:
@@ -64,15 +65,32 @@ everything else is transformers' own machinery:
 Every keyword argument transformers' ``from_pretrained`` takes is taken,
 with its meaning: the hub's (``revision``, ``cache_dir``, ``token``,
 ``local_files_only``, ``force_download``, ``subfolder``, ...) resolve
-``model_dir`` here; ``dtype``/``torch_dtype`` and ``device_map`` (a device,
-``{"": device}`` or ``"auto"`` where torch sees at most one GPU) choose the
-load's; the rest go to transformers (``low_cpu_mem_usage``,
+``model_dir`` here; ``dtype``/``torch_dtype`` and ``device_map`` (step 6)
+choose the load's; the rest go to transformers (``low_cpu_mem_usage``,
+``max_memory``, ``offload_folder``, ``offload_buffers``,
 ``output_loading_info``, ``key_mapping``, ``tp_plan``,
 ``attn_implementation``, ``quantization_config``, ...).  Those that ask
 for weights this loader does not read (``use_safetensors=False``,
 ``from_tf``, ``gguf_file``, ``state_dict``, PEFT ``adapter_kwargs``) are a
-``ValueError`` naming them, as is a model spread over several devices,
-before anything is read.
+``ValueError`` naming them, before anything is read.
+
+6. ``device_map``: a device or a dict whose modules all name one device is
+   the one-device load above (``{"": device}``; the CPU gets no map, as
+   transformers' default).  Any other map (modules over several devices,
+   "cpu"/"disk" offload, "auto", "balanced", "balanced_low_0",
+   "sequential") is handed to transformers as given, and the map its
+   ``modeling_utils._get_device_map`` resolves (the dict, or what a strategy
+   comes to with ``max_memory`` and the model's ``_no_split_modules``: its
+   own machinery, wrapped for this call, ``_reading_where_mapped``) starts
+   the read once the model is built on meta, before transformers asks for
+   a tensor: the checkpoint's names grouped by the device of the module
+   each is in (``_groups``: "disk" ones to the CPU, where transformers
+   writes them to ``offload_folder``, required then as transformers 4 and
+   5 require it for a state dict), one ``iter_load(device, names=...)`` per
+   device, in turn, of the one ``Checkpoint``.  accelerate then dispatches
+   the model as for transformers' own (``hf_device_map``, hooks).  A dict's
+   devices are checked before anything is read (an absent ``cuda:1`` is a
+   ValueError naming it).
 
 transformers is an optional dependency: ``pip install
 'instant_staging[transformers]'`` (with accelerate, which transformers
@@ -114,7 +132,7 @@ logger = logging.getLogger("instant_staging")
 
 # The Auto class whose mapping a config without `architectures` goes through.
 DEFAULT_AUTO_CLASS = "AutoModelForCausalLM"
-# transformers' device_map strategies that spread a model over devices.
+# transformers' device_map strategies ("auto" too) that it resolves to a dict.
 SPREADING = ("balanced", "balanced_low_0", "sequential")
 # transformers' arguments asking for weights this loader does not read: a
 # ValueError where one is given (a true or non-empty value), saying what.
@@ -187,8 +205,11 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
                    ``load_file``'s)
     device         where the weights go: "cuda:N", "cpu", ...; None (default): the
                    current CUDA device where torch sees one, else the CPU
-    device_map     as transformers': a device, {"": device}, or "auto" (the one
-                   GPU torch sees, else the CPU); overrides ``device``
+    device_map     as transformers': a device, {"": device}, {module: device or
+                   "cpu" or "disk"}, "auto", "balanced", "balanced_low_0",
+                   "sequential" (with ``max_memory``, ``offload_folder``,
+                   ``offload_buffers`` as transformers'); overrides ``device``
+                   (a map over several devices with a ``device`` is an error)
     dtype          None (transformers' default: 5 takes "auto", 4 float32),
                    "auto" (the config's dtype, else the checkpoint's), or a
                    floating torch dtype (or its name); ``torch_dtype`` is an alias
@@ -211,8 +232,9 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
 
     Errors come before anything is read: ValueError for a bad value, for an
     argument asking for weights that are not safetensors ones
-    (``use_safetensors=False``, ``from_tf``, ``gguf_file``, ``state_dict``) or a
-    model spread over several devices; FileNotFoundError for a directory
+    (``use_safetensors=False``, ``from_tf``, ``gguf_file``, ``state_dict``), for
+    a device_map naming a device torch lacks, or offloading to the disk
+    without ``offload_folder``; FileNotFoundError for a directory
     without config.json or weights.  A weight missing from the checkpoint is
     a KeyError naming it.
     """
@@ -245,7 +267,7 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
     if parallel:
         device = _parallel_device(torch, device, device_map)
     else:
-        device = _target_device(torch, device, device_map)
+        device = _target_device(torch, device, device_map, kwargs.get("offload_folder"))
     dtype = _one_dtype(torch, dtype, torch_dtype)
     if model_class is not None and not isinstance(model_class, type):
         raise TypeError(f"model_class must be a class, not {type(model_class).__name__}")
@@ -262,11 +284,21 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
     # transformers needs accelerate for any device_map; on the CPU none is
     # needed (its default places everything there, and a .to("cpu") of a CPU
     # tensor is a no-op).  Tensor parallelism places each rank's part itself.
-    if not parallel and device.type != "cpu":
+    # A map transformers resolves is its own: where it needs accelerate (to
+    # dispatch over several devices) it says so, before our read starts.
+    spread = isinstance(device, _Spread)
+    if spread:
+        kwargs["device_map"] = device.device_map
+    elif not parallel and device.type != "cpu":
         kwargs["device_map"] = {"": device}
         if not transformers.utils.is_accelerate_available():
             raise ImportError(f"loading onto {device} needs accelerate (transformers' device_map does): "
                               "pip install accelerate, or 'instant_staging[transformers]'")
+    if spread and getattr(transformers.modeling_utils, "_get_device_map", None) is None:
+        raise ValueError(f"device_map={device.device_map!r}: transformers {transformers.__version__} "
+                         "resolves its device_map in a way this loader does not know (no "
+                         "modeling_utils._get_device_map): pass one device, or load with transformers' "
+                         "own from_pretrained")
     if dtype is not None:
         kwargs["dtype"] = dtype
     kwargs.update(config=config, output_loading_info=True, trust_remote_code=trust_remote_code)
@@ -274,7 +306,9 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
     quantized = getattr(config, "quantization_config", None) is not None
     if quantized or any(kwargs.get(name) for name in QUANTIZING):
         # Quantizers read tensors in ways of their own: hand them real ones.
-        state = load_file(weights.source, device, storage_options=weights.storage_options)
+        # (over several devices: on the CPU, transformers places them)
+        state = load_file(weights.source, "cpu" if spread else device,
+                          storage_options=weights.storage_options)
         try:
             with _no_allocator_warmup(transformers):
                 model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
@@ -299,12 +333,17 @@ def _assemble_while_reading(transformers, cls, weights, device, kwargs):
     """transformers' from_pretrained on a state dict whose tensors are still
     being read (``_Arriving``): it builds the model on meta while the load
     runs, and takes each tensor as it arrives.  A failed read raises its
-    LoadError (transformers would log it as a conversion error and go on)."""
-    load = _BackgroundLoad(weights.source, device, weights.storage_options)
+    LoadError (transformers would log it as a conversion error and go on).
+    Over several devices (``_Spread``) the load starts once transformers has
+    resolved the map (``_reading_where_mapped``), one load per device."""
+    spread = isinstance(device, _Spread)
+    load = _BackgroundLoad(weights.source, None if spread else device, weights.storage_options)
     model = info = None
     try:
         state = {name: _Arriving(load, name, shape, dtype) for name, (shape, dtype) in load.layout.items()}
-        with _no_allocator_warmup(transformers):
+        placing = (_reading_where_mapped(transformers, load, kwargs.get("offload_folder")) if spread
+                   else contextlib.nullcontext())
+        with _no_allocator_warmup(transformers), placing:
             model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
         state.clear()
         load.finish()
@@ -321,12 +360,15 @@ def _assemble_while_reading(transformers, cls, weights, device, kwargs):
 
 
 class _BackgroundLoad:
-    """``checkpoint.iter_load(device)`` consumed by a thread of its own into
+    """One ``Checkpoint``'s loads, ``iter_load(device, names=...)`` for each
+    group of ``start``'s in turn, consumed by a thread of its own into
     ``{name: tensor}``; ``wait(name)`` blocks until that tensor is there.
     The headers are read (and checked) in the caller's thread, at once, and
-    once: the layout and the load come from one ``Checkpoint``."""
+    once: the layout and the loads come from one ``Checkpoint``.  Given a
+    device, the one load starts at once; else at ``start`` (a device_map
+    transformers resolves first)."""
 
-    def __init__(self, source, device, storage_options=None):
+    def __init__(self, source, device=None, storage_options=None):
         self.error = None
         self._tensors = {}
         # Handed out once (wait() drops ours): where transformers converts a
@@ -335,22 +377,58 @@ class _BackgroundLoad:
         # checkpoint loaded as bf16).  A second ask gets it while it lives.
         self._handed = {}
         self._done = False
+        self._cancelled = False
         self._cond = threading.Condition()
-        with Checkpoint.open(source, storage_options=storage_options) as checkpoint:
-            self.layout = _layout(checkpoint)
-            # (closing the handle leaves the files to the load, which holds them)
-            self._it = checkpoint.iter_load(device)
+        self._it = self._thread = None
+        self._rest = []
+        # (where each tensor goes is the map's, known at start())
+        self.placed = device is None
+        self._checkpoint = Checkpoint.open(source, storage_options=storage_options)
+        try:
+            self.layout = _layout(self._checkpoint)
+            if device is not None:
+                self.start([(device, None)])
+        except BaseException:
+            self._checkpoint.close()
+            raise
+
+    @property
+    def started(self):
+        return self._thread is not None
+
+    def start(self, groups):
+        """Loads each ``(device, names)`` of ``groups`` in turn (names None:
+        all), the first one made here (its errors are the caller's)."""
+        if self._thread is not None:
+            raise RuntimeError("the load has started already")
+        (device, names), *self._rest = groups
+        try:
+            self._it = self._checkpoint.iter_load(device, names=names)
+        finally:
+            if not self._rest:
+                # (closing the handle leaves the files to the load, which holds them)
+                self._checkpoint.close()
         self._thread = threading.Thread(target=self._run, name="instant_staging-from_pretrained",
                                         daemon=True)
         self._thread.start()
 
     def _run(self):
         try:
-            for name, tensor in self._it:
+            while True:
+                for name, tensor in self._it:
+                    with self._cond:
+                        self._tensors[name] = tensor
+                        self._cond.notify_all()
+                    tensor = None
                 with self._cond:
-                    self._tensors[name] = tensor
-                    self._cond.notify_all()
-                tensor = None
+                    if self._cancelled or not self._rest:
+                        break
+                    device, names = self._rest.pop(0)
+                    try:
+                        self._it = self._checkpoint.iter_load(device, names=names)
+                    finally:
+                        if not self._rest:
+                            self._checkpoint.close()
         except BaseException as e:
             with self._cond:
                 self.error = e
@@ -372,14 +450,20 @@ class _BackgroundLoad:
                     raise self.error
                 if self._done:
                     raise KeyError(f"{name} was not loaded")
+                if self._thread is None:
+                    raise RuntimeError(f"transformers asked for {name} before it resolved its device_map "
+                                       "(modeling_utils._get_device_map), so this loader knows no device "
+                                       "for it: pass one device")
                 self._cond.wait()
             tensor = self._tensors.pop(name)
             self._handed[name] = weakref.ref(tensor)
             return tensor
 
     def finish(self):
-        """Waits for the load; raises its error; drops our references."""
-        self._thread.join()
+        """Waits for the loads; raises their error; drops our references."""
+        if self._thread is not None:
+            self._thread.join()
+        self._checkpoint.close()
         with self._cond:
             self._tensors.clear()
             self._handed.clear()
@@ -389,8 +473,14 @@ class _BackgroundLoad:
     def close(self):
         """Cancels the load (from this thread: LoadIterator.close may come
         from any thread), joins the consumer, drops every tensor."""
-        self._it.close()
-        self._thread.join()
+        with self._cond:
+            self._cancelled = True
+            it = self._it
+        if it is not None:
+            it.close()
+        if self._thread is not None:
+            self._thread.join()
+        self._checkpoint.close()
         with self._cond:
             self._tensors.clear()
             self._handed.clear()
@@ -439,7 +529,23 @@ class _Arriving:
         return part if part.numel() == tensor.numel() else part.clone()
 
     def to(self, *args, **kwargs):
-        return self._load.wait(self.name).to(*args, **kwargs)
+        tensor = self._load.wait(self.name)
+        # Under a map transformers resolved (``_BackgroundLoad.placed``),
+        # transformers 4 asks a device-only .to() of every value: the map's
+        # "" entry, else the CPU ("disk" where the map is {"": "disk"}),
+        # where its own loading has safe_open read, before it moves the
+        # tensor to its module's device.  Ours was read there already (a
+        # "disk" one to the CPU): as read, not a round trip through the CPU.
+        if self._load.placed and len(args) + len(kwargs) == 1 and (
+                (args and _is_device(args[0])) or _is_device(kwargs.get("device"))):
+            return tensor
+        return tensor.to(*args, **kwargs)
+
+
+def _is_device(value):
+    torch = _import_torch()
+    return (isinstance(value, (str, torch.device)) or
+            (isinstance(value, int) and not isinstance(value, bool)))
 
 
 def _layout(checkpoint):
@@ -530,36 +636,118 @@ def _remote_dir(url, cache_dir, storage_options, given_config=False):
     return local, (url, set(names))
 
 
-def _target_device(torch, device, device_map):
+class _Spread:
+    """A ``device_map`` over several devices, offloading, or a strategy
+    ("auto", "balanced", ...): handed to transformers as it is; each tensor
+    is read to the device of the map transformers resolves from it
+    (``_reading_where_mapped``)."""
+
+    __slots__ = ("device_map",)
+
+    def __init__(self, device_map):
+        self.device_map = device_map
+
+
+def _target_device(torch, device, device_map, offload_folder=None):
     """The one device of ``device``, or of ``device_map`` where given
-    (neither: ``default_device``)."""
+    (neither: ``default_device``); a ``_Spread`` for a map transformers
+    resolves or that names several devices (or "disk").  Every device a
+    dict names is checked here, before anything is read."""
     if device_map is None:
         return _resolve_device(torch, device if device is not None else default_device())
-    if isinstance(device_map, str) and device_map == "auto":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count > 1:
-            raise ValueError(f"device_map='auto' would spread the model over the {count} GPUs torch sees; "
-                             "this loader loads onto one device: pass device_map='cuda:N' "
-                             "(or set CUDA_VISIBLE_DEVICES)")
-        mapped = "cuda:0" if count == 1 else "cpu"
-    elif isinstance(device_map, str) and device_map in SPREADING:
-        raise ValueError(f"device_map={device_map!r} spreads the model over several devices; "
-                         "this loader loads onto one device: pass a device")
+    if isinstance(device_map, str) and (device_map == "auto" or device_map in SPREADING):
+        mapped = _Spread(device_map)
     elif isinstance(device_map, dict):
-        devices = {str(_resolve_device(torch, d)) if not (isinstance(d, str) and d == "disk") else d
-                   for d in device_map.values()}
-        if len(devices) != 1 or "disk" in devices:
-            raise ValueError(f"device_map spreads the model over {sorted(devices)}; this loader loads onto "
-                             "one device: pass a device")
-        mapped = devices.pop()
+        devices = set()
+        for key, d in device_map.items():
+            if not isinstance(key, str):
+                raise TypeError(f"device_map's keys must be module names (str), not {type(key).__name__}")
+            devices.add(d if isinstance(d, str) and d == "disk" else str(_resolve_device(torch, d)))
+        if not devices:
+            raise ValueError("device_map is empty: give it a device for '' (all) or for each module")
+        if "disk" in devices and offload_folder is None:
+            raise ValueError(f"device_map offloads to the disk ({device_map!r}): pass offload_folder= "
+                             "(a directory transformers writes the offloaded weights to)")
+        mapped = devices.pop() if len(devices) == 1 and "disk" not in devices else _Spread(device_map)
     elif isinstance(device_map, (str, int, torch.device)) and not isinstance(device_map, bool):
         mapped = device_map
     else:
-        raise TypeError(f"device_map must be a device, a dict or 'auto', not {type(device_map).__name__}")
+        raise TypeError(f"device_map must be a device, a dict, 'auto', 'balanced', 'balanced_low_0' or "
+                        f"'sequential', not {type(device_map).__name__}")
+    if isinstance(mapped, _Spread):
+        if device is not None:
+            raise ValueError(f"device={device!r} and device_map={device_map!r}: the map places the model; "
+                             "pass one of them")
+        return mapped
     mapped = _resolve_device(torch, mapped)
     if device is not None and _resolve_device(torch, device) != mapped:
         raise ValueError(f"device={device!r} and device_map={device_map!r} name different devices")
     return mapped
+
+
+@contextlib.contextmanager
+def _reading_where_mapped(transformers, load, offload_folder):
+    """transformers' ``modeling_utils._get_device_map`` wrapped for this call
+    (this thread's): the map it resolves (the caller's dict, or what "auto",
+    "balanced", ... come to with ``max_memory`` and the model's
+    ``_no_split_modules``) starts ``load``, one load per device
+    (``_groups``), before transformers asks for the first tensor."""
+    torch = _import_torch()
+    modeling = transformers.modeling_utils
+    original = modeling._get_device_map
+    owner = threading.get_ident()
+
+    def resolving(model, device_map, *args, **kwargs):
+        resolved = original(model, device_map, *args, **kwargs)
+        if threading.get_ident() != owner or load.started:
+            return resolved
+        if "disk" in resolved.values() and offload_folder is None:
+            raise ValueError(f"device_map={device_map!r} offloads to the disk ({resolved!r}): pass "
+                             "offload_folder= (a directory transformers writes the offloaded weights to)")
+        load.start(_groups(torch, model, resolved, list(load.layout)) or [(torch.device("cpu"), [])])
+        return resolved
+
+    modeling._get_device_map = resolving
+    try:
+        yield
+    finally:
+        modeling._get_device_map = original
+
+
+def _groups(torch, model, device_map, names):
+    """``[(device, [name, ...]), ...]``: each checkpoint name under the device
+    of the longest module name of ``device_map`` it is in (tried as it is,
+    and with the model's ``base_model_prefix`` added or removed, as
+    transformers matches a checkpoint to a model), else ``device_map[""]``;
+    "disk" is read to the CPU (transformers writes it to the offload
+    folder).  In the order each device first comes; a name transformers
+    renames out of reach (``key_mapping``) lands on the default device, and
+    transformers moves it: one copy more, never a wrong place."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    keys = sorted((k for k in device_map if k), key=len, reverse=True)
+    default = device_map.get("", "cpu")
+    devices = {}
+
+    def device_of(value):
+        if value not in devices:
+            devices[value] = torch.device("cpu") if value == "disk" else _resolve_device(torch, value)
+        return devices[value]
+
+    def where(name):
+        if prefix and name.startswith(prefix + "."):
+            candidates = (name, name[len(prefix) + 1:])
+        else:
+            candidates = (name, f"{prefix}.{name}") if prefix else (name,)
+        for candidate in candidates:
+            for k in keys:
+                if candidate == k or candidate.startswith(k + "."):
+                    return device_map[k]
+        return default
+
+    groups = {}
+    for name in names:
+        groups.setdefault(device_of(where(name)), []).append(name)
+    return list(groups.items())
 
 
 def _parallel_device(torch, device, device_map):

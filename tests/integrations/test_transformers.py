@@ -240,6 +240,174 @@ def test_device_map(tmp_path, device_map):
     assert_same_model(from_pretrained(path, device_map=device_map), ref)
 
 
+# -- device_map over several devices, offload, strategies --------------------------
+
+# The tiny Llama's modules, some offloaded to the disk.
+OFFLOADING = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+              "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}
+
+
+def record_loads(monkeypatch):
+    """(device, names) of each Checkpoint.iter_load from now on, and the
+    number of Checkpoints opened."""
+    from instant_staging.loader import Checkpoint
+    loads, opened = [], []
+    real_iter, real_open = Checkpoint.iter_load, Checkpoint.open.__func__
+
+    def iter_load(self, device="cpu", **kwargs):
+        loads.append((str(device), kwargs.get("names")))
+        return real_iter(self, device, **kwargs)
+
+    def open_(cls, *args, **kwargs):
+        opened.append(args)
+        return real_open(cls, *args, **kwargs)
+    monkeypatch.setattr(Checkpoint, "iter_load", iter_load)
+    monkeypatch.setattr(Checkpoint, "open", classmethod(open_))
+    return loads, opened
+
+
+def offloaded(model):
+    """{parameter name: its value} of every parameter accelerate offloaded
+    (meta in the model; the value where its hook reads it from)."""
+    values = {}
+    for prefix, module in model.named_modules():
+        weights = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+        if weights is None:
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.device.type == "meta":
+                values[f"{prefix}.{name}" if prefix else name] = weights[name]
+    return values
+
+
+def assert_same_placed_model(ours, ref):
+    """assert_same_model for a model dispatched by accelerate: the same map,
+    each parameter on the same device, those in memory equal bit for bit,
+    the offloaded ones equal where their hooks read them, the same logits."""
+    from support.models import bits
+    assert type(ours) is type(ref) and not ours.training
+    assert getattr(ours, "hf_device_map", None) == getattr(ref, "hf_device_map", None)
+    ours_p = dict(ours.named_parameters(remove_duplicate=False))
+    ref_p = dict(ref.named_parameters(remove_duplicate=False))
+    assert list(ours_p) == list(ref_p)
+    for name, p in ref_p.items():
+        q = ours_p[name]
+        assert (q.dtype, q.shape, q.device) == (p.dtype, p.shape, p.device), name
+        if p.device.type != "meta":
+            assert torch.equal(bits(q), bits(p)), name
+    ours_off, ref_off = offloaded(ours), offloaded(ref)
+    assert sorted(ours_off) == sorted(ref_off)
+    for name, value in ref_off.items():
+        assert ours_off[name].dtype == value.dtype and torch.equal(bits(ours_off[name]), bits(value)), name
+    assert ours.config.to_dict() == ref.config.to_dict()
+    ids = torch.tensor([[3, 17, 42, 5, 90, 1]], device=ours.get_input_embeddings().weight.device
+                       if ours.get_input_embeddings().weight.device.type != "meta" else "cpu")
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"device_map": "balanced"}, {"device_map": "sequential"}, {"device_map": "balanced_low_0"},
+    {"device_map": "auto", "max_memory": {"cpu": 60_000}},
+    {"device_map": "sequential", "max_memory": {"cpu": 60_000}},
+    {"device_map": OFFLOADING},
+    {"device_map": {"model": "cpu", "lm_head": "disk"}, "offload_buffers": True},
+], ids=["balanced", "sequential", "balanced_low_0", "auto-max_memory", "sequential-max_memory",
+        "disk", "disk-offload_buffers"])
+def test_device_map_as_transformers_places_it(tmp_path, monkeypatch, kwargs):
+    pytest.importorskip("accelerate")
+    if torch.cuda.is_available():
+        pytest.skip("strategies spread over the GPUs torch sees: test_gpu_device_map")
+    path, _ = save(tmp_path, "llama", sharded=True)
+    ref = AUTO.from_pretrained(path, offload_folder=str(tmp_path / "ref-offload"), **kwargs)
+    loads, opened = record_loads(monkeypatch)
+    ours = from_pretrained(path, offload_folder=str(tmp_path / "offload"), **kwargs)
+    assert_same_placed_model(ours, ref)
+    # one Checkpoint, one load per device: here the CPU (disk is read to it)
+    assert len(opened) == 1 and len(loads) == 1 and loads[0][0] == "cpu"
+    assert sorted(loads[0][1]) == sorted(checkpoint_names(path))
+    if "disk" in set(getattr(ref, "hf_device_map", {}).values()):
+        assert os.listdir(tmp_path / "offload")       # transformers wrote what we read
+
+
+@pytest.mark.parametrize("arch, device_map", [
+    ("gpt2", {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.h.0": "disk",
+              "transformer.h.1": "cpu", "transformer.ln_f": "cpu", "lm_head": "cpu"}),
+    ("mixtral", {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu",
+                 "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}),
+], ids=["gpt2-tied", "mixtral-fused-experts"])
+def test_disk_offload_of_tied_and_fused_weights(tmp_path, arch, device_map):
+    # a tied model (its prefix "transformer"), and experts transformers 5
+    # fuses before it writes them to the offload folder
+    pytest.importorskip("accelerate")
+    path, _ = save(tmp_path, arch, sharded=True)
+    ref = AUTO.from_pretrained(path, device_map=device_map, offload_folder=str(tmp_path / "ref-offload"))
+    ours = from_pretrained(path, device_map=device_map, offload_folder=str(tmp_path / "offload"))
+    assert_same_placed_model(ours, ref)
+
+
+def test_transformers_4_gets_a_mapped_tensor_where_it_was_read():
+    # Under a resolved map transformers 4 asks .to(<the map's "" device, else
+    # "cpu">) before it moves a value to its module's device: the tensor as
+    # read, not a round trip through the CPU (a meta tensor plays one read to
+    # a GPU: it cannot be copied to the CPU).
+    read = torch.empty(2, 3, device="meta")
+
+    class Load:
+        placed = True
+
+        def wait(self, name):
+            return read
+    arriving = integration._Arriving(Load(), "w", torch.Size([2, 3]), torch.float32)
+    for args, kwargs in [(("cpu",), {}), ((0,), {}), (("disk",), {}), ((), {"device": "cpu"})]:
+        assert arriving.to(*args, **kwargs) is read
+    assert arriving.to(torch.float16).dtype == torch.float16       # not a move: done
+    Load.placed = False                                             # one device: as asked
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        arriving.to("cpu")
+
+
+def test_one_load_per_device(tmp_path, monkeypatch):
+    # Two groups (as two devices would be; both the CPU here): one Checkpoint,
+    # one load each, in the order given, the model as transformers'.
+    pytest.importorskip("accelerate")
+    path, _ = save(tmp_path, "llama", sharded=True)
+    ref = AUTO.from_pretrained(path, offload_folder=str(tmp_path / "ref-offload"), device_map=OFFLOADING)
+    real = integration._groups
+    split = []
+
+    def two(torch_, model, device_map, names):
+        ((device, every),) = real(torch_, model, device_map, names)
+        half = len(every) // 2
+        split.append(every)
+        return [(device, every[half:]), (device, every[:half])]
+    monkeypatch.setattr(integration, "_groups", two)
+    loads, opened = record_loads(monkeypatch)
+    ours = from_pretrained(path, offload_folder=str(tmp_path / "offload"), device_map=OFFLOADING)
+    assert_same_placed_model(ours, ref)
+    half = len(split[0]) // 2
+    assert len(opened) == 1 and loads == [("cpu", split[0][half:]), ("cpu", split[0][:half])]
+
+
+def test_each_tensor_is_read_to_the_device_its_module_is_mapped_to(tmp_path, monkeypatch):
+    # (the GPU devices only named: which tensor goes to which load)
+    monkeypatch.setattr(integration, "_resolve_device",
+                        lambda torch_, d: torch.device(f"cuda:{d}" if isinstance(d, int) else d))
+    with torch.device("meta"):
+        model = AUTO.from_config(configs()["llama"][0])
+    device_map = {"model.embed_tokens": 0, "model.layers.0": "cuda:0", "model.layers.1": "cuda:1",
+                  "model.norm": "cpu", "lm_head": "disk", "": "cuda:1"}
+    names = {"model.embed_tokens.weight": "cuda:0", "model.layers.0.mlp.up_proj.weight": "cuda:0",
+             "model.layers.1.input_layernorm.weight": "cuda:1", "model.norm.weight": "cpu",
+             "lm_head.weight": "cpu",                                   # disk: read to the CPU
+             "layers.0.self_attn.q_proj.weight": "cuda:0",             # saved without the prefix
+             "model.layers.10.mlp.up_proj.weight": "cuda:1",           # not layers.1's: ""
+             "something.else": "cuda:1"}
+    groups = integration._groups(torch, model, device_map, list(names))
+    assert [str(d) for d, _ in groups] == ["cuda:0", "cuda:1", "cpu"]      # in the order first named
+    assert {name: str(d) for d, group in groups for name in group} == names
+
+
 def test_attn_implementation(tmp_path):
     path, _ = save(tmp_path, "llama", sharded=False)
     for impl in ("eager", "sdpa"):
@@ -468,17 +636,37 @@ def test_architectures_that_is_not_a_list_of_names_says_so(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("device_map, match", [
-    ("balanced", "spreads the model"),
-    ("sequential", "spreads the model"),
-    ({"model": "cpu", "lm_head": "disk"}, "spreads the model"),
+    ({"model": "cpu", "lm_head": "disk"}, "offload_folder"),
     ({"model": "cpu", "lm_head": "meta"}, "device"),
+    ({"model": "cpu", "lm_head": "cuda:1"}, "cuda:1"),
+    ({}, "empty"),
+    ({0: "cpu"}, "keys must be"),
     (1.5, "device_map must be"),
 ])
-def test_device_map_over_several_devices_is_an_error(tmp_path, monkeypatch, device_map, match):
+def test_bad_device_map_is_an_error_before_reading(tmp_path, monkeypatch, device_map, match):
     path, _ = save(tmp_path, "llama", sharded=False)
-    no_read(monkeypatch)
+    if torch.cuda.device_count() > 1 and "cuda:1" in str(device_map):
+        pytest.skip("this host has a cuda:1")
+    no_read_after_error(monkeypatch)
     with pytest.raises((ValueError, TypeError), match=match):
         from_pretrained(path, device_map=device_map)
+
+
+def test_a_strategy_that_offloads_to_the_disk_needs_an_offload_folder(tmp_path, monkeypatch):
+    # known once transformers resolved it: before anything is read
+    pytest.importorskip("accelerate")
+    path, _ = save(tmp_path, "llama", sharded=False)
+    loads, _ = record_loads(monkeypatch)
+    with pytest.raises(ValueError, match="offload_folder"):
+        from_pretrained(path, device_map="auto", max_memory={"cpu": 20_000})
+    assert loads == []
+
+
+def test_device_with_a_spreading_device_map_is_an_error(tmp_path, monkeypatch):
+    path, _ = save(tmp_path, "llama", sharded=False)
+    no_read_after_error(monkeypatch)
+    with pytest.raises(ValueError, match="pass one of them"):
+        from_pretrained(path, device="cpu", device_map="balanced")
 
 
 def test_device_and_device_map_must_agree(tmp_path, monkeypatch):
@@ -492,13 +680,22 @@ def test_device_and_device_map_must_agree(tmp_path, monkeypatch):
         from_pretrained(path, device="cpu", device_map="cuda:0")
 
 
-def test_auto_device_map_with_several_gpus_is_an_error(tmp_path, monkeypatch):
+def test_auto_device_map_is_what_transformers_resolves(tmp_path, monkeypatch):
+    # "auto" with several GPUs (or one too small) is transformers' to resolve:
+    # the map its _get_device_map gives decides where each tensor is read.
+    pytest.importorskip("accelerate")
     path, _ = save(tmp_path, "llama", sharded=False)
-    no_read(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(ValueError, match="2 GPUs"):
-        from_pretrained(path, device_map="auto")
+    asked = []
+
+    def resolved(model, device_map, *args, **kwargs):
+        asked.append(device_map)
+        return dict(OFFLOADING)
+    monkeypatch.setattr(transformers.modeling_utils, "_get_device_map", resolved)
+    ref = AUTO.from_pretrained(path, device_map=OFFLOADING, offload_folder=str(tmp_path / "ref"))
+    asked.clear()
+    ours = from_pretrained(path, device_map="auto", offload_folder=str(tmp_path / "ours"))
+    assert asked == ["auto"]
+    assert_same_placed_model(ours, ref)
 
 
 def test_failed_read_frees_everything(tmp_path, monkeypatch):
@@ -543,6 +740,35 @@ def test_gpu_same_parameters(tmp_path, gpu):
         assert n == m and c.device == b.device and torch.equal(b, c), n
     ours = from_pretrained(path, device_map="auto", torch_dtype=torch.bfloat16)
     assert ours.model.embed_tokens.weight.device.type == "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device_map", [
+    "auto",
+    {"model.embed_tokens": "cuda:0", "model.layers.0": "cuda:0", "model.layers.1": "cpu",
+     "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cuda:0"},
+    {"model.embed_tokens": "cuda:0", "model.layers.0": "cpu", "model.layers.1": "disk",
+     "model.norm": "cuda:0", "model.rotary_emb": "cuda:0", "lm_head": "cpu"},
+], ids=["auto", "gpu-cpu", "gpu-cpu-disk"])
+def test_gpu_device_map(tmp_path, monkeypatch, gpu, device_map):
+    # Each tensor read straight to its module's device (the disk's to the CPU),
+    # one load per device, the model as transformers' own.
+    pytest.importorskip("accelerate")
+    path, _ = save(tmp_path, "llama", sharded=True)
+    ref = AUTO.from_pretrained(path, dtype=torch.bfloat16, device_map=device_map,
+                               offload_folder=str(tmp_path / "ref-offload"))
+    loads, opened = record_loads(monkeypatch)
+    ours = from_pretrained(path, dtype=torch.bfloat16, device_map=device_map,
+                           offload_folder=str(tmp_path / "offload"))
+    assert_same_placed_model(ours, ref)
+    assert len(opened) == 1
+    read_to = {name: device for device, names in loads for name in names}
+    assert sorted(read_to) == sorted(checkpoint_names(path))
+    assert len(loads) == len({device for device, _ in loads})
+    expected = {name: ("cuda:0" if p.device.type == "cuda" else "cpu")
+                for name, p in ref.named_parameters()}
+    for name, device in read_to.items():
+        assert device == expected[name], name
 
 
 def test_gpu_without_accelerate_is_an_error_before_reading(tmp_path, monkeypatch):
