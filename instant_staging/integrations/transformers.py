@@ -45,9 +45,9 @@ everything else is transformers' own machinery:
    state dict holds ``_Arriving`` values where transformers' own loading
    holds safetensors slices (``t[...]`` materialises one; transformers 4,
    given a state dict, asks ``t.to(device)`` instead): each waits for its
-   tensor, so building the model (0.11 s of meta construction for the
-   Llama-3-8B layout on a 2-core CPU) overlaps the read instead of
-   following it.  A tensor already on its device in its dtype is assigned,
+   tensor, so building the model on the meta device overlaps the read
+   instead of following it (docs/design.md, "Measured: building the model
+   while reading").  A tensor already on its device in its dtype is assigned,
    not copied (``core_model_loading._materialize_copy``: ``t[...]`` and a
    ``.to()`` that is a no-op).  Its allocator warm-up is skipped for this
    call (``_no_allocator_warmup``): every tensor gets its own allocation
