@@ -623,10 +623,12 @@ def test_gpu_large_tensors_are_cut_from_one_reserved_block(tmp_path):
     path = save(tmp_path, tensors)
     gc.collect()
     torch.cuda.empty_cache()
-    stats = torch.cuda.memory_stats()
-    before = stats.get("segment.large_pool.current", 0)
+    before = torch.cuda.memory_stats().get("segment.large_pool.allocated", 0)
     loaded = load_file(path, "cuda:0")
-    assert torch.cuda.memory_stats()["segment.large_pool.current"] - before == 1
+    # At most one cudaMalloc (none where a segment an earlier test left
+    # pinned, by a cuBLAS workspace say, has the room), and the tensors cut
+    # from one block, in order (below).
+    assert torch.cuda.memory_stats()["segment.large_pool.allocated"] - before <= 1
     assert_same({n: t.cpu() for n, t in loaded.items()}, tensors)
     ptrs = sorted(t.data_ptr() for n, t in loaded.items() if n != "norm")
     assert ptrs[-1] - ptrs[0] == 39 * (3 << 20)      # one block, cut in order
