@@ -604,6 +604,7 @@ def test_gpu_default_staging_and_failure_frees(tmp_path):
     loaded = load_file(path, "cuda", chunk_size=64 << 10)
     assert_same({n: t.cpu() for n, t in loaded.items()}, tensors)
     del loaded
+    gc.collect()                # an earlier test's garbage (a model's cycles) is not this load's
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     it = iter_load(path, "cuda:0", chunk_size=64 << 10)
