@@ -62,9 +62,11 @@ def _check_args(chunk_size, io_depth, threads):
 
 @dataclasses.dataclass(frozen=True)
 class LoadOptions:
-    """How one load runs, built once from the arguments, the environment
-    (``_options.py``'s variables) and the defaults, and checked there,
-    before anything is opened or allocated.  ``chunk_size``, ``io_depth``
+    """How one load runs.
+
+    Built once from the arguments, the environment (``_options.py``'s
+    variables) and the defaults, and checked there, before anything is
+    opened or allocated.  ``chunk_size``, ``io_depth``
     and ``threads`` are the resolved knobs; ``tuned`` says whether the
     caller left all three to the loader (which then picks them for the
     checkpoint: cold, remote)."""
@@ -115,8 +117,9 @@ class TensorInfo(NamedTuple):
 
 
 class Checkpoint:
-    """A checkpoint opened once: its shards resolved, every header parsed
-    and validated; loaded from as often as asked.
+    """A checkpoint opened once, loaded from as often as asked.
+
+    Opening resolves its shards and parses and validates every header.
 
         with Checkpoint.open("model_dir") as ck:      # or s3://bucket/model/
             ck.names(); ck.info("lm_head.weight").shape; ck.nbytes
@@ -147,9 +150,17 @@ class Checkpoint:
 
     @classmethod
     def open(cls, source: Source, *, storage_options: Optional[Mapping] = None) -> "Checkpoint":
-        """Opens ``source`` (``load_file``'s): resolves its shards (a URL's
-        objects through the object store; ``storage_options`` are passed to
-        it) and parses every header.
+        """Opens ``source``: resolves its shards and parses every header.
+
+        A URL's objects are resolved through the object store.
+
+        Args:
+            source: as ``load_file``'s.
+            storage_options: for a URL source, passed to the object store
+                (as ``load_file``'s); default None.
+
+        Returns:
+            The open ``Checkpoint`` (a context manager).
 
         Raises:
             TypeError, ValueError: a source of the wrong form.
@@ -194,7 +205,17 @@ class Checkpoint:
         return list(self._infos)
 
     def info(self, name: str) -> TensorInfo:
-        """``name``'s dtype, shape, bytes and shard (a KeyError if it has none)."""
+        """``name``'s dtype, shape, bytes and shard.
+
+        Args:
+            name: a tensor name.
+
+        Returns:
+            Its ``TensorInfo``.
+
+        Raises:
+            KeyError: the checkpoint has no tensor ``name``.
+        """
         try:
             return self._infos[name]
         except KeyError:
@@ -235,6 +256,12 @@ class Checkpoint:
 
         Returns:
             The tensors; the load's ``LoadReport`` is ``self.last_report``.
+
+        Raises:
+            ValueError: both ``names`` and ``plan``; the checkpoint is closed;
+                a bad device, dtype or option.
+            KeyError: a name the checkpoint lacks.
+            LoadError, VerifyError, DistributedLoadError: as ``load_file``.
         """
         with self.iter_load(device, names=names, plan=plan, dtype=dtype,
                             process_group=process_group, **options) as it:
@@ -245,8 +272,17 @@ class Checkpoint:
     def iter_load(self, device: Device = "cpu", *, names: Names = None, plan: Optional[dict] = None,
                   dtype: DType = None, process_group: Optional["ProcessGroup"] = None,
                   **options) -> LoadIterator:
-        """As ``load``, yielding ``(name, tensor)`` as each finishes; the
-        iterator's ``report`` is the load's once it finished."""
+        """As ``load``, yielding ``(name, tensor)`` as each finishes.
+
+        Args:
+            as ``load``'s.
+
+        Returns:
+            A ``LoadIterator``; its ``report`` is the load's once it finished.
+
+        Raises:
+            as ``load``.
+        """
         began = time.perf_counter()
         opts = LoadOptions.build(**options)
         target = _target(device, dtype)
@@ -379,7 +415,18 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     """Loads safetensors file(s), yielding ``(name, tensor)`` as each finishes.
 
     Headers are parsed and validated when this is called; the load runs
-    while the iterator is consumed.  Arguments are those of ``load_file``.
+    while the iterator is consumed.
+
+    Args:
+        as ``load_file``'s.
+
+    Returns:
+        A ``LoadIterator`` of ``(name, tensor)``; its ``report`` is the
+        load's once it finished.
+
+    Raises:
+        as ``load_file``: the source's, device's, dtype's and names' errors
+        when this is called, the load's (LoadError, ...) while it is consumed.
     """
     began = time.perf_counter()
     build = functools.partial(LoadOptions.build, chunk_size=chunk_size, io_depth=io_depth,
@@ -422,57 +469,78 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
               ) -> dict[str, "torch.Tensor"]:
     """Loads safetensors file(s) into ``{name: tensor}`` on ``device``.
 
-    source      a .safetensors path; a list of them (a name in two shards is an
-                error); a directory (the shards its model.safetensors.index.json
-                lists, else every *.safetensors in it, sorted); or an
-                *.safetensors.index.json path.  Or a URL of the same forms:
-                s3://bucket/prefix/ (a "directory"), s3://bucket/key.safetensors,
-                a list of object URLs, gs://..., az://..., https://... (the
-                ``remote`` extra; loader/_remote.py)
-    device      "cpu" (as safetensors), "cuda:N", a torch.device or an int
-    dtype       None keeps the file's dtypes; a floating torch dtype (or its name)
-                converts floating tensors on the device after the copy, as
-                transformers does; integer and bool tensors are kept
-    names       None for all; an iterable of tensor names (unknown ones are a
-                KeyError, raised before anything is allocated); or a callable
-                name -> bool.  Only the selected tensors' bytes are read.
-    process_group  a torch.distributed group whose every rank makes this call
-                with the same checkpoint: each rank reads about 1/N of the bytes
-                and the ranks exchange them over the group, so each byte is read
-                from the host once (loader/_distributed.py); names= may differ
-                per rank.  A failure on one rank raises on every rank.
-    chunk_size  bytes per read and per copy (None: $INSTANT_STAGING_CHUNK_SIZE,
-                e.g. 8MiB, else 4 MiB)
-    io_depth    chunks in flight, i.e. slots (None: $INSTANT_STAGING_IO_DEPTH, else
-                2 per reader thread: 32 with 16 threads); the load's own staging
-                buffer holds io_depth * chunk_size; capped at 64 per reader thread
-    threads     reader threads (None: $INSTANT_STAGING_THREADS, else one per CPU,
-                at most 16; never more than slots); capped at twice the usable
-                CPUs (a warning says so)
-    staging     a StagingBuffer to reuse instead of making one per load; up to
-                io_depth whole chunks inside its registrations are the slots (one
-                load at a time per buffer)
-    verify      after each tensor is copied, re-read its bytes from the file with
-                plain reads (not through the staging buffer) and compare them with
-                the tensor's memory on the device; a difference raises VerifyError.
-                It checks the copy path (slot reuse, spans, copies), not that the
-                file is the one intended: safetensors carries no checksum.
-    progress    progress(done_bytes, total_bytes), called from this thread; or
-                True: a tqdm bar (a plain line per 10% without tqdm or a terminal)
-    views       on a GPU, tensors that lie back to back in a file share one
-                device block and are views of it (one copy per chunk however
-                many tensors it holds); a view keeps its whole block alive.
-                False: each tensor owns its memory, as on the CPU, for tensors
-                that dtype= converts, and under a process group (loader/_blocks.py)
-    backend     "mmap" or "pread", accepted as safetensors' load_file accepts them;
-                either way the bytes are read with pread into the staging slots
-    storage_options  for a URL source: passed to the object store's config
-                (keys client_options and retry_config: to those); credentials
-                and endpoints otherwise come from the client's standard chain
-
     Tensors have the file's shape (and dtype, unless ``dtype``).  A read or
     copy that fails raises LoadError after waiting for the copies in flight
     and freeing every tensor of the load; the staging buffer stays reusable.
+
+    Args:
+        source: a .safetensors path; a list of them (a name in two shards is
+            an error); a directory (the shards its model.safetensors.index.json
+            lists, else every *.safetensors in it, sorted); or an
+            *.safetensors.index.json path.  Or a URL of the same forms:
+            s3://bucket/prefix/ (a "directory"), s3://bucket/key.safetensors,
+            a list of object URLs, gs://..., az://..., https://... (the
+            ``remote`` extra; loader/_remote.py).
+        device: "cpu" (as safetensors), "cuda:N", a torch.device or an int.
+        dtype: None keeps the file's dtypes; a floating torch dtype (or its
+            name) converts floating tensors on the device after the copy, as
+            transformers does; integer and bool tensors are kept.
+        names: None for all; an iterable of tensor names (unknown ones are a
+            KeyError, raised before anything is allocated); or a callable
+            name -> bool.  Only the selected tensors' bytes are read.
+        process_group: a torch.distributed group whose every rank makes this
+            call with the same checkpoint: each rank reads about 1/N of the
+            bytes and the ranks exchange them over the group, so each byte is
+            read from the host once (loader/_distributed.py); names= may
+            differ per rank.  A failure on one rank raises on every rank.
+        chunk_size: bytes per read and per copy (None:
+            $INSTANT_STAGING_CHUNK_SIZE, e.g. 8MiB, else 4 MiB).
+        io_depth: chunks in flight, i.e. slots (None:
+            $INSTANT_STAGING_IO_DEPTH, else 2 per reader thread: 32 with 16
+            threads); the load's own staging buffer holds io_depth *
+            chunk_size; capped at 64 per reader thread.
+        threads: reader threads (None: $INSTANT_STAGING_THREADS, else one per
+            CPU, at most 16; never more than slots); capped at twice the
+            usable CPUs (a warning says so).
+        staging: a StagingBuffer to reuse instead of making one per load; up
+            to io_depth whole chunks inside its registrations are the slots
+            (one load at a time per buffer).
+        verify: after each tensor is copied, re-read its bytes from the file
+            with plain reads (not through the staging buffer) and compare
+            them with the tensor's memory on the device; a difference raises
+            VerifyError.  It checks the copy path (slot reuse, spans, copies),
+            not that the file is the one intended: safetensors carries no
+            checksum.  Default False.
+        progress: progress(done_bytes, total_bytes), called from this thread;
+            or True: a tqdm bar (a plain line per 10% without tqdm or a
+            terminal).  Default None: no progress.
+        views: on a GPU, tensors that lie back to back in a file share one
+            device block and are views of it (one copy per chunk however many
+            tensors it holds); a view keeps its whole block alive.  False:
+            each tensor owns its memory, as on the CPU, for tensors that
+            dtype= converts, and under a process group (loader/_blocks.py).
+            Default True.
+        backend: "mmap" (the default) or "pread", accepted as safetensors'
+            load_file accepts them; either way the bytes are read with pread
+            into the staging slots.
+        storage_options: for a URL source: passed to the object store's
+            config (keys client_options and retry_config: to those);
+            credentials and endpoints otherwise come from the client's
+            standard chain.
+
+    Returns:
+        ``{name: tensor}`` on ``device``, in reading order.
+
+    Raises:
+        TypeError, ValueError: a source, device, dtype or option of the wrong
+            form.
+        FileNotFoundError, PermissionError, SafetensorsError, ImportError:
+            as ``Checkpoint.open`` raises them (ImportError also without
+            torch).
+        KeyError: a name in ``names`` that the checkpoint lacks.
+        LoadError: a read or copy that failed (every tensor of the load freed).
+        VerifyError: with ``verify``, a tensor that differs from its file.
+        DistributedLoadError: with ``process_group``, a failure on any rank.
     """
     with iter_load(source, device, dtype=dtype, names=names, process_group=process_group,
                    chunk_size=chunk_size, io_depth=io_depth, threads=threads, staging=staging,
