@@ -196,47 +196,57 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
     """A ready model (eval mode): transformers' ``from_pretrained`` with the
     weights read by instant_staging.
 
-    model_dir      a local directory (config.json and safetensors weights: one
-                   file, shards with model.safetensors.index.json, or shards),
-                   a hub id (resolved through huggingface_hub's cache), or a URL
-                   prefix (s3://bucket/model/, gs://, az://, https://: its config
-                   and tokenizer files are fetched to a local cache directory,
-                   its weights streamed from the bucket; ``storage_options`` as
-                   ``load_file``'s)
-    device         where the weights go: "cuda:N", "cpu", ...; None (default): the
-                   current CUDA device where torch sees one, else the CPU
-    device_map     as transformers': a device, {"": device}, {module: device or
-                   "cpu" or "disk"}, "auto", "balanced", "balanced_low_0",
-                   "sequential" (with ``max_memory``, ``offload_folder``,
-                   ``offload_buffers`` as transformers'); overrides ``device``
-                   (a map over several devices with a ``device`` is an error)
-    dtype          None (transformers' default: 5 takes "auto", 4 float32),
-                   "auto" (the config's dtype, else the checkpoint's), or a
-                   floating torch dtype (or its name); ``torch_dtype`` is an alias
-    model_class    a transformers model class or Auto class; None: the class
-                   config.json's ``architectures`` names, else
-                   AutoModelForCausalLM's for the config's model_type
-    config         a config object (used as it is), or the path or hub id of one
-    output_loading_info
-                   True: ``(model, info)``, info as transformers' (its
-                   missing, unexpected and mismatched keys; a missing weight is
-                   then no error)
-    revision, subfolder, variant, trust_remote_code, cache_dir, token,
-    local_files_only, force_download, use_safetensors (None or True)
-                   as transformers' (the hub ones matter for a hub id)
-    **kwargs       as transformers takes them: config attributes override the
-                   config's (``num_hidden_layers=1``); the rest
-                   (``attn_implementation``, ``quantization_config``,
-                   ``key_mapping``, ``tp_plan``, ``low_cpu_mem_usage``, ...) go to
-                   transformers' ``from_pretrained``
+    Errors come before anything is read (see Raises), except a weight
+    missing from the checkpoint.
 
-    Errors come before anything is read: ValueError for a bad value, for an
-    argument asking for weights that are not safetensors ones
-    (``use_safetensors=False``, ``from_tf``, ``gguf_file``, ``state_dict``), for
-    a device_map naming a device torch lacks, or offloading to the disk
-    without ``offload_folder``; FileNotFoundError for a directory
-    without config.json or weights.  A weight missing from the checkpoint is
-    a KeyError naming it.
+    Args:
+        model_dir: a local directory (config.json and safetensors weights:
+            one file, shards with model.safetensors.index.json, or shards), a
+            hub id (resolved through huggingface_hub's cache), or a URL
+            prefix (s3://bucket/model/, gs://, az://, https://: its config
+            and tokenizer files are fetched to a local cache directory, its
+            weights streamed from the bucket; ``storage_options`` as
+            ``load_file``'s).
+        device: where the weights go: "cuda:N", "cpu", ...; None (default):
+            the current CUDA device where torch sees one, else the CPU.
+        dtype: None (transformers' default: 5 takes "auto", 4 float32),
+            "auto" (the config's dtype, else the checkpoint's), or a floating
+            torch dtype (or its name).
+        model_class: a transformers model class or Auto class; None: the
+            class config.json's ``architectures`` names, else
+            AutoModelForCausalLM's for the config's model_type.
+        device_map: as transformers': a device, {"": device}, {module: device
+            or "cpu" or "disk"}, "auto", "balanced", "balanced_low_0",
+            "sequential" (with ``max_memory``, ``offload_folder``,
+            ``offload_buffers`` as transformers'); overrides ``device`` (a map
+            over several devices with a ``device`` is an error).
+        torch_dtype: an alias of ``dtype``.
+        config: a config object (used as it is), or the path or hub id of
+            one.
+        revision, subfolder, variant, trust_remote_code, cache_dir, token,
+            local_files_only, force_download, use_safetensors (None or True):
+            as transformers' (the hub ones matter for a hub id).
+        output_loading_info: True: ``(model, info)``, info as transformers'
+            (its missing, unexpected and mismatched keys; a missing weight is
+            then no error).
+        storage_options: for a URL prefix, as ``load_file``'s.
+        **kwargs: as transformers takes them: config attributes override the
+            config's (``num_hidden_layers=1``); the rest
+            (``attn_implementation``, ``quantization_config``,
+            ``key_mapping``, ``tp_plan``, ``low_cpu_mem_usage``, ...) go to
+            transformers' ``from_pretrained``.
+
+    Returns:
+        The model in eval mode; with ``output_loading_info``, ``(model,
+        info)``.
+
+    Raises:
+        ValueError: a bad value; an argument asking for weights that are not
+            safetensors ones (``use_safetensors=False``, ``from_tf``,
+            ``gguf_file``, ``state_dict``); a device_map naming a device
+            torch lacks; offloading to the disk without ``offload_folder``.
+        FileNotFoundError: a directory without config.json or weights.
+        KeyError: a weight missing from the checkpoint (naming it).
     """
     torch = _import_torch()
     transformers = _import_transformers()

@@ -31,7 +31,24 @@ if TYPE_CHECKING:
 
 
 def load(data: bytes, device: Device = "cpu") -> dict[str, torch.Tensor]:
-    """The tensors of the safetensors file whose content is ``data``."""
+    """The tensors of the safetensors file whose content is ``data``.
+
+    A drop-in for ``safetensors.torch.load``.
+
+    Args:
+        data: the bytes of a safetensors file (bytes or any contiguous
+            buffer; not a str).
+        device: where the tensors go: "cpu" (the default), "cuda:N", a
+            torch.device or an int.
+
+    Returns:
+        ``{name: tensor}`` on ``device``.
+
+    Raises:
+        TypeError: ``data`` is a str or not a buffer.
+        ValueError: ``data`` is not a contiguous buffer, or a bad device.
+        SafetensorsError: content safetensors would refuse.
+    """
     if isinstance(data, str):
         raise TypeError("data must be the bytes of a safetensors file, not a str "
                         "(to read a file, use load_file(path))")

@@ -186,8 +186,27 @@ class _File:
 
 
 class safe_open:
-    """``safetensors.safe_open(filename, framework="pt", device=...)`` read
-    through instant_staging (see the module docstring)."""
+    """``safetensors.safe_open(filename, framework="pt", device=...)``, read
+    through instant_staging.
+
+    See the module docstring.  A context manager; ``close()`` ends it.
+
+    Args:
+        filename: a .safetensors path, or one object's URL
+            (s3://bucket/key.safetensors, https://...).
+        framework: "pt" (the default): the only one; torch tensors.
+        device: where tensors go: "cpu" (the default), "cuda:N", a
+            torch.device or an int.
+        backend: "mmap" (the default) or "pread", as ``load_file``'s.
+        storage_options: for a URL only, as ``load_file``'s; default None.
+
+    Raises:
+        TypeError, ValueError: a framework other than "pt", a bad backend or
+            device, ``storage_options`` for a file.
+        FileNotFoundError, PermissionError, SafetensorsError, ImportError:
+            as ``Checkpoint.open`` raises them (ImportError also without
+            torch).
+    """
 
     def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu", *,
                  backend: str = "mmap", storage_options: Mapping[str, Any] | None = None):
@@ -243,7 +262,18 @@ class safe_open:
         return None if self._metadata is None else dict(self._metadata)
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        """The whole tensor, reading only its bytes."""
+        """The whole tensor, reading only its bytes.
+
+        Args:
+            name: a tensor name.
+
+        Returns:
+            The tensor on the handle's device.
+
+        Raises:
+            KeyError: the file has no tensor ``name``.
+            LoadError: a read or copy that failed.
+        """
         entry = self._entry(name)
         return self._read([entry])[0]
 
@@ -255,19 +285,38 @@ class safe_open:
 
     def get_slice(self, name: str) -> _Slice:
         """A lazy view: ``get_shape()``, ``get_dtype()``, and indexing reads.
+
         It stays usable after the handle is closed (it holds the file until
-        it is dropped)."""
+        it is dropped).
+
+        Args:
+            name: a tensor name.
+
+        Returns:
+            The slice object.
+
+        Raises:
+            KeyError: the file has no tensor ``name``.
+        """
         return _Slice(self._file, self._entry(name))
 
     def prefetch(self, plan: dict[str, slice | None] | None = None, *, device: Device | None = None,
                  threads: int = 8) -> PrefetchLoader:
         """safetensors 0.9's ``prefetch``: starts loading the file's tensors
-        (``plan``: ``{name: None | step-1 slice of the first dimension}``,
-        None for every tensor whole) onto ``device`` (default: the handle's;
-        any device, the CPU too) in the background, through the loader's own
-        pipeline.  Returns a ``PrefetchLoader`` that hands each tensor out
-        once.  The handle keeps working; the file stays open while a loader
-        of it is open.
+        in the background.
+
+        The load runs through the loader's own pipeline.  The handle keeps
+        working; the file stays open while a loader of it is open.
+
+        Args:
+            plan: ``{name: None | step-1 slice of the first dimension}``;
+                None (the default) for every tensor whole.
+            device: where the tensors go; default None: the handle's (any
+                device, the CPU too).
+            threads: reader threads, an int >= 1; default 8.
+
+        Returns:
+            A ``PrefetchLoader`` that hands each tensor out once.
 
         Raises (as safetensors 0.9, checked in this order, before anything
         is read):
@@ -382,9 +431,10 @@ def _prefetch_plan(plan, entries, order, path):
 
 
 class PrefetchLoader:
-    """The tensors of one ``safe_open.prefetch``, loading in the background
-    (the reader threads run once the first tensor is asked for, which
-    ``prefetch`` does at once).  Each tensor is handed out once, by
+    """The tensors of one ``safe_open.prefetch``, loading in the background.
+
+    The reader threads run once the first tensor is asked for, which
+    ``prefetch`` does at once.  Each tensor is handed out once, by
     ``take(name)`` or by iterating (readiness order, taken ones skipped);
     ``close()`` stops the load and frees every tensor not taken.  One
     consumer at a time (a lock)."""
@@ -423,7 +473,18 @@ class PrefetchLoader:
         return len(self._names)
 
     def take(self, name: str) -> torch.Tensor:
-        """``name``'s tensor, waiting for its bytes; each once (again: KeyError)."""
+        """``name``'s tensor, waiting for its bytes; each is handed out once.
+
+        Args:
+            name: a planned tensor's name.
+
+        Returns:
+            The tensor.
+
+        Raises:
+            KeyError: ``name`` is not in this prefetch, was taken already
+                (asked again), or the load ended without it.
+        """
         with self._lock:
             if name in self._taken or name not in self._planned:
                 raise MissingTensorError(f"{name!r} is not in this prefetch or was taken already")
