@@ -16,7 +16,49 @@ MAX_PREFAULT_THREADS: int
 def auto_prefault_threads(size: int, *, bytes_per_thread: int = ..., max_threads: int = ...) -> int: ...
 
 class StagingBuffer:
-    """A pinned host staging buffer that falls back instead of failing."""
+    """A pinned host staging buffer that falls back instead of failing.
+
+    ``kind`` says which path worked, ``attempts`` what every step did.
+    ``spans()`` splits a byte range at registration boundaries: on a real
+    driver one copy may not cross two registrations.  Release happens once,
+    from ``close()``, the context manager, or garbage collection.
+
+    Args:
+        size: bytes, an int >= 1.
+        alignment: the mapping's alignment, a power of two >= the page size;
+            None (the default): the page size.  With huge pages it is at
+            least 2 MiB.
+        segment_size: bytes per registration when the whole range cannot
+            be registered at once (step 4), a positive multiple of the page
+            size; default DEFAULT_SEGMENT_SIZE.
+        copy_unit: None, or the size of the chunks copied out of the buffer:
+            segment_size is then rounded down to a multiple of it (and of the
+            page), so that copy_unit-aligned chunks never straddle two
+            registrations.
+        register_flags: flags of the runtime's register call; default 0.
+        alloc_flags: flags of the runtime's own pinned allocation (step 6);
+            default 0.
+        prefault_threads: threads that fault the pages in before
+            registration (0 disables); None (the default):
+            ``auto_prefault_threads(size)``.
+        hugepages: advise MADV_HUGEPAGE; None (the default):
+            INSTANT_STAGING_HUGEPAGES where set, else huge pages where THP
+            allows them and their 2 MiB blocks are free
+            (``hugepages_reason`` says which).
+        allow_pageable: True: fall back to ordinary, not pinned memory
+            (step 7) when nothing could be pinned; default False (that is
+            then an error).
+        runtime: an instant_staging Runtime; None (the default):
+            ``default_runtime()``.
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or out of range
+            (checked before the first allocation).
+        StagingError: no memory of an accepted kind could be had
+            (``attempts`` says what every step did); RollbackError when
+            undoing the registered segments failed too (the memory is then
+            retained, still registered).
+    """
 
     def __init__(
         self,

@@ -90,6 +90,17 @@ def auto_prefault_threads(size_t size, *, size_t bytes_per_thread=32 << 20,
     that comes to fewer than two: one thread writing each page is slower
     than the registration faulting the pages itself, two threads only a
     little faster (docs/design.md, "Measured: prefault threads").
+
+    Args:
+        size: the buffer's bytes.
+        bytes_per_thread: bytes per thread; default 32 MiB.
+        max_threads: the most threads; default 16.
+
+    Returns:
+        The thread count (0: no prefault).
+
+    Raises:
+        ValueError: a bad INSTANT_STAGING_PREFAULT_THREADS.
     """
     threads = envs.get("INSTANT_STAGING_PREFAULT_THREADS")     # a bad value: ValueError
     if threads is not None:
@@ -257,6 +268,42 @@ cdef class StagingBuffer:
     ``spans()`` splits a byte range at registration boundaries: on a real
     driver one copy may not cross two registrations.  Release happens once,
     from ``close()``, the context manager, or garbage collection.
+
+    Args:
+        size: bytes, an int >= 1.
+        alignment: the mapping's alignment, a power of two >= the page size;
+            None (the default): the page size.  With huge pages it is at
+            least 2 MiB.
+        segment_size: bytes per registration when the whole range cannot
+            be registered at once (step 4), a positive multiple of the page
+            size; default DEFAULT_SEGMENT_SIZE.
+        copy_unit: None, or the size of the chunks copied out of the buffer:
+            segment_size is then rounded down to a multiple of it (and of the
+            page), so that copy_unit-aligned chunks never straddle two
+            registrations.
+        register_flags: flags of the runtime's register call; default 0.
+        alloc_flags: flags of the runtime's own pinned allocation (step 6);
+            default 0.
+        prefault_threads: threads that fault the pages in before
+            registration (0 disables); None (the default):
+            ``auto_prefault_threads(size)``.
+        hugepages: advise MADV_HUGEPAGE; None (the default):
+            INSTANT_STAGING_HUGEPAGES where set, else huge pages where THP
+            allows them and their 2 MiB blocks are free
+            (``hugepages_reason`` says which).
+        allow_pageable: True: fall back to ordinary, not pinned memory
+            (step 7) when nothing could be pinned; default False (that is
+            then an error).
+        runtime: an instant_staging Runtime; None (the default):
+            ``default_runtime()``.
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or out of range
+            (checked before the first allocation).
+        StagingError: no memory of an accepted kind could be had
+            (``attempts`` says what every step did); RollbackError when
+            undoing the registered segments failed too (the memory is then
+            retained, still registered).
     """
 
     def __cinit__(self, *args, **kwargs):
@@ -620,11 +667,12 @@ cdef class StagingBuffer:
     def close(self):
         """Releases the memory with the call matching its kind.  Idempotent.
 
-        Raises BufferError while a memoryview (or ``as_tensor()``) of the
-        buffer is alive or while a load uses it (close or cancel the load
-        first: its reader threads write into the buffer until they are
-        joined), and StagingError if the runtime refused to unregister (the
-        memory is then leaked on purpose, never freed while registered).
+        Raises:
+            BufferError: a memoryview (or ``as_tensor()``) of the buffer is
+                alive, or a load uses it (close or cancel the load first: its
+                reader threads write into the buffer until they are joined).
+            StagingError: the runtime refused to unregister (the memory is
+                then leaked on purpose, never freed while registered).
         """
         if self._holds > 0:
             raise BufferError("cannot close a StagingBuffer while a load is using it: "
@@ -723,8 +771,19 @@ cdef class StagingBuffer:
         return self._runtime
 
     def spans(self, offset=0, nbytes=None):
-        """[(ptr, size), ...] covering [offset, offset + nbytes), split so that
-        no span crosses a registration boundary."""
+        """The buffer's memory in spans that cross no registration boundary.
+
+        Args:
+            offset: the first byte, in [0, size]; default 0.
+            nbytes: bytes from ``offset``; None (the default): to the end.
+
+        Returns:
+            [(ptr, size), ...] covering [offset, offset + nbytes), split so
+            that no span crosses a registration boundary.
+
+        Raises:
+            ValueError: the buffer is closed, or the range is outside it.
+        """
         if self._released or self._ptr == NULL:
             raise ValueError("operation on a closed StagingBuffer")
         _int_arg("offset", offset, 0)
@@ -753,6 +812,13 @@ cdef class StagingBuffer:
         so ``close()`` raises BufferError while any of them lives.  Prefer it
         to ``torch.frombuffer(buf)``, which releases its export at once:
         after ``close()`` such a tensor points at unmapped memory.
+
+        Returns:
+            The tensor, ``size`` elements.
+
+        Raises:
+            ValueError: the buffer is closed.
+            ImportError: torch is not installed.
         """
         if self._released or self._ptr == NULL:
             raise ValueError("operation on a closed StagingBuffer")
