@@ -41,8 +41,11 @@ class Attempt(NamedTuple):
 
 
 class StagingError(RuntimeError):
-    """No staging buffer could be made; ``attempts`` says what was tried,
-    ``code`` is the last runtime code (0 where no runtime call failed)."""
+    """No staging buffer could be made.
+
+    ``attempts`` says what was tried, ``code`` is the last runtime code (0
+    where no runtime call failed).
+    """
 
     def __init__(self, message: str, attempts: tuple[Attempt, ...] = (),
                  code: Optional[int] = None):
@@ -76,9 +79,11 @@ class RollbackError(StagingError):
 
 
 class ReleaseError(StagingError):
-    """Releasing a buffer failed: the runtime refused to unregister (or to
-    free) its memory, which is leaked on purpose, never freed while it may
-    still be registered.  ``retained_ranges`` are the ``(ptr, size)``
+    """Releasing a buffer failed.
+
+    The runtime refused to unregister (or to free) its memory, which is
+    leaked on purpose, never freed while it may still be registered.
+    ``retained_ranges`` are the ``(ptr, size)``
     ranges left, oldest first (ascending address), as in RollbackError;
     ``code`` is the runtime's last code.
     """
@@ -92,9 +97,11 @@ class ReleaseError(StagingError):
 
 
 class RuntimeCallError(RuntimeError):
-    """A runtime call made from Python failed (``Runtime.check``): ``call``
-    names it, ``code`` and ``name`` are the runtime's own.  The pending
-    error was cleared on the same runtime before this was raised."""
+    """A runtime call made from Python failed (``Runtime.check``).
+
+    ``call`` names it, ``code`` and ``name`` are the runtime's own.  The
+    pending error was cleared on the same runtime before this was raised.
+    """
 
     def __init__(self, call: str, code: int, name: str):
         super().__init__(f"{call} failed with {name} ({code})")
@@ -113,7 +120,14 @@ _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 
 def format_size(n: int) -> str:
-    """2147483648 -> '2 GiB'; 1536 -> '1.5 KiB'; 100 -> '100 B'."""
+    """A byte count in binary units: 2147483648 -> '2 GiB'; 1536 -> '1.5 KiB'; 100 -> '100 B'.
+
+    Args:
+        n: bytes.
+
+    Returns:
+        The text: whole numbers without decimals, others with at most two.
+    """
     for unit, scale in _UNITS:
         if n >= scale:
             value = n / scale
@@ -132,7 +146,20 @@ def format_rate(bytes_per_second: float, digits: int = 1) -> str:
 
 
 def parse_size(text) -> int:
-    """'2GiB', '256 MiB', '4096', '1.5KiB' -> bytes.  ValueError otherwise."""
+    """A size in bytes: '2GiB', '256 MiB', '4096', '1.5KiB' -> bytes.
+
+    Args:
+        text: an int (returned as it is) or a string: a number, optionally
+            with a KiB, MiB, GiB or B suffix (any case, spaces ignored).
+
+    Returns:
+        The bytes, an int.
+
+    Raises:
+        TypeError: neither an int nor a string (a bool included).
+        ValueError: any other string: not a number, not a whole,
+            non-negative number of bytes, or beyond any number of bytes.
+    """
     if isinstance(text, bool):
         raise TypeError("size must be an int or a string such as '2GiB'")
     if isinstance(text, int):

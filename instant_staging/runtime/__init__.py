@@ -73,14 +73,23 @@ def backend_module():
 
 
 def real_runtime() -> "Runtime":
-    """The process-wide runtime of this build (no faults)."""
+    """The process-wide runtime of this build (no faults).
+
+    Returns:
+        The build's ``Runtime`` (CUDA or HIP).
+    """
     return backend_module().runtime()
 
 
 def default_runtime() -> "Runtime":
     """The real runtime, wrapped in INSTANT_STAGING_FAULTS when it is set.
 
-    A malformed spec raises ValueError naming the variable and the bad rule.
+    Returns:
+        ``real_runtime()``, or, where INSTANT_STAGING_FAULTS is set, a
+        ``FaultyRuntime`` around it (one per spec).
+
+    Raises:
+        ValueError: a malformed spec (naming the variable and the bad rule).
     """
     spec = envs.raw("INSTANT_STAGING_FAULTS")
     if spec is None:
