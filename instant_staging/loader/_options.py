@@ -126,7 +126,21 @@ def keep_staging() -> bool:
 
 
 def torch_dtype(torch, dtype):
-    """None, or the floating torch dtype ``dtype`` names."""
+    """None, or the floating torch dtype ``dtype`` names.
+
+    Args:
+        torch: the torch module.
+        dtype: None, a torch.dtype, or its name (or an alias of
+            ``DTYPE_ALIASES``, any case).
+
+    Returns:
+        None for None, else the torch.dtype.
+
+    Raises:
+        TypeError: neither None, a str nor a torch.dtype.
+        ValueError: a name of no torch dtype, a dtype that is not floating,
+            or one that torch cannot convert floating tensors to.
+    """
     if dtype is None:
         return None
     if isinstance(dtype, str):

@@ -40,7 +40,18 @@ def _rate(start, done, now):
 
 
 def resolve(progress):
-    """The callable a load reports to, or None (see the module docstring)."""
+    """The callable a load reports to, or None (see the module docstring).
+
+    Args:
+        progress: None or False (silent), True (a printer), or a callable
+            ``progress(done_bytes, total_bytes)``.
+
+    Returns:
+        None, the callable, or for True the printer.
+
+    Raises:
+        TypeError: anything else.
+    """
     if progress is None or progress is False:
         return None
     if progress is True:
@@ -118,6 +129,13 @@ class Progress:
 
     ``bar=True`` redraws one line in place (a terminal); otherwise a plain
     line is written at each tenth, and nothing when ``quiet``.
+
+    Args:
+        stream: where the lines go (a text stream).
+        bar: True: one line redrawn in place; False: a line per tenth.
+        quiet: without ``bar``, write nothing; default False.
+        interval: seconds between redraws of the bar at most; default 0.1.
+        clock: the clock, in seconds; default ``time.perf_counter``.
     """
 
     WIDTH = 30

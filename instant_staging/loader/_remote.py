@@ -71,7 +71,14 @@ class RemoteChangedError(LoadError):
 
 
 def is_url(source) -> bool:
-    """Whether ``source`` (or the first item of a list) is a URL of a scheme we read."""
+    """Whether ``source`` (or the first item of a list) is a URL of a scheme we read.
+
+    Args:
+        source: anything a load takes as its source.
+
+    Returns:
+        True for a URL of a scheme read here (s3://, gs://, az://, https://, ...).
+    """
     if isinstance(source, (list, tuple)) and source:
         source = source[0]
     return isinstance(source, str) and "://" in source and \
@@ -400,12 +407,22 @@ _WEIGHT_SUFFIXES = (SHARD_SUFFIX, ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5"
 
 
 def fetch_side_files(url, dest, storage_options=None):
-    """Copies the objects directly under the prefix ``url`` that are not
-    weights (config.json, tokenizer files, generation_config.json, the
-    index) into the local directory ``dest``; returns the names of every
-    object under the prefix (the weights too, which stay there).  An object
-    already there with the same size is kept.  Each is written to a
-    temporary name and renamed, so a reader never sees half a file."""
+    """Copies the objects under a prefix that are not weights into a local directory.
+
+    These are the objects directly under the prefix ``url`` (config.json,
+    tokenizer files, generation_config.json, the index).  An object already
+    there with the same size is kept.  Each is written to a temporary name
+    and renamed, so a reader never sees half a file.
+
+    Args:
+        url: the prefix (s3://bucket/model/, ...).
+        dest: the local directory (made where missing).
+        storage_options: as ``load_file``'s; default None.
+
+    Returns:
+        The names of every object under the prefix (the weights too, which
+        stay there).
+    """
     obstore = _obstore()
     stores = _Stores(storage_options)
     url = url.rstrip("/") + "/"

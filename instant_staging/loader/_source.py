@@ -45,8 +45,11 @@ SHARD_SUFFIX = ".safetensors"
 
 
 class Source:
-    """The shards of one load; ``index`` and ``weight_map`` (tensor name ->
-    shard path) where an index named them."""
+    """The shards of one load.
+
+    ``paths`` are the shard files; ``index`` and ``weight_map`` (tensor
+    name -> shard path) where an index named them.
+    """
 
     def __init__(self, paths: list[str], index: str | None = None,
                  weight_map: dict[str, str] | None = None):
@@ -81,10 +84,20 @@ def _text(p) -> str:
 def resolve(source) -> Source:
     """The shards ``source`` names (see the module docstring).
 
-    TypeError for something that is not a path or a list of paths;
-    ValueError for an empty list, a bad index, a directory without shards;
-    FileNotFoundError for a path or a listed shard that does not exist.
     Checked before anything is opened or allocated.
+
+    Args:
+        source: a local source as ``load_file`` takes it: a path, a list of
+            paths, a directory or an index.json.
+
+    Returns:
+        Its ``Source``: the shard files (``.paths``), and ``index`` and
+        ``weight_map`` where an index named them.
+
+    Raises:
+        TypeError: something that is not a path or a list of paths.
+        ValueError: an empty list, a bad index, a directory without shards.
+        FileNotFoundError: a path or a listed shard that does not exist.
     """
     if _is_path(source):
         path = _text(source)

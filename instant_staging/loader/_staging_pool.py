@@ -129,9 +129,11 @@ def give(device, buf):
 
 
 def empty_cache() -> None:
-    """Closes the staging buffers kept for later loads (``load_file`` keeps
-    the one it made, per device, unless INSTANT_STAGING_KEEP_STAGING=0).
-    Loads running now keep theirs."""
+    """Closes the staging buffers kept for later loads.
+
+    ``load_file`` keeps the one it made, per device, unless
+    INSTANT_STAGING_KEEP_STAGING=0.  Loads running now keep theirs.
+    """
     global _kept
     fresh = {}
     with _lock:

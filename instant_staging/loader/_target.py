@@ -31,6 +31,14 @@ log = logging.getLogger("instant_staging")
 
 
 def _import_torch():
+    """torch, imported.
+
+    Returns:
+        The torch module.
+
+    Raises:
+        ImportError: torch is not installed (naming the extra to install).
+    """
     try:
         import torch
     except ImportError:
@@ -208,10 +216,20 @@ def _caching(torch):
 
 
 def _resolve_device(torch, device):
-    """The torch.device of ``device`` ("cpu", "cuda:N", an int, a
-    torch.device), with its index, once CUDA says it is there: TypeError
-    for another type, ValueError naming it for anything torch cannot parse,
-    this loader cannot load to, or this host does not have."""
+    """The torch.device of ``device``, with its index, once CUDA says it is there.
+
+    Args:
+        torch: the torch module.
+        device: "cpu", "cuda:N", an int or a torch.device.
+
+    Returns:
+        The torch.device.
+
+    Raises:
+        TypeError: another type.
+        ValueError: naming it, for anything torch cannot parse, this loader
+            cannot load to, or this host does not have.
+    """
     device = parse_device(torch, device)
     if device.type == "cpu":
         return device
@@ -229,9 +247,22 @@ def _resolve_device(torch, device):
 
 
 def parse_device(torch, device):
-    """The torch.device ``device`` names, of a kind this loader loads to
-    (the CPU, a CUDA or ROCm GPU), whether or not this host has it:
-    ``_resolve_device``'s rules for the name alone (the CLI's usage check)."""
+    """The torch.device ``device`` names, whether or not this host has it.
+
+    ``_resolve_device``'s rules for the name alone (the CLI's usage check).
+
+    Args:
+        torch: the torch module.
+        device: "cpu", "cuda:N", a GPU index or a torch.device.
+
+    Returns:
+        The torch.device, of a kind this loader loads to (the CPU, a CUDA
+        or ROCm GPU).
+
+    Raises:
+        TypeError: another type.
+        ValueError: a name torch cannot parse, or a device of another kind.
+    """
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise TypeError(f"device must be 'cpu', 'cuda:N', a GPU index or a torch.device, "
                         f"not {type(device).__name__} {device!r}")
@@ -247,9 +278,16 @@ def parse_device(torch, device):
 
 
 def default_device():
-    """Where a load given no device goes (``from_pretrained``, the CLI's
-    ``load``): the current CUDA device where torch sees one, else the CPU,
-    said on the ``instant_staging`` logger at INFO."""
+    """Where a load given no device goes (``from_pretrained``, the CLI's ``load``).
+
+    The choice is said on the ``instant_staging`` logger at INFO.
+
+    Returns:
+        The current CUDA device ("cuda:N") where torch sees one, else "cpu".
+
+    Raises:
+        ImportError: torch is not installed.
+    """
     torch = _import_torch()
     chosen = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     log.info("no device given: loading onto %s (%s)", chosen,
