@@ -8,7 +8,22 @@ from .faults import FaultPlan
 _R = TypeVar("_R", bound=Runtime)
 
 class FaultyRuntime(Runtime):
-    """``inner`` with the faults of ``plan`` (a FaultPlan or a spec string)."""
+    """``inner`` with the faults of ``plan``.
+
+    ``name`` is the inner name plus ``"+faults"``; ``inner`` and ``plan``
+    are what it was made from.  Sizes of ``unregister`` and ``free_host``
+    calls, for ``>SIZE`` rules, are those recorded when the range was
+    registered or allocated through this wrapper (0 when unknown).
+
+    Args:
+        inner: the Runtime wrapped (not None).
+        plan: a ``FaultPlan`` or a spec string (docs/design.md, "Faults").
+
+    Raises:
+        TypeError: ``inner`` is not a Runtime, or ``plan`` neither a spec
+            str nor a FaultPlan.
+        ValueError: a malformed spec (naming the bad rule).
+    """
 
     def __init__(self, inner: Runtime, plan: FaultPlan | str) -> None: ...
     @property

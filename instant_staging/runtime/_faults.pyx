@@ -47,11 +47,19 @@ cdef class FaultyRuntime(Runtime):
 
     ``inner`` with the faults of ``plan``.
 
-    ``plan`` is a ``FaultPlan`` or a spec string (docs/design.md, "Faults").
     ``name`` is the inner name plus ``"+faults"``; ``inner`` and ``plan``
     are what it was made from.  Sizes of ``unregister`` and ``free_host``
     calls, for ``>SIZE`` rules, are those recorded when the range was
     registered or allocated through this wrapper (0 when unknown).
+
+    Args:
+        inner: the Runtime wrapped (not None).
+        plan: a ``FaultPlan`` or a spec string (docs/design.md, "Faults").
+
+    Raises:
+        TypeError: ``inner`` is not a Runtime, or ``plan`` neither a spec
+            str nor a FaultPlan.
+        ValueError: a malformed spec (naming the bad rule).
     """
 
     def __init__(self, Runtime inner not None, plan):
@@ -131,8 +139,18 @@ cdef class FaultyRuntime(Runtime):
 def inject_faults(runtime, plan_or_spec):
     """``runtime`` wrapped in the faults of ``plan_or_spec`` (a FaultPlan or spec str).
 
-    ``None`` or an empty spec returns ``runtime`` itself.  A malformed spec
-    raises ValueError naming the bad rule.
+    Args:
+        runtime: the Runtime to wrap (the real one too).
+        plan_or_spec: a FaultPlan, a spec str, or None.
+
+    Returns:
+        A ``FaultyRuntime`` around ``runtime``; ``None`` or an empty spec
+        returns ``runtime`` itself.
+
+    Raises:
+        TypeError: ``runtime`` is not a Runtime, or ``plan_or_spec`` of
+            another type.
+        ValueError: a malformed spec (naming the bad rule).
     """
     if not isinstance(runtime, Runtime):
         raise TypeError(f"runtime must be a Runtime, not {type(runtime).__name__}")

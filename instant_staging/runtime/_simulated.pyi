@@ -11,7 +11,28 @@ DEVICE_NAME: str
 def error_text(backend: str, code: int) -> tuple[str, str]: ...
 
 class SimulatedRuntime(Runtime):
-    """A host-only runtime with the driver's measured semantics."""
+    """A runtime without a GPU, behaving like the CUDA driver measured in
+    docs/design.md (see the module docstring).
+
+    Leftover allocations are freed when the runtime is collected.
+
+    Args:
+        faults: None (the default), or a spec string or ``FaultPlan`` that
+            wraps its own table in ``FaultyRuntime``: calls the plan fails
+            never reach the simulation, so they are neither counted nor
+            logged here.
+        device_count: devices, in [0, 1024]; default 1.  0 plays a host
+            without a device: device calls fail with no_device (100), host
+            calls still work.
+        log_limit: bounds ``calls`` (None: unbounded, 0: no log); default
+            10000.
+        backend: "cuda" or "rocm": picks the error names; None (the
+            default): those of the built backend.
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or out of
+            range; a malformed fault spec (ValueError naming the bad rule).
+    """
 
     def __init__(
         self,
