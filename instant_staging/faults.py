@@ -190,6 +190,13 @@ class FaultPlan:
     ``FaultPlan([FaultRule("register", ">", 2 << 30, 1)])``.  Every call of
     an operation is counted by ``decide`` (failing or not); the first rule
     that matches gives the code.  Safe to share between threads.
+
+    Args:
+        rules: ``FaultRule``s, in the order they are tried; default none.
+
+    Raises:
+        TypeError: a rule that is not a FaultRule.
+        ValueError: a rule of an unknown operation or selector.
     """
 
     def __init__(self, rules: Iterable[FaultRule] = ()):
@@ -208,10 +215,20 @@ class FaultPlan:
 
     @classmethod
     def parse(cls, spec: str) -> "FaultPlan":
-        """Parse a spec; a malformed rule raises ValueError naming it.
+        """Parse a spec.
 
         Whitespace around names, selectors and ``;`` is ignored, and so are
         empty rules (``"register=1;"``); an empty spec has no rules.
+
+        Args:
+            spec: rules separated by ``;`` (``"register>2GiB=invalid_value"``).
+
+        Returns:
+            The plan.
+
+        Raises:
+            TypeError: ``spec`` is not a str.
+            ValueError: a malformed rule (naming it).
         """
         if not isinstance(spec, str):
             raise TypeError(f"a fault spec must be a str, not {type(spec).__name__}")
@@ -219,9 +236,17 @@ class FaultPlan:
 
     @classmethod
     def from_env(cls, environ=None) -> Optional["FaultPlan"]:
-        """The plan of ``INSTANT_STAGING_FAULTS``, or None when unset or empty;
-        a malformed spec is a ValueError naming the variable and the rule.
-        ``environ``: where to read it (None: ``os.environ``)."""
+        """The plan of ``INSTANT_STAGING_FAULTS``.
+
+        Args:
+            environ: where to read it; None (the default): ``os.environ``.
+
+        Returns:
+            The plan, or None when the variable is unset or empty.
+
+        Raises:
+            ValueError: a malformed spec (naming the variable and the rule).
+        """
         return envs.get(ENV_VAR, environ)
 
     @property
@@ -235,7 +260,18 @@ class FaultPlan:
             return dict(self._counts)
 
     def decide(self, op: str, size: int = 0) -> int:
-        """Count this call of ``op`` and return the code it fails with, 0 for none."""
+        """Count this call of ``op`` and return the code it fails with.
+
+        Args:
+            op: the operation called.
+            size: the call's bytes, for ``>``/``>=`` rules; default 0.
+
+        Returns:
+            The code of the first rule that matches, 0 for none.
+
+        Raises:
+            ValueError: an unknown operation.
+        """
         with self._lock:
             try:
                 self._counts[op] += 1
@@ -269,9 +305,19 @@ class FaultPlan:
 
 
 def as_plan(plan_or_spec):
-    """The one way to turn what a caller passes into a plan: a spec string
-    is parsed (ValueError naming the bad rule), a FaultPlan is returned as
-    it is; anything else is a TypeError."""
+    """The one way to turn what a caller passes into a plan.
+
+    Args:
+        plan_or_spec: a spec string (parsed) or a FaultPlan (returned as it
+            is).
+
+    Returns:
+        The FaultPlan.
+
+    Raises:
+        TypeError: anything else.
+        ValueError: a malformed spec (naming the bad rule).
+    """
     if isinstance(plan_or_spec, str):
         return FaultPlan.parse(plan_or_spec)
     if isinstance(plan_or_spec, FaultPlan):
