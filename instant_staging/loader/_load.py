@@ -222,16 +222,20 @@ class Checkpoint:
             raise KeyError(f"tensor {name!r} is not in the checkpoint") from None
 
     def metadata(self) -> Optional[dict[str, str]]:
-        """The first shard's ``__metadata__`` (None without one), as
-        safetensors' ``safe_open(...).metadata()`` gives it."""
+        """The first shard's ``__metadata__``, as safetensors'
+        ``safe_open(...).metadata()`` gives it (None without one)."""
         meta = self._shards.headers[0].metadata
         return None if meta is None else dict(meta)
 
     def default_knobs(self) -> dict:
         """The ``chunk_size``, ``io_depth`` and ``threads`` a load of this
-        checkpoint chooses where the caller sets none ({} where it keeps the
-        defaults): the cold ones for files the page cache mostly lacks (one
-        sample of it, taken now), the remote ones for a URL."""
+        checkpoint chooses where the caller sets none.
+
+        Returns:
+            {} where it keeps the defaults; the cold ones for files the page
+            cache mostly lacks (one sample of it, taken now), the remote ones
+            for a URL.
+        """
         return self._shards.default_knobs()
 
     @property

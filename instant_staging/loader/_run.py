@@ -217,12 +217,15 @@ def fault_plan(staging):
 
 
 class LoadReport(NamedTuple):
-    """What a finished load did, for the CLI, the vLLM log line and the
-    benchmarks to print instead of measuring again.  ``seconds`` runs from
+    """What a finished load did.
+
+    For the CLI, the vLLM log line and the benchmarks to print instead of
+    measuring again.  ``seconds`` runs from
     the call (``load_file``, ``Checkpoint.load``) to the last tensor;
     ``phases`` splits it: ``open`` (sources resolved, headers parsed: 0 for
     a checkpoint opened before), ``prepare`` (arguments, device, plan) and
-    ``load`` (bytes read and copied)."""
+    ``load`` (bytes read and copied).
+    """
 
     tensors: int
     bytes: int
@@ -354,8 +357,13 @@ class LoadIterator:
         return _load(state, **options)
 
     def timed(self, began, opened=0.0):
-        """Counts the load's time from ``began`` (the call), of which
-        ``opened`` went to opening its checkpoint (``Checkpoint._iter_load``)."""
+        """Counts the load's time from the call.
+
+        Args:
+            began: the call's ``time.perf_counter()``.
+            opened: seconds of it that went to opening its checkpoint
+                (``Checkpoint._iter_load``); default 0.0.
+        """
         self._times[0], self._times[1] = began, opened
 
     @property
@@ -375,8 +383,10 @@ class LoadIterator:
 
     @property
     def staging_kind(self):
-        """The Kind of the staging buffer in use once loading started (None
-        before, and for ordinary memory when loading to the CPU)."""
+        """The Kind of the staging buffer in use once loading started.
+
+        None before, and for ordinary memory when loading to the CPU.
+        """
         return self._state.staging_kind
 
     @property
