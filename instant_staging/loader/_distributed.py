@@ -98,8 +98,10 @@ _PAGE = 4096
 
 
 class DistributedLoadError(LoadError):
-    """Another rank of the group failed (or never answered).  ``ranks``
-    maps each failed rank of the group to its message."""
+    """Another rank of the group failed (or never answered).
+
+    ``ranks`` maps each failed rank of the group to its message.
+    """
 
     def __init__(self, message, ranks=None):
         super().__init__(message)

@@ -27,9 +27,11 @@ except ImportError:          # safetensors is optional
 
 
 class LoadError(RuntimeError):
-    """Loading failed after the headers were validated (a read, a copy, a
-    file that shrank).  ``path`` and ``tensor`` say where, where known;
-    ``code`` is the errno or the runtime's error code."""
+    """Loading failed after the headers were validated.
+
+    A read, a copy, a file that shrank.  ``path`` and ``tensor`` say where,
+    where known; ``code`` is the errno or the runtime's error code.
+    """
 
     def __init__(self, message, path=None, tensor=None, code=0):
         super().__init__(message)

@@ -91,8 +91,11 @@ _MAX_NUMBER_DIGITS = 400
 
 
 class SafetensorsError(ValueError, UpstreamError):
-    """A malformed safetensors file; ``path`` and ``tensor`` say where.  Also
-    a ``safetensors.SafetensorError`` where safetensors is importable."""
+    """A malformed safetensors file.
+
+    ``path`` and ``tensor`` say where.  Also a ``safetensors.SafetensorError``
+    where safetensors is importable.
+    """
 
     def __init__(self, message: str, path=None, tensor: Optional[str] = None):
         self.path = _path_text(path)
