@@ -196,8 +196,8 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
     """A ready model (eval mode): transformers' ``from_pretrained`` with the
     weights read by instant_staging.
 
-    Errors come before anything is read (see Raises), except a weight
-    missing from the checkpoint.
+    The ValueError and FileNotFoundError of Raises come before anything is
+    read.
 
     Args:
         model_dir: a local directory (config.json and safetensors weights:
