@@ -411,13 +411,8 @@ class _BackgroundLoad:
         all), the first one made here (its errors are the caller's)."""
         if self._thread is not None:
             raise RuntimeError("the load has started already")
-        (device, names), *self._rest = groups
-        try:
-            self._it = self._checkpoint.iter_load(device, names=names)
-        finally:
-            if not self._rest:
-                # (closing the handle leaves the files to the load, which holds them)
-                self._checkpoint.close()
+        self._rest = list(groups)
+        self._next_load()
         self._thread = threading.Thread(target=self._run, name="instant_staging-from_pretrained",
                                         daemon=True)
         self._thread.start()
@@ -433,12 +428,7 @@ class _BackgroundLoad:
                 with self._cond:
                     if self._cancelled or not self._rest:
                         break
-                    device, names = self._rest.pop(0)
-                    try:
-                        self._it = self._checkpoint.iter_load(device, names=names)
-                    finally:
-                        if not self._rest:
-                            self._checkpoint.close()
+                    self._next_load()
         except BaseException as e:
             with self._cond:
                 self.error = e
@@ -446,6 +436,16 @@ class _BackgroundLoad:
             with self._cond:
                 self._done = True
                 self._cond.notify_all()
+
+    def _next_load(self):
+        """Starts the load of the next group; the handle is closed with the
+        last one (closing it leaves the files to the load, which holds them)."""
+        device, names = self._rest.pop(0)
+        try:
+            self._it = self._checkpoint.iter_load(device, names=names)
+        finally:
+            if not self._rest:
+                self._checkpoint.close()
 
     def wait(self, name):
         with self._cond:
@@ -471,12 +471,7 @@ class _BackgroundLoad:
 
     def finish(self):
         """Waits for the loads; raises their error; drops our references."""
-        if self._thread is not None:
-            self._thread.join()
-        self._checkpoint.close()
-        with self._cond:
-            self._tensors.clear()
-            self._handed.clear()
+        self._join_and_drop()
         if self.error is not None:
             raise self.error
 
@@ -488,6 +483,9 @@ class _BackgroundLoad:
             it = self._it
         if it is not None:
             it.close()
+        self._join_and_drop()
+
+    def _join_and_drop(self):
         if self._thread is not None:
             self._thread.join()
         self._checkpoint.close()

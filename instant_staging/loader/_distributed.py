@@ -129,7 +129,7 @@ class DistributedLoadIterator(LoadIterator):
         # would wait for this rank at the next agreement until the timeout;
         # tell them now.
         shared = self._shared
-        if not shared.started and os.getpid() == self._pid:
+        if not shared.started and os.getpid() == self._state.pid:
             shared.started = True
             try:
                 shared.group.post("ready", (False, f"rank {shared.group.rank} closed its iterator "

@@ -344,7 +344,6 @@ class LoadIterator:
         self._device = str(getattr(target, "device", None))
         self._state = _LoadState(checkpoint, target, dtypes, start)
         self._lock = threading.RLock()     # one next() or close() at a time
-        self._pid = os.getpid()
         self._generator = self._generate(self._state, staging=staging, chunk_size=chunk_size,
                                          io_depth=io_depth, threads=threads, verify=verify,
                                          progress=progress, faults=faults)
@@ -398,8 +397,8 @@ class LoadIterator:
         return self
 
     def __next__(self) -> tuple[str, "torch.Tensor"]:
-        if os.getpid() != self._pid:
-            raise LoadError(f"this load was started by process {self._pid}; a forked child "
+        if os.getpid() != self._state.pid:
+            raise LoadError(f"this load was started by process {self._state.pid}; a forked child "
                             "cannot continue it (its reader threads exist only in the parent)")
         with self._lock:
             if self._state.cancelled:
@@ -413,7 +412,7 @@ class LoadIterator:
 
     def close(self):
         state = self._state
-        if os.getpid() != self._pid:
+        if os.getpid() != state.pid:
             self._close_in_fork_child()
             return
         if not state.finished:

@@ -151,15 +151,7 @@ def test_index_naming_what_is_not_a_file_says_what_it_is(tmp_path, kind, make):
     shard = tmp_path / "model-00002-of-00003.safetensors"
     os.remove(shard)
     make(str(shard))
-    out = run_child(f"""
-        from instant_staging.loader import SafetensorsError, load_file
-        try:
-            load_file({str(tmp_path)!r})
-        except SafetensorsError as e:
-            print(e)
-    """, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    message = out.stdout.strip()
+    message = _load_error_in_child(tmp_path)
     assert "model.safetensors.index.json" in message and shard.name in message, message
     assert f"is {kind}, not a regular file" in message and "exist" not in message, message
 
@@ -167,15 +159,22 @@ def test_index_naming_what_is_not_a_file_says_what_it_is(tmp_path, kind, make):
 def test_an_index_that_is_a_fifo_is_not_opened(tmp_path):
     index = tmp_path / "model.safetensors.index.json"
     os.mkfifo(index)
+    message = _load_error_in_child(index)
+    assert "is a FIFO, not a regular file" in message, message
+
+
+def _load_error_in_child(source):
+    """The SafetensorsError ``load_file(source)`` raises, read in a child
+    under a timeout (a FIFO opened for reading would wait for a writer)."""
     out = run_child(f"""
         from instant_staging.loader import SafetensorsError, load_file
         try:
-            load_file({str(index)!r})
+            load_file({str(source)!r})
         except SafetensorsError as e:
             print(e)
     """, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "is a FIFO, not a regular file" in out.stdout, out.stdout
+    return out.stdout.strip()
 
 
 def test_index_naming_a_tensor_no_shard_holds(tmp_path):
