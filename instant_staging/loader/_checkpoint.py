@@ -22,6 +22,7 @@ from ._errors import not_found
 from ._fds import close_recorded, open_recorded
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry, read_header
 from ._options import for_cache
+from ._pagecache import page_cached
 from ._source import file_kind
 
 # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer,
@@ -101,34 +102,30 @@ class _Checkpoint:
     def resident(self, samples=COLD_SAMPLES):
         """The fraction of ``samples`` pages, spread evenly over the selected
         tensors' bytes, that the page cache holds; None where the kernel or
-        the file system cannot tell without reading (no RWF_NOWAIT).  Each
-        sample is a one-byte read that never waits for the disk (on a page
+        the file system cannot tell.  Asked with cachestat(2), which starts
+        no I/O (``_pagecache.pyx``); where the kernel lacks it, with a
+        one-byte read that never waits for the disk (RWF_NOWAIT: on a page
         not cached it starts that page's readahead, as any read would)."""
-        nowait = getattr(os, "RWF_NOWAIT", None)
         if len(self.entries) == sum(len(h.tensors) for h in self.headers):
             # every tensor: the data sections, which the tensors cover exactly
             ranges = [(fd, h.data_start, h.file_size - h.data_start)
                       for fd, h in zip(self.fds, self.headers) if h.file_size > h.data_start]
         else:
             ranges = [(self.fds[i], t.begin, t.nbytes) for i, t in self.entries if t.nbytes]
-        if nowait is None or not ranges:
-            return None
         total = sum(n for _, _, n in ranges)
-        targets = iter(total * (2 * k + 1) // (2 * samples) for k in range(samples))
-        byte, hits, tried, base = bytearray(1), 0, 0, 0
-        target = next(targets)
+        targets = [total * (2 * k + 1) // (2 * samples) for k in range(samples)] if total else []
+        points, base = [], 0
         for fd, begin, nbytes in ranges:
-            while target is not None and target < base + nbytes:
-                try:
-                    hits += os.preadv(fd, [byte], begin + target - base, nowait) == 1
-                except BlockingIOError:
-                    pass                # not resident
-                except OSError:
-                    return None         # EOPNOTSUPP, EINVAL: this file system cannot say
-                tried += 1
-                target = next(targets, None)
+            while targets and targets[0] < base + nbytes:
+                points.append((fd, begin + targets.pop(0) - base))
             base += nbytes
-        return hits / tried if tried else None
+        if not points:
+            return None
+        try:
+            hits = sum(page_cached(fd, offset) for fd, offset in points)
+        except OSError:
+            hits = _read_without_waiting(points)
+        return None if hits is None else hits / len(points)
 
     def share(self, release):
         """This checkpoint for one load: its own selection (``select``,
@@ -191,6 +188,23 @@ class _Checkpoint:
         could be reused by the next open() and the reader would copy another
         file's bytes."""
         close_recorded(self.fds)
+
+
+def _read_without_waiting(points):
+    """How many of ``points`` (descriptor, offset) a one-byte RWF_NOWAIT read
+    finds cached; None where the file system cannot say."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    if nowait is None:
+        return None
+    byte, hits = bytearray(1), 0
+    for fd, offset in points:
+        try:
+            hits += os.preadv(fd, [byte], offset, nowait) == 1
+        except BlockingIOError:
+            pass                # not resident
+        except OSError:
+            return None         # EOPNOTSUPP, EINVAL: this file system cannot say
+    return hits
 
 
 def _paths(paths):

@@ -238,7 +238,7 @@ def test_load_reads_a_cold_checkpoint_with_the_cold_defaults(tmp_path):
     # As load_file: every knob left unset, a checkpoint the page cache lacks.
     import torch
     from safetensors.torch import save_file
-    for attempt in range(3):        # a fresh file where the host's RWF_NOWAIT misreports
+    for attempt in range(3):        # a fresh file where the fallback (RWF_NOWAIT) misreports
         path = str(tmp_path / f"m{attempt}.safetensors")    # (loader/test_loader.py's on_a_cold_file)
         save_file({f"t{i:02d}": torch.full([64 << 10], float(i)) for i in range(32)}, path)
         hot = cli_json("load", path, "--device", "cpu")

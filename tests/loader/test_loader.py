@@ -7,6 +7,7 @@ the simulation fails any copy that straddles two registrations, so these
 tests also check that no chunk does.  GPU tests are marked ``gpu``.
 """
 
+import errno
 import gc
 import json
 import os
@@ -28,7 +29,7 @@ from instant_staging.loader import (
     load_file,
 )
 
-from support import PAGE, drop_from_page_cache, run_child
+from support import PAGE, cached_fraction, drop_from_page_cache, run_child
 from support.tensors import (
     CHUNK,
     DTYPES,
@@ -330,10 +331,12 @@ def _cold_file(tmp_path):
 
 def on_a_cold_file(tmp_path, check, tries=3):
     """``check(path, tensors)`` on a freshly dropped file, again on a new one
-    where it fails, up to ``tries`` times.  On this CI host's disk (ext4,
-    kernel 6.18) one file in 7-10, dropped and cold by mincore, had every
-    RWF_NOWAIT sample read succeed as if cached: a host's doing, not
-    resident()'s (a resident() that never tells cold still fails)."""
+    where it fails, up to ``tries`` times.  Where the kernel lacks
+    cachestat(2), resident() samples with RWF_NOWAIT reads, and on a VM
+    whose disk is the host's page cache a read of a page dropped and cold
+    by mincore can finish before it is judged, as if cached: a host's
+    doing, not resident()'s (a resident() that never tells cold still
+    fails)."""
     for attempt in range(tries):
         where = tmp_path / f"try{attempt}"
         where.mkdir()
@@ -363,21 +366,39 @@ def test_resident_tells_a_hot_checkpoint_from_a_cold_one(tmp_path, caplog):
     on_a_cold_file(tmp_path, check)
 
 
-@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT here")
+def _without_cachestat(monkeypatch):
+    """resident() as on a kernel older than 6.5: cachestat(2) is ENOSYS."""
+    def enosys(fd, offset):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+    monkeypatch.setattr(_checkpoint, "page_cached", enosys)
+
+
+@pytest.mark.parametrize("probe", ["cachestat", "rwf_nowait"])
 def test_resident_samples_the_same_bytes_with_every_tensor_or_a_selection_of_their_bytes(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, probe):
     # With every tensor selected it samples the data sections (no list of
     # every tensor); a selection leaving out only a tensor without bytes
-    # samples tensor by tensor, and must read the same bytes.
+    # samples tensor by tensor, and must ask for the same bytes.
+    if probe == "rwf_nowait" and not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no RWF_NOWAIT here")
     paths = [save(tmp_path, {**{f"s{s}.{k}": v for k, v in mixed_tensors(count=9, seed=s).items()},
                              f"s{s}.empty": torch.zeros(0)}, f"s{s}.safetensors") for s in (1, 2)]
     where = []
-    real = os.preadv
+    if probe == "cachestat":
+        real = _checkpoint.page_cached
 
-    def preadv(fd, buffers, offset, *flags):
-        where.append((os.readlink(f"/proc/self/fd/{fd}"), offset))
-        return real(fd, buffers, offset, *flags)
-    monkeypatch.setattr(os, "preadv", preadv)
+        def page_cached(fd, offset):
+            where.append((os.readlink(f"/proc/self/fd/{fd}"), offset))
+            return real(fd, offset)
+        monkeypatch.setattr(_checkpoint, "page_cached", page_cached)
+    else:
+        _without_cachestat(monkeypatch)
+        real = os.preadv
+
+        def preadv(fd, buffers, offset, *flags):
+            where.append((os.readlink(f"/proc/self/fd/{fd}"), offset))
+            return real(fd, buffers, offset, *flags)
+        monkeypatch.setattr(os, "preadv", preadv)
     seen = []
     for names in (None, lambda name: not name.endswith(".empty")):
         checkpoint = _checkpoint._Checkpoint().open(paths)
@@ -390,10 +411,44 @@ def test_resident_samples_the_same_bytes_with_every_tensor_or_a_selection_of_the
         finally:
             checkpoint.close()
     assert len(seen[0]) == 16 and seen[0] == seen[1]
+    assert {p for p, _ in seen[0]} == set(paths)
 
 
-def test_resident_cannot_tell_without_rwf_nowait(tmp_path, monkeypatch):
+def test_resident_reads_nothing_and_starts_no_readahead(tmp_path):
+    """Asked with cachestat(2), a cold checkpoint stays cold: no page of it
+    comes into the page cache (a sampling read would start readahead, and
+    on a VM whose disk is the host's cache could finish before the kernel
+    judged it: a cold file looked cached on this CI host's kind)."""
+    def check(path, _):
+        checkpoint = _checkpoint._Checkpoint().open([path])
+        try:
+            try:
+                _checkpoint.page_cached(checkpoint.fds[0], 0)
+            except OSError as e:
+                pytest.skip(f"no cachestat(2) here: {e}")
+            before = cached_fraction(path)
+            assert checkpoint.resident() == 0.0
+            assert cached_fraction(path) == before
+        finally:
+            checkpoint.close()
+    on_a_cold_file(tmp_path, check)
+
+
+def test_resident_falls_back_to_reads_without_cachestat(tmp_path, monkeypatch):
+    if not hasattr(os, "RWF_NOWAIT"):
+        pytest.skip("no RWF_NOWAIT here")
+    path = save(tmp_path, {"a": torch.zeros(1 << 16)})
+    _without_cachestat(monkeypatch)
+    checkpoint = _checkpoint._Checkpoint().open([path])
+    try:
+        assert checkpoint.resident() == 1.0         # just written: cached
+    finally:
+        checkpoint.close()
+
+
+def test_resident_cannot_tell_without_cachestat_or_rwf_nowait(tmp_path, monkeypatch):
     path = save(tmp_path, {"a": torch.zeros(8)})
+    _without_cachestat(monkeypatch)
     monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
     checkpoint = _checkpoint._Checkpoint().open([path])
     try:

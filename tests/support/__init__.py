@@ -132,7 +132,7 @@ def _drop(path):
         os.close(fd)
 
 
-def _cached_fraction(path):
+def cached_fraction(path):
     """The fraction of ``path``'s pages in the page cache, by mincore(2):
     unlike a read, it starts no readahead."""
     import ctypes
@@ -163,11 +163,11 @@ def drop_from_page_cache(path):
     checkpoint = _Checkpoint().open([path])
     try:
         if checkpoint.resident() != 1.0:        # hot: no sample reads the disk
-            pytest.skip("this file system cannot tell resident pages (no RWF_NOWAIT)")
+            pytest.skip("this file system cannot tell resident pages (no cachestat(2) or RWF_NOWAIT)")
     finally:
         checkpoint.close()
     _drop(path)
-    if _cached_fraction(path) > 0.1:
+    if cached_fraction(path) > 0.1:
         pytest.skip("the page cache keeps this file (tmpfs?): nothing to drop")
 
 

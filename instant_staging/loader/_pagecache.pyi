@@ -1,0 +1,3 @@
+"""Types of the compiled ``loader._pagecache`` module (private to ``_checkpoint``)."""
+
+def page_cached(fd: int, offset: int) -> bool: ...
