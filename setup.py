@@ -60,7 +60,8 @@ extensions = [
     ext("instant_staging.loader._pipeline", ["instant_staging/loader/_pipeline.pyx"], libraries=["pthread"]),
     ext("instant_staging.loader._canonical", ["instant_staging/loader/_canonical.pyx"]),
     ext("instant_staging.loader._fds", ["instant_staging/loader/_fds.pyx"]),
-    ext("instant_staging.loader._pagecache", ["instant_staging/loader/_pagecache.pyx"]),
+    ext("instant_staging.loader._pagecache", ["instant_staging/loader/_pagecache.pyx"],
+        libraries=["pthread"]),
     ext("instant_staging.runtime._faults", ["instant_staging/runtime/_faults.pyx"]),
     ext("instant_staging.runtime._simulated", ["instant_staging/runtime/_simulated.pyx"]),
 ]

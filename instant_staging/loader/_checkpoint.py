@@ -21,8 +21,8 @@ from . import _gc
 from ._errors import not_found
 from ._fds import close_recorded, open_recorded
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry, read_header
-from ._options import for_cache
-from ._pagecache import page_cached
+from ._options import for_cache, is_cold
+from ._pagecache import Warmer, page_cached
 from ._source import file_kind
 
 # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer,
@@ -36,6 +36,12 @@ class _Checkpoint:
 
     def __init__(self):
         self.paths, self.fds, self.headers = [], [], []
+        # The Warmer reading this checkpoint into the page cache while CUDA
+        # starts (warm_if_cold), in a list that every share() has too: any
+        # load may stop it, and the owner's close() joins it before it
+        # closes the descriptors the Warmer reads.
+        self._warming = []
+        self._sample = None     # resident() as warm_if_cold found it
 
     def open(self, paths):
         """Opens ``paths`` and parses their headers; returns self.  On any
@@ -106,12 +112,7 @@ class _Checkpoint:
         no I/O (``_pagecache.pyx``); where the kernel lacks it, with a
         one-byte read that never waits for the disk (RWF_NOWAIT: on a page
         not cached it starts that page's readahead, as any read would)."""
-        if len(self.entries) == sum(len(h.tensors) for h in self.headers):
-            # every tensor: the data sections, which the tensors cover exactly
-            ranges = [(fd, h.data_start, h.file_size - h.data_start)
-                      for fd, h in zip(self.fds, self.headers) if h.file_size > h.data_start]
-        else:
-            ranges = [(self.fds[i], t.begin, t.nbytes) for i, t in self.entries if t.nbytes]
+        ranges = self._ranges()
         total = sum(n for _, _, n in ranges)
         targets = [total * (2 * k + 1) // (2 * samples) for k in range(samples)] if total else []
         points, base = [], 0
@@ -126,6 +127,38 @@ class _Checkpoint:
         except OSError:
             hits = _read_without_waiting(points)
         return None if hits is None else hits / len(points)
+
+    def _ranges(self):
+        """The selected tensors' bytes, ``(descriptor, offset, length)`` in
+        reading order."""
+        if len(self.entries) == sum(len(h.tensors) for h in self.headers):
+            # every tensor: the data sections, which the tensors cover exactly
+            return [(fd, h.data_start, h.file_size - h.data_start)
+                    for fd, h in zip(self.fds, self.headers) if h.file_size > h.data_start]
+        return [(self.fds[i], t.begin, t.nbytes) for i, t in self.entries if t.nbytes]
+
+    def warm_if_cold(self, piece_bytes, threads):
+        """Where the page cache mostly lacks the selected tensors (``is_cold``),
+        starts reading their bytes into it, in reading order, in pieces of
+        ``piece_bytes`` with ``threads`` C threads (``_pagecache.Warmer``)
+        until ``stop_warming()``: for a load that waits for CUDA's start
+        first.  Returns whether it started (once per checkpoint)."""
+        if self._warming:
+            return False
+        sample = self.resident()
+        if not is_cold(sample):
+            return False
+        self._warming.append(Warmer(self._ranges(), piece_bytes, threads))
+        # The load's knobs follow this sample: one taken after the warming
+        # began could find the first pages cached.
+        self._sample = sample
+        return True
+
+    def stop_warming(self, wait=False):
+        """Asks the warming threads to end after their reads in flight
+        (``wait``: and joins them); nothing where none run."""
+        for warmer in self._warming:
+            warmer.close() if wait else warmer.stop()
 
     def share(self, release):
         """This checkpoint for one load: its own selection (``select``,
@@ -166,7 +199,7 @@ class _Checkpoint:
     def default_knobs(self):
         """The knobs for this checkpoint where the caller set none: the cold
         ones where the page cache mostly lacks it (``_options.for_cache``)."""
-        return for_cache(self.resident())
+        return for_cache(self._sample if self._sample is not None else self.resident())
 
     def read_bytes(self, index, offset, length):
         """``length`` bytes at ``offset`` of file ``index``, with plain reads
@@ -186,7 +219,8 @@ class _Checkpoint:
         it closes the rest).  Only the code that joined the load's reader
         threads calls it: a descriptor number closed under a running reader
         could be reused by the next open() and the reader would copy another
-        file's bytes."""
+        file's bytes.  (The warming threads read them too: joined first.)"""
+        self.stop_warming(wait=True)
         close_recorded(self.fds)
 
 

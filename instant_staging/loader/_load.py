@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 from . import _gc, _progress
 from ._checkpoint import _Checkpoint
+from ..defaults import COLD_CHUNK_SIZE, COLD_THREADS
 from ._options import check_backend, knobs, left_unset, torch_dtype
 from ._remote import _RemoteCheckpoint, _Stores, is_url
 from ._remote import resolve as resolve_url
 from ._run import LoadIterator, _begin_staging, _plan, fault_plan
 from ._source import resolve
-from ._target import _import_torch, _TorchTarget
+from ._target import _import_torch, _TorchTarget, parse_device
 from ._typing import Device, DType, Names, ProgressArg, Source
 
 if TYPE_CHECKING:
@@ -289,20 +290,33 @@ class Checkpoint:
         """
         began = time.perf_counter()
         opts = LoadOptions.build(**options)
-        target = _target(device, dtype)
-        return self._iter_load(target, opts, names, plan, process_group, began)
+        return self._iter_load(_parse_target(device, dtype), opts, names, plan, process_group,
+                               began)
 
-    def _iter_load(self, target, opts, names, plan, process_group, began, opened=0.0):
+    def _iter_load(self, parsed, opts, names, plan, process_group, began, opened=0.0):
+        """The load of ``names`` or ``plan`` to ``parsed`` (``_parse_target``'s):
+        the device is found usable here (``_usable_target``)."""
         if names is not None and plan is not None:
             raise ValueError("pass names= or plan= (whose keys are the names), not both")
         shards = self._hold()
         try:
-            prepare = functools.partial(_prepare, shards, target, opts, names, plan)
             if process_group is not None:
                 from ._distributed import iter_load_group
+                prepare = functools.partial(_prepare, shards, _usable_target(parsed), opts,
+                                            names, plan)
                 it = iter_load_group(prepare, process_group)
             else:
-                held, target, dtypes, kwargs = prepare(single=True)
+                # The selection before the device check, so that a cold
+                # selection's bytes are read while CUDA starts; an unusable
+                # device is still the first error.
+                try:
+                    _select(shards, names, plan)
+                except Exception:
+                    _usable_target(parsed)
+                    raise
+                target = _usable_target(parsed, shards, opts.tuned)
+                held, target, dtypes, kwargs = _prepare(shards, target, opts, None, None,
+                                                        single=True)
                 it = LoadIterator(held, target, dtypes, **kwargs)
         except BaseException:
             shards.close()
@@ -369,13 +383,50 @@ def _shards(source, storage_options):
     return _Checkpoint(), resolve(source)
 
 
-def _target(device, dtype):
-    """The load's target: ``device`` and ``dtype`` checked (and the device
-    found usable: in a fresh process, CUDA's start) before anything is read."""
+def _parse_target(device, dtype):
+    """``(torch, device, dtype)``: ``device`` and ``dtype`` checked for form,
+    without asking CUDA (a bad one is named before any file is opened)."""
     if sys.byteorder != "little":
         raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
     torch = _import_torch()
-    return _TorchTarget(torch, device, torch_dtype(torch, dtype))
+    return torch, parse_device(torch, device), torch_dtype(torch, dtype)
+
+
+def _usable_target(parsed, shards=None, tuned=False):
+    """The load's target: the device of ``parsed`` found usable (in a fresh
+    process, CUDA's start), before anything is allocated.
+
+    A load that waits for that start (to a GPU, CUDA not started, the knobs
+    left to the loader: ``tuned``) has its selection of ``shards`` read into
+    the page cache meanwhile where the page cache lacks it
+    (``_Checkpoint.warm_if_cold``, with the cold knobs: this is the disk's
+    head start); a device that turns out unusable stops and joins those
+    reads before its error is raised."""
+    torch, device, dtype = parsed
+    warming = (shards is not None and tuned and device.type != "cpu"
+               and not torch.cuda.is_initialized()
+               and shards.warm_if_cold(COLD_CHUNK_SIZE, COLD_THREADS))
+    try:
+        return _TorchTarget(torch, device, dtype)
+    except BaseException:
+        if warming:
+            shards.stop_warming(wait=True)
+        raise
+
+
+def _target(device, dtype):
+    """The load's target: ``device`` and ``dtype`` checked (and the device
+    found usable: in a fresh process, CUDA's start) before anything is read."""
+    return _usable_target(_parse_target(device, dtype))
+
+
+def _select(shards, names, plan):
+    """Keeps ``plan``'s (or ``names``') tensors of ``shards``, a load's share."""
+    with _gc.paused():      # thousands of entries' objects, no cycles
+        if plan is not None:
+            shards.plan(plan)
+        else:
+            shards.select(names)
 
 
 def _prepare(shards, target, opts, names, plan, single=False):
@@ -384,11 +435,8 @@ def _prepare(shards, target, opts, names, plan, single=False):
     process group (``single=False``) the plan is the group's to make."""
     start = None
     try:
-        with _gc.paused():      # thousands of entries' objects, no cycles
-            if plan is not None:
-                shards.plan(plan)
-            else:
-                shards.select(names)
+        _select(shards, names, plan)
+        with _gc.paused():
             extra = {}
             if single:
                 opts = opts.for_checkpoint(shards)
@@ -454,13 +502,19 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
         it.timed(began)
         return it
     opts = build()
-    # device and dtype first: a bad one is named before any file is opened
-    # (in a fresh process, asking CUDA whether the device is there is its
-    # start, before the staging buffer)
-    target = _target(device, dtype)
-    with Checkpoint.open(source, storage_options=storage_options) as checkpoint:
+    # device and dtype first: a bad one is named before any file is opened.
+    # Whether the device is there is asked once the checkpoint is open (in a
+    # fresh process that is CUDA's start: a cold checkpoint's reads begin
+    # beside it), and an unusable one is still the first error.
+    parsed = _parse_target(device, dtype)
+    try:
+        checkpoint = Checkpoint.open(source, storage_options=storage_options)
+    except Exception:
+        _usable_target(parsed)
+        raise
+    with checkpoint:
         # (closing the handle here leaves the files to the load, which holds them)
-        return checkpoint._iter_load(target, opts, names, None, process_group, began,
+        return checkpoint._iter_load(parsed, opts, names, None, process_group, began,
                                      checkpoint.open_seconds)
 
 

@@ -103,13 +103,19 @@ def left_unset(chunk_size, io_depth, threads) -> bool:
             and not any(envs.raw(name) for name in (ENV_CHUNK_SIZE, ENV_IO_DEPTH, ENV_THREADS)))
 
 
+def is_cold(resident) -> bool:
+    """Whether a checkpoint of which ``resident`` (a fraction of the sampled
+    pages, ``_Checkpoint.resident()``) is in the page cache is read from
+    disk: below half; never where that cannot be told (None)."""
+    return resident is not None and resident < 0.5
+
+
 def for_cache(resident) -> dict:
-    """The knobs for a checkpoint of which ``resident`` (a fraction of the
-    sampled pages, ``_Checkpoint.resident()``) is in the page cache: the
-    cold defaults (read from disk: larger reads, fewer threads;
-    ``defaults.COLD_CHUNK_SIZE``) below half, none otherwise or where that
-    cannot be told (None).  Applies only where ``left_unset``."""
-    if resident is None or resident >= 0.5:
+    """The knobs for a checkpoint of which ``resident`` (as ``is_cold``'s)
+    is in the page cache: the cold defaults (read from disk: larger reads,
+    fewer threads; ``defaults.COLD_CHUNK_SIZE``) where it is cold, none
+    otherwise.  Applies only where ``left_unset``."""
+    if not is_cold(resident):
         return {}
     log.info("%.0f%% of the sampled pages of the checkpoint are in the page cache: reading it "
              "from disk in %s pieces with %d threads (chunk_size=, io_depth=, threads= or "

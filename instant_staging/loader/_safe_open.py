@@ -79,6 +79,9 @@ class _View:
         self.fetch, self.fetch_error = read.fetch, read.fetch_error
         self.read_bytes, self.current_size = checkpoint.read_bytes, checkpoint.current_size
 
+    def stop_warming(self, wait=False):
+        pass        # (a read of a safe_open's is never warmed: _load._usable_target)
+
     def close(self):
         pass
 

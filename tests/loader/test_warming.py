@@ -1,0 +1,323 @@
+"""The disk's head start (issue 28): the first load of a cold checkpoint in
+a process reads its first bytes into the page cache while CUDA starts
+(``_pagecache.Warmer``, ``_load._usable_target``).
+
+The contract it keeps: a device of a bad form is named before anything is
+opened; a device that turns out unusable is still the first error the user
+sees, before any device tensor is allocated, and the reads already started
+are stopped and joined (no thread left, no descriptor, nothing cached after
+the error).  Without a GPU, CUDA's start is played by a device check that
+takes its time and then finds no GPU (or is interrupted); the load that
+goes on is the GPU tests'."""
+
+import os
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from instant_staging.loader import Checkpoint, _checkpoint, _pagecache, iter_load, load_file
+from support import cached_fraction, drop_from_page_cache, run_child
+from support.tensors import assert_same, random_tensor, save
+
+MiB = 1 << 20
+
+
+def _tasks():
+    return len(os.listdir("/proc/self/task"))
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def cold(tmp_path):
+    """A 24 MiB checkpoint the page cache lacks, and its tensors."""
+    tensors = {f"t{i}": random_tensor(torch.float32, [MiB // 2 + i], i) for i in range(12)}
+    path = save(tmp_path, tensors)
+    drop_from_page_cache(path)
+    return path, tensors
+
+
+@pytest.fixture
+def warmers(monkeypatch):
+    """The Warmers the loader starts while the test runs."""
+    made = []
+
+    class Recorded(_pagecache.Warmer):
+        def __init__(self, *args):
+            made.append(self)
+    monkeypatch.setattr(_checkpoint, "Warmer", Recorded)
+    return made
+
+
+def _fresh_process(monkeypatch, check_seconds=0.3, then=None):
+    """torch as in a fresh process on a host whose device check (CUDA's
+    start) takes ``check_seconds`` and then finds no GPU, or raises ``then``."""
+    def is_available():
+        time.sleep(check_seconds)
+        if then is not None:
+            raise then
+        return False
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+
+
+# -- the Warmer -------------------------------------------------------------------
+
+def test_a_warmer_reads_its_ranges_in_and_nothing_else(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(64 * MiB))
+    drop_from_page_cache_raw(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        tasks = _tasks()
+        warmer = _pagecache.Warmer([(fd, 0, 4 * MiB), (fd, 8 * MiB, 2 * MiB + 5)], MiB, 3)
+        assert warmer.threads == 3
+        deadline = time.monotonic() + 30
+        while warmer.bytes_read < 6 * MiB + 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        warmer.close()
+        warmer.close()                          # idempotent
+        assert warmer.bytes_read == 6 * MiB + 5
+        assert _tasks() == tasks                # joined
+        pages = _cached_pages(path)
+        assert all(pages[: 4 * MiB // 4096]) and all(pages[8 * MiB // 4096: 10 * MiB // 4096])
+        # (the kernel's readahead may bring some MiB more in; not the rest)
+        assert not any(pages[40 * MiB // 4096:])
+    finally:
+        os.close(fd)
+
+
+def test_a_stopped_warmer_ends_after_its_reads_in_flight(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(32 * MiB))
+    drop_from_page_cache_raw(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        warmer = _pagecache.Warmer([(fd, 0, 32 * MiB)], MiB, 2)
+        warmer.stop()
+        warmer.close()
+        assert warmer.bytes_read <= 2 * MiB     # one piece per thread at most
+    finally:
+        os.close(fd)
+
+
+def test_a_warmer_read_that_fails_ends_quietly(tmp_path):
+    # Advisory: the load's own read of the range reports the error.
+    fd = os.open(tmp_path, os.O_RDONLY)        # a directory: pread fails (EISDIR)
+    try:
+        warmer = _pagecache.Warmer([(fd, 0, 4 * MiB), (fd, 4 * MiB, MiB)], MiB, 2)
+        warmer.close()
+        assert warmer.bytes_read == 0
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("args", [(MiB, 0), (0, 2)])
+def test_a_warmer_of_no_threads_or_pieces_is_refused(args):
+    with pytest.raises(ValueError):
+        _pagecache.Warmer([], *args)
+
+
+def test_a_forked_child_joins_nothing_and_the_parent_joins_its_own(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(8 * MiB))
+    proc = run_child(f"""
+        import os, sys
+        from instant_staging.loader._pagecache import Warmer
+        fd = os.open({str(path)!r}, os.O_RDONLY)
+        w = Warmer([(fd, 0, 8 << 20)], 1 << 20, 2)
+        pid = os.fork()
+        if pid == 0:
+            w.close()           # the parent's threads are not here: returns at once
+            del w
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        w.close()
+        print(os.waitstatus_to_exitcode(status), w.bytes_read, len(os.listdir("/proc/self/task")))
+    """, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    code, read, tasks = map(int, proc.stdout.split())
+    assert code == 0 and read == 8 * MiB and tasks == 1
+
+
+# -- the load: who starts it, and the device's errors first -----------------------
+
+def test_a_cold_first_load_reads_while_the_device_is_checked_and_stops_on_its_error(
+        cold, monkeypatch, warmers):
+    path, _ = cold
+    _fresh_process(monkeypatch)
+    tasks, fds = _tasks(), _fds()
+    with pytest.raises(ValueError, match="not available"):
+        load_file(path, "cuda:0")
+    assert len(warmers) == 1 and warmers[0].threads >= 1
+    # the disk read while the device was checked ...
+    assert warmers[0].bytes_read > 0 and cached_fraction(path) > 0
+    # ... and not after its error: joined, the files closed
+    assert _tasks() == tasks and _fds() == fds
+    read = warmers[0].bytes_read
+    time.sleep(0.2)
+    assert warmers[0].bytes_read == read
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_device_check_stops_the_reads(cold, monkeypatch, warmers, interrupt):
+    path, _ = cold
+    _fresh_process(monkeypatch, check_seconds=0.1, then=interrupt("in CUDA's start"))
+    tasks, fds = _tasks(), _fds()
+    with pytest.raises(interrupt):
+        load_file(path, "cuda:0")
+    assert len(warmers) == 1
+    assert _tasks() == tasks and _fds() == fds
+
+
+def test_a_checkpoint_kept_open_stops_and_joins_its_reads_on_the_device_error(
+        cold, monkeypatch, warmers):
+    path, _ = cold
+    _fresh_process(monkeypatch)
+    tasks = _tasks()
+    with Checkpoint.open(path) as checkpoint:
+        with pytest.raises(ValueError, match="not available"):
+            checkpoint.load("cuda:0")
+        assert len(warmers) == 1 and _tasks() == tasks
+        # the checkpoint is still good for a load that can run
+        assert_same(checkpoint.load("cpu"), cold[1])
+
+
+@pytest.mark.parametrize("bad", ["missing file", "unknown name", "names and plan"])
+def test_an_unusable_device_is_the_first_error(cold, tmp_path, monkeypatch, warmers, bad):
+    path, _ = cold
+    _fresh_process(monkeypatch, check_seconds=0)
+    fds = _fds()
+    if bad == "missing file":
+        call = lambda: load_file(tmp_path / "missing.safetensors", "cuda:0")   # noqa: E731
+    elif bad == "unknown name":
+        call = lambda: load_file(path, "cuda:0", names=["t0", "nope"])          # noqa: E731
+    else:
+        def call():
+            with Checkpoint.open(path) as checkpoint:
+                checkpoint.load("cuda:0", names=["t0"], plan={"t0": None})
+    with pytest.raises(ValueError, match="not available") if bad != "names and plan" else \
+            pytest.raises(ValueError, match="not both"):
+        call()
+    assert not warmers and _fds() == fds
+
+
+def test_a_device_of_a_bad_form_is_named_before_anything_is_opened(cold, monkeypatch):
+    path, _ = cold
+    opened = []
+    real = os.open
+    monkeypatch.setattr(os, "open", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    with pytest.raises(ValueError, match="cuda:x"):
+        load_file(path, "cuda:x")
+    assert not opened
+
+
+@pytest.mark.parametrize("case", ["hot", "knobs set", "cuda started", "cpu"])
+def test_no_warming_where_nothing_waits_for_cuda_or_the_disk(cold, monkeypatch, warmers, case):
+    path, tensors = cold
+    _fresh_process(monkeypatch, check_seconds=0)
+    kwargs, device = {}, "cuda:0"
+    if case == "hot":
+        load_file(path)                         # reading it brings it in
+    elif case == "knobs set":
+        kwargs["threads"] = 2
+    elif case == "cuda started":
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    else:
+        device = "cpu"
+    if device == "cpu":
+        assert_same(load_file(path, device, **kwargs), tensors)
+    else:
+        with pytest.raises(ValueError, match="not available"):
+            load_file(path, device, **kwargs)
+    assert not warmers
+
+
+def test_a_selection_warms_only_its_own_bytes(cold, monkeypatch):
+    path, _ = cold
+    _fresh_process(monkeypatch, check_seconds=0.5)
+    seen = []
+
+    class Recorded(_pagecache.Warmer):
+        def __init__(self, ranges, *args):
+            seen.append(list(ranges))
+    monkeypatch.setattr(_checkpoint, "Warmer", Recorded)
+    with pytest.raises(ValueError, match="not available"):
+        iter_load(path, "cuda:0", names=["t3", "t7"])
+    with Checkpoint.open(path) as checkpoint:
+        want = [(checkpoint.info(n).nbytes) for n in ("t3", "t7")]
+    assert [length for _, _, length in seen[0]] == want
+
+
+def test_the_load_knobs_follow_the_sample_taken_before_the_warming(cold, monkeypatch):
+    # A sample taken after the warming began could find the first pages
+    # cached and choose the hot knobs for a checkpoint read from disk.
+    path, _ = cold
+    with Checkpoint.open(path) as checkpoint:
+        shards = checkpoint._shards
+        assert shards.warm_if_cold(MiB, 2)
+        assert not shards.warm_if_cold(MiB, 2)      # once per checkpoint
+        shards.stop_warming(wait=True)
+        monkeypatch.setattr(type(shards), "resident", lambda self, samples=8: 1.0)
+        assert shards.default_knobs()["threads"] == 4
+
+
+def drop_from_page_cache_raw(path):
+    """As drop_from_page_cache, for a file that is not a checkpoint."""
+    from support import _drop
+    _drop(path)
+    if cached_fraction(path) > 0.1:
+        pytest.skip("the page cache keeps this file (tmpfs?): nothing to drop")
+
+
+def _cached_pages(path):
+    """Per page of ``path``, whether the page cache holds it (mincore)."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        pages = -(-len(m) // 4096)
+        vec = (ctypes.c_ubyte * pages)()
+        anchor = ctypes.c_char.from_buffer(m)
+        try:
+            assert libc.mincore(ctypes.addressof(anchor), len(m), vec) == 0
+        finally:
+            del anchor
+        return [b & 1 for b in vec]
+    finally:
+        m.close()
+
+
+@pytest.mark.gpu
+def test_a_fresh_process_loads_a_cold_checkpoint_while_cuda_starts(cold):
+    """On a GPU: a fresh process, nothing started, a cold checkpoint; the
+    disk reads while CUDA starts, and the tensors are safetensors'."""
+    path, _ = cold
+    proc = run_child(f"""
+        import torch
+        from safetensors.torch import load_file as st_load
+        from instant_staging.loader import _checkpoint, _pagecache, load_file
+        made = []
+        class Recorded(_pagecache.Warmer):
+            def __init__(self, *a):
+                made.append(self)
+        _checkpoint.Warmer = Recorded
+        got = load_file({str(path)!r}, "cuda:0")
+        torch.cuda.synchronize()
+        want = st_load({str(path)!r})
+        assert list(got) == list(want)
+        for k in want:
+            assert torch.equal(got[k].cpu().view(torch.uint8), want[k].view(torch.uint8)), k
+        print(len(made), made[0].bytes_read if made else 0)
+    """, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    count, read = map(int, proc.stdout.split())
+    assert count == 1 and read > 0
