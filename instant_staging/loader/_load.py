@@ -20,9 +20,9 @@ import traceback
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
+from ..defaults import COLD_CHUNK_SIZE, COLD_THREADS
 from . import _gc, _progress
 from ._checkpoint import _Checkpoint
-from ..defaults import COLD_CHUNK_SIZE, COLD_THREADS
 from ._options import check_backend, knobs, left_unset, torch_dtype
 from ._remote import _RemoteCheckpoint, _Stores, is_url
 from ._remote import resolve as resolve_url

@@ -148,7 +148,7 @@ cdef class Warmer:
         self.joined = True
         pthread_mutex_init(&self.sh.lock, NULL)
         ranges = [(int(fd), int(offset), int(length)) for fd, offset, length in ranges]
-        for fd, offset, length in ranges:
+        for _fd, _offset, length in ranges:
             n += -(-length // piece_bytes) if length > 0 else 0
         self.sh.pieces = <Piece*>malloc(max(n, 1) * sizeof(Piece))
         self.sh.scratch = <char*>malloc(piece_bytes)

@@ -11,7 +11,6 @@ takes its time and then finds no GPU (or is interrupted); the load that
 goes on is the GPU tests'."""
 
 import os
-import threading
 import time
 
 import pytest
@@ -19,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from instant_staging.loader import Checkpoint, _checkpoint, _pagecache, iter_load, load_file
+
 from support import cached_fraction, drop_from_page_cache, run_child
 from support.tensors import assert_same, random_tensor, save
 
