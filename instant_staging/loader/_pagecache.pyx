@@ -208,6 +208,11 @@ cdef class Warmer:
         """Threads started."""
         return self.started
 
+    @property
+    def closed(self):
+        """Whether ``close()`` joined the threads."""
+        return self.joined
+
     def __dealloc__(self):
         cdef int t
         if not self.joined and getpid() == self.pid:

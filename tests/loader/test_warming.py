@@ -33,6 +33,14 @@ def _fds():
     return len(os.listdir("/proc/self/fd"))
 
 
+def _settles(tasks, seconds=10):
+    """Waits for the process to be back to ``tasks`` threads."""
+    deadline = time.monotonic() + seconds
+    while _tasks() != tasks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _tasks() == tasks
+
+
 @pytest.fixture
 def cold(tmp_path):
     """A 24 MiB checkpoint the page cache lacks, and its tensors."""
@@ -158,10 +166,28 @@ def test_a_cold_first_load_reads_while_the_device_is_checked_and_stops_on_its_er
     # the disk read while the device was checked ...
     assert warmers[0].bytes_read > 0 and cached_fraction(path) > 0
     # ... and not after its error: joined, the files closed
-    assert _tasks() == tasks and _fds() == fds
+    assert warmers[0].closed and _tasks() == tasks and _fds() == fds
     read = warmers[0].bytes_read
     time.sleep(0.2)
     assert warmers[0].bytes_read == read
+
+
+def test_a_load_that_fails_after_the_device_check_joins_the_reads(cold, monkeypatch, warmers):
+    # The device is found (torch says so), and the load goes on until it
+    # fails without a GPU (the staging buffer's runtime, or torch's first
+    # device tensor): its teardown stops and joins the reads before it
+    # closes the files.
+    path, _ = cold
+    _fresh_process(monkeypatch, check_seconds=0.2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: time.sleep(0.2) or True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    tasks, fds = _tasks(), _fds()
+    with pytest.raises(Exception) as info:          # noqa: PT011 - whichever fails first
+        load_file(path, "cuda:0")
+    assert not isinstance(info.value, ValueError) or "not available" not in str(info.value)
+    assert len(warmers) == 1 and warmers[0].bytes_read > 0
+    assert warmers[0].closed and _fds() == fds
+    _settles(tasks)     # (the staging buffer's thread, if any, ends by itself)
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])
@@ -171,7 +197,7 @@ def test_an_interrupted_device_check_stops_the_reads(cold, monkeypatch, warmers,
     tasks, fds = _tasks(), _fds()
     with pytest.raises(interrupt):
         load_file(path, "cuda:0")
-    assert len(warmers) == 1
+    assert len(warmers) == 1 and warmers[0].closed
     assert _tasks() == tasks and _fds() == fds
 
 
