@@ -138,15 +138,23 @@ cdef class Warmer:
     cdef bint joined
     cdef int pid
 
-    def __cinit__(self, ranges, size_t piece_bytes, int threads):
-        cdef Py_ssize_t n = 0, k = 0
-        cdef int64_t off, end
-        cdef int rc = 0, t
-        if piece_bytes < 1 or threads < 1:
-            raise ValueError("piece_bytes and threads must be >= 1")
+    cdef bint initialised
+
+    def __cinit__(self, *args, **kwargs):
+        # What __dealloc__ needs, whatever __init__ does (or if it never runs).
         self.pid = getpid()
         self.joined = True
         pthread_mutex_init(&self.sh.lock, NULL)
+
+    def __init__(self, ranges, size_t piece_bytes, int threads):
+        cdef Py_ssize_t n = 0, k = 0
+        cdef int64_t off, end
+        cdef int rc = 0, t
+        if self.initialised:
+            raise RuntimeError("Warmer.__init__ may run only once")
+        self.initialised = True
+        if piece_bytes < 1 or threads < 1:
+            raise ValueError("piece_bytes and threads must be >= 1")
         ranges = [(int(fd), int(offset), int(length)) for fd, offset, length in ranges]
         for _fd, _offset, length in ranges:
             n += -(-length // piece_bytes) if length > 0 else 0

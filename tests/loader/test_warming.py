@@ -57,6 +57,7 @@ def warmers(monkeypatch):
 
     class Recorded(_pagecache.Warmer):
         def __init__(self, *args):
+            super().__init__(*args)
             made.append(self)
     monkeypatch.setattr(_checkpoint, "Warmer", Recorded)
     return made
@@ -131,6 +132,18 @@ def test_a_warmer_of_no_threads_or_pieces_is_refused(args):
         _pagecache.Warmer([], *args)
 
 
+def test_a_warmer_starts_once(tmp_path):
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        warmer = _pagecache.Warmer([], MiB, 1)
+        with pytest.raises(RuntimeError, match="only once"):
+            warmer.__init__([(fd, 0, MiB)], MiB, 1)
+        warmer.close()
+        assert warmer.closed and warmer.bytes_read == 0
+    finally:
+        os.close(fd)
+
+
 def test_a_forked_child_joins_nothing_and_the_parent_joins_its_own(tmp_path):
     path = tmp_path / "data.bin"
     path.write_bytes(os.urandom(8 * MiB))
@@ -182,7 +195,7 @@ def test_a_load_that_fails_after_the_device_check_joins_the_reads(cold, monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: time.sleep(0.2) or True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     tasks, fds = _tasks(), _fds()
-    with pytest.raises(Exception) as info:          # noqa: PT011 - whichever fails first
+    with pytest.raises(Exception) as info:
         load_file(path, "cuda:0")
     assert not isinstance(info.value, ValueError) or "not available" not in str(info.value)
     assert len(warmers) == 1 and warmers[0].bytes_read > 0
@@ -270,7 +283,7 @@ def test_a_selection_warms_only_its_own_bytes(cold, monkeypatch):
     seen = []
 
     class Recorded(_pagecache.Warmer):
-        def __init__(self, ranges, *args):
+        def __init__(self, ranges, *args):     # (records only: reads nothing)
             seen.append(list(ranges))
     monkeypatch.setattr(_checkpoint, "Warmer", Recorded)
     with pytest.raises(ValueError, match="not available"):
@@ -334,6 +347,7 @@ def test_a_fresh_process_loads_a_cold_checkpoint_while_cuda_starts(cold):
         made = []
         class Recorded(_pagecache.Warmer):
             def __init__(self, *a):
+                super().__init__(*a)
                 made.append(self)
         _checkpoint.Warmer = Recorded
         got = load_file({str(path)!r}, "cuda:0")
