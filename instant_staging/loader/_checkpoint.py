@@ -48,8 +48,7 @@ class _Checkpoint:
         exception (a Ctrl-C too) what it opened is closed."""
         try:
             with _gc.paused():
-                for path in paths:
-                    self._open(os.fspath(path))
+                self._open_all([os.fspath(path) for path in paths])
             self.entries = [(i, t) for i, h in enumerate(self.headers) for t in h.tensors]
             if len(self.headers) > 1:       # (one header's names are its own keys: unique)
                 self._check_duplicates()
@@ -59,6 +58,10 @@ class _Checkpoint:
             self.close()
             raise
         return self
+
+    def _open_all(self, paths):
+        for path in paths:
+            self._open(path)
 
     def _open(self, path):
         try:

@@ -19,12 +19,15 @@ S3-compatible servers, instance metadata; ``GOOGLE_APPLICATION_CREDENTIALS``;
 ``config`` (its keys ``client_options`` and ``retry_config``, where given,
 to those arguments).  No value of it is ever logged or put in a message.
 
-Each object is asked for its size and ETag (one HEAD), then its header
-(one ranged GET of the first ``HEADER_PREFETCH`` bytes, a second only for a
-longer header), validated exactly as a local file's.  The data ranges are
+Each object is asked for its first ``HEADER_PREFETCH`` bytes (one ranged
+GET, every object of the checkpoint at once: a checkpoint's start is round
+trips, not bytes), whose answer also carries the object's size, ETag and
+version; a second GET only for a longer header (or a HEAD, where that GET
+failed for a reason the HEAD names again, such as an empty object's 416).
+The header is validated exactly as a local file's.  The data ranges are
 then fetched by the loader's reader threads (``Pipeline(fetch=)``): one
 ranged GET per chunk, straight into a staging slot.  Every GET carries
-``If-Match`` with the ETag the HEAD saw (and the version, where the store
+``If-Match`` with the ETag the first GET saw (and the version, where the store
 versions objects), so an object replaced during a load is an error naming
 it, never a model built from two versions.
 
@@ -292,18 +295,43 @@ class _RemoteCheckpoint(_Checkpoint):
                              "directory or an index")
         return _objects([url], _Stores(storage_options))[1]
 
-    def _open(self, url):
+    def _open_all(self, urls):
+        firsts = _each(self._first, range(len(urls)), self._stop)
+        for url, first in zip(urls, firsts):
+            self._open(url, first)
+
+    def _first(self, index):
+        """``(meta, bytes)`` of one ranged GET of object ``index``'s first
+        ``HEADER_PREFETCH`` bytes (``meta``: the object's, its whole size
+        among them); None where it failed for a reason ``_open``'s HEAD
+        names again (a permanent one is raised here)."""
+        obj, obstore = self._objects[index], self._obstore
+        try:
+            got = obstore.get(obj.store, obj.key, options={"range": (0, HEADER_PREFETCH)})
+            return got.meta, bytes(got.bytes())
+        except Exception as e:
+            if _permanent(obstore, e):
+                raise _classify(obstore, e, _safe(obj.url), "reading its header") from None
+            return None
+
+    def _open(self, url, got=None):
+        """Opens object ``url`` with ``got``, ``_first``'s answer for it."""
         index = len(self.paths)
         obj = self._objects[index]
         obstore = self._obstore
-        try:
-            meta = obstore.head(obj.store, obj.key)
-        except Exception as e:
-            raise _classify(obstore, e, _safe(url), "asking for its size") from None
+        if got is None:
+            try:
+                meta, first = obstore.head(obj.store, obj.key), None
+            except Exception as e:
+                raise _classify(obstore, e, _safe(url), "asking for its size") from None
+        else:
+            meta, first = got
         obj.size, obj.etag, obj.version = meta["size"], meta.get("e_tag"), meta.get("version")
         self.fds.append(index)
         self.paths.append(url)
-        first = self.read_bytes(index, 0, min(obj.size, HEADER_PREFETCH), what="reading its header")
+        want = min(obj.size, HEADER_PREFETCH)
+        if first is None or len(first) != want:    # (a body cut short: fetched again, If-Match)
+            first = self.read_bytes(index, 0, want, what="reading its header")
         length = header_length(first[:8], obj.size, url)
         if 8 + length <= len(first):
             raw = first[8:8 + length]
@@ -375,6 +403,31 @@ class _RemoteCheckpoint(_Checkpoint):
         self.fds = []
         for obj in self._objects:
             obj.store = None
+
+
+# Objects asked for their first bytes at once when a checkpoint opens.
+OPEN_CONCURRENCY = 16
+
+
+def _each(call, items, stop):
+    """``[call(item) for item in items]``, the calls run at once (at most
+    OPEN_CONCURRENCY threads; one item runs here); the first item's error
+    in order is raised, after every call ended: the threads live only
+    inside this function.  An error or a Ctrl-C sets ``stop``, which ends
+    the other calls' retries, and cancels the calls not yet begun."""
+    items = list(items)
+    if len(items) <= 1:
+        return [call(item) for item in items]
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(min(len(items), OPEN_CONCURRENCY), thread_name_prefix="instant_staging-open")
+    try:
+        futures = [pool.submit(call, item) for item in items]
+        return [f.result() for f in futures]
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _Fetch:

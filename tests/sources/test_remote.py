@@ -184,9 +184,79 @@ def test_inspect_fetches_headers_only(s3_server, s3_bucket, tmp_path, fault_prox
         seen = list(fault_proxy.requests)
     assert sorted(names) == sorted(n for _, t in files for n in t)
     assert nbytes == sum(t.numel() * t.element_size() for _, ts in files for t in ts.values())
-    # a listing, the index, and per shard one HEAD and one GET of the header
+    # a listing, the index, and per shard one GET of the header, which
+    # also gives its size and ETag: no HEAD
     gets = [r for r in seen if r[0] == "GET" and r[2]]
     assert len(gets) == len(files) and all(r[2].startswith("bytes=0-") for r in gets)
+    assert not [r for r in seen if r[0] == "HEAD"]
+
+
+def _four_shards():
+    """The dense layout in four shards (its tensors, in order)."""
+    (_, a), (_, b) = layouts()["dense"]
+    tensors = list({**a, **b}.items())
+    return [(f"model-{k + 1:05d}-of-00004.safetensors", dict(tensors[k::4])) for k in range(4)]
+
+
+def test_open_asks_every_object_at_once(s3_server, s3_bucket, tmp_path, fault_proxy):
+    # A start of round trips: the header GETs must be in flight together.
+    # Each waits at the proxy until all are there (a barrier, not a clock):
+    # one after the other, the first would wait alone and break it.
+    files = _four_shards()
+    local = upload(s3_server, s3_bucket, "together", files, tmp_path)
+    barrier, broken = threading.Barrier(len(files)), []
+
+    def together(seen):
+        try:
+            barrier.wait(timeout=15)
+        except threading.BrokenBarrierError:
+            broken.append(seen)
+    fault_proxy.hook(together, n=len(files), method="GET", ranged=True)
+    with Checkpoint.open(f"s3://{s3_bucket}/together/",
+                         storage_options=options(fault_proxy.url)) as ck:
+        got = ck.load("cpu")
+    assert not broken
+    same(got, load_file(str(local)))
+    assert not [t for t in threading.enumerate() if t.name.startswith("instant_staging-open")]
+
+
+def test_open_names_the_first_missing_object_and_leaves_no_thread(s3_server, s3_bucket, tmp_path,
+                                                                   fault_proxy):
+    files = _four_shards()
+    upload(s3_server, s3_bucket, "gone", files, tmp_path)
+    for fname, _ in files[1:3]:
+        s3_server.delete(s3_bucket, f"gone/{fname}")
+    with pytest.raises(FileNotFoundError, match=files[1][0]):
+        Checkpoint.open(f"s3://{s3_bucket}/gone/", storage_options=options(fault_proxy.url))
+    assert not [t for t in threading.enumerate() if t.name.startswith("instant_staging-open")]
+
+
+@pytest.mark.parametrize("fault", ["503", "cut short"])
+def test_a_header_get_that_fails_is_asked_again(s3_server, s3_bucket, tmp_path, fault_proxy, fault):
+    # Past the client's own retries (503), or a body cut short: the HEAD
+    # and a GET with If-Match, as before the first GET carried the size.
+    files = _four_shards()
+    local = upload(s3_server, s3_bucket, f"again{fault[:3]}", files, tmp_path)
+    if fault == "503":
+        fault_proxy.fail(503, n=4, method="GET", path=files[2][0], ranged=True)
+    else:
+        fault_proxy.truncate(n=1, after_bytes=5, method="GET", path=files[2][0], ranged=True)
+    fault_proxy.reset_counts()
+    with Checkpoint.open(f"s3://{s3_bucket}/again{fault[:3]}/",
+                         storage_options=options(fault_proxy.url)) as ck:
+        got = ck.load("cpu")
+    same(got, load_file(str(local)))
+    if fault == "503":
+        heads = [r for r in fault_proxy.requests if r[0] == "HEAD"]
+        assert len(heads) == 1 and files[2][0] in heads[0][1]
+
+
+def test_an_empty_object_is_too_short(s3_server, s3_bucket):
+    # Its ranged GET is a 416: the HEAD's size says what is wrong.
+    s3_server.put(s3_bucket, "empty/model.safetensors", b"")
+    with pytest.raises(SafetensorsError, match="too short"):
+        Checkpoint.open(f"s3://{s3_bucket}/empty/model.safetensors",
+                        storage_options=options(s3_server.url))
 
 
 def test_names_fetch_only_their_ranges(s3_server, s3_bucket, tmp_path, fault_proxy):
