@@ -52,6 +52,12 @@ IO_DEPTH = SLOTS_PER_THREAD * MAX_THREADS
 # (docs/design.md, "Measured: cold reads").
 COLD_CHUNK_SIZE = 16 << 20
 COLD_THREADS = 4
+# The disk's head start (loader/_pagecache.pyx's Warmer) reads ahead of
+# those readers with more reads in flight: it holds one piece of memory
+# whatever its thread count, and on the H200 host's disk 32 buffered reads
+# of 16 MiB in flight were the fastest of the sweep (docs/design.md,
+# "Measured: cold reads").
+WARM_THREADS = 32
 # Pages sampled (one byte each, without waiting for the disk) to tell a
 # cold checkpoint: cold when fewer than half are resident.
 COLD_SAMPLES = 8

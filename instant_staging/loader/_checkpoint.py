@@ -36,10 +36,10 @@ class _Checkpoint:
 
     def __init__(self):
         self.paths, self.fds, self.headers = [], [], []
-        # The Warmer reading this checkpoint into the page cache while CUDA
-        # starts (warm_if_cold), in a list that every share() has too: any
-        # load may stop it, and the owner's close() joins it before it
-        # closes the descriptors the Warmer reads.
+        # The Warmer reading this checkpoint into the page cache from CUDA's
+        # start on (warm_if_cold), in a list that every share() has too: the
+        # load's teardown joins it, and the owner's close() before it closes
+        # the descriptors the Warmer reads.
         self._warming = []
         self._sample = None     # resident() as warm_if_cold found it
 
@@ -144,8 +144,9 @@ class _Checkpoint:
         """Where the page cache mostly lacks the selected tensors (``is_cold``),
         starts reading their bytes into it, in reading order, in pieces of
         ``piece_bytes`` with ``threads`` C threads (``_pagecache.Warmer``)
-        until ``stop_warming()``: for a load that waits for CUDA's start
-        first.  Returns whether it started (once per checkpoint)."""
+        until ``stop_warming()`` or the last byte: for a load that waits for
+        CUDA's start first, and then reads behind it.  Returns whether it
+        started (once per checkpoint)."""
         if self._warming:
             return False
         sample = self.resident()
@@ -157,11 +158,11 @@ class _Checkpoint:
         self._sample = sample
         return True
 
-    def stop_warming(self, wait=False):
-        """Asks the warming threads to end after their reads in flight
-        (``wait``: and joins them); nothing where none run."""
+    def stop_warming(self):
+        """Stops the warming threads after their reads in flight and joins
+        them; nothing where none run."""
         for warmer in self._warming:
-            warmer.close() if wait else warmer.stop()
+            warmer.close()
 
     def share(self, release):
         """This checkpoint for one load: its own selection (``select``,
@@ -223,7 +224,7 @@ class _Checkpoint:
         threads calls it: a descriptor number closed under a running reader
         could be reused by the next open() and the reader would copy another
         file's bytes.  (The warming threads read them too: joined first.)"""
-        self.stop_warming(wait=True)
+        self.stop_warming()
         close_recorded(self.fds)
 
 

@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
-from ..defaults import COLD_CHUNK_SIZE, COLD_THREADS
+from ..defaults import COLD_CHUNK_SIZE, WARM_THREADS
 from . import _gc, _progress
 from ._checkpoint import _Checkpoint
 from ._options import check_backend, knobs, left_unset, torch_dtype
@@ -399,18 +399,19 @@ def _usable_target(parsed, shards=None, tuned=False):
     A load that waits for that start (to a GPU, CUDA not started, the knobs
     left to the loader: ``tuned``) has its selection of ``shards`` read into
     the page cache meanwhile where the page cache lacks it
-    (``_Checkpoint.warm_if_cold``, with the cold knobs: this is the disk's
-    head start); a device that turns out unusable stops and joins those
-    reads before its error is raised."""
+    (``_Checkpoint.warm_if_cold``: this is the disk's head start, which
+    then reads ahead of the load's readers until the load ends); a device
+    that turns out unusable stops and joins those reads before its error is
+    raised."""
     torch, device, dtype = parsed
     warming = (shards is not None and tuned and device.type != "cpu"
                and not torch.cuda.is_initialized()
-               and shards.warm_if_cold(COLD_CHUNK_SIZE, COLD_THREADS))
+               and shards.warm_if_cold(COLD_CHUNK_SIZE, WARM_THREADS))
     try:
         return _TorchTarget(torch, device, dtype)
     except BaseException:
         if warming:
-            shards.stop_warming(wait=True)
+            shards.stop_warming()
         raise
 
 

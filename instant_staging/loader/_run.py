@@ -291,9 +291,9 @@ class _LoadState:
             else:
                 staging = self.own_staging = _staging_pool.own(self.device, *staging_size(plan, depth))
         self.staging = staging
-        # CUDA's start is over: the readers take over from the page cache's
-        # warming (_load._usable_target), which ends after its reads in flight.
-        self.checkpoint.stop_warming()
+        # (The page cache's warming, where the load started one, goes on
+        # ahead of the readers, with more reads in flight than they keep:
+        # close() joins it.)
         # Holds the buffer from here until its threads are joined (pipe.close()).
         self.pipe = pipe = Pipeline(plan, threads=threads, staging=staging, depth=depth,
                                     device=self.device, fetch=self.checkpoint.fetch)
@@ -323,7 +323,7 @@ class _LoadState:
         if buf is not None and os.getpid() == self.pid:
             _staging_pool.give(self.device, buf)    # kept for the next load, or closed
         # (a forked child's copy goes with the object, as _StagingStart's)
-        self.checkpoint.stop_warming(wait=True)     # the page cache's warming: joined, freed
+        self.checkpoint.stop_warming()      # the page cache's warming: joined, freed
         self.checkpoint.close()     # only now: no reader can use a reused fd number
 
 

@@ -79,7 +79,7 @@ class _View:
         self.fetch, self.fetch_error = read.fetch, read.fetch_error
         self.read_bytes, self.current_size = checkpoint.read_bytes, checkpoint.current_size
 
-    def stop_warming(self, wait=False):
+    def stop_warming(self):
         pass        # (a read of a safe_open's is never warmed: _load._usable_target)
 
     def close(self):
