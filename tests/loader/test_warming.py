@@ -11,6 +11,7 @@ the error).  Without a GPU, CUDA's start is played by a device check that
 takes its time and then finds no GPU (or is interrupted); the load that
 goes on is the GPU tests'."""
 
+import json
 import os
 import time
 
@@ -292,6 +293,29 @@ def test_a_selection_warms_only_its_own_bytes(cold, monkeypatch):
     with Checkpoint.open(path) as checkpoint:
         want = [(checkpoint.info(n).nbytes) for n in ("t3", "t7")]
     assert [length for _, _, length in seen[0]] == want
+
+
+def test_a_plan_warms_only_its_rows(cold, monkeypatch):
+    # A tensor-parallel rank loading its plan alone reads ahead only the
+    # rows it keeps, not the whole checkpoint.
+    path, tensors = cold
+    _fresh_process(monkeypatch, check_seconds=0.5)
+    seen = []
+
+    class Recorded(_pagecache.Warmer):
+        def __init__(self, ranges, *args):     # (records only: reads nothing)
+            seen.append(list(ranges))
+    monkeypatch.setattr(_checkpoint, "Warmer", Recorded)
+    rows = slice(1000, 3000)
+    with Checkpoint.open(path) as checkpoint, pytest.raises(ValueError, match="not available"):
+        checkpoint.load("cuda:0", plan={"t3": rows, "t7": None})
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    begin = {n: 8 + size + header[n]["data_offsets"][0] for n in ("t3", "t7")}
+    nbytes = tensors["t7"].numel() * 4
+    assert [(off, length) for _, off, length in seen[0]] == [
+        (begin["t3"] + rows.start * 4, (rows.stop - rows.start) * 4), (begin["t7"], nbytes)]
 
 
 def test_the_load_knobs_follow_the_sample_taken_before_the_warming(cold, monkeypatch):
