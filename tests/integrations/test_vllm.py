@@ -32,7 +32,7 @@ from safetensors.torch import load_file as st_load_file
 
 from instant_staging.integrations.vllm import LOAD_FORMAT, _options, _weights
 from instant_staging.integrations.vllm._options import Options, parse
-from instant_staging.loader import _load
+from instant_staging.loader import Checkpoint
 
 from support import child_env, import_crash, record_reads
 
@@ -141,6 +141,21 @@ def test_not_an_object():
 
 # -- the pairs (no vLLM) ------------------------------------------------------------
 
+def spy_loads(monkeypatch, on_cpu=False, entry=lambda *load: load):
+    """Every load ``iter_weights`` makes, as ``entry(checkpoint, the device
+    asked for, its keywords, the LoadIterator)``; ``on_cpu``: each run on the
+    CPU (a host without a GPU can still tell the devices apart)."""
+    loads = []
+    real = Checkpoint.iter_load
+
+    def spy(self, device="cpu", **kw):
+        it = real(self, "cpu" if on_cpu else device, **kw)
+        loads.append(entry(self, str(device), kw, it))
+        return it
+    monkeypatch.setattr(Checkpoint, "iter_load", spy)
+    return loads
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_pairs_equal_safetensors(tmp_path, arch, sharded):
@@ -158,24 +173,20 @@ def test_pairs_equal_safetensors(tmp_path, arch, sharded):
 def test_batches_bound_what_is_allocated_at_once(tmp_path, monkeypatch, batch_bytes):
     path = save(tmp_path, "llama", sharded=True, dtype=torch.bfloat16)
     files = shards(path)
-    loads = []
-    real = _load.iter_load
-
-    def spy(source, device="cpu", **kw):
-        it = real(source, device, **kw)
-        loads.append((list(source), set(kw["names"]), it.total_bytes))
-        return it
-    monkeypatch.setattr(_weights, "iter_load", spy)
-    sizes = _weights.tensor_sizes(files)
-    largest = max(n for _, entries in sizes for _, n in entries)
+    loads = spy_loads(monkeypatch)
+    with Checkpoint.open(files) as checkpoint:
+        largest = max(n for _, entries in _weights.tensor_sizes(checkpoint) for _, n in entries)
     stats = _weights.Stats()
-    pairs = list(_weights.iter_weights(files, "cpu", Options(batch_bytes=batch_bytes), stats=stats))
+    pairs = list(_weights.iter_weights(files[::-1], "cpu", Options(batch_bytes=batch_bytes),
+                                       stats=stats))
     assert_same_pairs(pairs, reference(files))
     assert stats.batches == len(loads) > 1
-    for source, _names, total in loads:
-        assert total <= max(batch_bytes, largest)     # a tensor over the budget is a batch alone
-        assert source == sorted(source, key=_weights.natural_key)
-    everything = [n for _, names, _ in loads for n in names]
+    # one checkpoint, opened once (its headers read once), in vLLM's file order
+    assert len({id(checkpoint) for checkpoint, *_ in loads}) == 1
+    assert loads[0][0].files == sorted(files, key=_weights.natural_key)
+    for _, _, _, it in loads:
+        assert it.total_bytes <= max(batch_bytes, largest)     # a tensor over the budget is a batch alone
+    everything = [n for _, _, kw, _ in loads for n in kw["names"]]
     assert len(everything) == len(set(everything)) == len(pairs)
 
 
@@ -195,24 +206,21 @@ def test_keep_filters_before_reading(tmp_path, monkeypatch):
 def test_knobs_from_the_extra_config_else_the_environment(tmp_path, monkeypatch):
     path = save(tmp_path, "llama", sharded=False)
     files = shards(path)
-    seen = []
-    real = _load.iter_load
+    loads = spy_loads(monkeypatch)
 
-    def spy(source, device="cpu", **kw):
-        it = real(source, device, **kw)
-        seen.append((kw["chunk_size"], kw["io_depth"], kw["threads"], it))
-        return it
-    monkeypatch.setattr(_weights, "iter_load", spy)
+    def seen():
+        _, _, kw, it = loads[0]
+        return (kw["chunk_size"], kw["io_depth"], kw["threads"]), it.threads
     list(_weights.iter_weights(files, "cpu", parse({"chunk_size": "64KiB", "threads": 2, "io_depth": 4})))
-    assert seen[0][:3] == (64 << 10, 4, 2) and seen[0][3].threads == 2
+    assert seen() == ((64 << 10, 4, 2), 2)
     # left out: the loader's environment variable, checked as the loader checks it
     monkeypatch.setenv("INSTANT_STAGING_THREADS", "0")
     with pytest.raises(ValueError, match="INSTANT_STAGING_THREADS"):
         list(_weights.iter_weights(files, "cpu", parse({})))
     monkeypatch.setenv("INSTANT_STAGING_THREADS", "1")
-    seen.clear()
+    loads.clear()
     list(_weights.iter_weights(files, "cpu", parse({})))
-    assert seen[0][2] is None and seen[0][3].threads == 1
+    assert seen() == ((None, None, None), 1)
 
 
 def test_files_in_vllms_order():
@@ -236,7 +244,7 @@ def test_bad_file_is_an_error_before_anything_is_loaded(tmp_path, monkeypatch):
     files = shards(path)
     with open(files[-1], "r+b") as f:
         f.write(b"\xff" * 16)                        # a broken header
-    monkeypatch.setattr(_weights, "iter_load", lambda *a, **k: pytest.fail("loaded before the check"))
+    monkeypatch.setattr(Checkpoint, "iter_load", lambda *a, **k: pytest.fail("loaded before the check"))
     with pytest.raises(SafetensorsError):
         list(_weights.iter_weights(files, "cpu"))
 
@@ -274,14 +282,7 @@ def save_engram(tmp_path):
 def spy_devices(monkeypatch):
     """[(the device asked for, names)] of every load ``iter_weights`` makes,
     each run on the CPU (a host without a GPU can still tell them apart)."""
-    loads = []
-    real = _load.iter_load
-
-    def spy(source, device="cpu", **kw):
-        loads.append((str(device), set(kw["names"])))
-        return real(source, "cpu", **kw)
-    monkeypatch.setattr(_weights, "iter_load", spy)
-    return loads
+    return spy_loads(monkeypatch, on_cpu=True, entry=lambda _, device, kw, __: (device, set(kw["names"])))
 
 
 def engram(name):

@@ -13,12 +13,15 @@ tensor-parallel slice of it, from any device).  The order is not vLLM's:
 files in vLLM's order (numbers in names compared as numbers), and within
 each batch the order in which tensors finish.
 
-The tensors are read in batches (``plan``): consecutive tensors of the files
-up to ``Options.batch_bytes`` (``_options.BATCH_BYTES``), each batch one
-``iter_load(files, device, names=batch)``, so that no more than one batch
-of checkpoint tensors sits on the device beside the model at any time (a
-load allocates all its tensors when it starts).  The staging buffer is the
-one the loader keeps between loads, so batches pin nothing anew.
+The files are opened once, as one ``Checkpoint`` (every header read and
+checked once, before anything is allocated), and its tensors are read in
+batches (``plan``): consecutive tensors of the files up to
+``Options.batch_bytes`` (``_options.BATCH_BYTES``), each batch one
+``checkpoint.iter_load(device, names=batch)``, so that no more than one
+batch of checkpoint tensors sits on the device beside the model at any
+time (a load allocates all its tensors when it starts).  The staging
+buffer is the one the loader keeps between loads, so batches pin nothing
+anew.
 
 ``process_group`` (``Options.shared_read``): every rank of the group calls
 with the same files; each batch is then a collective ``iter_load(...,
@@ -45,7 +48,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
-from ...loader import Checkpoint, iter_load
+from ...loader import Checkpoint
 from ._options import Options
 
 
@@ -88,17 +91,15 @@ def file_order(files: list[str], shuffle_seed: int | None = None) -> list[str]:
     return ordered
 
 
-def tensor_sizes(files: list[str],
-                 shuffle_seed: int | None = None) -> list[tuple[str, list[tuple[str, int]]]]:
-    """``[(file, [(name, nbytes), ...]), ...]`` from the headers alone, files in
-    vLLM's order (``file_order``), names as the file lists them (sorted, as
-    safetensors')."""
-    result = []
-    for path in file_order(files, shuffle_seed):
-        with Checkpoint.open(path) as checkpoint:
-            infos = [checkpoint.info(name) for name in checkpoint.names()]
-        result.append((path, sorted((i.name, i.nbytes) for i in infos)))
-    return result
+def tensor_sizes(checkpoint: Checkpoint) -> list[tuple[str, list[tuple[str, int]]]]:
+    """``[(file, [(name, nbytes), ...]), ...]`` of an open ``checkpoint``,
+    from its headers alone: its files in its order, each file's names
+    sorted (as safetensors lists them)."""
+    by_file: dict[str, list[tuple[str, int]]] = {path: [] for path in checkpoint.files}
+    for name in checkpoint.names():
+        info = checkpoint.info(name)
+        by_file[info.file].append((name, info.nbytes))
+    return [(path, sorted(entries)) for path, entries in by_file.items()]
 
 
 def plan(sizes: list[tuple[str, list[tuple[str, int]]]], batch_bytes: int) -> list[Batch]:
@@ -132,7 +133,17 @@ def iter_weights(files: list[str], device: Any, options: Options | None = None, 
     tensor is allocated; ``stats`` is filled when the iteration ends."""
     options = options if options is not None else Options()
     stats = stats if stats is not None else Stats()
-    sizes = tensor_sizes(list(files), shuffle_seed)
+    with Checkpoint.open(file_order(list(files), shuffle_seed)) as checkpoint:
+        yield from _iter_batches(checkpoint, device, options, keep, on_cpu, process_group,
+                                 progress, stats)
+
+
+def _iter_batches(checkpoint: Checkpoint, device: Any, options: Options,
+                  keep: Callable[[str], bool] | None, on_cpu: Callable[[str], bool] | None,
+                  process_group: Any, progress: Callable[[int, int], object] | None,
+                  stats: Stats) -> Iterator[tuple[str, Any]]:
+    """``iter_weights`` over its open ``checkpoint``: the batches, each a load."""
+    sizes = tensor_sizes(checkpoint)
     host: list[tuple[str, list[tuple[str, int]]]] = []
     if on_cpu is not None:
         host = [(path, [(n, b) for n, b in entries if on_cpu(n) and (keep is None or keep(n))])
@@ -156,8 +167,8 @@ def iter_weights(files: list[str], device: Any, options: Options | None = None, 
         if progress is not None:
             def report(n, _total, before=done):
                 progress(before + n, total)
-        with iter_load(list(batch.files), where, names=set(batch.names), process_group=group,
-                       progress=report, **knobs) as it:
+        with checkpoint.iter_load(where, names=set(batch.names), process_group=group,
+                                  progress=report, **knobs) as it:
             for name, tensor in it:
                 kinds.update(_kinds(it))
                 if keep is not None and not keep(name):
