@@ -249,6 +249,21 @@ def test_bad_file_is_an_error_before_anything_is_loaded(tmp_path, monkeypatch):
         list(_weights.iter_weights(files, "cpu"))
 
 
+def test_a_name_in_two_shards_is_an_error_before_anything_is_loaded(tmp_path, monkeypatch):
+    # One checkpoint of every file: a name two shards give (in different
+    # batches, too) is refused when the headers are read, as a load refuses it.
+    from safetensors.torch import save_file
+
+    from instant_staging.loader import SafetensorsError
+    files = []
+    for i in range(2):
+        files.append(str(tmp_path / f"model-0000{i + 1}-of-00002.safetensors"))
+        save_file({"shared.weight": torch.ones(64), f"only{i}.weight": torch.ones(64)}, files[-1])
+    monkeypatch.setattr(Checkpoint, "iter_load", lambda *a, **k: pytest.fail("loaded before the check"))
+    with pytest.raises(SafetensorsError, match="two shards"):
+        list(_weights.iter_weights(files, "cpu", Options(batch_bytes=1)))
+
+
 def test_untested_vllm_versions_are_named():
     from instant_staging.integrations.vllm import TESTED, untested
     assert TESTED == ((0, 32), (0, 33), (0, 34))
