@@ -279,43 +279,45 @@ def test_no_warming_where_nothing_waits_for_cuda_or_the_disk(cold, monkeypatch, 
     assert not warmers
 
 
-def test_a_selection_warms_only_its_own_bytes(cold, monkeypatch):
-    path, _ = cold
+@pytest.fixture
+def warmed_ranges(monkeypatch):
+    """The ranges of each Warmer the loader starts, in a fresh process whose
+    device check takes 0.5 s (the Warmers record, and read nothing)."""
     _fresh_process(monkeypatch, check_seconds=0.5)
     seen = []
 
     class Recorded(_pagecache.Warmer):
-        def __init__(self, ranges, *args):     # (records only: reads nothing)
+        def __init__(self, ranges, *args):
             seen.append(list(ranges))
     monkeypatch.setattr(_checkpoint, "Warmer", Recorded)
+    return seen
+
+
+def _data_begin(path, name):
+    """Where ``name``'s bytes begin in the file at ``path``."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return 8 + size + json.loads(f.read(size))[name]["data_offsets"][0]
+
+
+def test_a_selection_warms_only_its_own_bytes(cold, warmed_ranges):
+    path, tensors = cold
     with pytest.raises(ValueError, match="not available"):
         iter_load(path, "cuda:0", names=["t3", "t7"])
-    with Checkpoint.open(path) as checkpoint:
-        want = [(checkpoint.info(n).nbytes) for n in ("t3", "t7")]
-    assert [length for _, _, length in seen[0]] == want
+    assert [(off, length) for _, off, length in warmed_ranges[0]] == [
+        (_data_begin(path, n), tensors[n].numel() * 4) for n in ("t3", "t7")]
 
 
-def test_a_plan_warms_only_its_rows(cold, monkeypatch):
+def test_a_plan_warms_only_its_rows(cold, warmed_ranges):
     # A tensor-parallel rank loading its plan alone reads ahead only the
     # rows it keeps, not the whole checkpoint.
     path, tensors = cold
-    _fresh_process(monkeypatch, check_seconds=0.5)
-    seen = []
-
-    class Recorded(_pagecache.Warmer):
-        def __init__(self, ranges, *args):     # (records only: reads nothing)
-            seen.append(list(ranges))
-    monkeypatch.setattr(_checkpoint, "Warmer", Recorded)
     rows = slice(1000, 3000)
     with Checkpoint.open(path) as checkpoint, pytest.raises(ValueError, match="not available"):
         checkpoint.load("cuda:0", plan={"t3": rows, "t7": None})
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    begin = {n: 8 + size + header[n]["data_offsets"][0] for n in ("t3", "t7")}
-    nbytes = tensors["t7"].numel() * 4
-    assert [(off, length) for _, off, length in seen[0]] == [
-        (begin["t3"] + rows.start * 4, (rows.stop - rows.start) * 4), (begin["t7"], nbytes)]
+    assert [(off, length) for _, off, length in warmed_ranges[0]] == [
+        (_data_begin(path, "t3") + rows.start * 4, (rows.stop - rows.start) * 4),
+        (_data_begin(path, "t7"), tensors["t7"].numel() * 4)]
 
 
 def test_the_load_knobs_follow_the_sample_taken_before_the_warming(cold, monkeypatch):
