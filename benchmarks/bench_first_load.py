@@ -500,15 +500,27 @@ def versions():
     return out
 
 
+def tree():
+    """The source tree whose instant_staging the runs import (PYTHONPATH
+    picks it: an A/B of two trees runs this script once per tree)."""
+    import instant_staging
+    return os.path.dirname(os.path.dirname(os.path.abspath(instant_staging.__file__)))
+
+
 def commit():
-    """HEAD's short hash, with "+changes" where tracked files differ from it
-    (a run of an uncommitted tree once recorded the commit below it)."""
+    """The imported tree's HEAD, short, with "+changes" where tracked files
+    differ from it (a run of an uncommitted tree once recorded the commit
+    below it); None where that tree is not the top of a git checkout (a copy
+    inside another checkout must not take that checkout's commit)."""
     import subprocess
+    root = tree()
 
     def git(*args):
-        return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True,
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
                               timeout=10).stdout.strip()
     try:
+        if os.path.realpath(git("rev-parse", "--show-toplevel") or "/nonexistent") != os.path.realpath(root):
+            return None
         head = git("rev-parse", "--short", "HEAD")
         return (head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
                 if head else None)
@@ -584,10 +596,10 @@ def main(argv=None):
         notes.append(f"device {device}: 'CUDA start' is only torch.ones(1) on it, no CUDA")
 
     print("=" * 78)
-    print(f"bench_first_load -- device {device}, scale 1/{divisor}, commit {commit()}")
+    print(f"bench_first_load -- device {device}, scale 1/{divisor}, tree {tree()}, commit {commit()}")
     print("=" * 78, flush=True)
     doc = {"environment": {"python": sys.version.split()[0], "device": device, "scale": args.scale,
-                           "commit": commit(), "cpus": len(os.sched_getaffinity(0)),
+                           "tree": tree(), "commit": commit(), "cpus": len(os.sched_getaffinity(0)),
                            "thp": C._read("/sys/kernel/mm/transparent_hugepage/enabled"),
                            "versions": versions(),
                            "env": {k: v for k, v in os.environ.items()

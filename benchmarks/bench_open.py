@@ -12,13 +12,15 @@ of ``--rtt``; bytes keep flowing, only late), for each tree given by
 alternating.  Each run also counts the requests the server saw.
 
 No GPU is involved: the figures are the client's round trips on the host
-that runs it (name it with the figures).
+that runs it (name it with the figures).  Needs the ``remote`` extra and
+LocalBucket (``pip install localbucket``: an S3 server over a folder).
 
     python benchmarks/bench_open.py --trees new=.,old=/tmp/base \\
         [--layouts dense,awq,moe,finemoe] [--rtt 0,10,40] [--runs 5] [--json PATH]
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import queue
@@ -110,6 +112,8 @@ def _free_port():
 def start_server(root):
     """LocalBucket on a free port serving ``root``; (process, port)."""
     port = _free_port()
+    if importlib.util.find_spec("localbucket") is None:
+        raise SystemExit("bench_open.py needs LocalBucket: pip install localbucket")
     proc = subprocess.Popen([sys.executable, "-m", "localbucket", "--port", str(port), root],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
