@@ -1,6 +1,6 @@
 # cython: language_level=3
 """The page cache: whether a page of a file is in it, asked without reading
-it, and a checkpoint's first bytes read into it while CUDA starts.
+it, and a checkpoint read ahead into it from CUDA's start on.
 
 cachestat(2) (Linux 6.5) counts the cached pages of a range of an open file
 and starts no I/O.  A sampling read with RWF_NOWAIT, the fallback, is not
@@ -19,17 +19,18 @@ kernel), EPERM (a seccomp filter that does not know the call), EOPNOTSUPP
 with C threads that never take the GIL: the first load of a cold checkpoint
 in a process waits for CUDA's start (the device check, the staging buffer's
 registration), in calls that may hold the GIL throughout, and the disk reads
-meanwhile.  What it read is thrown away; the load's own reads then find it
-cached.  It is advisory: a failed read ends that thread's warming, and the
-load's own read of the range reports the error.
+meanwhile; then it keeps reading ahead of the load's readers, with more
+reads in flight than they keep.  What it read is thrown away; the load's
+own reads then find it cached.  It is advisory: a failed read ends that
+thread's warming, and the load's own read of the range reports the error.
 
 Who owns what: the Warmer's threads read descriptors its owner (a
-``_Checkpoint``) keeps open until ``close()`` has joined them; ``stop()``
-only asks them to end after the read in flight (a load that starts its
-readers must not wait for a 16 MiB read of a slow disk).  Its scratch
-buffer is freed after the join.  At interpreter exit the threads, which run
-no Python code, end with the process; in a forked child they do not exist
-and ``close()`` joins nothing.
+``_Checkpoint``) keeps open until ``close()`` has joined them (the load's
+teardown, or an unusable device, closes it); ``stop()`` only asks them to
+end after their reads in flight, and ``close()`` is that and the join.
+Its scratch buffer is freed after the join.  At interpreter exit the
+threads, which run no Python code, end with the process; in a forked
+child they do not exist and ``close()`` joins nothing.
 """
 
 from libc.errno cimport errno, EINTR
