@@ -595,11 +595,12 @@ def main(argv=None):
     if not device.startswith("cuda") and ("cuda" in modes or "start" in modes):
         notes.append(f"device {device}: 'CUDA start' is only torch.ones(1) on it, no CUDA")
 
+    imported, at = tree(), commit()
     print("=" * 78)
-    print(f"bench_first_load -- device {device}, scale 1/{divisor}, tree {tree()}, commit {commit()}")
+    print(f"bench_first_load -- device {device}, scale 1/{divisor}, tree {imported}, commit {at}")
     print("=" * 78, flush=True)
     doc = {"environment": {"python": sys.version.split()[0], "device": device, "scale": args.scale,
-                           "tree": tree(), "commit": commit(), "cpus": len(os.sched_getaffinity(0)),
+                           "tree": imported, "commit": at, "cpus": len(os.sched_getaffinity(0)),
                            "thp": C._read("/sys/kernel/mm/transparent_hugepage/enabled"),
                            "versions": versions(),
                            "env": {k: v for k, v in os.environ.items()
