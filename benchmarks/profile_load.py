@@ -17,6 +17,11 @@ the best of --repeat runs, GB/s over the layout's bytes:
              of spinning
   load_file  the whole call with a few settings, and with a reused buffer
   host       the pipeline and load_file into CPU memory
+  timeline   the real load_file (defaults, the staging buffer kept, torch's
+             cache emptied before each run, as bench_judge.py's check), its
+             steps stamped from the call: headers parsed, plan, staging taken,
+             blocks allocated, readers started, last address given, views
+             made, first and last tensor finished, readers joined, returned
 
     python benchmarks/profile_load.py [--layouts dense,moe] [--dir DIR] [--json PATH]
         [--sections phases,reads,copies,pipeline,spin,load_file,host] [--quick]
@@ -41,7 +46,7 @@ from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Pla
 from instant_staging.loader._target import _TorchTarget
 
 MiB = C.MiB
-SECTIONS = ("phases", "reads", "copies", "pipeline", "spin", "load_file", "host")
+SECTIONS = ("phases", "reads", "copies", "pipeline", "spin", "load_file", "host", "timeline")
 
 
 def best(fn, repeat, *args, reset=None, **kwargs):
@@ -192,6 +197,108 @@ def section_phases(torch, name, paths, device, repeat, out):
     C.progress(f"  {name} load_file defaults {tl * 1e3:.1f} ms = {ck.total_bytes / tl / 1e9:.1f} GB/s")
 
 
+class _Stamps:
+    """Times since the load's call, by step (``timeline``)."""
+
+    def __init__(self):
+        self.t0, self.marks = None, {}
+
+    def mark(self, what, first=False):
+        if self.t0 is not None and not (first and what in self.marks):
+            self.marks[what] = time.perf_counter() - self.t0
+
+
+class _StampedPipeline:
+    """The reader pipeline, its calls stamped (everything else passes through)."""
+
+    def __init__(self, real, stamps, *args, **kwargs):
+        self._stamps = stamps
+        stamps.mark("pipeline made")
+        self._pipe = real(*args, **kwargs)
+
+    def start(self, *args, **kwargs):
+        self._stamps.mark("readers started")
+        return self._pipe.start(*args, **kwargs)
+
+    def provide(self, ptrs):
+        ok = self._pipe.provide(ptrs)
+        self._stamps.mark("first addresses given", first=True)
+        return ok
+
+    def done_providing(self):
+        self._stamps.mark("last address given")
+        return self._pipe.done_providing()
+
+    def wait(self, timeout):
+        finished, done, exited, failed = result = self._pipe.wait(timeout)
+        if finished:
+            self._stamps.mark("first tensor finished", first=True)
+        if exited:
+            self._stamps.mark("readers exited", first=True)
+        return result
+
+    def close(self):
+        self._pipe.close()
+        self._stamps.mark("readers joined", first=True)
+
+    def __getattr__(self, name):
+        return getattr(self._pipe, name)
+
+
+def _stamped(stamps, module, name, label):
+    """Wraps ``module.name`` so that its return is stamped as ``label``."""
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        out = real(*args, **kwargs)
+        stamps.mark(label, first=True)
+        return out
+    setattr(module, name, wrapper)
+    return real
+
+
+def section_timeline(torch, name, paths, device, repeat, out):
+    """The steps of load_file's real run, stamped, for the run with the
+    shortest total of ``repeat`` (after one that makes the staging buffer)."""
+    from instant_staging.loader import _checkpoint, _load, _pipeline, _target
+    stamps = _Stamps()
+    real_pipe = _pipeline.Pipeline
+    patched = [(_checkpoint._Checkpoint, "open", _stamped(stamps, _checkpoint._Checkpoint, "open",
+                                                          "headers parsed")),
+               (_load, "_plan", _stamped(stamps, _load, "_plan", "planned")),
+               (_load, "_begin_staging", _stamped(stamps, _load, "_begin_staging",
+                                                  "staging begun")),
+               (L, "_allocate_blocks", _stamped(stamps, L, "_allocate_blocks", "blocks allocated")),
+               (L._StagingStart, "take", _stamped(stamps, L._StagingStart, "take", "staging taken")),
+               (_target._TorchTarget, "views", _stamped(stamps, _target._TorchTarget, "views",
+                                                        "views made"))]
+    _pipeline.Pipeline = lambda *a, **k: _StampedPipeline(real_pipe, stamps, *a, **k)
+    runs = []
+    try:
+        loader.load_file(paths, str(device))     # the staging buffer, made and kept
+        for _ in range(repeat):
+            B._free(torch, device)
+            B.sync(torch, device)
+            stamps.marks = {}
+            stamps.t0 = time.perf_counter()
+            result = loader.load_file(paths, str(device))
+            B.sync(torch, device)
+            stamps.mark("returned")
+            runs.append(dict(stamps.marks))
+            del result
+    finally:
+        _pipeline.Pipeline = real_pipe
+        for module, attr, real in patched:
+            setattr(module, attr, real)
+        B._free(torch, device)
+    bestrun = min(runs, key=lambda r: r["returned"])
+    nbytes = sum(os.path.getsize(p) for p in paths)
+    out.append(dict(section="timeline", layout=name, gbps=nbytes / bestrun["returned"] / 1e9,
+                    **bestrun))
+    C.progress(f"  {name} timeline (ms from the call), {nbytes / bestrun['returned'] / 1e9:.1f} GB/s: "
+               + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(bestrun.items(), key=lambda kv: kv[1])))
+
+
 def section_reads(name, paths, repeat, out, threads_list, chunks):
     from instant_staging import StagingBuffer
     sets = [(name, paths)]
@@ -337,6 +444,8 @@ def main(argv=None):
             finally:
                 f.close()
                 B._free(torch, device)
+        if gpu and "timeline" in sections:
+            section_timeline(torch, name, paths, device, args.repeat + 3, out)
         if gpu and "load_file" in sections:
             section_load_file(torch, name, paths, device, args.repeat, out, settings)
         if "host" in sections:

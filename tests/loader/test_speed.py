@@ -217,3 +217,26 @@ def test_bench_load_and_profile_quick(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     sections = {x["section"] for x in json.loads((tmp_path / "p.json").read_text())["results"]}
     assert {"phases", "reads", "host"} <= sections
+
+
+def test_bench_judge_and_disk_quick(tmp_path):
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    out = tmp_path / "judge.json"
+    r = run_script(os.path.join(ROOT, "benchmarks", "bench_judge.py"), "--quick", "--device", "cpu",
+                   "--layouts", "moe,finemoe", "--runs", "2", "--phases", "--dir", str(tmp_path),
+                   "--json", str(out), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [x["layout"] for x in results] == ["moe", "finemoe"]
+    assert all(x["bit_exact"] and len(x["seconds"]) == 2 for x in results)
+    assert set(results[0]["phases"][0]) == {"open", "prepare", "load", "after"}
+    out = tmp_path / "disk.json"
+    r = run_script(os.path.join(ROOT, "benchmarks", "bench_disk.py"), "--quick", "--layouts", "moe",
+                   "--threads", "1,2", "--blocks", "64KiB", "--modes", "buffered,uring", "--rounds", "1",
+                   "--dir", str(tmp_path), "--json", str(out), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["results"]
+    modes = {x["mode"] for x in rows}
+    # uring rows where the binding and the kernel allow one, else a note says why not
+    assert modes == {"buffered", "uring"} or ("no uring rows" in r.stdout and modes == {"buffered"})
+    assert all(len(x["seconds"]) == 1 and x["seconds"][0] > 0 for x in rows)
