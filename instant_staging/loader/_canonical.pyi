@@ -10,3 +10,6 @@ _T = TypeVar("_T")
 
 def checked(tensors: list[_Entry], data_start: int, bits: dict[str, int],
             entry: type[_T]) -> tuple[list[_T], int] | None: ...
+
+def table(raw: bytes, dtypes: dict[bytes, str], bits: dict[str, int],
+          entry: type[_T]) -> tuple[dict[str, str] | None, list[_T], int] | None: ...

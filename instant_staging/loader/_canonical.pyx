@@ -23,8 +23,22 @@ the fast header reading").
 byte counts and torch's limits): it accepts entries that pass them all,
 else returns None and ``_header`` applies them one by one and words the
 error.
+
+``table`` is the two in one pass, the loader's path for every header: the
+entries are read into a C table (offsets, dtype, dimensions; no Python
+object per tensor), checked and sorted there, and only what passes becomes
+the header's ``TensorEntry`` objects, each made once.  It accepts exactly
+what ``read`` followed by ``checked`` accepts, with the same result
+(``tests/loader/test_header_validity.py`` compares them); the intermediate
+tuples, the sort keys and the second walk were a third of a fine-grained
+MoE shard's header time (docs/design.md, "Measured: the header table").
 """
 
+from cpython.long cimport PyLong_FromUnsignedLongLong
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdlib cimport free, qsort, realloc
 from libc.string cimport memcmp
 
 cdef struct Cursor:
@@ -239,3 +253,182 @@ def checked(list tensors, unsigned long long data_start, dict bits, type entry):
     except (OverflowError, TypeError, KeyError, ValueError):
         return None
     return out, start
+
+
+# -- read and checked in one pass: the C table -----------------------------------
+
+cdef struct Row:
+    Py_ssize_t name         # the name's offset in the header, and its length
+    Py_ssize_t name_len
+    Py_ssize_t dtype        # index into the header's list of dtype names
+    Py_ssize_t dims         # index of the first dimension in the dims array
+    Py_ssize_t ndim
+    unsigned long long begin
+    unsigned long long end
+    Py_ssize_t order        # the entry's place in the header (a stable sort)
+
+
+cdef int _by_offsets(const void* a, const void* b) noexcept nogil:
+    cdef const Row* x = <const Row*>a
+    cdef const Row* y = <const Row*>b
+    if x.begin != y.begin:
+        return -1 if x.begin < y.begin else 1
+    if x.end != y.end:
+        return -1 if x.end < y.end else 1
+    return -1 if x.order < y.order else (1 if x.order > y.order else 0)
+
+
+cdef struct Table:
+    Row* rows
+    Py_ssize_t n, cap
+    unsigned long long* dims
+    Py_ssize_t ndims, dims_cap
+
+
+cdef bint _grow(void** p, Py_ssize_t* cap, Py_ssize_t need, size_t item) noexcept:
+    cdef Py_ssize_t c = cap[0]
+    cdef void* q
+    if need <= c:
+        return True
+    while c < need:
+        c = c * 2 if c else 64
+    q = realloc(p[0], c * item)
+    if q == NULL:
+        return False
+    p[0], cap[0] = q, c
+    return True
+
+
+cdef bint _row(Cursor* c, Table* t, dict dtype_index, list dtype_names) except -1:
+    """One ``"name":{"dtype":...}`` into the table; False if it is not
+    exactly the canonical entry (the reading declines)."""
+    cdef Py_ssize_t n, nn, d
+    cdef unsigned long long begin, end, dim
+    cdef Row* r
+    n = _plain_string(c, &nn)
+    if n < 0 or not _literal(c, b':{"dtype":"', 11):
+        return False
+    d = c.pos
+    while c.pos < c.end and (c'A' <= c.s[c.pos] <= c'Z' or c'0' <= c.s[c.pos] <= c'9'
+                             or c.s[c.pos] == c'_'):
+        c.pos += 1
+    k = dtype_index.get((<const char*>c.s + d)[:c.pos - d])
+    if k is None or not _literal(c, b'","shape":[', 11):
+        return False
+    if not _grow(<void**>&t.rows, &t.cap, t.n + 1, sizeof(Row)):
+        raise MemoryError()
+    r = &t.rows[t.n]
+    r.name, r.name_len, r.dtype, r.dims, r.ndim, r.order = n, nn, k, t.ndims, 0, t.n
+    if not _char(c, c']'):
+        while True:
+            if not _u64(c, &dim):
+                return False
+            if not _grow(<void**>&t.dims, &t.dims_cap, t.ndims + 1, sizeof(unsigned long long)):
+                raise MemoryError()
+            t.dims[t.ndims] = dim
+            t.ndims += 1
+            r.ndim += 1
+            if _char(c, c']'):
+                break
+            if not _char(c, c','):
+                return False
+    if not (_literal(c, b',"data_offsets":[', 17) and _u64(c, &begin) and _char(c, c',')
+            and _u64(c, &end) and _literal(c, b']}', 2)):
+        return False
+    r.begin, r.end = begin, end
+    t.n += 1
+    return True
+
+
+cdef bint _rules(const Row* r, const unsigned long long* dims, unsigned long long bits,
+                 bint f4) noexcept:
+    """``checked``'s rules for one entry but its place: the byte count and
+    torch's limits."""
+    cdef unsigned long long numel = 1, nbits
+    cdef Py_ssize_t i
+    if r.end < r.begin:
+        return False
+    for i in range(r.ndim):
+        if dims[r.dims + i] >= _TORCH_DIM_LIMIT or _is_mul_overflow(numel, dims[r.dims + i], &numel):
+            return False
+    if _is_mul_overflow(numel, bits, &nbits) or nbits % 8 or r.end - r.begin != nbits // 8:
+        return False
+    if f4 and (r.ndim == 0 or dims[r.dims + r.ndim - 1] % 2):
+        return False
+    return True
+
+
+def table(bytes raw, dict dtypes, dict bits, type entry):
+    """``read`` and ``checked`` in one pass: ``(metadata, entries, end)``
+    for a canonical header ``raw`` whose entries pass every rule of
+    ``checked`` (``entries`` sorted by offsets, made as ``entry`` with
+    absolute offsets: the data section starts at ``8 + len(raw)``), else
+    None.  ``dtypes`` and ``bits`` are ``read``'s and ``checked``'s."""
+    cdef Cursor c
+    cdef Table t
+    cdef Py_ssize_t i, j
+    cdef const Row* r
+    cdef unsigned long long start = 0, data_start = 8 + len(raw)
+    c.s = <const unsigned char*><const char*>raw
+    c.pos = 0
+    c.end = len(raw)
+    while c.end > 0 and c.s[c.end - 1] == c' ':
+        c.end -= 1
+    metadata = None
+    if _literal(&c, b'{"__metadata__":', 16):
+        metadata = _metadata(&c)
+        if metadata is None:
+            return None
+        if _char(&c, c'}'):
+            return (metadata, [], 0) if c.pos == c.end else None
+        if not _char(&c, c','):
+            return None
+    elif not _char(&c, c'{'):
+        return None
+    # Each dtype's name once, by index (a row holds the index).
+    dtype_index, dtype_names = {}, []
+    for key, name in dtypes.items():
+        dtype_index[key] = len(dtype_names)
+        dtype_names.append(name)
+    dtype_bits = [bits.get(name) for name in dtype_names]
+    t.rows, t.n, t.cap, t.dims, t.ndims, t.dims_cap = NULL, 0, 0, NULL, 0, 0
+    try:
+        while True:
+            if not _row(&c, &t, dtype_index, dtype_names):
+                return None
+            if _char(&c, c'}'):
+                if c.pos != c.end:
+                    return None
+                break
+            if not _char(&c, c','):
+                return None
+        for i in range(t.n):
+            r = &t.rows[i]
+            size = dtype_bits[r.dtype]
+            if size is None or not _rules(r, t.dims, size, dtype_names[r.dtype] == "F4"):
+                return None
+        qsort(t.rows, t.n, sizeof(Row), _by_offsets)
+        out, names = [], set()
+        for i in range(t.n):
+            r = &t.rows[i]
+            if r.begin != start:
+                return None
+            start = r.end
+            try:
+                name = PyUnicode_DecodeUTF8(<const char*>c.s + r.name, r.name_len, NULL)
+            except UnicodeDecodeError:
+                return None
+            names.add(name)
+            shape = PyTuple_New(r.ndim)
+            for j in range(r.ndim):
+                dim_obj = PyLong_FromUnsignedLongLong(t.dims[r.dims + j])
+                Py_INCREF(dim_obj)          # (SET_ITEM steals a reference)
+                PyTuple_SET_ITEM(shape, j, dim_obj)
+            out.append(tuple.__new__(entry, (name, dtype_names[r.dtype], shape,
+                                             r.begin + data_start, r.end + data_start)))
+        if len(names) != t.n or "__metadata__" in names:
+            return None      # a name given twice, or one the parser must judge
+        return metadata, out, start
+    finally:
+        free(t.rows)
+        free(t.dims)

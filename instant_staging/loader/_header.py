@@ -47,6 +47,7 @@ from typing import NamedTuple, Optional
 
 from ._canonical import checked as _checked
 from ._canonical import read as _read_canonical
+from ._canonical import table as _table
 from ._errors import UpstreamError
 
 # The JSON header may not exceed this (the safetensors package's own limit).
@@ -180,6 +181,13 @@ def parse_header(raw: bytes, path, file_size: int) -> Header:
     path = _path_text(path)
     data_start = 8 + len(raw)
     text = _utf8(raw, path)
+    fast = _table(bytes(raw), _DTYPE_BYTES, DTYPE_BITS, TensorEntry)
+    if fast is not None:        # canonical, and every entry passes (the usual file)
+        metadata, out, end = fast
+        _check_end(end, path, file_size, data_start)
+        return Header(path, file_size, data_start, out, metadata)
+    # Otherwise the reading and the rules one at a time: whichever declines
+    # is what the slower path decides and words.
     canonical = _canonical(raw)
     metadata, tensors = canonical if canonical is not None else _parse(text, raw, path)
     tensors.sort(key=_OFFSETS)

@@ -443,7 +443,7 @@ def _prepare(shards, target, opts, names, plan, single=False):
                 opts = opts.for_checkpoint(shards)
             elif opts.tuned:            # the ranks agree on it (_distributed.py)
                 extra["resident"] = shards.resident()
-            dtypes = [target.check(t, shards.paths[i]) for i, t in shards.entries]
+            dtypes = target.dtypes(shards.entries, shards.paths)
             kwargs = opts.run_kwargs(fault_plan(opts.staging))
             if single:
                 start = kwargs["start"] = _plan(shards, target, dtypes, opts.chunk_size,

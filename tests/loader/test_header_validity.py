@@ -396,3 +396,88 @@ def test_c_entry_rules_never_differ_from_the_python_rules(spec, data_start, edit
     if fast is not None:
         assert not isinstance(exact, Exception), (tensors, exact)
         assert fast[0] == exact and all(type(t) is H.TensorEntry for t in fast[0])
+
+
+# -- the one-pass table: read and checked together ------------------------------
+
+def _table_and_two_passes(raw):
+    """(_canonical.table's reading, read + sort + checked's), comparable."""
+    from instant_staging.loader import _canonical
+    from instant_staging.loader import _header as H
+    fast = _canonical.table(raw, H._DTYPE_BYTES, H.DTYPE_BITS, H.TensorEntry)
+    two = H._canonical(raw)
+    if two is not None:
+        metadata, tensors = two
+        tensors.sort(key=H._OFFSETS)
+        entries = _canonical.checked(tensors, 8 + len(raw), H.DTYPE_BITS, H.TensorEntry)
+        two = None if entries is None else (metadata, *entries)
+    return fast, two
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=valid_file(), metadata=hs.sampled_from([None, {}, {"format": "pt"}]),
+       shuffle=hs.randoms(use_true_random=False),
+       values=hs.lists(hs.tuples(hs.sampled_from(["dim", "begin", "end", "dtype", "f4"]),
+                                 hs.integers(0, 99), hs.sampled_from(_BIG + [0, 1, 2, 3])),
+                       max_size=2),
+       edits=hs.lists(hs.tuples(hs.sampled_from(["insert", "delete", "replace"]),
+                                hs.integers(0, 10 ** 6), hs.sampled_from(_NEAR_MISSES)),
+                      max_size=1))
+def test_table_reading_equals_read_then_checked(spec, metadata, shuffle, values, edits):
+    """The loader's one-pass table accepts exactly what the canonical
+    reading and the C entry rules accept one after the other, with the same
+    metadata, entries (TensorEntry, sorted, absolute offsets) and end; a
+    value or a byte edited where a rule or the reading decides included.
+    Every file safetensors writes (plain names) takes it."""
+    from instant_staging.loader import _header as H
+    entries = [list(e) for e in spec[0]]
+    order = list(range(len(entries)))
+    shuffle.shuffle(order)                  # the header's order is not the data's
+    text = encode(entries, metadata=metadata, pad=False, compact=True, order=order).decode()
+    fast, two = _table_and_two_passes(text.encode())
+    plain = not any(c in '"\\' or ord(c) < 0x20 for e in entries for c in e[0])
+    if (entries or metadata is not None) and plain:
+        assert fast is not None, text
+    assert fast == two, text
+    for what, k, value in values:
+        if not entries:
+            break
+        t = entries[k % len(entries)]
+        if what == "dim" and t[2]:
+            t[2] = t[2][:-1] + [value]
+        elif what == "begin":
+            t[3] = value
+        elif what == "end":
+            t[4] = value
+        elif what == "dtype":
+            t[1] = sorted(H.DTYPE_BITS)[value % len(H.DTYPE_BITS)]
+        elif what == "f4":
+            t[1], t[2] = "F4", t[2] + [value]
+    text = encode(entries, metadata=metadata, pad=False, compact=True, order=order).decode()
+    for op, where, ch in edits:
+        i = where % (len(text) + 1)
+        text = text[:i] + ("" if op == "delete" else ch) + text[i + (op != "insert"):]
+    fast, two = _table_and_two_passes(text.encode("utf-8", "surrogatepass"))
+    assert fast == two, text
+    if fast is not None:
+        assert all(type(t) is H.TensorEntry for t in fast[1])
+
+
+@pytest.mark.parametrize("text", [
+    # a name twice: the reading declines (the parser keeps the last)
+    '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+    # __metadata__ as an entry
+    '{"__metadata__":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+    # empty tensors at one offset: their header order is kept (a stable sort)
+    '{"z":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"a":{"dtype":"F32","shape":[0,2],"data_offsets":[0,0]},'
+    '"m":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}',
+    # a gap, an overlap, a byte count off by one, an odd F4 row
+    '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"U8","shape":[1],"data_offsets":[2,3]}}',
+    '{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}',
+    '{"a":{"dtype":"F16","shape":[2],"data_offsets":[0,3]}}',
+    '{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,1]}}',
+    '{"__metadata__":{"format":"pt"}}',
+])
+def test_table_reading_on_the_edge_cases(text):
+    fast, two = _table_and_two_passes(text.encode())
+    assert fast == two
