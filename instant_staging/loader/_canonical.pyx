@@ -133,20 +133,58 @@ cdef object _metadata(Cursor* c):
             return None
 
 
-cdef object _entry(Cursor* c, dict dtypes):
-    """``"name":{"dtype":"X","shape":[...],"data_offsets":[b,e]}`` as
-    (name, dtype, shape, begin, end); None if it is not exactly that."""
-    cdef Py_ssize_t n, nn, d
-    cdef unsigned long long begin, end, dim
-    n = _plain_string(c, &nn)
-    if n < 0 or not _literal(c, b':{"dtype":"', 11):
+cdef object _opening(Cursor* c, bytes raw):
+    """Starts the reading of ``raw`` at its first entry: ``(True,
+    metadata)``, or ``(False, metadata)`` for a header of metadata alone
+    (read to its end); None if it declines."""
+    c.s = <const unsigned char*><const char*>raw
+    c.pos = 0
+    c.end = len(raw)
+    while c.end > 0 and c.s[c.end - 1] == c' ':
+        c.end -= 1
+    metadata = None
+    if _literal(c, b'{"__metadata__":', 16):
+        metadata = _metadata(c)
+        if metadata is None:
+            return None
+        if _char(c, c'}'):
+            return (False, metadata) if c.pos == c.end else None
+        if not _char(c, c','):
+            return None
+    elif not _char(c, c'{'):
+        return None
+    return True, metadata
+
+
+cdef object _dtype_key(Cursor* c, Py_ssize_t* name, Py_ssize_t* name_len):
+    """``"name":{"dtype":"X`` up to ``","shape":[``: X as bytes (``name``
+    and ``name_len`` set), None if it is not that."""
+    cdef Py_ssize_t d
+    name[0] = _plain_string(c, name_len)
+    if name[0] < 0 or not _literal(c, b':{"dtype":"', 11):
         return None
     d = c.pos
     while c.pos < c.end and (c'A' <= c.s[c.pos] <= c'Z' or c'0' <= c.s[c.pos] <= c'9'
                              or c.s[c.pos] == c'_'):
         c.pos += 1
-    dtype = dtypes.get((<const char*>c.s + d)[:c.pos - d])
-    if dtype is None or not _literal(c, b'","shape":[', 11):
+    key = (<const char*>c.s + d)[:c.pos - d]
+    return key if _literal(c, b'","shape":[', 11) else None
+
+
+cdef inline bint _offsets(Cursor* c, unsigned long long* begin, unsigned long long* end) noexcept:
+    """``,"data_offsets":[b,e]}``."""
+    return (_literal(c, b',"data_offsets":[', 17) and _u64(c, begin) and _char(c, c',')
+            and _u64(c, end) and _literal(c, b']}', 2))
+
+
+cdef object _entry(Cursor* c, dict dtypes):
+    """``"name":{"dtype":"X","shape":[...],"data_offsets":[b,e]}`` as
+    (name, dtype, shape, begin, end); None if it is not exactly that."""
+    cdef Py_ssize_t n, nn
+    cdef unsigned long long begin, end, dim
+    key = _dtype_key(c, &n, &nn)
+    dtype = dtypes.get(key) if key is not None else None
+    if dtype is None:
         return None
     shape = []
     if not _char(c, c']'):
@@ -158,8 +196,7 @@ cdef object _entry(Cursor* c, dict dtypes):
                 break
             if not _char(c, c','):
                 return None
-    if not (_literal(c, b',"data_offsets":[', 17) and _u64(c, &begin) and _char(c, c',')
-            and _u64(c, &end) and _literal(c, b']}', 2)):
+    if not _offsets(c, &begin, &end):
         return None
     name = _text(c, n, nn)
     if name is None:
@@ -172,22 +209,12 @@ def read(bytes raw, dict dtypes):
     header ``raw`` (UTF-8, already checked), else None.  ``dtypes`` maps each
     known dtype's name as bytes to it as a str; another name declines."""
     cdef Cursor c
-    c.s = <const unsigned char*><const char*>raw
-    c.pos = 0
-    c.end = len(raw)
-    while c.end > 0 and c.s[c.end - 1] == c' ':
-        c.end -= 1
-    metadata = None
-    if _literal(&c, b'{"__metadata__":', 16):
-        metadata = _metadata(&c)
-        if metadata is None:
-            return None
-        if _char(&c, c'}'):
-            return (metadata, []) if c.pos == c.end else None
-        if not _char(&c, c','):
-            return None
-    elif not _char(&c, c'{'):
+    opened = _opening(&c, raw)
+    if opened is None:
         return None
+    entries_follow, metadata = opened
+    if not entries_follow:
+        return metadata, []
     entries, names = [], set()
     while True:
         entry = _entry(&c, dtypes)
@@ -299,21 +326,15 @@ cdef bint _grow(void** p, Py_ssize_t* cap, Py_ssize_t need, size_t item) noexcep
     return True
 
 
-cdef bint _row(Cursor* c, Table* t, dict dtype_index, list dtype_names) except -1:
+cdef bint _row(Cursor* c, Table* t, dict dtype_index) except -1:
     """One ``"name":{"dtype":...}`` into the table; False if it is not
     exactly the canonical entry (the reading declines)."""
-    cdef Py_ssize_t n, nn, d
+    cdef Py_ssize_t n, nn
     cdef unsigned long long begin, end, dim
     cdef Row* r
-    n = _plain_string(c, &nn)
-    if n < 0 or not _literal(c, b':{"dtype":"', 11):
-        return False
-    d = c.pos
-    while c.pos < c.end and (c'A' <= c.s[c.pos] <= c'Z' or c'0' <= c.s[c.pos] <= c'9'
-                             or c.s[c.pos] == c'_'):
-        c.pos += 1
-    k = dtype_index.get((<const char*>c.s + d)[:c.pos - d])
-    if k is None or not _literal(c, b'","shape":[', 11):
+    key = _dtype_key(c, &n, &nn)
+    k = dtype_index.get(key) if key is not None else None
+    if k is None:
         return False
     if not _grow(<void**>&t.rows, &t.cap, t.n + 1, sizeof(Row)):
         raise MemoryError()
@@ -332,8 +353,7 @@ cdef bint _row(Cursor* c, Table* t, dict dtype_index, list dtype_names) except -
                 break
             if not _char(c, c','):
                 return False
-    if not (_literal(c, b',"data_offsets":[', 17) and _u64(c, &begin) and _char(c, c',')
-            and _u64(c, &end) and _literal(c, b']}', 2)):
+    if not _offsets(c, &begin, &end):
         return False
     r.begin, r.end = begin, end
     t.n += 1
@@ -369,22 +389,12 @@ def table(bytes raw, dict dtypes, dict bits, type entry):
     cdef Py_ssize_t i, j
     cdef const Row* r
     cdef unsigned long long start = 0, data_start = 8 + len(raw)
-    c.s = <const unsigned char*><const char*>raw
-    c.pos = 0
-    c.end = len(raw)
-    while c.end > 0 and c.s[c.end - 1] == c' ':
-        c.end -= 1
-    metadata = None
-    if _literal(&c, b'{"__metadata__":', 16):
-        metadata = _metadata(&c)
-        if metadata is None:
-            return None
-        if _char(&c, c'}'):
-            return (metadata, [], 0) if c.pos == c.end else None
-        if not _char(&c, c','):
-            return None
-    elif not _char(&c, c'{'):
+    opened = _opening(&c, raw)
+    if opened is None:
         return None
+    entries_follow, metadata = opened
+    if not entries_follow:
+        return metadata, [], 0
     # Each dtype's name once, by index (a row holds the index).
     dtype_index, dtype_names = {}, []
     for key, name in dtypes.items():
@@ -394,7 +404,7 @@ def table(bytes raw, dict dtypes, dict bits, type entry):
     t.rows, t.n, t.cap, t.dims, t.ndims, t.dims_cap = NULL, 0, 0, NULL, 0, 0
     try:
         while True:
-            if not _row(&c, &t, dtype_index, dtype_names):
+            if not _row(&c, &t, dtype_index):
                 return None
             if _char(&c, c'}'):
                 if c.pos != c.end:

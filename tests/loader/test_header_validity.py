@@ -362,6 +362,28 @@ def _entry_rules(tensors, data_start):
 _BIG = [2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 2 ** 32]
 
 
+def _edit_values(entries, edits):
+    """Applies ``(what, k, value)`` edits where an entry rule decides: the
+    last dimension, an offset, the dtype, or an F4 row (entries
+    ``[name, dtype, shape, begin, end]``, shape a tuple or a list)."""
+    from instant_staging.loader import _header as H
+    for what, k, value in edits:
+        if not entries:
+            return
+        t = entries[k % len(entries)]
+        more = type(t[2])([value])
+        if what == "dim" and t[2]:
+            t[2] = t[2][:-1] + more
+        elif what == "begin":
+            t[3] = value
+        elif what == "end":
+            t[4] = value
+        elif what == "dtype":
+            t[1] = sorted(H.DTYPE_BITS)[value % len(H.DTYPE_BITS)]
+        elif what == "f4":
+            t[1], t[2] = "F4", t[2] + more
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 @given(spec=valid_file(), data_start=hs.integers(8, 10 ** 6),
        edits=hs.lists(hs.tuples(hs.sampled_from(["dim", "begin", "end", "dtype", "f4"]),
@@ -377,20 +399,7 @@ def test_c_entry_rules_never_differ_from_the_python_rules(spec, data_start, edit
     if tensors:
         fast, exact = _entry_rules(tensors, data_start)
         assert fast is not None and fast[0] == exact
-    for what, k, value in edits:
-        if not tensors:
-            break
-        t = tensors[k % len(tensors)]
-        if what == "dim" and t[2]:
-            t[2] = t[2][:-1] + (value,)
-        elif what == "begin":
-            t[3] = value
-        elif what == "end":
-            t[4] = value
-        elif what == "dtype":
-            t[1] = sorted(H.DTYPE_BITS)[value % len(H.DTYPE_BITS)]
-        elif what == "f4":
-            t[1], t[2] = "F4", t[2] + (value,)
+    _edit_values(tensors, edits)
     tensors.sort(key=lambda t: (t[3], t[4]))
     fast, exact = _entry_rules(tensors, data_start)
     if fast is not None:
@@ -439,20 +448,7 @@ def test_table_reading_equals_read_then_checked(spec, metadata, shuffle, values,
     if (entries or metadata is not None) and plain:
         assert fast is not None, text
     assert fast == two, text
-    for what, k, value in values:
-        if not entries:
-            break
-        t = entries[k % len(entries)]
-        if what == "dim" and t[2]:
-            t[2] = t[2][:-1] + [value]
-        elif what == "begin":
-            t[3] = value
-        elif what == "end":
-            t[4] = value
-        elif what == "dtype":
-            t[1] = sorted(H.DTYPE_BITS)[value % len(H.DTYPE_BITS)]
-        elif what == "f4":
-            t[1], t[2] = "F4", t[2] + [value]
+    _edit_values(entries, values)
     text = encode(entries, metadata=metadata, pad=False, compact=True, order=order).decode()
     for op, where, ch in edits:
         i = where % (len(text) + 1)
