@@ -31,7 +31,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C
 import bench_load as B
 
 from instant_staging import loader
