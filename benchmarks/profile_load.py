@@ -22,6 +22,11 @@ the best of --repeat runs, GB/s over the layout's bytes:
              steps stamped from the call: headers parsed, plan, staging taken,
              blocks allocated, readers started, last address given, views
              made, first and last tensor finished, readers joined, returned
+  first      (alone: --sections first, one layout) in this fresh process, CUDA
+             started first, the first and the second load_file stamped as
+             timeline stamps them: what a server's first load adds;
+             --first-cold: nothing started and the page cache dropped (a
+             script's cold start), the bytes copied sampled per tenth
 
     python benchmarks/profile_load.py [--layouts dense,moe] [--dir DIR] [--json PATH]
         [--sections phases,reads,copies,pipeline,spin,load_file,host] [--quick]
@@ -46,7 +51,7 @@ from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Pla
 from instant_staging.loader._target import _TorchTarget
 
 MiB = C.MiB
-SECTIONS = ("phases", "reads", "copies", "pipeline", "spin", "load_file", "host", "timeline")
+SECTIONS = ("phases", "reads", "copies", "pipeline", "spin", "load_file", "host", "timeline", "first")
 
 
 def best(fn, repeat, *args, reset=None, **kwargs):
@@ -257,46 +262,151 @@ def _stamped(stamps, module, name, label):
     return real
 
 
+class _Stamping:
+    """load_file's steps stamped (``_Stamps``) while inside: the loader's
+    functions wrapped, the Pipeline class replaced, all put back on exit."""
+
+    def __init__(self, stamps):
+        self.stamps = stamps
+
+    def _collected(self, phase, info):
+        # The collector's runs inside a stamped call: "gc genN" at its start,
+        # with its milliseconds.
+        stamps = self.stamps
+        if stamps.t0 is None:
+            return
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_start = now
+        elif self._gc_start is not None:
+            label = f"gc gen{info['generation']} {1e3 * (now - self._gc_start):.1f} ms"
+            while label in stamps.marks:
+                label += "'"
+            stamps.marks[label] = self._gc_start - stamps.t0
+            self._gc_start = None
+
+    def __enter__(self):
+        import gc
+        from instant_staging.loader import _checkpoint, _load, _pipeline, _target
+        stamps = self.stamps
+        self._gc_start = None
+        gc.callbacks.append(self._collected)
+        self.real_pipe = real_pipe = _pipeline.Pipeline
+        self.patched = [
+            (_checkpoint._Checkpoint, "open", _stamped(stamps, _checkpoint._Checkpoint, "open",
+                                                       "headers parsed")),
+            (_checkpoint._Checkpoint, "warm_if_cold", _stamped(
+                stamps, _checkpoint._Checkpoint, "warm_if_cold", "warming asked")),
+            (_checkpoint._Checkpoint, "stop_warming", _stamped(
+                stamps, _checkpoint._Checkpoint, "stop_warming", "warming joined")),
+            (_load, "_usable_target", _stamped(stamps, _load, "_usable_target", "device usable")),
+            (_load, "_plan", _stamped(stamps, _load, "_plan", "planned")),
+            (_load, "_begin_staging", _stamped(stamps, _load, "_begin_staging", "staging begun")),
+            (L, "_allocate_blocks", _stamped(stamps, L, "_allocate_blocks", "blocks allocated")),
+            (L._StagingStart, "_make", _stamped(stamps, L._StagingStart, "_make",
+                                                "staging made (its thread)")),
+            (L._StagingStart, "take", _stamped(stamps, L._StagingStart, "take", "staging taken")),
+            (_target._TorchTarget, "views", _stamped(stamps, _target._TorchTarget, "views",
+                                                     "views made"))]
+        _pipeline.Pipeline = lambda *a, **k: _StampedPipeline(real_pipe, stamps, *a, **k)
+        return self
+
+    def __exit__(self, *exc):
+        import gc
+        from instant_staging.loader import _pipeline
+        gc.callbacks.remove(self._collected)
+        _pipeline.Pipeline = self.real_pipe
+        for module, attr, real in self.patched:
+            setattr(module, attr, real)
+
+    def run(self, fn):
+        """``fn()``'s result, its steps stamped from the call to its return
+        (the device synchronized); the stamps are ``self.stamps.marks``."""
+        self.stamps.marks = {}
+        self.stamps.t0 = time.perf_counter()
+        result = fn()
+        self.stamps.mark("returned")
+        return result
+
+
+def _timeline_line(marks, nbytes):
+    return (f"{nbytes / marks['returned'] / 1e9:.1f} GB/s: "
+            + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(marks.items(), key=lambda kv: kv[1])))
+
+
+def section_first(torch, name, paths, device, out, cold=False):
+    """In this fresh process (the only section, run first): CUDA started
+    as a server starts it, then load_file twice, each stamped as
+    ``timeline`` stamps it (the first makes the staging buffer and meets
+    torch's empty cache; ``del`` between them, no empty_cache, as
+    bench_first_load.py's second call).  ``cold``: nothing started and
+    the page cache dropped before the first call (a script's cold start),
+    whose bytes copied are sampled besides (the progress callback: GB/s
+    per tenth of the call)."""
+    if cold:
+        B.flush(paths)
+        B.drop_cache(paths)
+    else:
+        torch.ones(1, device=device)
+        B.sync(torch, device)
+    nbytes = sum(os.path.getsize(p) for p in paths)
+    with _Stamping(_Stamps()) as stamping:
+        for call in ("first", "second"):
+            samples = []
+
+            def progress(done, total, samples=samples):
+                samples.append((time.perf_counter() - stamping.stamps.t0, done))
+            result = stamping.run(lambda: _synced(torch, device, loader.load_file(
+                paths, str(device), progress=progress if cold and call == "first" else None)))
+            del result
+            marks = dict(stamping.stamps.marks)
+            out.append(dict(section="first", layout=name, call=call, cold=cold and call == "first",
+                            gbps=nbytes / marks["returned"] / 1e9, samples=samples, **marks))
+            C.progress(f"  {name} {call} call{' (cold)' if cold and call == 'first' else ''} "
+                       f"(ms from the call), {_timeline_line(marks, nbytes)}")
+            if samples:
+                C.progress(f"  {name} bytes copied: " + _rates(samples, marks["returned"]))
+
+
+def _rates(samples, seconds, parts=10):
+    """GB/s copied in each tenth of ``seconds`` (``samples``: (t, done bytes))."""
+    out, k, last_t, last_done = [], 0, 0.0, 0
+    for p in range(1, parts + 1):
+        end = seconds * p / parts
+        while k < len(samples) and samples[k][0] <= end:
+            k += 1
+        done = samples[k - 1][1] if k else 0
+        out.append(f"{(done - last_done) / max(end - last_t, 1e-9) / 1e9:.2f}")
+        last_t, last_done = end, done
+    return " ".join(out) + f" (tenths of {seconds:.3f} s)"
+
+
+def _synced(torch, device, result):
+    B.sync(torch, device)
+    return result
+
+
 def section_timeline(torch, name, paths, device, repeat, out):
     """The steps of load_file's real run, stamped, for the run with the
     shortest total of ``repeat`` (after one that makes the staging buffer)."""
-    from instant_staging.loader import _checkpoint, _load, _pipeline, _target
-    stamps = _Stamps()
-    real_pipe = _pipeline.Pipeline
-    patched = [(_checkpoint._Checkpoint, "open", _stamped(stamps, _checkpoint._Checkpoint, "open",
-                                                          "headers parsed")),
-               (_load, "_plan", _stamped(stamps, _load, "_plan", "planned")),
-               (_load, "_begin_staging", _stamped(stamps, _load, "_begin_staging",
-                                                  "staging begun")),
-               (L, "_allocate_blocks", _stamped(stamps, L, "_allocate_blocks", "blocks allocated")),
-               (L._StagingStart, "take", _stamped(stamps, L._StagingStart, "take", "staging taken")),
-               (_target._TorchTarget, "views", _stamped(stamps, _target._TorchTarget, "views",
-                                                        "views made"))]
-    _pipeline.Pipeline = lambda *a, **k: _StampedPipeline(real_pipe, stamps, *a, **k)
     runs = []
     try:
-        loader.load_file(paths, str(device))     # the staging buffer, made and kept
-        for _ in range(repeat):
-            B._free(torch, device)
-            B.sync(torch, device)
-            stamps.marks = {}
-            stamps.t0 = time.perf_counter()
-            result = loader.load_file(paths, str(device))
-            B.sync(torch, device)
-            stamps.mark("returned")
-            runs.append(dict(stamps.marks))
-            del result
+        with _Stamping(_Stamps()) as stamping:
+            loader.load_file(paths, str(device))     # the staging buffer, made and kept
+            for _ in range(repeat):
+                B._free(torch, device)
+                B.sync(torch, device)
+                result = stamping.run(lambda: _synced(torch, device,
+                                                      loader.load_file(paths, str(device))))
+                runs.append(dict(stamping.stamps.marks))
+                del result
     finally:
-        _pipeline.Pipeline = real_pipe
-        for module, attr, real in patched:
-            setattr(module, attr, real)
         B._free(torch, device)
     bestrun = min(runs, key=lambda r: r["returned"])
     nbytes = sum(os.path.getsize(p) for p in paths)
     out.append(dict(section="timeline", layout=name, gbps=nbytes / bestrun["returned"] / 1e9,
                     **bestrun))
-    C.progress(f"  {name} timeline (ms from the call), {nbytes / bestrun['returned'] / 1e9:.1f} GB/s: "
-               + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(bestrun.items(), key=lambda kv: kv[1])))
+    C.progress(f"  {name} timeline (ms from the call), {_timeline_line(bestrun, nbytes)}")
 
 
 def section_reads(name, paths, repeat, out, threads_list, chunks):
@@ -398,6 +508,8 @@ def main(argv=None):
     ap.add_argument("--settings", default="8MiB/16/16,4MiB/16/8,2MiB/16/8,4MiB/32/16,8MiB/32/16,4MiB/64/16",
                     help="load_file section: chunk/io_depth/threads, comma-separated")
     ap.add_argument("--quick", action="store_true", help="tiny layouts, CPU allowed")
+    ap.add_argument("--first-cold", action="store_true",
+                    help="first section: nothing started, the page cache dropped before the first call")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     C.quiet_logging(False)
@@ -409,6 +521,8 @@ def main(argv=None):
     threads_list = [int(x) for x in args.threads.split(",")]
     settings = [(C.parse_sizes(c)[0], int(d), int(t))
                 for c, d, t in (x.split("/") for x in args.settings.split(","))]
+    if "first" in sections and (sections != ["first"] or "," in args.layouts):
+        ap.error("--sections first is a fresh process's: alone, with one layout")
     os.makedirs(args.dir, exist_ok=True)
     out = []
     t_start = time.perf_counter()
@@ -417,6 +531,8 @@ def main(argv=None):
         paths = B.generate(args.dir, files)
         B.warm(paths)
         C.progress(f"{name}: {sum(os.path.getsize(p) for p in paths) / 1e9:.2f} GB")
+        if "first" in sections:
+            section_first(torch, name, paths, device, out, args.first_cold)
         if "phases" in sections:
             section_phases(torch, name, paths, device, args.repeat + 1, out)
         if "reads" in sections:

@@ -70,14 +70,21 @@ import time
 import traceback
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
+from .. import faults  # noqa: F401
 from ..defaults import CHUNK_SIZE, io_depth_for, reader_threads
-from . import _blocks, _gc, _staging_pool
+from . import _blocks, _gc, _pipeline, _staging_pool  # noqa: F401
 from ._errors import LoadError, VerifyError
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("instant_staging")
+
+# The reader pipeline and the fault plans (above) are imported with the
+# loader rather than where a load first uses them (the functions below
+# still name them there, where tests replace them): in a server that
+# imported the loader at its start, the first load paid their import
+# (docs/design.md, "Measured: a server's first load").
 
 # How often the consumer wakes to report progress while no tensor finishes.
 POLL_SECONDS = 0.05
