@@ -91,8 +91,9 @@ def main(argv=None):
         rec = {"layout": name, "bytes": nbytes, "seconds": times, "bit_exact": exact == {"ok"},
                "phases": split}
         out.append(rec)
+        median = statistics.median(later)
         line = (f"{name}: {nbytes / 1e9:.2f} GB, first {nbytes / times[0] / 1e9:.1f} GB/s, then "
-                f"best {nbytes / min(later) / 1e9:.1f} (median {nbytes / statistics.median(later) / 1e9:.1f}) "
+                f"best {nbytes / min(later) / 1e9:.1f} (median {nbytes / median / 1e9:.1f}) "
                 f"GB/s, bit-exact: {'yes' if rec['bit_exact'] else exact}")
         if split:
             best = min(split[1:] or split, key=lambda p: sum(p.values()))

@@ -235,7 +235,7 @@ class _StampedPipeline:
         return self._pipe.done_providing()
 
     def wait(self, timeout):
-        finished, done, exited, failed = result = self._pipe.wait(timeout)
+        finished, _, exited, _ = result = self._pipe.wait(timeout)
         if finished:
             self._stamps.mark("first tensor finished", first=True)
         if exited:
@@ -287,6 +287,7 @@ class _Stamping:
 
     def __enter__(self):
         import gc
+
         from instant_staging.loader import _checkpoint, _load, _pipeline, _target
         stamps = self.stamps
         self._gc_start = None
@@ -313,6 +314,7 @@ class _Stamping:
 
     def __exit__(self, *exc):
         import gc
+
         from instant_staging.loader import _pipeline
         gc.callbacks.remove(self._collected)
         _pipeline.Pipeline = self.real_pipe
@@ -356,8 +358,9 @@ def section_first(torch, name, paths, device, out, cold=False):
 
             def progress(done, total, samples=samples):
                 samples.append((time.perf_counter() - stamping.stamps.t0, done))
-            result = stamping.run(lambda: _synced(torch, device, loader.load_file(
-                paths, str(device), progress=progress if cold and call == "first" else None)))
+            sampled = progress if cold and call == "first" else None
+            result = stamping.run(lambda sampled=sampled: _synced(torch, device, loader.load_file(
+                paths, str(device), progress=sampled)))
             del result
             marks = dict(stamping.stamps.marks)
             out.append(dict(section="first", layout=name, call=call, cold=cold and call == "first",

@@ -70,7 +70,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
-from .. import faults  # noqa: F401
+from .. import faults as _faults  # noqa: F401
 from ..defaults import CHUNK_SIZE, io_depth_for, reader_threads
 from . import _blocks, _gc, _pipeline, _staging_pool  # noqa: F401
 from ._errors import LoadError, VerifyError
