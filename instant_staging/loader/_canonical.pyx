@@ -24,11 +24,12 @@ byte counts and torch's limits): it accepts entries that pass them all,
 else returns None and ``_header`` applies them one by one and words the
 error.
 
-``table`` is the two in one pass, the loader's path for every header: the
-entries are read into a C table (offsets, dtype, dimensions; no Python
-object per tensor), checked and sorted there, and only what passes becomes
-the header's ``TensorEntry`` objects, each made once.  It accepts exactly
-what ``read`` followed by ``checked`` accepts, with the same result
+``read`` and ``table`` read the entries into a C table (offsets, dtype,
+dimensions; no Python object per tensor).  ``table`` is ``read`` and
+``checked`` in one pass, the loader's path for every header: the table is
+checked and sorted in C, and only what passes becomes the header's
+``TensorEntry`` objects, each made once.  It accepts exactly what
+``read`` followed by ``checked`` accepts, with the same result
 (``tests/loader/test_header_validity.py`` compares them); the intermediate
 tuples, the sort keys and the second walk were a third of a fine-grained
 MoE shard's header time (docs/design.md, "Measured: the header table").
@@ -177,60 +178,6 @@ cdef inline bint _offsets(Cursor* c, unsigned long long* begin, unsigned long lo
             and _u64(c, end) and _literal(c, b']}', 2))
 
 
-cdef object _entry(Cursor* c, dict dtypes):
-    """``"name":{"dtype":"X","shape":[...],"data_offsets":[b,e]}`` as
-    (name, dtype, shape, begin, end); None if it is not exactly that."""
-    cdef Py_ssize_t n, nn
-    cdef unsigned long long begin, end, dim
-    key = _dtype_key(c, &n, &nn)
-    dtype = dtypes.get(key) if key is not None else None
-    if dtype is None:
-        return None
-    shape = []
-    if not _char(c, c']'):
-        while True:
-            if not _u64(c, &dim):
-                return None
-            shape.append(dim)
-            if _char(c, c']'):
-                break
-            if not _char(c, c','):
-                return None
-    if not _offsets(c, &begin, &end):
-        return None
-    name = _text(c, n, nn)
-    if name is None:
-        return None
-    return name, dtype, tuple(shape), begin, end
-
-
-def read(bytes raw, dict dtypes):
-    """``(metadata, [(name, dtype, shape, begin, end), ...])`` of a canonical
-    header ``raw`` (UTF-8, already checked), else None.  ``dtypes`` maps each
-    known dtype's name as bytes to it as a str; another name declines."""
-    cdef Cursor c
-    opened = _opening(&c, raw)
-    if opened is None:
-        return None
-    entries_follow, metadata = opened
-    if not entries_follow:
-        return metadata, []
-    entries, names = [], set()
-    while True:
-        entry = _entry(&c, dtypes)
-        if entry is None:
-            return None
-        name = entry[0]
-        if name in names or name == "__metadata__":
-            return None      # a name given twice, or one the parser must judge
-        names.add(name)
-        entries.append(entry)
-        if _char(&c, c'}'):
-            return (metadata, entries) if c.pos == c.end else None
-        if not _char(&c, c','):
-            return None
-
-
 # -- the entries' rules, accepted in C ------------------------------------------
 
 cdef extern from *:
@@ -282,7 +229,7 @@ def checked(list tensors, unsigned long long data_start, dict bits, type entry):
     return out, start
 
 
-# -- read and checked in one pass: the C table -----------------------------------
+# -- the C table: read, and read and checked in one pass -------------------------
 
 cdef struct Row:
     Py_ssize_t name         # the name's offset in the header, and its length
@@ -378,67 +325,120 @@ cdef bint _rules(const Row* r, const unsigned long long* dims, unsigned long lon
     return True
 
 
+cdef class _Rows:
+    """A canonical header read into a C table, freed with the object:
+    ``ok`` False where the reading declines.  ``dtype_names`` holds each
+    dtype a row names, by index."""
+
+    cdef bytes raw          # the cursor points into it
+    cdef Cursor c
+    cdef Table t
+    cdef bint ok
+    cdef object metadata
+    cdef list dtype_names
+
+    def __cinit__(self, bytes raw, dict dtypes):
+        self.raw, self.ok, self.metadata, self.dtype_names = raw, False, None, []
+        self.t.rows, self.t.n, self.t.cap = NULL, 0, 0
+        self.t.dims, self.t.ndims, self.t.dims_cap = NULL, 0, 0
+        dtype_index = {}
+        for key, name in dtypes.items():
+            dtype_index[key] = len(self.dtype_names)
+            self.dtype_names.append(name)
+        opened = _opening(&self.c, raw)
+        if opened is None:
+            return
+        entries_follow, self.metadata = opened
+        while entries_follow:
+            if not _row(&self.c, &self.t, dtype_index):
+                return
+            if _char(&self.c, c'}'):
+                if self.c.pos != self.c.end:
+                    return
+                break
+            if not _char(&self.c, c','):
+                return
+        self.ok = True
+
+    def __dealloc__(self):
+        free(self.t.rows)
+        free(self.t.dims)
+
+
+cdef object _name(Cursor* c, const Row* r):
+    """The row's name as a str; None where it is not UTF-8."""
+    try:
+        return PyUnicode_DecodeUTF8(<const char*>c.s + r.name, r.name_len, NULL)
+    except UnicodeDecodeError:
+        return None
+
+
+cdef tuple _shape(const Table* t, const Row* r):
+    cdef Py_ssize_t j
+    shape = PyTuple_New(r.ndim)
+    for j in range(r.ndim):
+        dim = PyLong_FromUnsignedLongLong(t.dims[r.dims + j])
+        Py_INCREF(dim)          # (SET_ITEM steals a reference)
+        PyTuple_SET_ITEM(shape, j, dim)
+    return shape
+
+
+cdef bint _unique(set names, Py_ssize_t n):
+    # A name given twice, or one the parser must judge: the reading declines.
+    return len(names) == n and "__metadata__" not in names
+
+
+def read(bytes raw, dict dtypes):
+    """``(metadata, [(name, dtype, shape, begin, end), ...])`` of a canonical
+    header ``raw`` (UTF-8, already checked), in the header's order, else
+    None.  ``dtypes`` maps each known dtype's name as bytes to it as a str;
+    another name declines."""
+    cdef _Rows rows = _Rows(raw, dtypes)
+    cdef Py_ssize_t i
+    cdef const Row* r
+    if not rows.ok:
+        return None
+    entries, names = [], set()
+    for i in range(rows.t.n):
+        r = &rows.t.rows[i]
+        name = _name(&rows.c, r)
+        if name is None:
+            return None
+        names.add(name)
+        entries.append((name, rows.dtype_names[r.dtype], _shape(&rows.t, r), r.begin, r.end))
+    return (rows.metadata, entries) if _unique(names, rows.t.n) else None
+
+
 def table(bytes raw, dict dtypes, dict bits, type entry):
     """``read`` and ``checked`` in one pass: ``(metadata, entries, end)``
     for a canonical header ``raw`` whose entries pass every rule of
     ``checked`` (``entries`` sorted by offsets, made as ``entry`` with
     absolute offsets: the data section starts at ``8 + len(raw)``), else
     None.  ``dtypes`` and ``bits`` are ``read``'s and ``checked``'s."""
-    cdef Cursor c
-    cdef Table t
-    cdef Py_ssize_t i, j
+    cdef _Rows rows = _Rows(raw, dtypes)
+    cdef Py_ssize_t i
     cdef const Row* r
     cdef unsigned long long start = 0, data_start = 8 + len(raw)
-    opened = _opening(&c, raw)
-    if opened is None:
+    if not rows.ok:
         return None
-    entries_follow, metadata = opened
-    if not entries_follow:
-        return metadata, [], 0
-    # Each dtype's name once, by index (a row holds the index).
-    dtype_index, dtype_names = {}, []
-    for key, name in dtypes.items():
-        dtype_index[key] = len(dtype_names)
-        dtype_names.append(name)
-    dtype_bits = [bits.get(name) for name in dtype_names]
-    t.rows, t.n, t.cap, t.dims, t.ndims, t.dims_cap = NULL, 0, 0, NULL, 0, 0
-    try:
-        while True:
-            if not _row(&c, &t, dtype_index):
-                return None
-            if _char(&c, c'}'):
-                if c.pos != c.end:
-                    return None
-                break
-            if not _char(&c, c','):
-                return None
-        for i in range(t.n):
-            r = &t.rows[i]
-            size = dtype_bits[r.dtype]
-            if size is None or not _rules(r, t.dims, size, dtype_names[r.dtype] == "F4"):
-                return None
-        qsort(t.rows, t.n, sizeof(Row), _by_offsets)
-        out, names = [], set()
-        for i in range(t.n):
-            r = &t.rows[i]
-            if r.begin != start:
-                return None
-            start = r.end
-            try:
-                name = PyUnicode_DecodeUTF8(<const char*>c.s + r.name, r.name_len, NULL)
-            except UnicodeDecodeError:
-                return None
-            names.add(name)
-            shape = PyTuple_New(r.ndim)
-            for j in range(r.ndim):
-                dim_obj = PyLong_FromUnsignedLongLong(t.dims[r.dims + j])
-                Py_INCREF(dim_obj)          # (SET_ITEM steals a reference)
-                PyTuple_SET_ITEM(shape, j, dim_obj)
-            out.append(tuple.__new__(entry, (name, dtype_names[r.dtype], shape,
-                                             r.begin + data_start, r.end + data_start)))
-        if len(names) != t.n or "__metadata__" in names:
-            return None      # a name given twice, or one the parser must judge
-        return metadata, out, start
-    finally:
-        free(t.rows)
-        free(t.dims)
+    names_of = rows.dtype_names
+    dtype_bits = [bits.get(name) for name in names_of]
+    for i in range(rows.t.n):
+        r = &rows.t.rows[i]
+        size = dtype_bits[r.dtype]
+        if size is None or not _rules(r, rows.t.dims, size, names_of[r.dtype] == "F4"):
+            return None
+    qsort(rows.t.rows, rows.t.n, sizeof(Row), _by_offsets)
+    out, names = [], set()
+    for i in range(rows.t.n):
+        r = &rows.t.rows[i]
+        if r.begin != start:
+            return None
+        start = r.end
+        name = _name(&rows.c, r)
+        if name is None:
+            return None
+        names.add(name)
+        out.append(tuple.__new__(entry, (name, names_of[r.dtype], _shape(&rows.t, r),
+                                         r.begin + data_start, r.end + data_start)))
+    return (rows.metadata, out, start) if _unique(names, rows.t.n) else None
