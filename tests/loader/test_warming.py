@@ -160,6 +160,10 @@ def test_a_forked_child_joins_nothing_and_the_parent_joins_its_own(tmp_path):
             del w
             os._exit(0)
         _, status = os.waitpid(pid, 0)
+        import time             # the parent's threads read on (close() would stop them early)
+        deadline = time.monotonic() + 30
+        while w.bytes_read < 8 << 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
         w.close()
         print(os.waitstatus_to_exitcode(status), w.bytes_read, len(os.listdir("/proc/self/task")))
     """, timeout=60)
