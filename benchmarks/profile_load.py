@@ -563,7 +563,7 @@ def main(argv=None):
             finally:
                 f.close()
                 B._free(torch, device)
-        if gpu and "timeline" in sections:
+        if "timeline" in sections:
             section_timeline(torch, name, paths, device, args.repeat + 3, out)
         if gpu and "load_file" in sections:
             section_load_file(torch, name, paths, device, args.repeat, out, settings)

@@ -240,3 +240,24 @@ def test_bench_judge_and_disk_quick(tmp_path):
     # uring rows where the binding and the kernel allow one, else a note says why not
     assert modes == {"buffered", "uring"} or ("no uring rows" in r.stdout and modes == {"buffered"})
     assert all(len(x["seconds"]) == 1 and x["seconds"][0] > 0 for x in rows)
+
+
+def test_profile_timeline_and_first_quick(tmp_path):
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    out = tmp_path / "t.json"
+    r = run_script(os.path.join(ROOT, "benchmarks", "profile_load.py"), "--quick", "--dir", str(tmp_path),
+                   "--layouts", "finemoe", "--sections", "timeline", "--repeat", "1", "--json", str(out),
+                   env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (rec,) = json.loads(out.read_text())["results"]
+    steps = ("headers parsed", "planned", "readers started", "readers exited", "returned")
+    assert [rec[s] for s in steps] == sorted(rec[s] for s in steps)     # stamped in order
+    r = run_script(os.path.join(ROOT, "benchmarks", "profile_load.py"), "--quick", "--dir", str(tmp_path),
+                   "--layouts", "moe", "--sections", "first", "--first-cold", "--json", str(out), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    first, second = json.loads(out.read_text())["results"]
+    assert (first["call"], first["cold"], second["call"], second["cold"]) == ("first", True, "second", False)
+    assert first["samples"] and first["samples"][-1][1] > 0 and not second["samples"]
+    r = run_script(os.path.join(ROOT, "benchmarks", "profile_load.py"), "--quick", "--dir", str(tmp_path),
+                   "--layouts", "moe,dense", "--sections", "first", env=env)
+    assert r.returncode == 2 and "alone, with one layout" in r.stderr
