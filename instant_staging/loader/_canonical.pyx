@@ -103,7 +103,7 @@ cdef inline bint _u64(Cursor* c, unsigned long long* value) noexcept:
 cdef object _text(Cursor* c, Py_ssize_t start, Py_ssize_t length):
     # The header was checked to be UTF-8 before; None would send it to the parser.
     try:
-        return (<const char*>c.s + start)[:length].decode("utf-8")
+        return PyUnicode_DecodeUTF8(<const char*>c.s + start, length, NULL)
     except UnicodeDecodeError:
         return None
 
@@ -365,14 +365,6 @@ cdef class _Rows:
         free(self.t.dims)
 
 
-cdef object _name(Cursor* c, const Row* r):
-    """The row's name as a str; None where it is not UTF-8."""
-    try:
-        return PyUnicode_DecodeUTF8(<const char*>c.s + r.name, r.name_len, NULL)
-    except UnicodeDecodeError:
-        return None
-
-
 cdef tuple _shape(const Table* t, const Row* r):
     cdef Py_ssize_t j
     shape = PyTuple_New(r.ndim)
@@ -401,7 +393,7 @@ def read(bytes raw, dict dtypes):
     entries, names = [], set()
     for i in range(rows.t.n):
         r = &rows.t.rows[i]
-        name = _name(&rows.c, r)
+        name = _text(&rows.c, r.name, r.name_len)
         if name is None:
             return None
         names.add(name)
@@ -435,7 +427,7 @@ def table(bytes raw, dict dtypes, dict bits, type entry):
         if r.begin != start:
             return None
         start = r.end
-        name = _name(&rows.c, r)
+        name = _text(&rows.c, r.name, r.name_len)
         if name is None:
             return None
         names.add(name)
