@@ -73,8 +73,9 @@ class _TorchTarget:
     def dtypes(self, entries, paths):
         """``check()`` of each of ``entries`` (``[(file index, entry)]``,
         ``paths`` by file index), asked once per file dtype (and for each
-        tensor without bytes, whose shape torch must take): per tensor, the
-        calls were a tenth of a fine-grained MoE load's preparation."""
+        tensor without bytes, whose shape torch must take): asked per
+        tensor, the calls were a noticeable part of a fine-grained MoE
+        load's preparation (docs/design.md, "Measured: the header table")."""
         known, out = self._checked, []
         for i, entry in entries:
             dtype = known.get(entry.dtype) if entry.end != entry.begin else None
