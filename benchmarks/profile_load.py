@@ -504,7 +504,8 @@ def main(argv=None):
     ap.add_argument("--layouts", default="dense,moe")
     ap.add_argument("--dir", default=B.DEFAULT_DIR)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--sections", default=",".join(s for s in SECTIONS if s != "first"),
+                    help="default: all but first, which runs alone")
     ap.add_argument("--chunks", default="2MiB,4MiB,8MiB")
     ap.add_argument("--depths", default="16,32,64")
     ap.add_argument("--threads", default="8,12,16")
