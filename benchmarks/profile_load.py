@@ -29,7 +29,8 @@ the best of --repeat runs, GB/s over the layout's bytes:
              script's cold start), the bytes copied sampled per tenth
 
     python benchmarks/profile_load.py [--layouts dense,moe] [--dir DIR] [--json PATH]
-        [--sections phases,reads,copies,pipeline,spin,load_file,host] [--quick]
+        [--sections phases,reads,copies,pipeline,spin,load_file,host,timeline] [--quick]
+    python benchmarks/profile_load.py --layouts moe --sections first [--first-cold]
 """
 
 import argparse
@@ -293,22 +294,19 @@ class _Stamping:
         self._gc_start = None
         gc.callbacks.append(self._collected)
         self.real_pipe = real_pipe = _pipeline.Pipeline
-        self.patched = [
-            (_checkpoint._Checkpoint, "open", _stamped(stamps, _checkpoint._Checkpoint, "open",
-                                                       "headers parsed")),
-            (_checkpoint._Checkpoint, "warm_if_cold", _stamped(
-                stamps, _checkpoint._Checkpoint, "warm_if_cold", "warming asked")),
-            (_checkpoint._Checkpoint, "stop_warming", _stamped(
-                stamps, _checkpoint._Checkpoint, "stop_warming", "warming joined")),
-            (_load, "_usable_target", _stamped(stamps, _load, "_usable_target", "device usable")),
-            (_load, "_plan", _stamped(stamps, _load, "_plan", "planned")),
-            (_load, "_begin_staging", _stamped(stamps, _load, "_begin_staging", "staging begun")),
-            (L, "_allocate_blocks", _stamped(stamps, L, "_allocate_blocks", "blocks allocated")),
-            (L._StagingStart, "_make", _stamped(stamps, L._StagingStart, "_make",
-                                                "staging made (its thread)")),
-            (L._StagingStart, "take", _stamped(stamps, L._StagingStart, "take", "staging taken")),
-            (_target._TorchTarget, "views", _stamped(stamps, _target._TorchTarget, "views",
-                                                     "views made"))]
+        # (where, function): the label its return is stamped with
+        steps = [(_checkpoint._Checkpoint, "open", "headers parsed"),
+                 (_checkpoint._Checkpoint, "warm_if_cold", "warming asked"),
+                 (_checkpoint._Checkpoint, "stop_warming", "warming joined"),
+                 (_load, "_usable_target", "device usable"),
+                 (_load, "_plan", "planned"),
+                 (_load, "_begin_staging", "staging begun"),
+                 (L, "_allocate_blocks", "blocks allocated"),
+                 (L._StagingStart, "_make", "staging made (its thread)"),
+                 (L._StagingStart, "take", "staging taken"),
+                 (_target._TorchTarget, "views", "views made")]
+        self.patched = [(where, name, _stamped(stamps, where, name, label))
+                        for where, name, label in steps]
         _pipeline.Pipeline = lambda *a, **k: _StampedPipeline(real_pipe, stamps, *a, **k)
         return self
 
@@ -355,17 +353,18 @@ def section_first(torch, name, paths, device, out, cold=False):
     with _Stamping(_Stamps()) as stamping:
         for call in ("first", "second"):
             samples = []
+            cold_call = cold and call == "first"    # (the second reads what the first cached)
 
             def progress(done, total, samples=samples):
                 samples.append((time.perf_counter() - stamping.stamps.t0, done))
-            sampled = progress if cold and call == "first" else None
+            sampled = progress if cold_call else None
             result = stamping.run(lambda sampled=sampled: _synced(torch, device, loader.load_file(
                 paths, str(device), progress=sampled)))
             del result
             marks = dict(stamping.stamps.marks)
-            out.append(dict(section="first", layout=name, call=call, cold=cold and call == "first",
+            out.append(dict(section="first", layout=name, call=call, cold=cold_call,
                             gbps=nbytes / marks["returned"] / 1e9, samples=samples, **marks))
-            C.progress(f"  {name} {call} call{' (cold)' if cold and call == 'first' else ''} "
+            C.progress(f"  {name} {call} call{' (cold)' if cold_call else ''} "
                        f"(ms from the call), {_timeline_line(marks, nbytes)}")
             if samples:
                 C.progress(f"  {name} bytes copied: " + _rates(samples, marks["returned"]))
