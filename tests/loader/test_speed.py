@@ -261,3 +261,12 @@ def test_profile_timeline_and_first_quick(tmp_path):
     r = run_script(os.path.join(ROOT, "benchmarks", "profile_load.py"), "--quick", "--dir", str(tmp_path),
                    "--layouts", "moe,dense", "--sections", "first", env=env)
     assert r.returncode == 2 and "alone, with one layout" in r.stderr
+
+
+def test_bench_pinning_needs_a_gpu_and_says_so():
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    script = os.path.join(ROOT, "benchmarks", "bench_pinning.py")
+    r = run_script(script, "--sections", "register,mapped", env=env)
+    assert r.returncode == 0 and "nothing to measure without a GPU" in r.stdout, r.stdout + r.stderr
+    r = run_script(script, "--sections", "register,bogus", env=env)
+    assert r.returncode == 2 and "bogus" in r.stderr
