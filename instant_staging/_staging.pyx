@@ -163,7 +163,7 @@ cdef int _in_threads(char* ptr, size_t size, int threads, size_t grain,
     if ranges == NULL or ids == NULL:
         free(ranges)
         free(ids)
-        return 12  # ENOMEM
+        return ENOMEM
     for i in range(threads):
         first = i * per
         if first >= grains:

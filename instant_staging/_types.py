@@ -62,38 +62,35 @@ class StagingError(RuntimeError):
         return (type(self), (str(self), self.attempts, self.code))
 
 
-class RollbackError(StagingError):
+class _RetainedMemoryError(StagingError):
+    """A StagingError after which memory is retained: ``retained_ranges``
+    are the ``(ptr, size)`` ranges that may still be registered, oldest
+    first (ascending address), never freed while they may be."""
+
+    def __init__(self, message: str, attempts=(), code=None, retained_ranges=()):
+        super().__init__(message, attempts, code)
+        self.retained_ranges = tuple((int(p), int(n)) for p, n in retained_ranges)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.attempts, self.code, self.retained_ranges))
+
+
+class RollbackError(_RetainedMemoryError):
     """A segmented registration failed and undoing it failed too.
 
     The memory is retained (never freed while it may still be registered);
-    ``retained_ranges`` are the ``(ptr, size)`` ranges still registered,
-    oldest first (ascending address), as in ReleaseError.
+    ``retained_ranges`` are the ranges still registered.
     """
 
-    def __init__(self, message: str, attempts=(), code=None, retained_ranges=()):
-        super().__init__(message, attempts, code)
-        self.retained_ranges = tuple((int(p), int(n)) for p, n in retained_ranges)
 
-    def __reduce__(self):
-        return (type(self), (str(self), self.attempts, self.code, self.retained_ranges))
-
-
-class ReleaseError(StagingError):
+class ReleaseError(_RetainedMemoryError):
     """Releasing a buffer failed.
 
     The runtime refused to unregister (or to free) its memory, which is
-    leaked on purpose, never freed while it may still be registered.
-    ``retained_ranges`` are the ``(ptr, size)``
-    ranges left, oldest first (ascending address), as in RollbackError;
-    ``code`` is the runtime's last code.
+    leaked on purpose, never freed while it may still be registered;
+    ``retained_ranges`` are the ranges left, ``code`` is the runtime's last
+    code.
     """
-
-    def __init__(self, message: str, attempts=(), code=None, retained_ranges=()):
-        super().__init__(message, attempts, code)
-        self.retained_ranges = tuple((int(p), int(n)) for p, n in retained_ranges)
-
-    def __reduce__(self):
-        return (type(self), (str(self), self.attempts, self.code, self.retained_ranges))
 
 
 class RuntimeCallError(RuntimeError):

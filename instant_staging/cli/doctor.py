@@ -416,6 +416,6 @@ def format_text(report):
 
 
 def exit_code(report):
-    """1 when the report lists a problem (DESIGN.md: doctor exits 1 when it
+    """1 when the report lists a problem (docs/design.md: doctor exits 1 when it
     found one), else 0."""
     return 1 if report["problems"] else 0

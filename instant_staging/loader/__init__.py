@@ -10,7 +10,7 @@
 
 A drop-in for ``safetensors.torch.load_file``, ``safetensors.torch.load``
 (``_bytes.py``) and ``safetensors.safe_open``
-(DESIGN.md, "The loader"): ``source`` is a file, a list of files, a
+(docs/design.md, "The loader"): ``source`` is a file, a list of files, a
 directory or an index.json (``_source.py``); ``dtype``, ``names``, the
 environment knobs (``_options.py``) and ``progress`` (``_progress.py``) as
 documented on ``load_file``.

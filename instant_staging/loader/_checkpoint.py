@@ -245,21 +245,6 @@ def _read_without_waiting(points):
     return hits
 
 
-def _paths(paths):
-    if isinstance(paths, (str, bytes, os.PathLike)):
-        return [paths]
-    try:
-        paths = list(paths)
-    except TypeError:
-        raise TypeError(f"paths must be a path or a list of paths, not {type(paths).__name__}") from None
-    if not paths:
-        raise ValueError("no safetensors file given")
-    for p in paths:
-        if not isinstance(p, (str, bytes, os.PathLike)):
-            raise TypeError(f"paths must be a path or a list of paths, got {type(p).__name__} in the list")
-    return paths
-
-
 def rows(entry, part, path):
     """``entry`` narrowed to ``part``: None (whole) or a step-1 slice of its
     first dimension, bounds as Python's (clipped).  The rows must be whole

@@ -1,6 +1,6 @@
 """Object-storage sources: a bucket is a source like a directory.
 
-``source`` may be a URL (DESIGN.md, "The loader"):
+``source`` may be a URL (docs/design.md, "Object storage"):
 
 - ``s3://bucket/prefix/`` (or any URL not naming a ``.safetensors`` or
   ``.json`` object): a "directory": its ``model.safetensors.index.json``,

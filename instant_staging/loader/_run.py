@@ -400,6 +400,13 @@ class LoadIterator:
         return self._state.staging_kind
 
     @property
+    def staging_kinds(self) -> Optional[tuple]:
+        """The Kind of every process's staging buffer in this load: this
+        process's alone here (``staging_kind``); a process group's iterator
+        gives every rank's, in rank order (None there before loading)."""
+        return (self.staging_kind,)
+
+    @property
     def threads(self):
         """Reader threads of this load, once it started."""
         return self._state.threads

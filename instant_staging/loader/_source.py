@@ -1,6 +1,6 @@
 """What ``source`` names: the shard files of a load, in reading order.
 
-``source`` (DESIGN.md, "The loader") is one of
+``source`` (docs/design.md, "The loader") is one of
 
 - a ``.safetensors`` path;
 - a list of them (read in the order given);

@@ -161,6 +161,7 @@ def test_iterator_closed_early_then_load_again(tmp_path):
     assert it.staging_kind is None
     first = next(it)
     assert it.staging_kind is ist.Kind.REGISTERED and it.threads >= 1
+    assert it.staging_kinds == (ist.Kind.REGISTERED,)     # as a process group's lists every rank's
     it.close()
     assert first[0] in tensors
     assert torch.equal(raw_bytes(first[1]), raw_bytes(tensors[first[0]]))

@@ -202,7 +202,4 @@ def _check_same_plan(batches: list[Batch], group: Any) -> None:
 def _kinds(it) -> list[str]:
     """The staging kinds of a started load: every rank's with a process
     group, else its own (none when loading to the CPU)."""
-    ranks = getattr(it, "staging_kinds", None)
-    if ranks is None:
-        ranks = [it.staging_kind]
-    return ["none (cpu)" if k is None else getattr(k, "name", str(k)) for k in ranks]
+    return ["none (cpu)" if k is None else k.name for k in it.staging_kinds or ()]
