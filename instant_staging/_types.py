@@ -2,6 +2,7 @@
 
 import enum
 import math
+import re
 from typing import NamedTuple, Optional
 
 
@@ -189,3 +190,17 @@ def read_text(path):
             return f.read()
     except OSError:
         return None
+
+
+MEMINFO = "/proc/meminfo"
+
+
+def parse_meminfo(text):
+    """``{'MemTotal': bytes, ...}`` from the text of /proc/meminfo (values
+    in kB), ``{}`` for None."""
+    out = {}
+    for line in (text or "").splitlines():
+        match = re.match(r"(\w+):\s+(\d+)(?:\s+kB)?", line)
+        if match:
+            out[match.group(1)] = int(match.group(2)) * (1024 if "kB" in line else 1)
+    return out

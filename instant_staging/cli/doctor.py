@@ -19,7 +19,7 @@ import resource
 
 from .. import defaults
 from .._hugepages import BUDDYINFO, THP_ENABLED, decide, parse_thp
-from .._types import RuntimeCallError, format_size
+from .._types import MEMINFO, RuntimeCallError, format_size, parse_meminfo
 from .._types import read_text as _read
 from .report import MIN_DRIVER, driver_problem, version_text
 
@@ -34,7 +34,7 @@ PATHS = {
     "osrelease": "/proc/sys/kernel/osrelease",
     "thp": THP_ENABLED,
     "buddyinfo": BUDDYINFO,
-    "meminfo": "/proc/meminfo",
+    "meminfo": MEMINFO,
     "self_cgroup": "/proc/self/cgroup",
     "cgroup_root": "/sys/fs/cgroup",
 }
@@ -245,16 +245,6 @@ def check_hugepages(thp_path, buddyinfo_path, env=None, size=defaults.STAGING_SI
     # The load's reason only where its choice differs (it needs fewer blocks).
     verdict = why if load_on == on else f"{why}; {format_size(load_size)}: {load_why}"
     return _check("ok", value, summary, verdict)
-
-
-def parse_meminfo(text):
-    """{'MemTotal': bytes, ...} from /proc/meminfo (values in kB)."""
-    out = {}
-    for line in (text or "").splitlines():
-        match = re.match(r"(\w+):\s+(\d+)(?:\s+kB)?", line)
-        if match:
-            out[match.group(1)] = int(match.group(2)) * (1024 if "kB" in line else 1)
-    return out
 
 
 def check_memory(meminfo_path):

@@ -40,6 +40,8 @@ import os
 import threading
 from typing import Any, NamedTuple
 
+from ..._types import MEMINFO, parse_meminfo, read_text
+
 logger = logging.getLogger("vllm.instant_staging")
 
 # vLLM's own defaults (vllm/config/load.py), for a vLLM without the fields.
@@ -127,14 +129,7 @@ def file_system(files: list[str]) -> str:
 
 def available_memory() -> int | None:
     """MemAvailable of /proc/meminfo in bytes, None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return parse_meminfo(read_text(MEMINFO)).get("MemAvailable")
 
 
 def prefetch(files: list[str], *, rank: int, world: int, threads: int, block_size: int) -> threading.Thread:
