@@ -28,7 +28,7 @@ from ..loader import (
 from .report import OutputError, attempt_dict, describe_attempt, emit, error_result, write_out
 
 # What --dtype accepts (the loader converts floating tensors only).
-FLOAT_NAMES = frozenset(("float16", "bfloat16", "float32", "float64"))
+FLOAT_NAMES = frozenset(DTYPE_ALIASES.values())
 
 
 # -- argument types: a bad value is an argparse error (exit code 2) --------------

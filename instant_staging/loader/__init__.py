@@ -68,7 +68,7 @@ from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
 from ._bytes import load
 from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
-from ._header import DTYPE_BITS, SafetensorsError
+from ._header import DTYPE_BITS, TORCH_DTYPES, SafetensorsError
 from ._load import Checkpoint, LoadOptions, TensorInfo, iter_load, load_file
 from ._options import (
     DTYPE_ALIASES,
@@ -85,7 +85,6 @@ from ._run import LoadIterator, LoadReport
 from ._safe_open import PrefetchLoader, safe_open
 from ._source import resolve as resolve_source
 from ._staging_pool import empty_cache
-from ._target import _TORCH_DTYPES as TORCH_DTYPES
 from ._target import _import_torch as import_torch
 from ._target import _resolve_device as resolve_device
 from ._target import default_device, parse_device

@@ -53,17 +53,22 @@ from ._errors import UpstreamError
 # The JSON header may not exceed this (the safetensors package's own limit).
 MAX_HEADER_BYTES = 100_000_000
 
-# Bits per element of every dtype safetensors.torch loads (F4 packs two
-# elements in a byte: torch's float4_e2m1fn_x2).  F6_* are format dtypes
-# that safetensors.torch refuses ("Dtype not understood"), so they are
-# rejected here too.
-DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F4": 4,
-    "F8_E4M3": 8, "F8_E5M2": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32,
-    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+# Every dtype safetensors.torch loads: bits per element (F4 packs two
+# elements in a byte) and the torch dtype that holds it, by its attribute
+# name (a torch too old to have one is reported before anything is
+# allocated: ``_target.py``).  F6_* are format dtypes that safetensors.torch
+# refuses ("Dtype not understood"), so they are rejected here too.
+DTYPES = {
+    "BOOL": (8, "bool"), "U8": (8, "uint8"), "I8": (8, "int8"), "F4": (4, "float4_e2m1fn_x2"),
+    "F8_E4M3": (8, "float8_e4m3fn"), "F8_E5M2": (8, "float8_e5m2"),
+    "F8_E4M3FNUZ": (8, "float8_e4m3fnuz"), "F8_E5M2FNUZ": (8, "float8_e5m2fnuz"),
+    "F8_E8M0": (8, "float8_e8m0fnu"),
+    "I16": (16, "int16"), "U16": (16, "uint16"), "F16": (16, "float16"), "BF16": (16, "bfloat16"),
+    "I32": (32, "int32"), "U32": (32, "uint32"), "F32": (32, "float32"),
+    "I64": (64, "int64"), "U64": (64, "uint64"), "F64": (64, "float64"), "C64": (64, "complex64"),
 }
+DTYPE_BITS = {name: bits for name, (bits, _) in DTYPES.items()}
+TORCH_DTYPES = {name: attribute for name, (_, attribute) in DTYPES.items()}
 
 # Dtypes safetensors knows but safetensors.torch cannot load ("Dtype not
 # understood": no torch dtype holds them); named as such, not as unknown.

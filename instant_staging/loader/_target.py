@@ -7,7 +7,7 @@ works without it.
 import logging
 import os
 
-from ._header import SafetensorsError, torch_shape
+from ._header import TORCH_DTYPES, SafetensorsError, torch_shape
 from ._options import converts
 
 # torch's caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests of
@@ -15,17 +15,6 @@ from ._options import converts
 # 512 bytes and may be cut out of any larger free block it holds.
 _SMALL_POOL_MAX = 1 << 20
 _BLOCK_ROUND = 512
-
-# safetensors dtype -> torch attribute; absent attributes mean "this torch
-# cannot hold it" and are reported before anything is allocated.
-_TORCH_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
-    "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32",
-    "F32": "float32", "I64": "int64", "U64": "uint64", "F64": "float64",
-    "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2",
-}
 
 log = logging.getLogger("instant_staging")
 
@@ -83,7 +72,7 @@ class _TorchTarget:
         return out
 
     def _check(self, entry, path):
-        dtype = getattr(self.torch, _TORCH_DTYPES[entry.dtype], None)
+        dtype = getattr(self.torch, TORCH_DTYPES[entry.dtype], None)
         if dtype is None:
             raise SafetensorsError(f"dtype {entry.dtype} is not supported by torch "
                                    f"{self.torch.__version__}", path, entry.name)

@@ -20,9 +20,15 @@ st = pytest.importorskip("safetensors.torch")
 from safetensors import SafetensorError
 from safetensors import safe_open as st_safe_open
 
-from instant_staging.loader import SafetensorsError, _safe_open, _staging_pool, load_file, safe_open
+from instant_staging.loader import (
+    TORCH_DTYPES,
+    SafetensorsError,
+    _safe_open,
+    _staging_pool,
+    load_file,
+    safe_open,
+)
 from instant_staging.loader._header import DTYPE_BITS
-from instant_staging.loader._target import _TORCH_DTYPES
 
 from support.headers import blob
 
@@ -76,7 +82,7 @@ def no_reads(monkeypatch):
 
 @pytest.mark.parametrize("name", WHOLE)
 def test_whole_byte_dtypes_equal_safetensors(tmp_path, name):
-    dtype = getattr(torch, _TORCH_DTYPES[name])
+    dtype = getattr(torch, TORCH_DTYPES[name])
     path = tmp_path / "m.safetensors"
     st.save_file({"t": random_of(dtype, (4, 3), seed=len(name)), "s": random_of(dtype, (5,))}, path)
     ref = st.load_file(path)
@@ -92,7 +98,7 @@ def test_whole_byte_dtypes_equal_safetensors(tmp_path, name):
 
 @pytest.mark.parametrize("name", WHOLE)
 def test_dtype_conversion_of_every_whole_byte_dtype(tmp_path, name):
-    dtype = getattr(torch, _TORCH_DTYPES[name])
+    dtype = getattr(torch, TORCH_DTYPES[name])
     path = tmp_path / "m.safetensors"
     st.save_file({"t": random_of(dtype, (4, 3), seed=3)}, path)
     ref = st.load_file(path)["t"]
