@@ -155,19 +155,23 @@ def map_file(fd, size):
     return ptr
 
 
+def device_equals(rt, dev, src, size, stream):
+    """Whether the device's ``size`` bytes at ``dev`` are the host's at ``src``."""
+    back = C.map_anonymous(size)
+    try:
+        check(rt, rt.memcpy_async(back, dev, size, D2H, stream), "memcpy_async D2H")
+        check(rt, rt.stream_synchronize(stream), "stream_synchronize")
+        return _libc.memcmp(back, src, size) == 0
+    finally:
+        C.unmap(back, size)
+
+
 def copy_and_check(rt, dev, src, size, stream):
     t0 = time.perf_counter()
     check(rt, rt.memcpy_async(dev, src, size, H2D, stream), "memcpy_async")
     check(rt, rt.stream_synchronize(stream), "stream_synchronize")
     seconds = time.perf_counter() - t0
-    back = C.map_anonymous(size)
-    try:
-        check(rt, rt.memcpy_async(back, dev, size, D2H, stream), "memcpy_async D2H")
-        check(rt, rt.stream_synchronize(stream), "stream_synchronize")
-        same = _libc.memcmp(back, src, size) == 0
-    finally:
-        C.unmap(back, size)
-    return seconds, same
+    return seconds, device_equals(rt, dev, src, size, stream)
 
 
 def section_file(rt, fd, size, threads, runs, dev, stream):
@@ -267,13 +271,7 @@ def section_mapped(rt, fd, size, threads, windows, runs, dev, stream):
                 except RuntimeError as e:
                     rows.append([C.fmt_size(window), n, str(e), "", ""])
                     continue
-                back = C.map_anonymous(size)
-                try:
-                    check(rt, rt.memcpy_async(back, dev, size, D2H, stream), "memcpy_async D2H")
-                    check(rt, rt.stream_synchronize(stream), "stream_synchronize")
-                    same = _libc.memcmp(back, ptr, size) == 0
-                finally:
-                    C.unmap(back, size)
+                same = device_equals(rt, dev, ptr, size, stream)
                 best = min(times)
                 rows.append([C.fmt_size(window), n, f"{best * 1e3:.2f}",
                              f"{size / best / 1e9:.1f} (median {size / C.median(times) / 1e9:.1f})",
