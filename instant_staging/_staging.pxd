@@ -96,6 +96,8 @@ cdef class StagingBuffer:
     cdef int _step_runtime_alloc(self, unsigned int flags) except -1
     cdef int _step_pageable(self, size_t alignment) except -1
 
+    cdef int _map_step(self, str step, size_t alignment) except -1   # steps 1 and 7
+
     # One runtime call each, recorded as an Attempt.
     cdef int _register_next(self, unsigned int flags, str step) except -1
     cdef int _unregister_newest(self, str step) except -1

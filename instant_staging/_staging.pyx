@@ -22,6 +22,7 @@ cannot surface later in an unrelated call of the caller's.
 
 cimport cython
 
+import atexit
 import logging
 import math
 import os
@@ -38,20 +39,21 @@ from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, MAP_PRIVATE,
                          MADV_HUGEPAGE)
 from posix.unistd cimport getpid, sysconf, _SC_PAGESIZE
 
+from instant_staging._pthread cimport pthread_t, pthread_create, pthread_join
 from instant_staging.runtime._table cimport ERROR_RUNTIME_UNLOADING, Runtime, RuntimeTable
 
 from instant_staging import envs
 from instant_staging._hugepages import decide as _decide_hugepages
 from instant_staging._types import (Attempt, Kind, ReleaseError, RollbackError,
                                     StagingError, format_size)
+from instant_staging.defaults import MAX_PREFAULT_THREADS, usable_cpus
+from instant_staging.defaults import SEGMENT_SIZE as DEFAULT_SEGMENT_SIZE
 from instant_staging.runtime import API_NAMES
 
 logger = logging.getLogger("instant_staging")
 
 cdef size_t PAGE = <size_t>sysconf(_SC_PAGESIZE)
 cdef size_t HUGE_PAGE = 2 << 20
-from instant_staging.defaults import MAX_PREFAULT_THREADS, usable_cpus
-from instant_staging.defaults import SEGMENT_SIZE as DEFAULT_SEGMENT_SIZE
 
 
 _KINDS = {KIND_REGISTERED: Kind.REGISTERED, KIND_SEGMENTED: Kind.SEGMENTED,
@@ -110,8 +112,6 @@ def auto_prefault_threads(size_t size, *, size_t bytes_per_thread=32 << 20,
 
 
 # -- step 2 and release: page workers (plain C threads, no GIL) ------------
-
-from instant_staging._pthread cimport pthread_t, pthread_create, pthread_join
 
 # Release drops the pages with threads only where each gets this much
 # (32 MiB of 4 KiB pages take milliseconds to free, a thread's start tens
@@ -250,7 +250,6 @@ def _close_all_at_exit():
             pass
 
 
-import atexit
 atexit.register(_close_all_at_exit)
 
 
@@ -430,15 +429,19 @@ cdef class StagingBuffer:
 
     cdef int _step_allocate(self, size_t alignment) except -1:
         """Step 1: page-aligned ordinary memory of exactly `size` bytes; 0 or an errno."""
+        self._unit = self._size
+        self._nranges = 1
+        return self._map_step("allocate", alignment)
+
+    cdef int _map_step(self, str step, size_t alignment) except -1:
+        """Steps 1 and 7: maps the buffer's ordinary memory; 0 or an errno."""
         cdef double t0 = time.perf_counter()
         cdef int err = 0
         with nogil:
             self._ptr = _map(self._size, alignment, &self._map_size)
             if self._ptr == NULL:
                 err = errno
-        self._unit = self._size
-        self._nranges = 1
-        self._record("allocate", err == 0, 0, os.strerror(err) if err else "", 0, self._size, t0)
+        self._record(step, err == 0, 0, os.strerror(err) if err else "", 0, self._size, t0)
         return err
 
     cdef int _step_prefault(self, int threads, bint hugepages) except -1:
@@ -510,14 +513,7 @@ cdef class StagingBuffer:
 
     cdef int _step_pageable(self, size_t alignment) except -1:
         """Step 7 (allow_pageable=True): ordinary memory, not pinned; 0 or an errno."""
-        cdef double t0 = time.perf_counter()
-        cdef int err = 0
-        with nogil:
-            self._ptr = _map(self._size, alignment, &self._map_size)
-            if self._ptr == NULL:
-                err = errno
-        self._record("pageable", err == 0, 0, os.strerror(err) if err else "", 0, self._size, t0)
-        return err
+        return self._map_step("pageable", alignment)
 
     # -- one runtime call each, recorded as an Attempt -----------------------
 

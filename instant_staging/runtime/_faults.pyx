@@ -21,6 +21,7 @@ from libc.stdint cimport intptr_t
 import sys
 import traceback
 
+from instant_staging.faults import as_plan
 from instant_staging.runtime._table cimport ERROR_UNKNOWN, Runtime
 
 # Operations a plan can fail, indexing _OP_NAMES.
@@ -29,8 +30,6 @@ cdef enum:
     OP_UNREGISTER = 1
     OP_HOST_ALLOC = 2
     OP_FREE_HOST = 3
-
-from instant_staging.faults import as_plan
 
 _OP_NAMES = ("register", "unregister", "host_alloc", "free_host")
 
