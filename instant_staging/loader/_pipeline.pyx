@@ -56,6 +56,7 @@ fails that piece's copy with the runtime code, in host mode too.
 cimport cython
 
 import atexit
+import os
 import time
 import weakref
 
@@ -67,6 +68,11 @@ from libc.errno cimport errno, EINTR
 from posix.unistd cimport pread, getpid
 from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
 
+from instant_staging._pthread cimport (
+    pthread_t, pthread_mutex_t, pthread_cond_t, pthread_create, pthread_join,
+    pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_lock, pthread_mutex_unlock,
+    pthread_cond_init, pthread_cond_destroy, pthread_cond_broadcast, pthread_cond_wait,
+    pthread_cond_timedwait)
 from instant_staging.runtime._table cimport Runtime, RuntimeTable, MEMCPY_HOST_TO_DEVICE
 from instant_staging._staging cimport StagingBuffer
 
@@ -77,12 +83,6 @@ cdef extern from "<stdlib.h>" nogil:
 
 cdef extern from "<unistd.h>" nogil:
     unsigned int sleep(unsigned int seconds)
-
-from instant_staging._pthread cimport (
-    pthread_t, pthread_mutex_t, pthread_cond_t, pthread_create, pthread_join,
-    pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_lock, pthread_mutex_unlock,
-    pthread_cond_init, pthread_cond_destroy, pthread_cond_broadcast, pthread_cond_wait,
-    pthread_cond_timedwait)
 
 cdef extern from "<pthread.h>" nogil:
     pthread_t pthread_self()
@@ -639,38 +639,91 @@ cdef class Plan:
 
 # -- running pipelines, for the exit hook ------------------------------------
 
-# How long the exit hook lets a consumer thread run to its next provide()
-# (a batch of allocations takes about a millisecond).
+# How long the exit hook lets a consumer thread inside a load run to where
+# it parks (the next batch of allocations, the next wait(), the end of its
+# next(): about a millisecond).
 _PARK_WAIT = 2.0
 
 _running = weakref.WeakSet()
 
 # Set by the exit hook: from then on a consumer thread other than the one
-# running the hook parks in wait() instead of returning.
+# running the hook parks instead of going on (``_park_if_exiting``).
 cdef bint _exiting = False
 cdef pthread_t _exit_thread
 
+# Threads inside a load's code for its consumer (``enter_load()`` to
+# ``leave_load()``: a LoadIterator's next()), and how many of them parked
+# at exit; a thread's own depth, so that a next() inside a next() (a
+# progress callback's) counts it once.
+cdef extern from *:
+    """
+    static int is_inside = 0, is_parked = 0;
+    static __thread int is_depth = 0;
+    static void is_enter(void) {
+        if (is_depth++ == 0) __atomic_add_fetch(&is_inside, 1, __ATOMIC_SEQ_CST);
+    }
+    static void is_leave(void) {
+        if (--is_depth == 0) __atomic_sub_fetch(&is_inside, 1, __ATOMIC_SEQ_CST);
+    }
+    static void is_count_parked(void) {
+        if (is_depth > 0) __atomic_add_fetch(&is_parked, 1, __ATOMIC_SEQ_CST);
+    }
+    /* Threads inside a load, not parked, other than the calling one. */
+    static int is_running_inside(void) {
+        return __atomic_load_n(&is_inside, __ATOMIC_SEQ_CST)
+               - __atomic_load_n(&is_parked, __ATOMIC_SEQ_CST) - (is_depth > 0);
+    }
+    /* A fork child has only the thread that forked. */
+    static void is_forget_others(void) {
+        is_inside = is_depth > 0;
+        is_parked = 0;
+    }
+    """
+    void is_enter() noexcept nogil
+    void is_leave() noexcept nogil
+    void is_count_parked() noexcept nogil
+    int is_running_inside() noexcept nogil
+    void is_forget_others() noexcept nogil
 
-cdef void _park_if_exiting(bint* parked=NULL) noexcept nogil:
+
+cdef void _park_if_exiting() noexcept nogil:
     # At exit only daemon threads are left besides the main thread; one
-    # that resumed would race the interpreter's finalization through
+    # that went on would race the interpreter's finalization through
     # Python and torch code (torch aborts the process when a daemon thread
-    # is caught inside one of its calls: "terminate called without an
-    # active exception", 4 of 8 runs here).  Parked without the GIL it is
-    # simply dropped with the process.  ``parked`` (where given) is set
-    # first: the exit hook waits for it.
+    # is caught inside one of its calls that released the GIL: "terminate
+    # called without an active exception", from a view being made or a
+    # tensor being freed).  Parked without the GIL it is simply dropped
+    # with the process.  It is counted first: the exit hook waits for it.
     if _exiting and not pthread_equal(pthread_self(), _exit_thread):
-        if parked != NULL:
-            parked[0] = True
+        is_count_parked()
         while True:
             sleep(3600)
+
+
+def enter_load():
+    """The calling thread runs a load's code for its consumer from here
+    (``LoadIterator.__next__``) until ``leave_load()``; after interpreter
+    exit began, it parks here instead."""
+    is_enter()
+    with nogil:
+        _park_if_exiting()
+
+
+def leave_load():
+    """The calling thread leaves a load's code, its result (a tensor, an
+    error) going to its caller; after interpreter exit began, it parks here
+    instead, so that no caller's loop goes on to free or use a tensor
+    while the interpreter finalizes."""
+    with nogil:
+        _park_if_exiting()
+    is_leave()
 
 
 def _stop_all_at_exit():
     # Registered after _staging's hook (imported above), so it runs first:
     # every reader is stopped and joined (no write into a staging buffer,
     # no call into a runtime being torn down) before the buffers are
-    # released; consumers waiting on a load stay parked (above).
+    # released; consumers stay parked (above).
     global _exiting, _exit_thread
     _exit_thread = pthread_self()
     _exiting = True
@@ -680,18 +733,19 @@ def _stop_all_at_exit():
             pipe.close()
         except BaseException:
             pass
-    # A consumer still allocating its tensors (torch calls, the GIL released
-    # inside them) is let run to its next provide(), where it parks: a
-    # daemon thread caught inside a torch call by the finalization makes
-    # torch abort the process ("terminate called without an active
-    # exception", seen when cancel_gpu.py's own exit child freed tensors).
+    # A consumer inside a load (allocating its tensors, making views:
+    # torch calls that release the GIL) is let run to where it parks, so
+    # that the finalization never catches it inside one.
     deadline = time.monotonic() + _PARK_WAIT
-    while any((<Pipeline>p).providing and not (<Pipeline>p).parked for p in pipes):
-        if time.monotonic() > deadline:
-            break
+    while is_running_inside() > 0 and time.monotonic() < deadline:
         time.sleep(0.001)
 
 
+def _forget_other_threads():
+    is_forget_others()
+
+
+os.register_at_fork(after_in_child=_forget_other_threads)
 atexit.register(_stop_all_at_exit)
 
 
@@ -748,8 +802,6 @@ cdef class Pipeline:
     cdef Runtime runtime
     cdef StagingBuffer staging
     cdef bint holding
-    cdef readonly bint providing    # the consumer still allocates tensors for provide()
-    cdef readonly bint parked       # ... and was parked there at interpreter exit
     cdef int pid
     cdef readonly object fetch
     cdef object __weakref__
@@ -949,7 +1001,6 @@ cdef class Pipeline:
             if self.plan.sizes[i] == 0:      # nothing to copy: done from the start
                 self.sh.done[self.sh.n_done] = i
                 self.sh.n_done += 1
-        self.providing = more and len(dsts) < self.plan.n_tensors
         _running.add(self)
         with nogil:
             pthread_mutex_lock(&self.join_lock)
@@ -981,7 +1032,7 @@ cdef class Pipeline:
         if not self.sync_init or self.plan is None:
             raise RuntimeError("Pipeline was not initialised")
         with nogil:
-            _park_if_exiting(&self.parked)
+            _park_if_exiting()
         if self.closed:
             return False
         first = self.sh.n_ready      # only this thread writes n_ready
@@ -994,13 +1045,7 @@ cdef class Pipeline:
             self.sh.n_ready = first + n
             pthread_cond_broadcast(&self.sh.cond)
             pthread_mutex_unlock(&self.sh.lock)
-        if first + n == self.plan.n_tensors:
-            self.providing = False
         return True
-
-    def done_providing(self):
-        """The consumer gives no more destinations (it stopped early)."""
-        self.providing = False
 
     def wait(self, double timeout):
         """Waits up to ``timeout`` seconds for a tensor to finish.

@@ -70,9 +70,11 @@ import time
 import traceback
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
+# (the fault plans imported with the loader, not by a server's first load:
+# docs/design.md, "Measured: a server's first load")
 from .. import faults as _faults  # noqa: F401
 from ..defaults import CHUNK_SIZE, io_depth_for, reader_threads
-from . import _blocks, _gc, _pipeline, _staging_pool  # noqa: F401
+from . import _blocks, _gc, _pipeline, _staging_pool
 from ._errors import LoadError, VerifyError
 
 if TYPE_CHECKING:
@@ -421,12 +423,17 @@ class LoadIterator:
         with self._lock:
             if self._state.cancelled:
                 raise LoadError("the load was cancelled: its iterator was closed before it finished")
+            # (at interpreter exit a daemon thread parks in either, never
+            # left inside torch by the finalization: _pipeline.enter_load)
+            _pipeline.enter_load()
             try:
                 return next(self._generator)
             except StopIteration:
                 if self._times[3] is None and self._state.finished:
                     self._times[3] = time.perf_counter()
                 raise
+            finally:
+                _pipeline.leave_load()
 
     def close(self):
         state = self._state
@@ -648,35 +655,32 @@ def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
     block handed out here was freed by work that has finished; where it
     does, torch's deterministic fill of new memory, the target waits for
     it before handing the address out: ``_target.py``'s ``_after_fill``.)"""
-    try:
-        with _gc.paused():
-            pipe.start([], more=True)
-            if blocks is None:
-                blocks = _allocate_blocks(target, run_list, entries, dtypes)
-            target.reserve([entries[k][1] for r, run in enumerate(run_list) if r not in blocks
-                            for k in range(run.first, run.stop)])
-            ptrs, batch = [], _FIRST_BATCH
-            for r, run in enumerate(run_list):
-                block = blocks.get(r)
-                if block is not None:
-                    # The block itself until its views replace it (below): from
-                    # its first address given, the readers may copy into it,
-                    # and handles hold it until they are joined, whatever
-                    # happens (a Ctrl-C while the views are made).
-                    handles.extend([block] * (run.stop - run.first))
-                    ptrs.extend(target.addresses(run, block, entries))
-                else:
-                    ptrs.extend(_allocate(handles, target, entries[k][1], dtypes[k])
-                                for k in range(run.first, run.stop))
-                if len(ptrs) >= batch or r == len(run_list) - 1:
-                    if not pipe.provide(ptrs):
-                        break       # cancelled: _drive reports it
-                    ptrs, batch = [], _BATCH
-            for r, block in blocks.items():
-                run = run_list[r]
-                handles[run.first:run.stop] = target.views(run, block, entries, dtypes)
-    finally:
-        pipe.done_providing()
+    with _gc.paused():
+        pipe.start([], more=True)
+        if blocks is None:
+            blocks = _allocate_blocks(target, run_list, entries, dtypes)
+        target.reserve([entries[k][1] for r, run in enumerate(run_list) if r not in blocks
+                        for k in range(run.first, run.stop)])
+        ptrs, batch = [], _FIRST_BATCH
+        for r, run in enumerate(run_list):
+            block = blocks.get(r)
+            if block is not None:
+                # The block itself until its views replace it (below): from
+                # its first address given, the readers may copy into it,
+                # and handles hold it until they are joined, whatever
+                # happens (a Ctrl-C while the views are made).
+                handles.extend([block] * (run.stop - run.first))
+                ptrs.extend(target.addresses(run, block, entries))
+            else:
+                ptrs.extend(_allocate(handles, target, entries[k][1], dtypes[k])
+                            for k in range(run.first, run.stop))
+            if len(ptrs) >= batch or r == len(run_list) - 1:
+                if not pipe.provide(ptrs):
+                    break       # cancelled: _drive reports it
+                ptrs, batch = [], _BATCH
+        for r, block in blocks.items():
+            run = run_list[r]
+            handles[run.first:run.stop] = target.views(run, block, entries, dtypes)
 
 
 def _allocate(handles, target, entry, dtype):

@@ -172,6 +172,43 @@ def test_interpreter_exit_while_a_daemon_thread_loads(own):
         assert "Fatal" not in r.stderr and "Segmentation" not in r.stderr
 
 
+def test_no_tensor_is_handed_out_once_interpreter_exit_began():
+    # A daemon thread that goes on taking tensors while the interpreter
+    # finalizes frees the previous one (a torch call that releases the GIL)
+    # and is aborted inside it: "terminate called without an active
+    # exception" (seen 1 in ~200 children of the test above).  So from the
+    # loader's exit hook on, next() parks instead of returning.  The hook
+    # registered before the import runs after the loader's.
+    code = """
+        import atexit, os, sys, threading, time
+        after = [False]
+        def late():
+            after[0] = True
+            time.sleep(0.3)            # the consumer's chance to go on
+        atexit.register(late)
+        import torch
+        from safetensors.torch import save_file
+        from instant_staging.loader import iter_load
+        p = os.path.join(os.environ["TMPDIR"], "m.safetensors")
+        save_file({f"t{i:05d}": torch.full((64,), i, dtype=torch.int32) for i in range(20000)}, p)
+        started = threading.Event()
+        def load():
+            for name, t in iter_load(p, "cpu", chunk_size=4096, threads=2):
+                if after[0]:
+                    os.write(1, b"handed out after exit\\n")
+                started.set()
+                time.sleep(0.0002)     # finished tensors pile up: next() hands out batches
+        threading.Thread(target=load, daemon=True).start()
+        started.wait(30)
+        time.sleep(0.05)
+        print("exiting", flush=True)
+    """
+    for _ in range(3):
+        r = run_child(code, timeout=120)
+        assert r.returncode == 0 and "exiting" in r.stdout, (r.returncode, r.stderr[-2000:])
+        assert "handed out after exit" not in r.stdout
+
+
 def test_ctrl_c_during_a_load_stops_it_and_frees_everything():
     code = """
         import os, signal, tempfile, threading, torch
