@@ -270,3 +270,15 @@ def test_bench_pinning_needs_a_gpu_and_says_so():
     assert r.returncode == 0 and "nothing to measure without a GPU" in r.stdout, r.stdout + r.stderr
     r = run_script(script, "--sections", "register,bogus", env=env)
     assert r.returncode == 2 and "bogus" in r.stderr
+
+
+def test_bench_start_quick(tmp_path):
+    out = tmp_path / "s.json"
+    r = run_script(os.path.join(ROOT, "benchmarks", "bench_start.py"), "--tensors", "10,3000",
+                   "--runs", "1", "--device", "cpu", "--dir", str(tmp_path), "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [(x["tensors"], x["shards"]) for x in rows] == [(10, 1), (3000, 2)]
+    assert all(x["open_s"] > 0 and x["prepare_s"] > 0 for x in rows)
+    r = run_script(os.path.join(ROOT, "benchmarks", "bench_start.py"), "--tensors", "ten")
+    assert r.returncode == 2 and "--tensors" in r.stderr

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""The host's share of a load's start, per tensor, as checkpoints grow.
+
+Modern MoE checkpoints hold 20,000-90,000 tensors; what a load does per
+tensor before its first byte is read (headers parsed, names checked, the
+plan) must not grow faster than the tensors do.  For each count N this
+writes a checkpoint of N tensors of 1 MiB in shards of 2,340 (the header
+and a sparse file: nothing is ever read, no disk is used) and times, in
+this process, median of --runs:
+
+  open      Checkpoint.open(paths): files opened, headers parsed and checked
+  prepare   ckpt.iter_load(device): the selection, the dtypes, the plan (the
+            iterator made, not iterated: nothing allocated, nothing read)
+
+No GPU is needed (the default device is cuda:0 where torch sees one, else
+cpu; the plan of a GPU load joins tensors into blocks, a CPU load's does not).
+
+    python benchmarks/bench_start.py [--tensors 4680,20000,90000] [--runs 7]
+        [--device cpu] [--dir DIR] [--json PATH]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import struct
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C
+
+from instant_staging import loader
+
+PER_SHARD = 2340
+TENSOR_SHAPE = (512, 1024)        # bf16: 1 MiB
+
+
+def sparse_checkpoint(directory, n):
+    """N 1 MiB bf16 tensors with MoE expert names in shards of PER_SHARD,
+    each file its header and a hole; returns the paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths, k, shard = [], 0, 0
+    nbytes = TENSOR_SHAPE[0] * TENSOR_SHAPE[1] * 2
+    while k < n:
+        m = min(PER_SHARD, n - k)
+        header, offset = {}, 0
+        for j in range(k, k + m):
+            name = f"model.layers.{j // 195}.mlp.experts.{j % 195 // 3}.w{j % 3}.weight"
+            header[name] = {"dtype": "BF16", "shape": list(TENSOR_SHAPE),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        path = os.path.join(directory, f"model-{shard:05d}.safetensors")
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            f.truncate(8 + len(raw) + offset)
+        paths.append(path)
+        k += m
+        shard += 1
+    return paths
+
+
+def once(paths, device):
+    t0 = time.perf_counter()
+    ck = loader.Checkpoint.open(paths)
+    t1 = time.perf_counter()
+    it = ck.iter_load(device)
+    t2 = time.perf_counter()
+    it.close()
+    ck.close()
+    return t1 - t0, t2 - t1
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tensors", default="4680,20000,90000")
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    try:
+        counts = [int(n) for n in args.tensors.split(",")]
+    except ValueError:
+        ap.error(f"--tensors takes counts, got {args.tensors!r}")
+    if not counts or min(counts) < 1 or args.runs < 1:
+        ap.error("--tensors and --runs need positive numbers")
+    torch = loader.import_torch()
+    device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    rows, records = [], []
+    with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
+        for n in counts:
+            paths = sparse_checkpoint(os.path.join(scratch, str(n)), n)
+            once(paths, device)              # warm: imports, the first torch calls
+            times = [once(paths, device) for _ in range(args.runs)]
+            opened = statistics.median(t[0] for t in times)
+            prepared = statistics.median(t[1] for t in times)
+            rows.append([n, len(paths), f"{opened * 1e3:.2f}", f"{prepared * 1e3:.2f}",
+                         f"{(opened + prepared) / n * 1e6:.2f}"])
+            records.append({"tensors": n, "shards": len(paths), "open_s": opened,
+                            "prepare_s": prepared})
+    print(f"bench_start: device {device}, median of {args.runs} runs")
+    print(C.table(["tensors", "shards", "open ms", "prepare ms", "us per tensor"], rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "runs": args.runs, "results": records}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
