@@ -40,7 +40,10 @@ stops every thread; each thread then waits for its in-flight copies before
 it exits.  In a fork child (where the reader threads do not exist)
 ``wait()`` raises instead of waiting forever, and ``close()`` neither locks
 nor joins.  At interpreter exit every running pipeline is cancelled and
-joined before the staging buffers' own atexit release runs.
+joined before the staging buffers' own atexit release runs, and a
+consumer thread inside a load (``enter_load``/``leave_load``) parks where
+it is, never to return into torch or its caller's loop while the
+interpreter finalizes.
 
 Faults (docs/design.md "Faults"): the ``read`` and ``copy`` rules of a
 ``FaultPlan`` are resolved when the plan is made, by position, not by
