@@ -59,6 +59,7 @@ extensions = [
     ext("instant_staging._staging", ["instant_staging/_staging.pyx"], libraries=["pthread"]),
     ext("instant_staging.loader._pipeline", ["instant_staging/loader/_pipeline.pyx"], libraries=["pthread"]),
     ext("instant_staging.loader._canonical", ["instant_staging/loader/_canonical.pyx"]),
+    ext("instant_staging.loader._blocks", ["instant_staging/loader/_blocks.pyx"]),
     ext("instant_staging.loader._fds", ["instant_staging/loader/_fds.pyx"]),
     ext("instant_staging.loader._pagecache", ["instant_staging/loader/_pagecache.pyx"],
         libraries=["pthread"]),

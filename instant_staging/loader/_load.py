@@ -577,7 +577,7 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
             device block and are views of it (one copy per chunk however many
             tensors it holds); a view keeps its whole block alive.  False:
             each tensor owns its memory, as on the CPU, for tensors that
-            dtype= converts, and under a process group (loader/_blocks.py).
+            dtype= converts, and under a process group (loader/_blocks.pyx).
             Default True.
         backend: "mmap" (the default) or "pread", accepted as safetensors'
             load_file accepts them; either way the bytes are read with pread

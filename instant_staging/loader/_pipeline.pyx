@@ -332,7 +332,7 @@ cdef Py_ssize_t _next_copy(Shared* sh, Chunk* ch, Py_ssize_t i, size_t* src, cha
                            size_t* nbytes) noexcept nogil:
     """Pieces i, i + 1, ... of chunk ``ch`` as one copy while each piece's
     destination follows the previous one's (the tensors of one device block,
-    ``loader/_blocks.py``: a chunk of 4 MiB holding 500 norms is one copy,
+    ``loader/_blocks.pyx``: a chunk of 4 MiB holding 500 norms is one copy,
     not 500): sets the copy's offset in the slot, its destination and its
     length; returns the piece after it.  Pieces tile their chunk in order,
     so the slot side is always contiguous.  Only a piece the plan says

@@ -17,7 +17,7 @@ rank's part of a process group's load).  Imports go one way: ``_load`` ->
 ``_distributed`` -> ``_run``.
 
 On a GPU, tensors lying back to back in a file share one device block
-and are handed out as views of it (``_blocks.py``; ``views=False``: each
+and are handed out as views of it (``_blocks.pyx``; ``views=False``: each
 its own allocation, as everywhere else), and reader threads
 (``_pipeline.pyx``, C, no GIL) read chunks of ``chunk_size`` into the
 staging buffer's slots and copy them out: to a GPU through the buffer's
@@ -480,7 +480,7 @@ class LoadIterator:
 
 class _Start:
     """What ``iter_load`` prepared for a load of its own: the plan, its runs
-    (``_blocks.py``) and the staging buffer being made (or None)."""
+    (``_blocks.pyx``) and the staging buffer being made (or None)."""
 
     __slots__ = ("plan", "runs", "staging")
 
@@ -583,7 +583,7 @@ def _load(state, *, staging, chunk_size, io_depth, threads, verify, progress, fa
 
 class _Solo:
     """A load of one process: it reads every byte it wants, into device
-    blocks shared by tensors lying back to back (``_blocks.py``) or tensors
+    blocks shared by tensors lying back to back (``_blocks.pyx``) or tensors
     of their own, given to the readers while they already read, and hands
     each tensor out as soon as it is finished."""
 

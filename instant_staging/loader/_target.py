@@ -114,7 +114,7 @@ class _TorchTarget:
 
     def joins(self, dtype, views):
         """Whether a tensor of ``dtype`` may be a view into a block
-        (``_blocks.py``, where a tensor without bytes never is one): views
+        (``_blocks.pyx``, where a tensor without bytes never is one): views
         asked for, a GPU target, and no conversion after loading."""
         return (views and self.device.type != "cpu"
                 and not (self.dtype is not None and dtype.is_floating_point and dtype != self.dtype))

@@ -1,4 +1,4 @@
-"""Views into device blocks (loader/_blocks.py) and the staging buffer made
+"""Views into device blocks (loader/_blocks.pyx) and the staging buffer made
 beside the load's start (loader/_run.py's _StagingStart).
 
 The device path runs on the simulated runtime through test_loader's
@@ -178,6 +178,57 @@ def test_offsets_that_forbid_views_start_new_blocks(tmp_path, sim_pool):
         assert all((t.begin - r.begin) % _blocks.ALIGN == 0 for t in entries[r.first:r.stop])
     entries = start_entries(path)
     assert [entries[r.first][1].name for r in start.runs if not r.block] == ["f.empty"]
+
+
+def _runs_as_python(entries, joins):
+    # The rule as it was written in Python before it moved to C
+    # (loader/_blocks.pyx): the reference the C loop is held to.
+    out, run = [], None
+
+    def close(stop):
+        first, _, begin, end = run
+        out.append(_blocks.Run(first, stop, begin, end - begin, True))
+
+    for k, (i, t) in enumerate(entries):
+        view = joins[k] and t.end > t.begin
+        if run is not None and not (view and i == run[1] and t.begin == run[3]
+                                    and (t.begin - run[2]) % _blocks.ALIGN == 0):
+            close(k)
+            run = None
+        if not view:
+            out.append(_blocks.Run(k, k + 1, t.begin, t.end - t.begin, False))
+        elif run is None:
+            run = [k, i, t.begin, t.end]
+        else:
+            run[3] = t.end
+    if run is not None:
+        close(len(entries))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(hs.lists(hs.tuples(hs.integers(0, 2), hs.sampled_from([0, 1, 2, 8, 16, 24, 48, 4096]),
+                          hs.integers(0, 40), hs.booleans()), max_size=40))
+def test_runs_in_c_follow_the_rule_as_written(layout):
+    # Files in order, each tensor after a gap (0: back to back) of nbytes,
+    # viewable or not by its dtype: blocks break at a file, a gap, a
+    # misaligned offset, an empty or unviewable tensor, as the rule says.
+    entries, joins, pos, last = [], [], 0, None
+    for k, (file_step, nbytes, gap, view) in enumerate(layout):
+        file = (last or 0) + (file_step > 1)
+        if file != last:
+            pos = 8
+        pos += gap
+        entries.append((file, TensorEntry(f"t{k}", "U8", (nbytes,), pos, pos + nbytes)))
+        joins.append(view)
+        pos += nbytes
+        last = file
+    got = _blocks.runs(entries, joins)
+    assert got == _runs_as_python(entries, joins)
+    assert all(type(r) is _blocks.Run and type(r.block) is bool for r in got)
+    assert _blocks.joined(got) == [k > r.first for r in got for k in range(r.first, r.stop)]
+    with pytest.raises(ValueError, match="joins for"):
+        _blocks.runs(entries, joins + [True])
 
 
 def start_entries(path):

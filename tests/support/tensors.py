@@ -108,7 +108,7 @@ class SimTarget:
     def before_copies(self):
         pass
 
-    # Views (loader/_blocks.py): a handle is (block, entry, dtype, offset).
+    # Views (loader/_blocks.pyx): a handle is (block, entry, dtype, offset).
 
     def joins(self, dtype, views):
         return views                        # (no dtype= on this target)

@@ -1,3 +1,4 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
 """Tensors as views into one device block per run of tensors that lie back
 to back in a file.
 
@@ -27,8 +28,12 @@ of one tensor writes its block); ``tensor.clone()`` detaches one, and
 
 from typing import NamedTuple
 
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.tuple cimport PyTuple_GET_ITEM
+
 # Bytes a view's offset in its block is a multiple of.
 ALIGN = 16
+cdef long long _ALIGN = ALIGN
 
 
 class Run(NamedTuple):
@@ -43,36 +48,44 @@ class Run(NamedTuple):
     block: bool
 
 
-def runs(entries, joins):
+def runs(list entries, list joins):
     """The runs of ``entries`` (``[(file_index, TensorEntry), ...]`` in
     reading order); ``joins[k]``: whether tensor k may be a view by its
     dtype (the target's rule: not converted); a tensor without bytes never
-    is one."""
+    is one.  (In C: a loop in Python was a noticeable part of the start of a
+    load of tens of thousands of tensors; docs/design.md, "Measured: the
+    start per tensor".)"""
+    cdef Py_ssize_t n = PyList_GET_SIZE(entries), k, first = 0
+    cdef long long begin = 0, end = 0, b, e
+    cdef object file = None, i
+    cdef tuple pair, t
+    cdef bint view, open_ = False
+    if len(joins) != n:
+        raise ValueError(f"{len(joins)} joins for {n} entries")
     out = []
-    run = None              # the open block run: [first, file index, begin, end]
-
-    def close(stop):
-        first, _, begin, end = run
-        out.append(Run(first, stop, begin, end - begin, True))
-
-    for k, (i, t) in enumerate(entries):
-        view = joins[k] and t.end > t.begin
-        if run is not None and not (view and i == run[1] and t.begin == run[3]
-                                    and (t.begin - run[2]) % ALIGN == 0):
-            close(k)
-            run = None
+    new = tuple.__new__
+    for k in range(n):
+        pair = <tuple>PyList_GET_ITEM(entries, k)
+        i = <object>PyTuple_GET_ITEM(pair, 0)
+        t = <tuple>PyTuple_GET_ITEM(pair, 1)
+        b = <object>PyTuple_GET_ITEM(t, 3)
+        e = <object>PyTuple_GET_ITEM(t, 4)
+        view = bool(<object>PyList_GET_ITEM(joins, k)) and e > b
+        if open_ and not (view and i == file and b == end and (b - begin) % _ALIGN == 0):
+            out.append(new(Run, (first, k, begin, end - begin, True)))
+            open_ = False
         if not view:
-            out.append(Run(k, k + 1, t.begin, t.end - t.begin, False))
-        elif run is None:
-            run = [k, i, t.begin, t.end]
+            out.append(new(Run, (k, k + 1, b, e - b, False)))
+        elif not open_:
+            first, file, begin, end, open_ = k, i, b, e, True
         else:
-            run[3] = t.end
-    if run is not None:
-        close(len(entries))
+            end = e
+    if open_:
+        out.append(new(Run, (first, n, begin, end - begin, True)))
     return out
 
 
-def joined(run_list):
+def joined(list run_list):
     """``Plan(joins=)``: whether each tensor's copy continues the one before
     it, which it does only inside one block."""
     out = []
@@ -83,7 +96,7 @@ def joined(run_list):
     return out
 
 
-def packed(run_list):
+def packed(list run_list):
     """Whether every tensor with bytes is a view (the plan may then cut
     chunks without regard to tensor boundaries: ``Plan(packed=True)``)."""
     return all(r.block or not r.nbytes for r in run_list)
