@@ -503,7 +503,8 @@ def _plan(checkpoint, target, dtypes, chunk_size, faults, views):
     # setup; docs/design.md, "Measured: the view rule per dtype")
     viewable = {d: target.joins(d, views) for d in set(dtypes)}
     run_list = _blocks.runs(entries, [viewable[d] for d in dtypes])
-    plan = Plan([(checkpoint.fds[i], t.begin, t.end) for i, t in entries], chunk_size,
+    fds = checkpoint.fds
+    plan = Plan([(fds[i], t.begin, t.end) for i, t in entries], chunk_size,
                 faults=faults, packed=_blocks.packed(run_list), joins=_blocks.joined(run_list))
     return _Start(plan, run_list)
 
