@@ -42,6 +42,9 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdlib cimport free, qsort, realloc
 from libc.string cimport memcmp
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void* op)
+
 cdef struct Cursor:
     const unsigned char* s
     Py_ssize_t pos
@@ -372,6 +375,7 @@ cdef tuple _shape(const Table* t, const Row* r):
         dim = PyLong_FromUnsignedLongLong(t.dims[r.dims + j])
         Py_INCREF(dim)          # (SET_ITEM steals a reference)
         PyTuple_SET_ITEM(shape, j, dim)
+    PyObject_GC_UnTrack(<void*>shape)     # integers only: in no cycle
     return shape
 
 
@@ -415,6 +419,12 @@ def table(bytes raw, dict dtypes, dict bits, type entry):
         return None
     names_of = rows.dtype_names
     dtype_bits = [bits.get(name) for name in names_of]
+    # An entry holds strings and integers only (its shape a tuple of them):
+    # it can be in no cycle, so the collector need never walk it, and every
+    # collection while a checkpoint is open walked each of its entries
+    # (docs/design.md, "Measured: the start per tensor").  (Unless the
+    # entry type has a __dict__, where anything could be put.)
+    cdef bint untrack = entry.__dictoffset__ == 0
     for i in range(rows.t.n):
         r = &rows.t.rows[i]
         size = dtype_bits[r.dtype]
@@ -431,6 +441,9 @@ def table(bytes raw, dict dtypes, dict bits, type entry):
         if name is None:
             return None
         names.add(name)
-        out.append(tuple.__new__(entry, (name, names_of[r.dtype], _shape(&rows.t, r),
-                                         r.begin + data_start, r.end + data_start)))
+        made = tuple.__new__(entry, (name, names_of[r.dtype], _shape(&rows.t, r),
+                                     r.begin + data_start, r.end + data_start))
+        if untrack:
+            PyObject_GC_UnTrack(<void*>made)
+        out.append(made)
     return (rows.metadata, out, start) if _unique(names, rows.t.n) else None
