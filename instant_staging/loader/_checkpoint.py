@@ -47,9 +47,10 @@ class _Checkpoint:
         """Opens ``paths`` and parses their headers; returns self.  On any
         exception (a Ctrl-C too) what it opened is closed."""
         try:
-            # (the entries' tuples too: made with the collector running, the
-            # 90,000 of a large MoE checkpoint cost 30 times what they do
-            # without it, each collection walking every entry made before)
+            # (the entries' tuples too: made with the collector running,
+            # each collection walked every entry made before, and a large
+            # MoE checkpoint's open took twice as long: docs/design.md,
+            # "Measured: the collector during a parse")
             with _gc.paused():
                 self._open_all([os.fspath(path) for path in paths])
                 self.entries = [(i, t) for i, h in enumerate(self.headers) for t in h.tensors]
