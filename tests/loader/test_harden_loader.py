@@ -209,6 +209,41 @@ def test_no_tensor_is_handed_out_once_interpreter_exit_began():
         assert "handed out after exit" not in r.stdout
 
 
+def test_a_fork_child_exits_without_waiting_for_the_parents_consumer():
+    # The exit hook waits for threads inside a load to park; a fork child
+    # has only the thread that forked, so a parent's consumer inside next()
+    # (here held in its progress callback) is not waited for there.  The
+    # wait is made 30 s: a child that took it would show.
+    code = """
+        import os, threading, time, torch
+        from safetensors.torch import save_file
+        from instant_staging.loader import _pipeline, iter_load
+        _pipeline._PARK_WAIT = 30.0
+        p = os.path.join(os.environ["TMPDIR"], "m.safetensors")
+        save_file({f"t{i:04d}": torch.full((64,), i, dtype=torch.int32) for i in range(2000)}, p)
+        inside, release = threading.Event(), threading.Event()
+        def progress(done, total):
+            inside.set()
+            release.wait()
+        def load():
+            for _ in iter_load(p, "cpu", chunk_size=4096, threads=2, progress=progress):
+                pass
+        threading.Thread(target=load, daemon=True).start()
+        assert inside.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            raise SystemExit(0)        # the child's exit runs the exit hooks
+        t0 = time.monotonic()
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status), round(time.monotonic() - t0, 1), flush=True)
+        release.set()
+    """
+    r = run_child(code, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    _, code_, seconds = r.stdout.split()
+    assert code_ == "0" and float(seconds) < 10, r.stdout
+
+
 def test_ctrl_c_during_a_load_stops_it_and_frees_everything():
     code = """
         import os, signal, tempfile, threading, torch
