@@ -229,11 +229,8 @@ class _StampedPipeline:
     def provide(self, ptrs):
         ok = self._pipe.provide(ptrs)
         self._stamps.mark("first addresses given", first=True)
+        self._stamps.mark("last address given")     # (each batch's: the last one stays)
         return ok
-
-    def done_providing(self):
-        self._stamps.mark("last address given")
-        return self._pipe.done_providing()
 
     def wait(self, timeout):
         finished, _, exited, _ = result = self._pipe.wait(timeout)

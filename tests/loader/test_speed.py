@@ -250,7 +250,8 @@ def test_profile_timeline_and_first_quick(tmp_path):
                    env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     (rec,) = json.loads(out.read_text())["results"]
-    steps = ("headers parsed", "planned", "readers started", "readers exited", "returned")
+    steps = ("headers parsed", "planned", "readers started", "last address given", "readers exited",
+             "returned")
     assert [rec[s] for s in steps] == sorted(rec[s] for s in steps)     # stamped in order
     r = run_script(os.path.join(ROOT, "benchmarks", "profile_load.py"), "--quick", "--dir", str(tmp_path),
                    "--layouts", "moe", "--sections", "first", "--first-cold", "--json", str(out), env=env)
