@@ -130,6 +130,9 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+MADV_WILLNEED = 3
+MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 
@@ -142,9 +145,29 @@ def map_anonymous(size):
     return ptr
 
 
+def map_file(fd, size):
+    """The first ``size`` bytes of ``fd``, mapped shared and read-only, its
+    cached pages mapped now (MADV_WILLNEED); returns the address."""
+    ptr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if ptr is None or ptr == ctypes.c_void_p(-1).value:
+        raise OSError(ctypes.get_errno(), "mmap")
+    advise(ptr, size, MADV_WILLNEED)
+    return ptr
+
+
 def unmap(ptr, size):
     if _libc.munmap(ptr, size) != 0:
         raise OSError(ctypes.get_errno(), "munmap")
+
+
+def advise(ptr, size, advice):
+    """madvise(2); 0 or -1 (advice only: a refusal is not an error here)."""
+    return _libc.madvise(ptr, size, advice)
+
+
+def same_bytes(a, b, size):
+    """Whether ``size`` bytes at addresses ``a`` and ``b`` are equal."""
+    return _libc.memcmp(a, b, size) == 0
 
 
 def populate_write(ptr, size, threads):

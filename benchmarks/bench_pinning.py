@@ -29,8 +29,6 @@ to pin).
 """
 
 import argparse
-import ctypes
-import mmap
 import os
 import sys
 import threading
@@ -42,14 +40,6 @@ import _common as C
 SECTIONS = ("register", "file", "mapped", "pageable", "ceiling")
 REGISTER_READ_ONLY = 0x08     # cudaHostRegisterReadOnly (CUDA 11.1+)
 H2D, D2H = 1, 2
-MADV_HUGEPAGE = 14
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def check(rt, code, call):
@@ -105,7 +95,7 @@ def unregister_parts(rt, ranges):
 def anonymous(size, huge=True):
     ptr = C.map_anonymous(size)
     if huge:
-        _libc.madvise(ptr, size, MADV_HUGEPAGE)
+        C.advise(ptr, size, C.MADV_HUGEPAGE)
     C.populate_write(ptr, size, 8)
     return ptr
 
@@ -147,21 +137,13 @@ def hot_file(path, size):
     return fd
 
 
-def map_file(fd, size):
-    ptr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if ptr is None or ptr == ctypes.c_void_p(-1).value:
-        raise OSError(ctypes.get_errno(), "mmap")
-    _libc.madvise(ptr, size, 3)     # MADV_WILLNEED: map the cached pages now
-    return ptr
-
-
 def device_equals(rt, dev, src, size, stream):
     """Whether the device's ``size`` bytes at ``dev`` are the host's at ``src``."""
     back = C.map_anonymous(size)
     try:
         check(rt, rt.memcpy_async(back, dev, size, D2H, stream), "memcpy_async D2H")
         check(rt, rt.stream_synchronize(stream), "stream_synchronize")
-        return _libc.memcmp(back, src, size) == 0
+        return C.same_bytes(back, src, size)
     finally:
         C.unmap(back, size)
 
@@ -175,7 +157,7 @@ def copy_and_check(rt, dev, src, size, stream):
 
 
 def section_file(rt, fd, size, threads, runs, dev, stream):
-    ptr = map_file(fd, size)
+    ptr = C.map_file(fd, size)
     rows = []
     try:
         for flags, label in ((0, "default"), (REGISTER_READ_ONLY, "read-only")):
@@ -260,7 +242,7 @@ def mapped_load(rt, ptr, size, dev, threads, window, flags):
 
 
 def section_mapped(rt, fd, size, threads, windows, runs, dev, stream):
-    ptr = map_file(fd, size)
+    ptr = C.map_file(fd, size)
     rows = []
     try:
         for window in windows:
@@ -282,7 +264,7 @@ def section_mapped(rt, fd, size, threads, windows, runs, dev, stream):
 
 
 def section_pageable(rt, fd, size, threads, runs, dev):
-    ptr = map_file(fd, size)
+    ptr = C.map_file(fd, size)
     rows = []
     try:
         for n in threads:
