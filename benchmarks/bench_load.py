@@ -230,6 +230,21 @@ def _entry(tensor):
     return tensor if len(tensor) == 3 else (*tensor, "BF16")
 
 
+def encode_header(tensors):
+    """``(head, data_bytes)`` of a file of ``tensors`` (entries as
+    ``generate`` takes them, back to back in that order): its header as
+    safetensors writes it, the 8-byte length first, and the size of its data
+    section."""
+    header, offset = {}, 0
+    for name, shape, dtype in map(_entry, tensors):
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [offset, offset + _nbytes(shape, dtype)]}
+        offset += _nbytes(shape, dtype)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offset
+
+
 def generate(directory, files, pool_bytes=64 * C.MiB):
     """Writes each file of ``files`` (random bytes; entries (name, shape) are
     bf16, (name, shape, dtype) that dtype) unless it is there
@@ -239,22 +254,14 @@ def generate(directory, files, pool_bytes=64 * C.MiB):
     for fname, tensors in files:
         path = os.path.join(directory, fname)
         paths.append(path)
-        header, offset = {}, 0
-        for name, shape, dtype in map(_entry, tensors):
-            header[name] = {"dtype": dtype, "shape": shape,
-                            "data_offsets": [offset, offset + _nbytes(shape, dtype)]}
-            offset += _nbytes(shape, dtype)
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        size = 8 + len(raw) + offset
-        if os.path.exists(path) and os.path.getsize(path) == size:
+        head, offset = encode_header(tensors)
+        if os.path.exists(path) and os.path.getsize(path) == len(head) + offset:
             continue
         if pool is None:
             pool = memoryview(os.urandom(pool_bytes) * 2)   # cyclic reads without wrapping
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
+            f.write(head)
             for k, (_, shape, dtype) in enumerate(map(_entry, tensors)):
                 left, start = _nbytes(shape, dtype), (k * 1000003 * 2) % pool_bytes
                 while left:

@@ -23,13 +23,13 @@ import argparse
 import json
 import os
 import statistics
-import struct
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C
+import bench_load as B
 
 from instant_staging import loader
 
@@ -41,26 +41,16 @@ def sparse_checkpoint(directory, n):
     """N 1 MiB bf16 tensors with MoE expert names in shards of PER_SHARD,
     each file its header and a hole; returns the paths."""
     os.makedirs(directory, exist_ok=True)
-    paths, k, shard = [], 0, 0
-    nbytes = TENSOR_SHAPE[0] * TENSOR_SHAPE[1] * 2
-    while k < n:
-        m = min(PER_SHARD, n - k)
-        header, offset = {}, 0
-        for j in range(k, k + m):
-            name = f"model.layers.{j // 195}.mlp.experts.{j % 195 // 3}.w{j % 3}.weight"
-            header[name] = {"dtype": "BF16", "shape": list(TENSOR_SHAPE),
-                            "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
+    paths = []
+    for shard, k in enumerate(range(0, n, PER_SHARD)):
+        tensors = [(f"model.layers.{j // 195}.mlp.experts.{j % 195 // 3}.w{j % 3}.weight",
+                    list(TENSOR_SHAPE)) for j in range(k, min(k + PER_SHARD, n))]
+        head, data_bytes = B.encode_header(tensors)
         path = os.path.join(directory, f"model-{shard:05d}.safetensors")
         with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            f.truncate(8 + len(raw) + offset)
+            f.write(head)
+            f.truncate(len(head) + data_bytes)
         paths.append(path)
-        k += m
-        shard += 1
     return paths
 
 
