@@ -176,7 +176,7 @@ def test_no_tensor_is_handed_out_once_interpreter_exit_began():
     # A daemon thread that goes on taking tensors while the interpreter
     # finalizes frees the previous one (a torch call that releases the GIL)
     # and is aborted inside it: "terminate called without an active
-    # exception" (seen 1 in ~200 children of the test above).  So from the
+    # exception" (seen 2 in ~1,000 children of the test above).  So from the
     # loader's exit hook on, next() parks instead of returning.  The hook
     # registered before the import runs after the loader's.
     code = """
