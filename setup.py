@@ -60,6 +60,7 @@ extensions = [
     ext("instant_staging.loader._pipeline", ["instant_staging/loader/_pipeline.pyx"], libraries=["pthread"]),
     ext("instant_staging.loader._canonical", ["instant_staging/loader/_canonical.pyx"]),
     ext("instant_staging.loader._blocks", ["instant_staging/loader/_blocks.pyx"]),
+    ext("instant_staging.loader._entries", ["instant_staging/loader/_entries.pyx"]),
     ext("instant_staging.loader._fds", ["instant_staging/loader/_fds.pyx"]),
     ext("instant_staging.loader._pagecache", ["instant_staging/loader/_pagecache.pyx"],
         libraries=["pthread"]),
@@ -147,7 +148,7 @@ setup(
     ext_modules=extensions,
     cmdclass={"build_ext": build_ext},
     package_data={"instant_staging": ["*.pxd", "*.pyx", "*.pxi", "*.pyi", "py.typed"],
-                  "instant_staging.loader": ["*.pyx", "*.pyi"],
+                  "instant_staging.loader": ["*.pxd", "*.pyx", "*.pyi"],
                   "instant_staging.runtime": ["*.pxd", "*.pyx", "*.pxi", "*.pyi"]},
     exclude_package_data={"": ["*.c", "*.so", "*.html"]},
 )

@@ -29,7 +29,10 @@ of one tensor writes its block); ``tensor.clone()`` detaches one, and
 from typing import NamedTuple
 
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.object cimport PyObject_IsTrue
 from cpython.tuple cimport PyTuple_GET_ITEM
+
+from ._tuples cimport record
 
 # Bytes a view's offset in its block is a multiple of.
 ALIGN = 16
@@ -63,25 +66,24 @@ def runs(list entries, list joins):
     if len(joins) != n:
         raise ValueError(f"{len(joins)} joins for {n} entries")
     out = []
-    new = tuple.__new__
     for k in range(n):
         pair = <tuple>PyList_GET_ITEM(entries, k)
         i = <object>PyTuple_GET_ITEM(pair, 0)
         t = <tuple>PyTuple_GET_ITEM(pair, 1)
         b = <object>PyTuple_GET_ITEM(t, 3)
         e = <object>PyTuple_GET_ITEM(t, 4)
-        view = bool(<object>PyList_GET_ITEM(joins, k)) and e > b
+        view = PyObject_IsTrue(<object>PyList_GET_ITEM(joins, k)) and e > b
         if open_ and not (view and i == file and b == end and (b - begin) % _ALIGN == 0):
-            out.append(new(Run, (first, k, begin, end - begin, True)))
+            out.append(record(Run, first, k, begin, end - begin, True))
             open_ = False
         if not view:
-            out.append(new(Run, (k, k + 1, b, e - b, False)))
+            out.append(record(Run, k, k + 1, b, e - b, False))
         elif not open_:
             first, file, begin, end, open_ = k, i, b, e, True
         else:
             end = e
     if open_:
-        out.append(new(Run, (first, n, begin, end - begin, True)))
+        out.append(record(Run, first, n, begin, end - begin, True))
     return out
 
 

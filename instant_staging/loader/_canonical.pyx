@@ -42,8 +42,7 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdlib cimport free, qsort, realloc
 from libc.string cimport memcmp
 
-cdef extern from "Python.h":
-    void PyObject_GC_UnTrack(void* op)
+from ._tuples cimport record, untracked
 
 cdef struct Cursor:
     const unsigned char* s
@@ -375,8 +374,25 @@ cdef tuple _shape(const Table* t, const Row* r):
         dim = PyLong_FromUnsignedLongLong(t.dims[r.dims + j])
         Py_INCREF(dim)          # (SET_ITEM steals a reference)
         PyTuple_SET_ITEM(shape, j, dim)
-    PyObject_GC_UnTrack(<void*>shape)     # integers only: in no cycle
-    return shape
+    return untracked(shape)     # integers only: in no cycle
+
+
+cdef enum:
+    _SHAPES = 4      # shapes kept for reuse in table()
+
+
+cdef bint _in_order(const Table* t) noexcept:
+    # safetensors writes the entries in their data's order: no sort needed.
+    cdef Py_ssize_t i
+    for i in range(1, t.n):
+        if _by_offsets(&t.rows[i - 1], &t.rows[i]) > 0:
+            return False
+    return True
+
+
+cdef inline bint _same_dims(const Table* t, const Row* a, const Row* b) noexcept:
+    return a.ndim == b.ndim and memcmp(&t.dims[a.dims], &t.dims[b.dims],
+                                       b.ndim * sizeof(unsigned long long)) == 0
 
 
 cdef bint _unique(set names, Py_ssize_t n):
@@ -408,9 +424,10 @@ def read(bytes raw, dict dtypes):
 def table(bytes raw, dict dtypes, dict bits, type entry):
     """``read`` and ``checked`` in one pass: ``(metadata, entries, end)``
     for a canonical header ``raw`` whose entries pass every rule of
-    ``checked`` (``entries`` sorted by offsets, made as ``entry`` with
-    absolute offsets: the data section starts at ``8 + len(raw)``), else
-    None.  ``dtypes`` and ``bits`` are ``read``'s and ``checked``'s."""
+    ``checked`` (``entries`` sorted by offsets, made as ``entry``, a
+    NamedTuple of five fields without a ``__dict__``, with absolute
+    offsets: the data section starts at ``8 + len(raw)``), else None.
+    ``dtypes`` and ``bits`` are ``read``'s and ``checked``'s."""
     cdef _Rows rows = _Rows(raw, dtypes)
     cdef Py_ssize_t i
     cdef const Row* r
@@ -419,19 +436,22 @@ def table(bytes raw, dict dtypes, dict bits, type entry):
         return None
     names_of = rows.dtype_names
     dtype_bits = [bits.get(name) for name in names_of]
-    # An entry holds strings and integers only (its shape a tuple of them):
-    # it can be in no cycle, so the collector need never walk it, and every
-    # collection while a checkpoint is open walked each of its entries
-    # (docs/design.md, "Measured: the start per tensor").  (Unless the
-    # entry type has a __dict__, where anything could be put.)
-    cdef bint untrack = entry.__dictoffset__ == 0
+    if not (issubclass(entry, tuple) and len(getattr(entry, "_fields", ())) == 5
+            and not entry.__dictoffset__):
+        raise TypeError(f"{entry.__name__} is not a NamedTuple of five fields without a __dict__")
     for i in range(rows.t.n):
         r = &rows.t.rows[i]
         size = dtype_bits[r.dtype]
         if size is None or not _rules(r, rows.t.dims, size, names_of[r.dtype] == "F4"):
             return None
-    qsort(rows.t.rows, rows.t.n, sizeof(Row), _by_offsets)
+    if not _in_order(&rows.t):
+        qsort(rows.t.rows, rows.t.n, sizeof(Row), _by_offsets)
     out, names = [], set()
+    # The shapes made last, reused: a checkpoint's tensors repeat a few
+    # shapes (an expert's projections, layer after layer).
+    cdef const Row* made_for[_SHAPES]
+    shapes = [None] * _SHAPES
+    cdef Py_ssize_t k, next_shape = 0
     for i in range(rows.t.n):
         r = &rows.t.rows[i]
         if r.begin != start:
@@ -441,9 +461,18 @@ def table(bytes raw, dict dtypes, dict bits, type entry):
         if name is None:
             return None
         names.add(name)
-        made = tuple.__new__(entry, (name, names_of[r.dtype], _shape(&rows.t, r),
-                                     r.begin + data_start, r.end + data_start))
-        if untrack:
-            PyObject_GC_UnTrack(<void*>made)
-        out.append(made)
+        for k in range(_SHAPES):
+            if k < next_shape and _same_dims(&rows.t, made_for[k], r):
+                shape = shapes[k]
+                break
+        else:
+            shape = _shape(&rows.t, r)
+            k = next_shape % _SHAPES
+            shapes[k], made_for[k] = shape, r
+            next_shape += 1
+        # (untracked, as _tuples.pxd says: every collection while a
+        # checkpoint was open walked each of its entries)
+        out.append(record(entry, name, names_of[r.dtype], shape,
+                          PyLong_FromUnsignedLongLong(r.begin + data_start),
+                          PyLong_FromUnsignedLongLong(r.end + data_start)))
     return (rows.metadata, out, start) if _unique(names, rows.t.n) else None

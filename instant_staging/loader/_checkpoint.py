@@ -54,8 +54,8 @@ class _Checkpoint:
             with _gc.paused():
                 self._open_all([os.fspath(path) for path in paths])
                 self.entries = [(i, t) for i, h in enumerate(self.headers) for t in h.tensors]
-            if len(self.headers) > 1:       # (one header's names are its own keys: unique)
-                self._check_duplicates()
+                if len(self.headers) > 1:   # (one header's names are its own keys: unique)
+                    self._check_duplicates()
             # (the tensors of a header cover its data section exactly)
             self.total_bytes = sum(h.file_size - h.data_start for h in self.headers)
         except BaseException:

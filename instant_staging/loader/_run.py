@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 # docs/design.md, "Measured: a server's first load")
 from .. import faults as _faults  # noqa: F401
 from ..defaults import CHUNK_SIZE, io_depth_for, reader_threads
-from . import _blocks, _gc, _pipeline, _staging_pool
+from . import _blocks, _entries, _gc, _pipeline, _staging_pool
 from ._errors import LoadError, VerifyError
 
 if TYPE_CHECKING:
@@ -360,7 +360,7 @@ class LoadIterator:
         self._generator = self._generate(self._state, staging=staging, chunk_size=chunk_size,
                                          io_depth=io_depth, threads=threads, verify=verify,
                                          progress=progress, faults=faults)
-        self.names = [t.name for _, t in checkpoint.entries]
+        self.names = _entries.names(checkpoint.entries)
         self.total_bytes = checkpoint.total_bytes
 
     def _generate(self, state, **options):
@@ -503,8 +503,7 @@ def _plan(checkpoint, target, dtypes, chunk_size, faults, views):
     # setup; docs/design.md, "Measured: the view rule per dtype")
     viewable = {d: target.joins(d, views) for d in set(dtypes)}
     run_list = _blocks.runs(entries, [viewable[d] for d in dtypes])
-    fds = checkpoint.fds
-    plan = Plan([(fds[i], t.begin, t.end) for i, t in entries], chunk_size,
+    plan = Plan(_entries.ranges(entries, checkpoint.fds), chunk_size,
                 faults=faults, packed=_blocks.packed(run_list), joins=_blocks.joined(run_list))
     return _Start(plan, run_list)
 

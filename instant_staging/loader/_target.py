@@ -7,6 +7,7 @@ works without it.
 import logging
 import os
 
+from . import _entries
 from ._header import TORCH_DTYPES, SafetensorsError, torch_shape
 from ._options import converts
 
@@ -65,11 +66,10 @@ class _TorchTarget:
         tensor without bytes, whose shape torch must take): asked per
         tensor, the calls were a noticeable part of a fine-grained MoE
         load's preparation (docs/design.md, "Measured: the header table")."""
-        known, out = self._checked, []
-        for i, entry in entries:
-            dtype = known.get(entry.dtype) if entry.end != entry.begin else None
-            out.append(dtype if dtype is not None else self.check(entry, paths[i]))
-        return out
+        def miss(k):
+            i, entry = entries[k]
+            return self.check(entry, paths[i])
+        return _entries.dtypes(entries, self._checked, miss)
 
     def _check(self, entry, path):
         dtype = getattr(self.torch, TORCH_DTYPES[entry.dtype], None)

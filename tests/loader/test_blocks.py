@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
 import instant_staging as ist
-from instant_staging.loader import _blocks, _checkpoint, _run, _staging_pool, empty_cache
+from instant_staging.loader import _blocks, _checkpoint, _entries, _run, _staging_pool, empty_cache
 from instant_staging.loader._header import TensorEntry
 from instant_staging.loader._target import _TorchTarget
 from instant_staging.testing import FaultPlan, SimulatedRuntime
@@ -226,9 +226,45 @@ def test_runs_in_c_follow_the_rule_as_written(layout):
     got = _blocks.runs(entries, joins)
     assert got == _runs_as_python(entries, joins)
     assert all(type(r) is _blocks.Run and type(r.block) is bool for r in got)
+    assert not any(gc.is_tracked(r) for r in got)      # (loader/_tuples.pxd)
     assert _blocks.joined(got) == [k > r.first for r in got for k in range(r.first, r.stop)]
     with pytest.raises(ValueError, match="joins for"):
         _blocks.runs(entries, joins + [True])
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.lists(hs.tuples(hs.integers(0, 3), hs.sampled_from(["BF16", "F32", "U8", "I64"]),
+                          hs.sampled_from([0, 1, 8, 4096])), max_size=30),
+       hs.sets(hs.sampled_from(["BF16", "F32", "U8", "I64"])))
+def test_entry_columns_in_c_equal_the_python_loops(layout, known_dtypes):
+    # _entries.pyx: the columns a load takes of its entries, as the loops
+    # it replaced wrote them; miss() asked for every tensor without bytes
+    # and once for each dtype not yet known (it adds it, as check() does).
+    entries, pos = [], 8
+    for k, (file, dtype, nbytes) in enumerate(layout):
+        entries.append((file, TensorEntry(f"t{k}", dtype, (nbytes,), pos, pos + nbytes)))
+        pos += nbytes
+    fds = [100, 101, 102, 103]
+    assert _entries.names(entries) == [t.name for _, t in entries]
+    ranges = _entries.ranges(entries, fds)
+    assert ranges == [(fds[i], t.begin, t.end) for i, t in entries]
+    assert not any(gc.is_tracked(r) for r in ranges)
+    known = {d: f"torch.{d}" for d in known_dtypes}
+    asked = []
+
+    def miss(k):
+        asked.append(k)
+        dtype = entries[k][1].dtype
+        known[dtype] = f"torch.{dtype}"
+        return known[dtype]
+
+    expected_asks, seen = [], set(known_dtypes)
+    for k, (_, t) in enumerate(entries):
+        if t.end == t.begin or t.dtype not in seen:
+            expected_asks.append(k)
+            seen.add(t.dtype)
+    assert _entries.dtypes(entries, known, miss) == [f"torch.{t.dtype}" for _, t in entries]
+    assert asked == expected_asks
 
 
 def start_entries(path):

@@ -9,6 +9,7 @@ files and their mutations.  Every rejection must be a SafetensorsError,
 whatever the path type.
 """
 
+import collections
 import gc
 import json
 import os
@@ -465,6 +466,32 @@ def test_table_reading_equals_read_then_checked(spec, metadata, shuffle, values,
     assert fast == two, text
     if fast is not None:
         assert all(type(t) is H.TensorEntry for t in fast[1])
+
+
+def test_table_reuses_the_shapes_it_made_and_takes_only_five_field_named_tuples():
+    # The table keeps the last few shapes it made (loader/_canonical.pyx):
+    # six shapes in turn, more than it keeps, in and out of order, give
+    # the two readings' entries, equal tuples, and shapes shared only
+    # between equal ones.
+    from instant_staging.loader import _canonical
+    from instant_staging.loader import _header as H
+    shapes = [[2, 3], [3, 2], [6], [1, 6], [6, 1], [1, 2, 3]]
+    entries, pos = [], 0
+    for k in range(40):
+        entries.append([f"t{k:02d}", "F32", shapes[k % 5 if k < 20 else k % 6], pos, pos + 24])
+        pos += 24
+    for order in (list(range(40)), list(reversed(range(40)))):
+        raw = encode(entries, pad=False, compact=True, order=order)
+        fast, two = _table_and_two_passes(raw)
+        assert fast is not None and fast == two
+        got = {t.name: t.shape for t in fast[1]}
+        assert got == {name: tuple(shape) for name, _, shape, _, _ in entries}
+        made = {id(shape): shape for shape in got.values()}
+        assert len({shape for shape in made.values()}) == 6 <= len(made)
+    for kind in (tuple, collections.namedtuple("Three", "a b c"),
+                 type("WithDict", (H.TensorEntry,), {})):
+        with pytest.raises(TypeError, match="five fields"):
+            _canonical.table(raw, H._DTYPE_BYTES, H.DTYPE_BITS, kind)
 
 
 @pytest.mark.parametrize("text", [
