@@ -11,6 +11,10 @@ this process, median of --runs:
   open      Checkpoint.open(paths): files opened, headers parsed and checked
   prepare   ckpt.iter_load(device): the selection, the dtypes, the plan (the
             iterator made, not iterated: nothing allocated, nothing read)
+  batch     ckpt.iter_load(device, names=batch) for each batch of consecutive
+            tensors of vLLM's load format's size (1 GiB: 1,024 tensors),
+            the median per batch (a load of names must cost what its
+            selection holds, not what the checkpoint does)
 
 No GPU is needed (the default device is cuda:0 where torch sees one, else
 cpu; the plan of a GPU load joins tensors into blocks, a CPU load's does not).
@@ -32,6 +36,7 @@ import _common as C
 import bench_load as B
 
 from instant_staging import loader
+from instant_staging.integrations.vllm._options import BATCH_BYTES
 
 PER_SHARD = 2340
 TENSOR_SHAPE = (512, 1024)        # bf16: 1 MiB
@@ -65,6 +70,19 @@ def once(paths, device):
     return t1 - t0, t2 - t1
 
 
+def batches(paths, device):
+    """The start of a load of each batch of names, seconds (median)."""
+    with loader.Checkpoint.open(paths) as ck:
+        names = ck.names()
+        per_batch = BATCH_BYTES // ck.info(names[0]).nbytes
+        times = []
+        for k in range(0, len(names), per_batch):
+            t0 = time.perf_counter()
+            ck.iter_load(device, names=names[k:k + per_batch]).close()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tensors", default="4680,20000,90000")
@@ -89,12 +107,14 @@ def main(argv=None):
             times = [once(paths, device) for _ in range(args.runs)]
             opened = statistics.median(t[0] for t in times)
             prepared = statistics.median(t[1] for t in times)
+            batch = batches(paths, device)
             rows.append([n, len(paths), f"{opened * 1e3:.2f}", f"{prepared * 1e3:.2f}",
-                         f"{(opened + prepared) / n * 1e6:.2f}"])
+                         f"{(opened + prepared) / n * 1e6:.2f}", f"{batch * 1e3:.2f}"])
             records.append({"tensors": n, "shards": len(paths), "open_s": opened,
-                            "prepare_s": prepared})
+                            "prepare_s": prepared, "batch_s": batch})
     print(f"bench_start: device {device}, median of {args.runs} runs")
-    print(C.table(["tensors", "shards", "open ms", "prepare ms", "us per tensor"], rows))
+    print(C.table(["tensors", "shards", "open ms", "prepare ms", "us per tensor",
+                   "batch ms"], rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "runs": args.runs, "results": records}, f, indent=2)

@@ -42,6 +42,15 @@ class _Checkpoint:
         # the descriptors the Warmer reads.
         self._warming = []
         self._sample = None     # resident() as warm_if_cold found it
+        # Every tensor, as open() found them (a share's select() narrows its
+        # own entries, never this), and the place of each name in it, made
+        # when a selection first asks, in a list every share() has too: a
+        # load of names is then as long as its selection, not the
+        # checkpoint (vLLM's batches are hundreds of loads of a checkpoint
+        # of up to 90,000 tensors: docs/design.md, "Measured: a selection
+        # by names").
+        self.all_entries = []
+        self._places = []
 
     def open(self, paths):
         """Opens ``paths`` and parses their headers; returns self.  On any
@@ -53,7 +62,8 @@ class _Checkpoint:
             # "Measured: the collector during a parse")
             with _gc.paused():
                 self._open_all([os.fspath(path) for path in paths])
-                self.entries = [(i, t) for i, h in enumerate(self.headers) for t in h.tensors]
+                self.entries = self.all_entries = [(i, t) for i, h in enumerate(self.headers)
+                                                   for t in h.tensors]
                 if len(self.headers) > 1:   # (one header's names are its own keys: unique)
                     self._check_duplicates()
             # (the tensors of a header cover its data section exactly)
@@ -98,19 +108,33 @@ class _Checkpoint:
         if names is None:
             return
         if callable(names):
-            keep = {t.name for _, t in self.entries if names(t.name)}
+            self.entries = [(i, t) for i, t in self.entries if names(t.name)]
         else:
             if isinstance(names, (str, bytes)):
                 raise TypeError("names must be an iterable of tensor names or a callable, "
                                 f"not a single {type(names).__name__}")
             keep = set(names)
-            unknown = keep - {t.name for _, t in self.entries}
+            places = self._name_places()
+            unknown = [n for n in keep if n not in places]
             if unknown:
                 raise KeyError(f"{len(unknown)} tensor name(s) not in the checkpoint: "
                                + ", ".join(repr(n) for n in sorted(unknown, key=str)[:20])
                                + (" ..." if len(unknown) > 20 else ""))
-        self.entries = [(i, t) for i, t in self.entries if t.name in keep]
+            if self.entries is self.all_entries:
+                everything = self.all_entries      # (in reading order, as the places are)
+                self.entries = [everything[k] for k in sorted(places[n] for n in keep)]
+            else:
+                self.entries = [(i, t) for i, t in self.entries if t.name in keep]
         self.total_bytes = sum(t.nbytes for _, t in self.entries)
+
+    def _name_places(self):
+        """``{name: its place in all_entries}``, made once for the checkpoint
+        and its shares (a list is replaced in one step: a share in another
+        thread finds the whole table or makes its own)."""
+        if not self._places:
+            with _gc.paused():
+                self._places[:] = [{t.name: k for k, (_, t) in enumerate(self.all_entries)}]
+        return self._places[0]
 
     def resident(self, samples=COLD_SAMPLES):
         """The fraction of ``samples`` pages, spread evenly over the selected

@@ -408,7 +408,7 @@ def iter_load_group(prepare, process_group):
         if checkpoint is not None:
             checkpoint.close()
         raise
-    n = len(_all_entries(checkpoint))
+    n = len(checkpoint.all_entries)
     wanted = [_unpack(v[3], n) for v in values]
     options.update(_for_cache([v[4] for v in values]))
     return DistributedLoadIterator(group, wanted, checkpoint, target, dtypes, **options)
@@ -425,15 +425,11 @@ def _for_cache(residents):
     return for_cache(sum(known) / len(known) if known else None)
 
 
-def _all_entries(checkpoint):
-    return [(i, t) for i, h in enumerate(checkpoint.headers) for t in h.tensors]
-
-
 def _layout(checkpoint):
     """A digest of every tensor's name, dtype, shape and place: equal on
     every rank exactly when they read the same layout."""
     h = hashlib.sha256()
-    for i, t in _all_entries(checkpoint):
+    for i, t in checkpoint.all_entries:
         h.update(repr((i, t.name, t.dtype, t.shape, t.begin, t.end)).encode())
     return h.hexdigest()
 
@@ -490,8 +486,8 @@ def _differences(contents, dtypes):
 def _wanted_mask(checkpoint):
     """This rank's selection as a bitmask over every tensor of the checkpoint."""
     keep = {(i, t.name) for i, t in checkpoint.entries}
-    bits = bytearray((len(_all_entries(checkpoint)) + 7) // 8)
-    for k, (i, t) in enumerate(_all_entries(checkpoint)):
+    bits = bytearray((len(checkpoint.all_entries) + 7) // 8)
+    for k, (i, t) in enumerate(checkpoint.all_entries):
         if (i, t.name) in keep:
             bits[k // 8] |= 1 << (k % 8)
     return bytes(bits)
@@ -524,7 +520,7 @@ class _Shared:
         every rank), and the Plan of this rank's (None: it reads nothing)."""
         from ._pipeline import Plan
         group, checkpoint = self.group, state.checkpoint
-        everything = self.everything = _all_entries(checkpoint)
+        everything = self.everything = checkpoint.all_entries
         self.mine = {(i, t.name): dtype for (i, t), dtype in zip(checkpoint.entries, state.dtypes)}
         reads, self.exchanges = plan(
             [t.nbytes for _, t in everything],

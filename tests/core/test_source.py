@@ -108,7 +108,9 @@ OUTSIDE = ("FIELD_NOTES" + ".md",)          # spelled so that this line is not o
 
 def shipped_text_files():
     for dirpath, dirnames, filenames in os.walk(ROOT):
-        dirnames[:] = [d for d in dirnames if d not in SKIPPED_DIRS and not d.endswith(".egg-info")]
+        # (and the hidden ones but CI's: a developer's scratch, never shipped)
+        dirnames[:] = [d for d in dirnames if d not in SKIPPED_DIRS and not d.endswith(".egg-info")
+                       and (d == ".ci" or not d.startswith("."))]
         for name in filenames:
             if name.endswith(TEXT):
                 yield os.path.join(dirpath, name)
@@ -122,6 +124,26 @@ def test_no_file_cites_notes_users_do_not_have():
                 if any(name in line for name in OUTSIDE):
                     cited.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
     assert not cited, "\n".join(cited)
+
+
+# A citation of docs/design.md names a part of it: a heading, or the words a
+# paragraph begins with (read across line breaks and comment marks).
+CITATION = re.compile(r'docs/design\.md[,:]? "([^"]+)"')
+
+
+def test_every_citation_of_the_design_names_a_part_of_it():
+    with open(os.path.join(ROOT, "docs", "design.md"), encoding="utf-8") as f:
+        starts = [re.sub(r"^#+ ", "", line.strip()) for line in f if line.strip()]
+    dangling = []
+    for path in shipped_text_files():
+        if not path.endswith(SOURCES):
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = re.sub(r"\n\s*(#\s*)?", " ", f.read())
+        for cited in CITATION.findall(text):
+            if not any(start.startswith(cited.strip()) for start in starts):
+                dangling.append(f"{os.path.relpath(path, ROOT)}: {cited!r}")
+    assert not dangling, "\n".join(dangling)
 
 
 # -- README's promises ------------------------------------------------------------------

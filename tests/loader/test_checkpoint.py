@@ -115,6 +115,42 @@ def test_load_equals_safetensors_and_report_adds_up(sharded):
     assert report.gbps == pytest.approx(report.bytes / report.seconds / 1e9)
 
 
+def test_a_selection_by_names_takes_the_checkpoints_order_from_one_table(sharded):
+    # A load of names looks them up in one table per checkpoint, made once
+    # for all its loads (vLLM's batches: hundreds of loads of one
+    # checkpoint), and keeps the reading order whatever the names' order;
+    # unknown names are a KeyError naming them, a predicate is asked per
+    # tensor, a share already narrowed is narrowed again by the same rule.
+    import random
+
+    from instant_staging.loader import _checkpoint
+    d, _ = sharded
+    paths = sorted(str(p) for p in d.glob("*.safetensors"))
+    ck = _checkpoint._Checkpoint().open(paths)
+    try:
+        everything = [t.name for _, t in ck.entries]
+        rng = random.Random(0)
+        for _ in range(20):
+            names = rng.sample(everything, rng.randint(0, len(everything)))
+            share = ck.share(lambda: None)
+            share.select(names)
+            assert [t.name for _, t in share.entries] == [n for n in everything if n in names]
+            assert share.total_bytes == sum(t.nbytes for _, t in share.entries)
+            again = set(rng.sample(names, len(names) // 2))
+            share.select(again)
+            assert [t.name for _, t in share.entries] == [n for n in everything if n in again]
+        tables = {id(t) for t in ck._places}
+        assert len(tables) == 1 and ck.share(lambda: None)._places is ck._places
+        assert ck.entries is ck.all_entries and len(ck.entries) == len(everything)
+        share = ck.share(lambda: None)
+        with pytest.raises(KeyError, match=r"2 tensor name.*'nope'.*'zz'"):
+            share.select(["zz", everything[0], "nope"])
+        share.select(lambda name: name.startswith("t1"))
+        assert [t.name for _, t in share.entries] == [n for n in everything if n.startswith("t1")]
+    finally:
+        ck.close()
+
+
 def test_load_file_report_counts_the_opening(sharded):
     d, _ = sharded
     from instant_staging.loader import iter_load

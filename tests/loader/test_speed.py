@@ -280,6 +280,6 @@ def test_bench_start_quick(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())["results"]
     assert [(x["tensors"], x["shards"]) for x in rows] == [(10, 1), (3000, 2)]
-    assert all(x["open_s"] > 0 and x["prepare_s"] > 0 for x in rows)
+    assert all(x["open_s"] > 0 and x["prepare_s"] > 0 and x["batch_s"] > 0 for x in rows)
     r = run_script(os.path.join(ROOT, "benchmarks", "bench_start.py"), "--tensors", "ten")
     assert r.returncode == 2 and "--tensors" in r.stderr

@@ -25,7 +25,7 @@ from ..._types import parse_size
 # whole checkpoint on every GPU (a TP=8 rank would hold 8x its share).
 # 1 GiB: the bound decided for the device memory a load adds beyond the
 # model (issue 28); each batch is one load, so smaller batches cost more
-# start-ups (docs/design.md, "The vLLM path's batches").  A tensor
+# start-ups (docs/design.md, "Measured: the vLLM path's batches").  A tensor
 # larger than this is a batch of its own.
 BATCH_BYTES = 1 << 30
 
