@@ -18,12 +18,13 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM
 
-from ._tuples cimport triple
+from ._tuples cimport record, triple
 
 # TensorEntry's fields, by place.
 cdef enum:
     _NAME = 0
     _DTYPE = 1
+    _SHAPE = 2
     _BEGIN = 3
     _END = 4
 
@@ -70,4 +71,22 @@ def dtypes(list entries, dict known, miss):
         if <object>PyTuple_GET_ITEM(t, _END) != <object>PyTuple_GET_ITEM(t, _BEGIN):
             found = PyDict_GetItem(known, <object>PyTuple_GET_ITEM(t, _DTYPE))
         out[k] = <object>found if found != NULL else miss(k)
+    return out
+
+
+def infos(list entries, list paths, type kind):
+    """``{name: kind(name, dtype, shape, nbytes, path)}`` of every entry,
+    ``paths`` by file index, ``kind`` a NamedTuple of those five fields
+    (``Checkpoint.info``'s ``TensorInfo``; untracked: ``_tuples.pxd``)."""
+    cdef Py_ssize_t k, n = PyList_GET_SIZE(entries)
+    cdef tuple pair, t
+    out = {}
+    for k in range(n):
+        pair = <tuple>PyList_GET_ITEM(entries, k)
+        t = <tuple>PyTuple_GET_ITEM(pair, 1)
+        name = <object>PyTuple_GET_ITEM(t, _NAME)
+        out[name] = record(kind, name, <object>PyTuple_GET_ITEM(t, _DTYPE),
+                           <object>PyTuple_GET_ITEM(t, _SHAPE),
+                           <object>PyTuple_GET_ITEM(t, _END) - <object>PyTuple_GET_ITEM(t, _BEGIN),
+                           paths[<object>PyTuple_GET_ITEM(pair, 0)])
     return out

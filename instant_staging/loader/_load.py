@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 from ..defaults import COLD_CHUNK_SIZE, WARM_THREADS
-from . import _gc, _progress
+from . import _entries, _gc, _progress
 from ._checkpoint import _Checkpoint
 from ._options import check_backend, knobs, left_unset, torch_dtype
 from ._remote import _RemoteCheckpoint, _Stores, is_url
@@ -145,8 +145,8 @@ class Checkpoint:
     def _infos(self):
         if self._info_table is None:
             shards = self._shards
-            self._info_table = {t.name: TensorInfo(t.name, t.dtype, tuple(t.shape), t.nbytes,
-                                                   shards.paths[i]) for i, t in shards.entries}
+            with _gc.paused():      # (one object per tensor, in no cycle)
+                self._info_table = _entries.infos(shards.entries, shards.paths, TensorInfo)
         return self._info_table
 
     @classmethod

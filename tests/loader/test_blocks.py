@@ -25,6 +25,7 @@ st = pytest.importorskip("safetensors.torch")
 import instant_staging as ist
 from instant_staging.loader import _blocks, _checkpoint, _entries, _run, _staging_pool, empty_cache
 from instant_staging.loader._header import TensorEntry
+from instant_staging.loader._load import TensorInfo
 from instant_staging.loader._target import _TorchTarget
 from instant_staging.testing import FaultPlan, SimulatedRuntime
 
@@ -265,6 +266,11 @@ def test_entry_columns_in_c_equal_the_python_loops(layout, known_dtypes):
             seen.add(t.dtype)
     assert _entries.dtypes(entries, known, miss) == [f"torch.{t.dtype}" for _, t in entries]
     assert asked == expected_asks
+    paths = ["a", "b", "c", "d"]
+    infos = _entries.infos(entries, paths, TensorInfo)
+    assert infos == {t.name: TensorInfo(t.name, t.dtype, t.shape, t.nbytes, paths[i])
+                     for i, t in entries}
+    assert all(type(v) is TensorInfo and not gc.is_tracked(v) for v in infos.values())
 
 
 def start_entries(path):
