@@ -170,7 +170,6 @@ def _iter_batches(checkpoint: Checkpoint, device: Any, options: Options,
         with checkpoint.iter_load(where, names=set(batch.names), process_group=group,
                                   progress=report, **knobs) as it:
             for name, tensor in it:
-                kinds.update(_kinds(it))
                 if keep is not None and not keep(name):
                     continue                 # a shared read loads what other ranks keep
                 stats.tensors += 1
@@ -178,6 +177,7 @@ def _iter_batches(checkpoint: Checkpoint, device: Any, options: Options,
                 stats.on_cpu += to_host
                 yield name, tensor
                 tensor = None                # the consumer's alone: freed when it drops it
+            kinds.update(_kinds(it))         # (known once the load ran: asked once a batch)
         done += batch.nbytes
         stats.batches += 1
     stats.seconds = time.perf_counter() - start
