@@ -114,17 +114,16 @@ class _Checkpoint:
                 raise TypeError("names must be an iterable of tensor names or a callable, "
                                 f"not a single {type(names).__name__}")
             keep = set(names)
-            places = self._name_places()
+            whole = self.entries is self.all_entries
+            places = self._name_places() if whole else {t.name: k for k, (_, t)
+                                                        in enumerate(self.entries)}
             unknown = [n for n in keep if n not in places]
             if unknown:
                 raise KeyError(f"{len(unknown)} tensor name(s) not in the checkpoint: "
                                + ", ".join(repr(n) for n in sorted(unknown, key=str)[:20])
                                + (" ..." if len(unknown) > 20 else ""))
-            if self.entries is self.all_entries:
-                everything = self.all_entries      # (in reading order, as the places are)
-                self.entries = [everything[k] for k in sorted(places[n] for n in keep)]
-            else:
-                self.entries = [(i, t) for i, t in self.entries if t.name in keep]
+            # (the places are in reading order, as the entries are)
+            self.entries = [self.entries[k] for k in sorted(places[n] for n in keep)]
         self.total_bytes = sum(t.nbytes for _, t in self.entries)
 
     def _name_places(self):
