@@ -225,6 +225,19 @@ def main(spec_path, rank):
             out[name] = run(shards, dtype=torch.float32 if rank == 1 else None)
         elif name == "unknown_name":
             out[name] = run(shards, names=["no such tensor"] if rank == 0 else None)
+        elif name == "plan_rows":       # rank 1 asks for rows, which a group load cannot give
+            from instant_staging.loader import Checkpoint
+            rec = {}
+            with Checkpoint.open(shards) as ck:
+                first = ck.names()[0]
+                try:
+                    got = ck.load("cpu", plan={first: slice(0, 1) if rank == 1 else None},
+                                  process_group=pg, chunk_size=chunk)
+                    rec.update(ok=True, shapes={k: list(v.shape) for k, v in got.items()})
+                except Exception as e:
+                    rec.update(ok=False, error=type(e).__name__, message=str(e),
+                               ranks=sorted(getattr(e, "ranks", {}) or {}))
+            out[name] = rec
         elif name == "truncated":       # rank 1's copy shrinks after validation
             mine = os.path.join(spec["out"], f"trunc{rank}.safetensors")
             shutil.copy(files["single"], mine)

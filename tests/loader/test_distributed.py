@@ -224,7 +224,7 @@ def free_port():
 
 SCENARIOS = ["replicated", "load_file", "progress_true", "dtype_and_directory", "names", "predicate",
              "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "own_copies", "other_data",
-             "other_header", "other_dtype", "unsampled_change", "unknown_name",
+             "other_header", "other_dtype", "unsampled_change", "unknown_name", "plan_rows",
              "truncated", "read_fault", "kinds", "staging_unusable", "subgroup", "not_a_group",
              "dropped", "leak_plan", "leak_pipeline", "leak_allocate", "leak_read", "leak_exchange",
              "leak_verify", "leak_close", "after_failures", "timeout"]
@@ -383,6 +383,16 @@ def test_unknown_name_on_one_rank(world):
     recs = scenario(world, "unknown_name")
     assert recs[0]["error"] == "KeyError"
     assert all(rec["error"] == "DistributedLoadError" and rec["ranks"] == [0] for rec in recs[1:])
+
+
+def test_row_slices_under_a_group_are_refused_on_every_rank(world):
+    # A group load reads and exchanges whole tensors: rows asked for under
+    # it were handed out whole (a silent wrong result); now the asking rank
+    # says why and every other rank names it.
+    recs = scenario(world, "plan_rows")
+    assert recs[1]["error"] == "ValueError" and "row slices" in recs[1]["message"]
+    assert all(rec["error"] == "DistributedLoadError" and rec["ranks"] == [1]
+               for r, rec in enumerate(recs) if r != 1)
 
 
 def test_read_fails_on_one_rank(world):
