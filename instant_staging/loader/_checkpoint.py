@@ -43,14 +43,14 @@ class _Checkpoint:
         self._warming = []
         self._sample = None     # resident() as warm_if_cold found it
         # Every tensor, as open() found them (a share's select() narrows its
-        # own entries, never this), and the place of each name in it, made
-        # when a selection first asks, in a list every share() has too: a
-        # load of names is then as long as its selection, not the
-        # checkpoint (vLLM's batches are hundreds of loads of a checkpoint
-        # of up to 90,000 tensors: docs/design.md, "Measured: a selection
-        # by names").
+        # own entries, never this).
         self.all_entries = []
-        self._places = []
+        # What is worked out once from the open files and asked by each
+        # load (``derived``), in a dict every share() has too: a load is
+        # then as long as its selection, not the checkpoint (vLLM's batches
+        # are hundreds of loads of a checkpoint of up to 90,000 tensors:
+        # docs/design.md, "Measured: a selection by names").
+        self._derived = {}
 
     def open(self, paths):
         """Opens ``paths`` and parses their headers; returns self.  On any
@@ -114,9 +114,8 @@ class _Checkpoint:
                 raise TypeError("names must be an iterable of tensor names or a callable, "
                                 f"not a single {type(names).__name__}")
             keep = set(names)
-            whole = self.entries is self.all_entries
-            places = self._name_places() if whole else {t.name: k for k, (_, t)
-                                                        in enumerate(self.entries)}
+            places = (self.name_places() if self.entries is self.all_entries
+                      else {t.name: k for k, (_, t) in enumerate(self.entries)})
             unknown = [n for n in keep if n not in places]
             if unknown:
                 raise KeyError(f"{len(unknown)} tensor name(s) not in the checkpoint: "
@@ -126,14 +125,18 @@ class _Checkpoint:
             self.entries = [self.entries[k] for k in sorted(places[n] for n in keep)]
         self.total_bytes = sum(t.nbytes for _, t in self.entries)
 
-    def _name_places(self):
-        """``{name: its place in all_entries}``, made once for the checkpoint
-        and its shares (a list is replaced in one step: a share in another
-        thread finds the whole table or makes its own)."""
-        if not self._places:
-            with _gc.paused():
-                self._places[:] = [{t.name: k for k, (_, t) in enumerate(self.all_entries)}]
-        return self._places[0]
+    def derived(self, key, make):
+        """``make(self)``, worked out once for the checkpoint and its shares
+        (the first result stored is every caller's: a share in another
+        thread that worked it out meanwhile drops its own)."""
+        try:
+            return self._derived[key]
+        except KeyError:
+            return self._derived.setdefault(key, make(self))
+
+    def name_places(self):
+        """``{name: its place in all_entries}``."""
+        return self.derived("places", _name_places)
 
     def resident(self, samples=COLD_SAMPLES):
         """The fraction of ``samples`` pages, spread evenly over the selected
@@ -298,3 +301,8 @@ def rows(entry, part, path):
     row = row_bits // 8
     return TensorEntry(entry.name, entry.dtype, (hi - lo,) + tuple(entry.shape[1:]),
                        entry.begin + lo * row, entry.begin + hi * row)
+
+
+def _name_places(checkpoint):
+    with _gc.paused():      # (one int per name)
+        return {t.name: k for k, (_, t) in enumerate(checkpoint.all_entries)}

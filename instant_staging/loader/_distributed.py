@@ -384,8 +384,8 @@ def iter_load_group(prepare, process_group):
         if target.device.type == "cpu" and group.backend == "nccl":
             raise ValueError("an NCCL process group exchanges GPU tensors: load to this rank's "
                              "GPU, or use a gloo group for device='cpu'")
-        post = (True, "", _layout(checkpoint), _wanted_mask(checkpoint), resident,
-                _contents(checkpoint), str(target.dtype))
+        post = (True, "", checkpoint.derived("layout", _layout), _wanted_mask(checkpoint),
+                resident, checkpoint.derived("contents", _contents), str(target.dtype))
     except Exception as e:
         local = e
         post = (False, _describe(e), None, None, None, None, None)
@@ -408,8 +408,7 @@ def iter_load_group(prepare, process_group):
         if checkpoint is not None:
             checkpoint.close()
         raise
-    n = len(checkpoint.all_entries)
-    wanted = [_unpack(v[3], n) for v in values]
+    wanted = [_places(v[3]) for v in values]
     options.update(_for_cache([v[4] for v in values]))
     return DistributedLoadIterator(group, wanted, checkpoint, target, dtypes, **options)
 
@@ -424,6 +423,11 @@ def _for_cache(residents):
     known = [r for r in residents if r is not None]
     return for_cache(sum(known) / len(known) if known else None)
 
+
+# A checkpoint's layout and its files' identity are worked out once
+# (``_Checkpoint.derived``), however many group loads it makes: each was a
+# walk of every tensor, or reads of every file, per load (docs/design.md,
+# "Measured: a selection by names").
 
 def _layout(checkpoint):
     """A digest of every tensor's name, dtype, shape and place: equal on
@@ -484,17 +488,24 @@ def _differences(contents, dtypes):
 
 
 def _wanted_mask(checkpoint):
-    """This rank's selection as a bitmask over every tensor of the checkpoint."""
-    keep = {(i, t.name) for i, t in checkpoint.entries}
-    bits = bytearray((len(checkpoint.all_entries) + 7) // 8)
-    for k, (i, t) in enumerate(checkpoint.all_entries):
-        if (i, t.name) in keep:
+    """This rank's selection as a bitmask over every tensor of the
+    checkpoint (bit k: its place k in ``all_entries``); as long as the
+    selection, and an eighth of a byte per tensor."""
+    n = len(checkpoint.all_entries)
+    if checkpoint.entries is checkpoint.all_entries:
+        bits = bytearray(b"\xff" * (n // 8) + (bytes([(1 << n % 8) - 1]) if n % 8 else b""))
+    else:
+        bits = bytearray((n + 7) // 8)
+        places = checkpoint.name_places()
+        for _, t in checkpoint.entries:
+            k = places[t.name]
             bits[k // 8] |= 1 << (k % 8)
     return bytes(bits)
 
 
-def _unpack(mask, n):
-    return [bool(mask[k // 8] & (1 << (k % 8))) for k in range(n)]
+def _places(mask):
+    """The places a mask of ``_wanted_mask`` sets, in order."""
+    return [8 * i + b for i, byte in enumerate(mask) if byte for b in range(8) if byte >> b & 1]
 
 
 # -- the load ------------------------------------------------------------------
@@ -517,15 +528,18 @@ class _Shared:
 
     def plan_reads(self, state, chunk_size, faults):
         """Step 1: every rank's share of the bytes (``plan``, the same on
-        every rank), and the Plan of this rank's (None: it reads nothing)."""
+        every rank), and the Plan of this rank's (None: it reads nothing).
+        The tensors planned (``everything``) are those some rank wants, in
+        reading order: a load as long as the ranks' selections."""
         from ._pipeline import Plan
         group, checkpoint = self.group, state.checkpoint
-        everything = self.everything = checkpoint.all_entries
+        wanted = [set(places) for places in self.wanted]
+        union = sorted(set().union(*wanted))
+        everything = self.everything = [checkpoint.all_entries[k] for k in union]
         self.mine = {(i, t.name): dtype for (i, t), dtype in zip(checkpoint.entries, state.dtypes)}
         reads, self.exchanges = plan(
             [t.nbytes for _, t in everything],
-            [[r for r in range(group.size) if self.wanted[r][k]] for k in range(len(everything))],
-            group.size)
+            [[r for r in range(group.size) if k in wanted[r]] for k in union], group.size)
         self.started = True
         items = self.items = reads[group.rank]
         self.read_bytes = sum(u.end - u.begin for u in items)

@@ -110,6 +110,36 @@ def test_cut_inside_a_tensor_is_aligned():
     assert all(u.begin % D.CUT_ALIGN == 0 for units in reads for u in units)
 
 
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 64, 1000])
+def test_a_ranks_selection_travels_as_a_mask_of_its_places(tmp_path, count):
+    # _wanted_mask (bit k: place k in all_entries) and _places read back
+    # the same places, for everything and for any selection; made from the
+    # selection alone (the checkpoint's places table), not a walk of all.
+    import random
+
+    import torch
+    from safetensors.torch import save_file
+
+    from instant_staging.loader import _checkpoint
+    path = str(tmp_path / "m.safetensors")
+    save_file({f"t{k:04d}": torch.tensor([k % 256], dtype=torch.uint8) for k in range(count)}
+              | {"zz": torch.zeros(0)}, path)
+    ck = _checkpoint._Checkpoint().open([path])
+    try:
+        n = len(ck.all_entries)
+        assert D._places(D._wanted_mask(ck)) == list(range(n))
+        names = [t.name for _, t in ck.all_entries]
+        rng = random.Random(count)
+        for _ in range(5):
+            share = ck.share(lambda: None)
+            share.select(rng.sample(names, rng.randint(0, n)))
+            places = ck.name_places()
+            assert D._places(D._wanted_mask(share)) == sorted(places[t.name] for _, t in share.entries)
+            assert len(D._wanted_mask(share)) == (n + 7) // 8
+    finally:
+        ck.close()
+
+
 # -- without torch.distributed set up ------------------------------------------
 
 def test_group_arguments(tmp_path):
