@@ -3,17 +3,21 @@
     load_file(paths, "cuda:0", process_group=pg)     # on every rank of pg
 
 Every rank of ``pg`` calls the loader with the same checkpoint (its own
-``device``; ``names=`` may differ per rank).  The ranks agree on a plan:
+``device``; ``names=`` and ``plan=`` may differ per rank: a rank may load
+only rows of a tensor, a tensor-parallel rank's share).  The ranks agree on a plan:
 each byte that some rank wants is read from the host by exactly one rank
 that wants it, through that rank's own staging buffer into its own
 device; the parts are then exchanged with torch.distributed collectives
 only (NCCL between GPUs, gloo on the CPU), so every rank ends with every
 tensor it asked for, bit-exact, each tensor owning its own memory.
 
-The plan (``plan()``, pure and the same on every rank):
+The plan (``plan()``, pure and the same on every rank), over segments
+(``_segments``): a tensor is one, unless ranks want different rows of it,
+when it is cut where any rank's rows begin or end, each piece wanted by
+the ranks whose rows hold it:
 
-- a tensor wanted by one rank is read by that rank, whole, and never sent;
-- the tensors wanted by the same set of ranks form one byte stream in file
+- a segment wanted by one rank is read by that rank, whole, and never sent;
+- the segments wanted by the same set of ranks form one byte stream in file
   order, cut into contiguous parts, one per member, sized so that the
   members' total reads come out even (water filling over what each already
   reads); a cut snaps to the nearest tensor boundary when that costs less
@@ -72,6 +76,7 @@ import logging
 import os
 import pickle
 import traceback
+from typing import NamedTuple
 
 from .. import envs
 from ..defaults import DISTRIBUTED_TIMEOUT
@@ -209,6 +214,36 @@ def plan(sizes, wanted, world, unit_bytes=UNIT_BYTES):
                 exchanges.append(u)
     exchanges.sort(key=lambda u: u.key)
     return reads, exchanges
+
+
+class Segment(NamedTuple):
+    """Bytes ``[begin, end)`` of the planned tensor ``index`` that the same
+    ``ranks`` want: a tensor is one segment, unless some rank wants only
+    rows of it (``plan=``), when it is cut where any rank's rows begin or
+    end."""
+
+    index: int
+    begin: int
+    end: int
+    ranks: list
+
+
+def _segments(union, everything, wanted_sets, wanted):
+    """The segments ``plan()`` cuts (its "tensors"), in reading order."""
+    out = []
+    for k, (p, (_, t)) in enumerate(zip(union, everything)):
+        spans = {r: w.span(p, t.nbytes) for r, (w, places) in enumerate(zip(wanted, wanted_sets))
+                 if p in places}
+        if len(set(spans.values())) == 1:      # (the usual: every rank the same bytes)
+            b, e = next(iter(spans.values()))
+            out.append(Segment(k, b, e, sorted(spans)))
+            continue
+        cuts = sorted({x for span in spans.values() for x in span})
+        for b, e in zip(cuts, cuts[1:]):
+            ranks = [r for r, (lo, hi) in spans.items() if lo <= b and e <= hi]
+            if ranks:
+                out.append(Segment(k, b, e, ranks))
+    return out
 
 
 def _water_fill(loads, total):
@@ -384,7 +419,7 @@ def iter_load_group(prepare, process_group):
         if target.device.type == "cpu" and group.backend == "nccl":
             raise ValueError("an NCCL process group exchanges GPU tensors: load to this rank's "
                              "GPU, or use a gloo group for device='cpu'")
-        post = (True, "", checkpoint.derived("layout", _layout), _wanted_mask(checkpoint),
+        post = (True, "", checkpoint.derived("layout", _layout), _wanted(checkpoint),
                 resident, checkpoint.derived("contents", _contents), str(target.dtype))
     except Exception as e:
         local = e
@@ -408,7 +443,7 @@ def iter_load_group(prepare, process_group):
         if checkpoint is not None:
             checkpoint.close()
         raise
-    wanted = [_places(v[3]) for v in values]
+    wanted = [Wanted(_places(v[3][0]), v[3][1]) for v in values]
     options.update(_for_cache([v[4] for v in values]))
     return DistributedLoadIterator(group, wanted, checkpoint, target, dtypes, **options)
 
@@ -503,6 +538,34 @@ def _wanted_mask(checkpoint):
     return bytes(bits)
 
 
+def _wanted(checkpoint):
+    """What this rank loads, as it travels to the others: ``(mask, rows)``,
+    the mask of ``_wanted_mask`` and ``{place: (begin, end)}`` for each
+    tensor of which it loads only rows (``plan=``), bytes from the tensor's
+    start."""
+    rows = {}
+    if checkpoint.entries is not checkpoint.all_entries:
+        everything, places = checkpoint.all_entries, checkpoint.name_places()
+        for _, t in checkpoint.entries:
+            k = places[t.name]
+            whole = everything[k][1]
+            if (t.begin, t.end) != (whole.begin, whole.end):
+                rows[k] = (t.begin - whole.begin, t.end - whole.begin)
+    return _wanted_mask(checkpoint), rows
+
+
+class Wanted(NamedTuple):
+    """One rank's selection: the places of its tensors in ``all_entries``,
+    in order, and the bytes it wants of those it wants only rows of."""
+
+    places: list
+    rows: dict
+
+    def span(self, place, nbytes):
+        """The bytes ``[begin, end)`` of the tensor at ``place`` it wants."""
+        return self.rows.get(place, (0, nbytes))
+
+
 def _places(mask):
     """The places a mask of ``_wanted_mask`` sets, in order."""
     return [8 * i + b for i, byte in enumerate(mask) if byte for b in range(8) if byte >> b & 1]
@@ -525,6 +588,7 @@ class _Shared:
         self.read_bytes = None      # this rank's share, once planned
         self.whole = 0
         self.everything = self.mine = self.items = self.exchanges = self.read_plan = None
+        self.union = self.segments = None
 
     def plan_reads(self, state, chunk_size, faults):
         """Step 1: every rank's share of the bytes (``plan``, the same on
@@ -533,21 +597,27 @@ class _Shared:
         reading order: a load as long as the ranks' selections."""
         from ._pipeline import Plan
         group, checkpoint = self.group, state.checkpoint
-        wanted = [set(places) for places in self.wanted]
-        union = sorted(set().union(*wanted))
+        wanted = [set(w.places) for w in self.wanted]
+        union = self.union = sorted(set().union(*wanted))
         everything = self.everything = [checkpoint.all_entries[k] for k in union]
-        self.mine = {(i, t.name): dtype for (i, t), dtype in zip(checkpoint.entries, state.dtypes)}
-        reads, self.exchanges = plan(
-            [t.nbytes for _, t in everything],
-            [[r for r in range(group.size) if k in wanted[r]] for k in union], group.size)
+        places = checkpoint.name_places()
+        # This rank's own entries (rows where plan= asked for rows), by
+        # place, with their dtypes.
+        self.mine = {places[t.name]: (i, t, dtype)
+                     for (i, t), dtype in zip(checkpoint.entries, state.dtypes)}
+        segments = self.segments = _segments(union, everything, wanted, self.wanted)
+        reads, self.exchanges = plan([g.end - g.begin for g in segments],
+                                     [g.ranks for g in segments], group.size)
         self.started = True
         items = self.items = reads[group.rank]
         self.read_bytes = sum(u.end - u.begin for u in items)
         self.whole = sum(u.end - u.begin for r in reads for u in r)
-        self.read_plan = Plan([(checkpoint.fds[everything[u.entry][0]],
-                                everything[u.entry][1].begin + u.begin,
-                                everything[u.entry][1].begin + u.end) for u in items],
-                              chunk_size, faults=faults)
+        ranges = []
+        for u in items:
+            g = segments[u.entry]
+            i, t = everything[g.index]
+            ranges.append((checkpoint.fds[i], t.begin + g.begin + u.begin, t.begin + g.begin + u.end))
+        self.read_plan = Plan(ranges, chunk_size, faults=faults)
         return self.read_plan if self.read_plan.n_chunks else None
 
     def while_staging(self, state, pending):
@@ -556,12 +626,13 @@ class _Shared:
     def provide_destinations(self, state):
         """Step 3: this rank's tensors, each its own allocation (a part
         exchanged is one tensor's bytes), all before any read."""
-        target, mine = state.target, self.mine
-        target.reserve([t for i, t in self.everything if (i, t.name) in mine])
-        state.handles[:] = [None] * len(self.everything)
-        for k, (i, t) in enumerate(self.everything):
-            if (i, t.name) in mine:
-                state.handles[k] = target.allocate(t, mine[i, t.name])[0]
+        target, mine, union = state.target, self.mine, self.union
+        target.reserve([mine[p][1] for p in union if p in mine])
+        state.handles[:] = [None] * len(union)
+        for k, p in enumerate(union):
+            if p in mine:
+                _, t, dtype = mine[p]
+                state.handles[k] = target.allocate(t, dtype)[0]
 
     def ready(self, state, error):
         """Step 4, the second agreement: every rank made its staging buffer
@@ -592,8 +663,9 @@ class _Shared:
         target.before_copies()
         flat = {k: t.reshape(-1).view(target.torch.uint8) for k, t in enumerate(handles)
                 if t is not None}
+        segments, at = self.segments, self._at
         if pipe is not None:
-            pipe.start([flat[u.entry].data_ptr() + u.begin for u in items])
+            pipe.start([flat[segments[u.entry].index].data_ptr() + at(u) for u in items])
         works, issued_all, error = [], False, None
         waiter = _Waiter(pipe, len(items), self.read_bytes, progress)
         try:
@@ -601,7 +673,9 @@ class _Shared:
                 if u.src == me:
                     waiter.until(u.item)
                 if u.src == me or me in u.dsts:
-                    works.extend(_exchange(group, u, flat[u.entry][u.begin:u.end]))
+                    where = at(u)
+                    works.extend(_exchange(group, u, flat[segments[u.entry].index]
+                                           [where:where + u.end - u.begin]))
             issued_all = True
             waiter.until_all()
             # Read before close(): closing a pipeline cancels it, and reports so.
@@ -617,7 +691,8 @@ class _Shared:
         local = None
         if error is not None or waiter.left:
             local = (_run.load_error(pipe, self.read_plan, checkpoint, runtime,
-                                     [everything[u.entry] for u in items]) if error is not None else
+                                     [everything[segments[u.entry].index] for u in items])
+                     if error is not None else
                      LoadError(f"the load ended with {waiter.left} part(s) unread and no error recorded"))
             post = (False, str(local), issued_all)
         else:
@@ -637,13 +712,22 @@ class _Shared:
         # Finished once every rank agreed, before the first tensor goes out:
         # closing the iterator after it takes some is no cancel.
         state.finished = True
-        for k, (i, t) in enumerate(everything):
+        for k, p in enumerate(self.union):
             handle = handles[k]
             if handle is not None:
                 handles[k] = None
+                i, t, _ = self.mine[p]
                 if verify:
                     _run.verify_tensor(checkpoint, (i, t), target, handle)
                 yield t.name, target.result(handle)
+
+    def _at(self, unit):
+        """Where ``unit``'s bytes lie in this rank's tensor: its segment's
+        place in the tensor, less where the bytes this rank wants begin."""
+        g = self.segments[unit.entry]
+        return g.begin - self.wanted[self.group.rank].span(self.union[g.index],
+                                                            self.everything[g.index][1].nbytes)[0] \
+            + unit.begin
 
 
 class _Waiter:

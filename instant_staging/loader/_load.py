@@ -264,8 +264,7 @@ class Checkpoint:
 
         Raises:
             ValueError: both ``names`` and ``plan``; the checkpoint is closed;
-                a bad device, dtype or option; row slices in ``plan`` with a
-                ``process_group`` (a group load exchanges whole tensors).
+                a bad device, dtype or option.
             KeyError: a name the checkpoint lacks.
             LoadError, VerifyError, DistributedLoadError: as ``load_file``.
         """
@@ -438,13 +437,6 @@ def _prepare(shards, target, opts, names, plan, single=False):
     start = None
     try:
         _select(shards, names, plan)
-        if not single and plan is not None and any(part is not None for part in plan.values()):
-            # A group load reads and exchanges whole tensors: each rank would
-            # get whole tensors where it asked for rows (raised here, inside
-            # the ranks' first agreement, so that every rank raises).
-            raise ValueError("plan= with row slices is not supported with process_group= yet: "
-                             "load the rows without process_group=, or whole tensors (None) "
-                             "with it")
         with _gc.paused():
             extra = {}
             if single:
