@@ -37,6 +37,11 @@ times each, every rank at once after a barrier:
                halved on dim 0, row-parallel o/down on dim 1, norms whole):
                load everything, keep this rank's half of every matrix
   tp2 group    the same from a group load
+  tp2 rows     the TP=2 split read as such: plan= gives each rank only its
+               rows of the dim-0 matrices (the rest whole, the dim-1 ones
+               then halved), no group
+  tp2 rows group  the same under process_group=: each rank reads its own
+               rows, the whole tensors are read once and exchanged
 
 Per-rank seconds (the slower rank per repeat), and the goal of the issue:
 group <= 0.65 x everything, and within 15% of half.  Every result is
@@ -216,6 +221,23 @@ def tp_half(torch, tensors, rank, world):
     return out
 
 
+def tp_rows_plan(names_and_rows, rank, world):
+    """``plan=`` of this rank's TP rows: its share of the dim-0 matrices'
+    rows, every other tensor whole."""
+    out = {}
+    for name, rows in names_and_rows:
+        part = rows // world
+        out[name] = slice(rank * part, (rank + 1) * part) if tp_dim(name) == 0 else None
+    return out
+
+
+def tp_rows(torch, tensors, rank, world):
+    """A load of ``tp_rows_plan`` made this rank's TP part: the dim-1
+    matrices halved (the dim-0 ones came as rows)."""
+    return {name: (t.narrow(1, rank * (t.shape[1] // world), t.shape[1] // world).clone()
+                   if tp_dim(name) == 1 else t) for name, t in tensors.items()}
+
+
 def compare_group(args, torch, dist):
     rank, world, device, shared = setup_rank(torch, dist, group_backend=True)
     os.makedirs(args.dir, exist_ok=True)
@@ -244,6 +266,12 @@ def compare_group(args, torch, dist):
         return f"{len(bad)} tensor(s) differ, e.g. {bad[0]}" if bad else "ok"
 
     tp_ref = tp_half(torch, reference, rank, world)
+    with loader.Checkpoint.open(paths) as ck:
+        rows_plan = tp_rows_plan([(n, ck.info(n).shape[0]) for n in ck.names()], rank, world)
+
+    def rows_load(group):
+        with loader.Checkpoint.open(paths) as ck:
+            return tp_rows(torch, ck.load(dev, plan=rows_plan, process_group=group), rank, world)
     methods = [
         ("everything", lambda: loader.load_file(paths, dev), reference),
         ("half", lambda: loader.load_file(half, dev), None),
@@ -251,6 +279,8 @@ def compare_group(args, torch, dist):
         ("tp2 plain", lambda: tp_half(torch, loader.load_file(paths, dev), rank, world), tp_ref),
         ("tp2 group", lambda: tp_half(torch, loader.load_file(paths, dev, process_group=pg), rank, world),
          tp_ref),
+        ("tp2 rows", lambda: rows_load(None), tp_ref),
+        ("tp2 rows group", lambda: rows_load(pg), tp_ref),
     ]
     times = {name: [] for name, _, _ in methods}
     for _ in range(args.repeat):             # interleaved: drift hits every method alike
