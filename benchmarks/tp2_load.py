@@ -26,8 +26,10 @@ Without a GPU the ranks load to the CPU through the simulated runtime.
 ``--layout llama8b``: the process group comparison instead.  Rank 0 writes
 the Llama-3-8B layout of docs/design.md ("Measured") once (291 bf16 tensors in 4
 shards, 16.06 GB; ``--scale k`` divides hidden, intermediate and vocab
-sizes by k), every rank reads it once (page cache hot), then, --repeat
-times each, every rank at once after a barrier:
+sizes by k), or with ``--layout finemoe`` bench_load's fine-grained MoE
+(4,680 tensors of 1 MiB in 2 shards, 4.84 GB: a group load's exchange is
+one collective per tensor), every rank reads it once (page cache hot),
+then, --repeat times each, every rank at once after a barrier:
 
   everything   load_file(all shards): each rank reads every byte
   half         load_file(half of the shards): each rank reads half, no exchange
@@ -241,18 +243,23 @@ def tp_rows(torch, tensors, rank, world):
 def compare_group(args, torch, dist):
     rank, world, device, shared = setup_rank(torch, dist, group_backend=True)
     os.makedirs(args.dir, exist_ok=True)
+
+    def write():
+        if args.layout == "finemoe":
+            return B.generate(args.dir, B.finemoe_layout(args.scale))
+        return write_llama(args.dir, args.scale)
     if rank == 0:
-        C.progress(f"writing the llama8b layout (scale {args.scale}) under {args.dir}")
-        paths = write_llama(args.dir, args.scale)
+        C.progress(f"writing the {args.layout} layout (scale {args.scale}) under {args.dir}")
+        paths = write()
     dist.barrier()
-    paths = write_llama(args.dir, args.scale) if rank != 0 else paths
+    paths = write() if rank != 0 else paths
     B.warm(paths)
     nbytes = sum(os.path.getsize(p) for p in paths)
     half = paths[: len(paths) // 2] if rank % 2 == 0 else paths[len(paths) // 2:]
     pg = dist.group.WORLD
     dev = str(device)
     if rank == 0:
-        print(f"tp2_load --layout llama8b: {world} ranks, {len(paths)} shards, {C.fmt_size(nbytes)}, "
+        print(f"tp2_load --layout {args.layout}: {world} ranks, {len(paths)} shards, {C.fmt_size(nbytes)}, "
               f"device {device.type}, group backend {dist.get_backend()}"
               + (" (ranks SHARE a GPU)" if shared else ""), flush=True)
     reference = loader.load_file(paths, dev)
@@ -380,15 +387,17 @@ def main(argv=None):
                     help="comma-separated: 'plain' or an INSTANT_STAGING_FAULTS spec each")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--layout", choices=["shard-per-rank", "llama8b"], default="shard-per-rank")
-    ap.add_argument("--scale", type=int, default=1, help="llama8b: divide the dimensions by this")
+    ap.add_argument("--layout", choices=["shard-per-rank", "llama8b", "finemoe"],
+                    default="shard-per-rank")
+    ap.add_argument("--scale", type=int, default=1,
+                    help="llama8b, finemoe: divide the dimensions by this")
     ap.add_argument("--fallback-rank", type=int, default=None)
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     C.quiet_logging(args.verbose)
     import torch
     import torch.distributed as dist
-    if args.layout == "llama8b":
+    if args.layout in ("llama8b", "finemoe"):
         return compare_group(args, torch, dist)
     rank, world, device, shared = setup_rank(torch, dist)
     os.makedirs(args.dir, exist_ok=True)
