@@ -32,7 +32,7 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject_IsTrue
 from cpython.tuple cimport PyTuple_GET_ITEM
 
-from ._tuples cimport record
+from ._tuples cimport check_kind, record
 
 # Bytes a view's offset in its block is a multiple of.
 ALIGN = 16
@@ -65,6 +65,7 @@ def runs(list entries, list joins):
     cdef bint view, open_ = False
     if len(joins) != n:
         raise ValueError(f"{len(joins)} joins for {n} entries")
+    check_kind(Run)
     out = []
     for k in range(n):
         pair = <tuple>PyList_GET_ITEM(entries, k)

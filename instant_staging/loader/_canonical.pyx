@@ -42,7 +42,7 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdlib cimport free, qsort, realloc
 from libc.string cimport memcmp
 
-from ._tuples cimport record, untracked
+from ._tuples cimport check_kind, record, untracked
 
 cdef struct Cursor:
     const unsigned char* s
@@ -436,9 +436,7 @@ def table(bytes raw, dict dtypes, dict bits, type entry):
         return None
     names_of = rows.dtype_names
     dtype_bits = [bits.get(name) for name in names_of]
-    if not (issubclass(entry, tuple) and len(getattr(entry, "_fields", ())) == 5
-            and not entry.__dictoffset__):
-        raise TypeError(f"{entry.__name__} is not a NamedTuple of five fields without a __dict__")
+    check_kind(entry)
     for i in range(rows.t.n):
         r = &rows.t.rows[i]
         size = dtype_bits[r.dtype]

@@ -18,7 +18,7 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM
 
-from ._tuples cimport record, triple
+from ._tuples cimport check_kind, record, triple
 
 # TensorEntry's fields, by place.
 cdef enum:
@@ -80,6 +80,7 @@ def infos(list entries, list paths, type kind):
     (``Checkpoint.info``'s ``TensorInfo``; untracked: ``_tuples.pxd``)."""
     cdef Py_ssize_t k, n = PyList_GET_SIZE(entries)
     cdef tuple pair, t
+    check_kind(kind)
     out = {}
     for k in range(n):
         pair = <tuple>PyList_GET_ITEM(entries, k)

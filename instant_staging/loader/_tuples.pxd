@@ -38,9 +38,17 @@ cdef inline tuple triple(object a, object b, object c):
     return untracked(t)
 
 
+cdef inline check_kind(type kind):
+    """TypeError unless ``kind`` is what ``record`` makes: a NamedTuple of
+    five fields without a ``__dict__``."""
+    if not (issubclass(kind, tuple) and len(getattr(kind, "_fields", ())) == 5
+            and not kind.__dictoffset__):
+        raise TypeError(f"{kind.__name__} is not a NamedTuple of five fields without a __dict__")
+
+
 cdef inline object record(type kind, object a, object b, object c, object d, object e):
     """``kind(a, b, c, d, e)`` of a NamedTuple ``kind`` of five fields
-    without a ``__dict__`` (``__slots__ = ()``), untracked."""
+    without a ``__dict__`` (``__slots__ = ()``: ``check_kind``), untracked."""
     made = <object>PyType_GenericAlloc(<PyTypeObject*>kind, 5)
     Py_DECREF(made)             # (the cast took a reference of its own)
     _put(made, 0, a)

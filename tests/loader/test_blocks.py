@@ -271,6 +271,8 @@ def test_entry_columns_in_c_equal_the_python_loops(layout, known_dtypes):
     assert infos == {t.name: TensorInfo(t.name, t.dtype, t.shape, t.nbytes, paths[i])
                      for i, t in entries}
     assert all(type(v) is TensorInfo and not gc.is_tracked(v) for v in infos.values())
+    with pytest.raises(TypeError, match="five fields"):
+        _entries.infos(entries, paths, tuple)
 
 
 def start_entries(path):
