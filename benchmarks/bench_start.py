@@ -19,6 +19,12 @@ this process, median of --runs:
 No GPU is needed (the default device is cuda:0 where torch sees one, else
 cpu; the plan of a GPU load joins tensors into blocks, a CPU load's does not).
 
+Then one tensor at a time: ``safe_open(path).get_tensor(name)`` for every
+name of a file of 4,680 tensors of 512 bytes, to the CPU, ours and
+safetensors' (its mmap), median us per tensor of --runs: what a caller
+that reads a file the way transformers and vLLM read safetensors waits
+per call.
+
     python benchmarks/bench_start.py [--tensors 4680,20000,90000] [--runs 7]
         [--device cpu] [--dir DIR] [--json PATH]
 """
@@ -112,13 +118,42 @@ def main(argv=None):
                          f"{(opened + prepared) / n * 1e6:.2f}", f"{batch * 1e3:.2f}"])
             records.append({"tensors": n, "shards": len(paths), "open_s": opened,
                             "prepare_s": prepared, "batch_s": batch})
+        one_by_one = get_tensor_each(scratch, args.runs)
     print(f"bench_start: device {device}, median of {args.runs} runs")
     print(C.table(["tensors", "shards", "open ms", "prepare ms", "us per tensor",
                    "batch ms"], rows))
+    print(f"get_tensor one by one, {ONE_BY_ONE} tensors of 512 bytes to the CPU, us per tensor: "
+          + ", ".join(f"{name} {us:.1f}" for name, us in one_by_one.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "runs": args.runs, "results": records}, f, indent=2)
+            json.dump({"device": device, "runs": args.runs, "results": records,
+                       "get_tensor_us": one_by_one}, f, indent=2)
     return 0
+
+
+ONE_BY_ONE = 4680
+
+
+def get_tensor_each(directory, runs):
+    """{reader: median us per get_tensor} over a file of ONE_BY_ONE small
+    tensors (written with data: every call reads)."""
+    from safetensors import safe_open as upstream_open
+    path = os.path.join(directory, "small.safetensors")
+    B.generate(directory, [(os.path.basename(path),
+                            [(f"model.layers.{j // 195}.mlp.experts.{j % 195 // 3}.w{j % 3}", [16, 16])
+                             for j in range(ONE_BY_ONE)])])
+    out = {}
+    for name, opener in (("instant_staging", loader.safe_open), ("safetensors", upstream_open)):
+        times = []
+        for _ in range(runs + 1):           # (the first warms)
+            with opener(path, framework="pt") as f:
+                keys = list(f.keys())
+                t0 = time.perf_counter()
+                for k in keys:
+                    f.get_tensor(k)
+                times.append((time.perf_counter() - t0) / len(keys))
+        out[name] = statistics.median(times[1:]) * 1e6
+    return out
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ raised before anything is read.  Only the rows a slice needs are read.
 """
 
 import contextlib
+import os
 import warnings
 
 import pytest
@@ -152,14 +153,22 @@ def test_slice_edge_tensors(checkpoint, name, index):
 
 
 def reads_of(monkeypatch):
-    """The byte ranges each safe_open read asks the pipeline for."""
+    """The byte ranges each safe_open read asks for: of the pipeline, or read
+    in the caller's thread (one small tensor to the CPU: ``_read_here``)."""
     seen = []
-    real = _safe_open.LoadIterator
+    real, here = _safe_open.LoadIterator, _safe_open._File._read_here
 
     def spy(view, *args, **kwargs):
         seen.append([(e.begin, e.end) for _, e in view.entries])
         return real(view, *args, **kwargs)
+
+    def spy_here(self, entry, dtype):
+        got = here(self, entry, dtype)
+        if got is not None:
+            seen.append([(entry.begin, entry.end)])
+        return got
     monkeypatch.setattr(_safe_open, "LoadIterator", spy)
+    monkeypatch.setattr(_safe_open._File, "_read_here", spy_here)
     return seen
 
 
@@ -180,6 +189,31 @@ def test_reads_only_the_rows_asked(checkpoint, monkeypatch):
     assert seen == [[(b + row, b + 3 * row)], [(b + 2 * row, b + 3 * row)],
                     [(b + 3 * row, b + 4 * row)], [(b, b + 3 * row)], [(b, b + 4 * row)],
                     [(b, b)], [(f._entries["v"].begin, f._entries["v"].end)]]
+
+
+def test_a_small_tensor_read_in_the_callers_thread_fails_as_the_pipeline_words_it(
+        tmp_path, monkeypatch):
+    # get_tensor of one small tensor to the CPU reads it in the caller's
+    # thread (no pipeline); a file that shrank since it was opened, or a
+    # fault rule set, goes through the pipeline, which words the error as
+    # for every load, and nothing else changes.
+    from instant_staging.loader import LoadError
+    path = str(tmp_path / "m.safetensors")
+    st.save_file({"a": torch.arange(100, dtype=torch.float32), "b": torch.ones(50)}, path)
+    pipelines = []
+    real = _safe_open.LoadIterator
+    monkeypatch.setattr(_safe_open, "LoadIterator",
+                        lambda *a, **k: pipelines.append(1) or real(*a, **k))
+    with safe_open(path, "pt") as f:
+        assert torch.equal(f.get_tensor("a"), torch.arange(100, dtype=torch.float32))
+        assert pipelines == []                      # read here, in this thread
+        os.truncate(path, os.path.getsize(path) - 100)
+        with pytest.raises(LoadError, match=r"tensor 'b': the file ended at byte .* truncated"):
+            f.get_tensor("b")
+    st.save_file({"a": torch.arange(100, dtype=torch.float32)}, path)
+    monkeypatch.setenv("INSTANT_STAGING_FAULTS", "read=EIO")
+    with safe_open(path, "pt") as f, pytest.raises(LoadError, match=r"EIO|Input/output"):
+        f.get_tensor("a")
 
 
 def test_slice_of_dim1_is_a_view_on_cpu_like_safetensors(checkpoint):

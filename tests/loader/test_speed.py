@@ -281,5 +281,7 @@ def test_bench_start_quick(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [(x["tensors"], x["shards"]) for x in rows] == [(10, 1), (3000, 2)]
     assert all(x["open_s"] > 0 and x["prepare_s"] > 0 and x["batch_s"] > 0 for x in rows)
+    each = json.loads(out.read_text())["get_tensor_us"]
+    assert set(each) == {"instant_staging", "safetensors"} and min(each.values()) > 0
     r = run_script(os.path.join(ROOT, "benchmarks", "bench_start.py"), "--tensors", "ten")
     assert r.returncode == 2 and "--tensors" in r.stderr
