@@ -522,36 +522,25 @@ def _differences(contents, dtypes):
     return out
 
 
-def _wanted_mask(checkpoint):
-    """This rank's selection as a bitmask over every tensor of the
-    checkpoint (bit k: its place k in ``all_entries``); as long as the
-    selection, and an eighth of a byte per tensor."""
-    n = len(checkpoint.all_entries)
+def _wanted(checkpoint):
+    """What this rank loads, as it travels to the others, in one pass over
+    its selection: ``(mask, rows)``, the mask a bit per tensor of the
+    checkpoint (bit k: its place k in ``all_entries``; ``_places`` reads it
+    back), and ``{place: (begin, end)}`` for each tensor of which it loads
+    only rows (``plan=``), bytes from the tensor's start."""
+    n, rows = len(checkpoint.all_entries), {}
     if checkpoint.entries is checkpoint.all_entries:
         bits = bytearray(b"\xff" * (n // 8) + (bytes([(1 << n % 8) - 1]) if n % 8 else b""))
     else:
         bits = bytearray((n + 7) // 8)
-        places = checkpoint.name_places()
-        for _, t in checkpoint.entries:
-            k = places[t.name]
-            bits[k // 8] |= 1 << (k % 8)
-    return bytes(bits)
-
-
-def _wanted(checkpoint):
-    """What this rank loads, as it travels to the others: ``(mask, rows)``,
-    the mask of ``_wanted_mask`` and ``{place: (begin, end)}`` for each
-    tensor of which it loads only rows (``plan=``), bytes from the tensor's
-    start."""
-    rows = {}
-    if checkpoint.entries is not checkpoint.all_entries:
         everything, places = checkpoint.all_entries, checkpoint.name_places()
         for _, t in checkpoint.entries:
             k = places[t.name]
+            bits[k // 8] |= 1 << (k % 8)
             whole = everything[k][1]
             if (t.begin, t.end) != (whole.begin, whole.end):
                 rows[k] = (t.begin - whole.begin, t.end - whole.begin)
-    return _wanted_mask(checkpoint), rows
+    return bytes(bits), rows
 
 
 class Wanted(NamedTuple):
@@ -567,7 +556,7 @@ class Wanted(NamedTuple):
 
 
 def _places(mask):
-    """The places a mask of ``_wanted_mask`` sets, in order."""
+    """The places a mask of ``_wanted`` sets, in order."""
     return [8 * i + b for i, byte in enumerate(mask) if byte for b in range(8) if byte >> b & 1]
 
 

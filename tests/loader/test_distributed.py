@@ -112,7 +112,7 @@ def test_cut_inside_a_tensor_is_aligned():
 
 @pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 64, 1000])
 def test_a_ranks_selection_travels_as_a_mask_of_its_places(tmp_path, count):
-    # _wanted_mask (bit k: place k in all_entries) and _places read back
+    # _wanted's mask (bit k: place k in all_entries) and _places read back
     # the same places, for everything and for any selection; made from the
     # selection alone (the checkpoint's places table), not a walk of all.
     import random
@@ -127,15 +127,15 @@ def test_a_ranks_selection_travels_as_a_mask_of_its_places(tmp_path, count):
     ck = _checkpoint._Checkpoint().open([path])
     try:
         n = len(ck.all_entries)
-        assert D._places(D._wanted_mask(ck)) == list(range(n))
+        assert D._places(D._wanted(ck)[0]) == list(range(n)) and D._wanted(ck)[1] == {}
         names = [t.name for _, t in ck.all_entries]
         rng = random.Random(count)
         for _ in range(5):
             share = ck.share(lambda: None)
             share.select(rng.sample(names, rng.randint(0, n)))
             places = ck.name_places()
-            assert D._places(D._wanted_mask(share)) == sorted(places[t.name] for _, t in share.entries)
-            assert len(D._wanted_mask(share)) == (n + 7) // 8
+            assert D._places(D._wanted(share)[0]) == sorted(places[t.name] for _, t in share.entries)
+            assert len(D._wanted(share)[0]) == (n + 7) // 8
     finally:
         ck.close()
 
