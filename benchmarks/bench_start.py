@@ -46,6 +46,12 @@ from instant_staging.integrations.vllm._options import BATCH_BYTES
 
 PER_SHARD = 2340
 TENSOR_SHAPE = (512, 1024)        # bf16: 1 MiB
+ONE_BY_ONE = 4680                 # get_tensor's file: tensors of 512 bytes
+
+
+def expert(j):
+    """Tensor j's name: MoE experts' projections, 65 experts a layer."""
+    return f"model.layers.{j // 195}.mlp.experts.{j % 195 // 3}.w{j % 3}.weight"
 
 
 def sparse_checkpoint(directory, n):
@@ -54,8 +60,7 @@ def sparse_checkpoint(directory, n):
     os.makedirs(directory, exist_ok=True)
     paths = []
     for shard, k in enumerate(range(0, n, PER_SHARD)):
-        tensors = [(f"model.layers.{j // 195}.mlp.experts.{j % 195 // 3}.w{j % 3}.weight",
-                    list(TENSOR_SHAPE)) for j in range(k, min(k + PER_SHARD, n))]
+        tensors = [(expert(j), list(TENSOR_SHAPE)) for j in range(k, min(k + PER_SHARD, n))]
         head, data_bytes = B.encode_header(tensors)
         path = os.path.join(directory, f"model-{shard:05d}.safetensors")
         with open(path, "wb") as f:
@@ -131,17 +136,12 @@ def main(argv=None):
     return 0
 
 
-ONE_BY_ONE = 4680
-
-
 def get_tensor_each(directory, runs):
     """{reader: median us per get_tensor} over a file of ONE_BY_ONE small
     tensors (written with data: every call reads)."""
     from safetensors import safe_open as upstream_open
-    path = os.path.join(directory, "small.safetensors")
-    B.generate(directory, [(os.path.basename(path),
-                            [(f"model.layers.{j // 195}.mlp.experts.{j % 195 // 3}.w{j % 3}", [16, 16])
-                             for j in range(ONE_BY_ONE)])])
+    path, = B.generate(directory, [("small.safetensors",
+                                    [(expert(j), [16, 16]) for j in range(ONE_BY_ONE)])])
     out = {}
     for name, opener in (("instant_staging", loader.safe_open), ("safetensors", upstream_open)):
         times = []
