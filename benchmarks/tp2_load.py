@@ -210,17 +210,16 @@ def _prod(shape):
     return n
 
 
+def tp_part(t, dim, rank, world):
+    """This rank's share of ``t`` along ``dim`` (a copy that owns its memory)."""
+    part = t.shape[dim] // world
+    return t.narrow(dim, rank * part, part).clone()
+
+
 def tp_half(torch, tensors, rank, world):
-    """This rank's TP part of every tensor (a copy that owns its memory)."""
-    out = {}
-    for name, t in tensors.items():
-        dim = tp_dim(name)
-        if dim is None:
-            out[name] = t
-        else:
-            part = t.shape[dim] // world
-            out[name] = t.narrow(dim, rank * part, part).clone()
-    return out
+    """This rank's TP part of every tensor."""
+    return {name: t if tp_dim(name) is None else tp_part(t, tp_dim(name), rank, world)
+            for name, t in tensors.items()}
 
 
 def tp_rows_plan(names_and_rows, rank, world):
@@ -236,8 +235,8 @@ def tp_rows_plan(names_and_rows, rank, world):
 def tp_rows(torch, tensors, rank, world):
     """A load of ``tp_rows_plan`` made this rank's TP part: the dim-1
     matrices halved (the dim-0 ones came as rows)."""
-    return {name: (t.narrow(1, rank * (t.shape[1] // world), t.shape[1] // world).clone()
-                   if tp_dim(name) == 1 else t) for name, t in tensors.items()}
+    return {name: tp_part(t, 1, rank, world) if tp_dim(name) == 1 else t
+            for name, t in tensors.items()}
 
 
 def compare_group(args, torch, dist):
