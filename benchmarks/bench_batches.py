@@ -11,6 +11,9 @@ and each path, on one GPU, in one process:
                   one device parameter per tensor is allocated first, and each
                   yielded tensor is copied into its parameter and dropped, as
                   vLLM's default weight loader does
+  vllm B streamed the same with every batch yielded as its tensors finish, and
+  vllm B whole    with every batch loaded whole before it is yielded (--modes;
+                  the plain row takes ``_weights.whole``'s rule per batch)
 
 Memory beyond the model: ``torch.cuda.max_memory_allocated()`` during the
 load minus what was allocated before it, minus the model's bytes (load_file,
@@ -32,8 +35,12 @@ import _common as C
 import bench_load as B
 
 from instant_staging import loader
-from instant_staging.integrations.vllm._options import BATCH_BYTES, Options
+from instant_staging.integrations.vllm import _weights
+from instant_staging.integrations.vllm._options import BATCH_BYTES, WHOLE_BATCH_MEAN_BYTES, Options
 from instant_staging.integrations.vllm._weights import iter_weights
+
+# --modes: the rule's threshold (_options.WHOLE_BATCH_MEAN_BYTES) each row runs with
+MODES = {"rule": WHOLE_BATCH_MEAN_BYTES, "streamed": 0, "whole": 1 << 62}
 
 
 def _fresh(torch):
@@ -69,7 +76,8 @@ def run_iter_load(torch, paths, device):
     return t, torch.cuda.max_memory_allocated() - base - model
 
 
-def run_vllm(torch, paths, device, batch_bytes):
+def run_vllm(torch, paths, device, batch_bytes, mode="rule"):
+    _weights.WHOLE_BATCH_MEAN_BYTES = MODES[mode]
     params = {}
     for path in paths:
         with loader.Checkpoint.open(path) as ck:
@@ -92,6 +100,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default="dense,finemoe")
     ap.add_argument("--batches", default="4GiB,1GiB,512MiB")
+    ap.add_argument("--modes", default="rule", help="vllm rows: " + ", ".join(MODES))
     ap.add_argument("--dir", default=B.DEFAULT_DIR)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cuda:0")
@@ -103,13 +112,17 @@ def main(argv=None):
     torch.ones(1, device=args.device)
     os.makedirs(args.dir, exist_ok=True)
     batches = C.parse_sizes(args.batches)
+    unknown = sorted(set(args.modes.split(",")) - MODES.keys())
+    if unknown:
+        ap.error(f"unknown --modes {', '.join(unknown)}: choose from {', '.join(MODES)}")
     rows, doc = [], {"default_batch_bytes": BATCH_BYTES, "results": []}
     for name, files in B.layouts(args.layouts.split(","), 1, 0):
         paths = B.generate(args.dir, files)
         B.warm(paths)
         nbytes = sum(os.path.getsize(p) for p in paths)
         cases = [("load_file", run_load_file, ()), ("iter_load", run_iter_load, ())]
-        cases += [(f"vllm {C.fmt_size(b)}", run_vllm, (b,)) for b in batches]
+        cases += [(f"vllm {C.fmt_size(b)}" + ("" if mode == "rule" else f" {mode}"), run_vllm, (b, mode))
+                  for b in batches for mode in args.modes.split(",")]
         for label, fn, extra in cases:
             fn(torch, paths, args.device, *extra)          # the staging buffer made, kept
             got = [fn(torch, paths, args.device, *extra) for _ in range(args.repeat)]

@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 
@@ -188,6 +189,73 @@ def test_batches_bound_what_is_allocated_at_once(tmp_path, monkeypatch, batch_by
         assert it.total_bytes <= max(batch_bytes, largest)     # a tensor over the budget is a batch alone
     everything = [n for _, _, kw, _ in loads for n in kw["names"]]
     assert len(everything) == len(set(everything)) == len(pairs)
+
+
+def test_small_tensors_loaded_whole_large_ones_streamed():
+    m = _options.WHOLE_BATCH_MEAN_BYTES
+    assert _weights.whole(_weights.Batch(("f",), ("a", "b"), 2 * m - 1))
+    assert not _weights.whole(_weights.Batch(("f",), ("a", "b"), 2 * m))
+    assert _weights.whole(_weights.Batch(("f",), ("empty",), 0))
+
+
+class _Pulls:
+    """A load's iterator that logs each pair as the loader hands it over."""
+
+    def __init__(self, it, log):
+        self.it, self.log = it, log
+
+    def __enter__(self):
+        self.it.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.it.__exit__(*exc)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        name, tensor = next(self.it)
+        self.log.append(("loaded", name))
+        return name, tensor
+
+    @property
+    def staging_kinds(self):
+        return self.it.staging_kinds
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "streamed"])
+def test_a_whole_batch_is_yielded_once_loaded(tmp_path, monkeypatch, whole):
+    # WHOLE_BATCH_MEAN_BYTES: above every tensor's size, each batch is loaded
+    # whole; at 0, streamed
+    monkeypatch.setattr(_weights, "WHOLE_BATCH_MEAN_BYTES", 1 << 40 if whole else 0)
+    files = shards(save(tmp_path, "llama", sharded=True))
+    log, batches = [], []
+    real = Checkpoint.iter_load
+
+    def spy(self, device="cpu", **kw):
+        batches.append(set(kw["names"]))
+        return _Pulls(real(self, device, **kw), log)
+    monkeypatch.setattr(Checkpoint, "iter_load", spy)
+    pairs, kept, held = [], [], None
+    for name, tensor in _weights.iter_weights(files, "cpu", Options(batch_bytes=64 << 10)):
+        # the tensor before is the consumer's alone: freed once it dropped it
+        # (by the next pair), not kept until its batch ends
+        kept.append(held is not None and held() is not None)
+        log.append(("yielded", name))
+        pairs.append((name, tensor.clone()))
+        held = weakref.ref(tensor)
+        del tensor
+    assert_same_pairs(pairs, reference(files))
+    assert not any(kept) and len(batches) > 1
+    events = iter(log)
+    for batch in batches:
+        first = [next(events) for _ in range(2 * len(batch))]
+        if whole:
+            assert [e for e, _ in first] == ["loaded"] * len(batch) + ["yielded"] * len(batch)
+        else:
+            assert [e for e, _ in first] == ["loaded", "yielded"] * len(batch)
+        assert {n for _, n in first} == batch
 
 
 def test_keep_filters_before_reading(tmp_path, monkeypatch):

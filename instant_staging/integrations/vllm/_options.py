@@ -29,6 +29,16 @@ from ..._types import parse_size
 # larger than this is a batch of its own.
 BATCH_BYTES = 1 << 30
 
+# A batch whose tensors average fewer bytes than this is loaded whole before
+# its first tensor is yielded; a batch of larger ones is yielded as each
+# tensor finishes.  vLLM copies every tensor into its parameter as it comes,
+# and those calls, made while the reader threads copy, cost the consumer
+# about three times what they cost alone and slow the readers too: on
+# thousands of small tensors, streaming lost to loading first by 15-23%,
+# while on large ones it won by 3% (its copies overlap the load).
+# docs/design.md, "Measured: the vLLM path's batches, streamed or whole".
+WHOLE_BATCH_MEAN_BYTES = 4 << 20
+
 
 class Options(NamedTuple):
     """The validated extra config (None: the loader's default)."""

@@ -21,7 +21,10 @@ batches (``plan``): consecutive tensors of the files up to
 batch of checkpoint tensors sits on the device beside the model at any
 time (a load allocates all its tensors when it starts).  The staging
 buffer is the one the loader keeps between loads, so batches pin nothing
-anew.
+anew.  A batch of large tensors is yielded as each tensor finishes; one of
+small tensors (on average under ``_options.WHOLE_BATCH_MEAN_BYTES``) once
+all of it is loaded, so that vLLM's copy of each tensor into its parameter
+does not run while the readers copy (``whole()``).
 
 ``process_group`` (``Options.shared_read``): every rank of the group calls
 with the same files; each batch is then a collective ``iter_load(...,
@@ -49,7 +52,7 @@ from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
 from ...loader import Checkpoint
-from ._options import Options
+from ._options import WHOLE_BATCH_MEAN_BYTES, Options
 
 
 class Batch(NamedTuple):
@@ -123,6 +126,13 @@ def plan(sizes: list[tuple[str, list[tuple[str, int]]]], batch_bytes: int) -> li
     return batches
 
 
+def whole(batch: Batch) -> bool:
+    """Whether ``batch`` is loaded whole before its first tensor is yielded:
+    its tensors average fewer than ``WHOLE_BATCH_MEAN_BYTES`` (the consumer's
+    per-tensor calls, made while the readers copy, would slow both)."""
+    return batch.nbytes < WHOLE_BATCH_MEAN_BYTES * len(batch.names)
+
+
 def iter_weights(files: list[str], device: Any, options: Options | None = None, *,
                  keep: Callable[[str], bool] | None = None, on_cpu: Callable[[str], bool] | None = None,
                  process_group: Any = None, progress: Callable[[int, int], object] | None = None,
@@ -169,7 +179,7 @@ def _iter_batches(checkpoint: Checkpoint, device: Any, options: Options,
                 progress(before + n, total)
         with checkpoint.iter_load(where, names=set(batch.names), process_group=group,
                                   progress=report, **knobs) as it:
-            for name, tensor in it:
+            for name, tensor in _loaded(it) if whole(batch) else it:
                 if keep is not None and not keep(name):
                     continue                 # a shared read loads what other ranks keep
                 stats.tensors += 1
@@ -182,6 +192,14 @@ def _iter_batches(checkpoint: Checkpoint, device: Any, options: Options,
         stats.batches += 1
     stats.seconds = time.perf_counter() - start
     stats.kinds = sorted(kinds)
+
+
+def _loaded(it) -> Iterator[tuple[str, Any]]:
+    """The pairs of load ``it``, once all of it is loaded; each dropped here
+    when yielded, so that it is the consumer's alone, as a streamed one is."""
+    stack = list(it)[::-1]
+    while stack:
+        yield stack.pop()
 
 
 def _check_same_plan(batches: list[Batch], group: Any) -> None:
