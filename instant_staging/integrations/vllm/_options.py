@@ -33,10 +33,10 @@ BATCH_BYTES = 1 << 30
 # its first tensor is yielded; a batch of larger ones is yielded as each
 # tensor finishes.  vLLM copies every tensor into its parameter as it comes,
 # and those calls, made while the reader threads copy, cost the consumer
-# about three times what they cost alone and slow the readers too: on
-# thousands of small tensors, streaming lost to loading first by 15-23%,
-# while on large ones it won by 3% (its copies overlap the load).
-# docs/design.md, "Measured: the vLLM path's batches, streamed or whole".
+# several times what they cost alone and slow the readers too: on small
+# tensors streaming loses to loading first; on large ones it wins, its
+# copies overlapping the load (docs/design.md, "Measured: the vLLM path's
+# batches, streamed or whole").
 WHOLE_BATCH_MEAN_BYTES = 4 << 20
 
 
