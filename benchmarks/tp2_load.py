@@ -218,7 +218,7 @@ def tp_part(t, dim, rank, world):
 
 def tp_half(torch, tensors, rank, world):
     """This rank's TP part of every tensor."""
-    return {name: t if tp_dim(name) is None else tp_part(t, tp_dim(name), rank, world)
+    return {name: t if (dim := tp_dim(name)) is None else tp_part(t, dim, rank, world)
             for name, t in tensors.items()}
 
 
