@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from . import _entries, _gc
 from ._options import LoadOptions
-from ._prepare import _parse_target, _prepare, _select, _usable_target
+from ._prepare import (
+    check_selection,
+    parse_target,
+    prepare_share,
+    prepare_solo,
+    prepared_or_error,
+    select,
+    usable_target,
+)
 from ._remote import RemoteShards, _Stores, is_url
 from ._remote import resolve as resolve_url
 from ._run import LoadIterator
@@ -212,35 +220,31 @@ class Checkpoint:
             as ``load``.
         """
         began = time.perf_counter()
+        if process_group is not None:
+            def parts():
+                options_ = LoadOptions.build(**options)
+                target = usable_target(parse_target(device, dtype))
+                return options_, target, self._hold()
+            return load_shared(parts, names, plan, process_group, began)
         opts = LoadOptions.build(**options)
-        return self._iter_load(_parse_target(device, dtype), opts, names, plan, process_group,
-                               began)
+        return self._iter_load(parse_target(device, dtype), opts, names, plan, began)
 
-    def _iter_load(self, parsed, opts, names, plan, process_group, began, opened=0.0):
-        """The load of ``names`` or ``plan`` to ``parsed`` (``_parse_target``'s):
-        the device is found usable here (``_usable_target``)."""
-        if names is not None and plan is not None:
-            raise ValueError("pass names= or plan= (whose keys are the names), not both")
+    def _iter_load(self, parsed, opts, names, plan, began, opened=0.0):
+        """The load of one process of ``names`` or ``plan`` to ``parsed``
+        (``parse_target``'s): the device is found usable here."""
+        check_selection(names, plan)
         shards = self._hold()
         try:
-            if process_group is not None:
-                from ._distributed import iter_load_group
-                prepare = functools.partial(_prepare, shards, _usable_target(parsed), opts,
-                                            names, plan)
-                it = iter_load_group(prepare, process_group)
-            else:
-                # The selection before the device check, so that a cold
-                # selection's bytes are read while CUDA starts; an unusable
-                # device is still the first error.
-                try:
-                    _select(shards, names, plan)
-                except Exception:
-                    _usable_target(parsed)
-                    raise
-                target = _usable_target(parsed, shards, opts.tuned)
-                held, target, dtypes, kwargs = _prepare(shards, target, opts, None, None,
-                                                        single=True)
-                it = LoadIterator(held, target, dtypes, **kwargs)
+            # The selection before the device check, so that a cold
+            # selection's bytes are read while CUDA starts; an unusable
+            # device is still the first error.
+            try:
+                select(shards, names, plan)
+            except Exception:
+                usable_target(parsed)
+                raise
+            target = usable_target(parsed, shards, opts.tuned)
+            it = LoadIterator(prepare_solo(shards, target, opts))
         except BaseException:
             shards.close()
             raise
@@ -304,3 +308,20 @@ def _shards(source, storage_options):
         raise ValueError("storage_options apply to a URL source (s3://, gs://, az://, "
                          "https://), not to files")
     return Shards(), resolve(source)
+
+
+def load_shared(parts, names, plan, process_group, began):
+    """A load under ``process_group``, prepared inside the ranks' first
+    agreement: ``parts()`` returns the load's ``(LoadOptions, target, held
+    shards)`` and ``prepare_share`` makes it a ``Prepared``; whatever either
+    raises (bad options, an unusable device, a bad file) reaches every rank
+    at that agreement, instead of leaving the others waiting for the
+    timeout (``_distributed.iter_load_group``)."""
+    from ._distributed import iter_load_group
+
+    def prepare():
+        options, target, shards = parts()
+        return prepare_share(shards, target, options, names, plan)
+    it = iter_load_group(prepared_or_error(prepare), process_group)
+    it.timed(began)
+    return it

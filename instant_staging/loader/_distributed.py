@@ -70,6 +70,7 @@ nearly free (exchanging costs a tenth of reading): docs/design.md,
 "Measured: reading and exchanging across GPUs".
 """
 
+import dataclasses
 import datetime
 import hashlib
 import logging
@@ -122,12 +123,12 @@ class DistributedLoadIterator(LoadIterator):
     consume (or close) its iterator: a rank that drops it unstarted never
     reaches the agreements, and the others then name it after the timeout."""
 
-    def __init__(self, group, wanted, checkpoint, target, dtypes, **options):
+    def __init__(self, group, wanted, prepared):
         self._shared = _Shared(group, wanted)
-        super().__init__(checkpoint, target, dtypes, **options)
+        super().__init__(prepared)
 
-    def _generate(self, state, **options):
-        return _run.run(state, self._shared, **options)
+    def _generate(self, state):
+        return _run.run(state, self._shared)
 
     def close(self):
         # Closed before loading (never iterated, or dropped): the others
@@ -401,26 +402,26 @@ def _check_group(process_group):
     return dist
 
 
-def iter_load_group(prepare, process_group):
+def iter_load_group(prepared, process_group):
     """``iter_load`` under a process group.
 
-    ``prepare()`` checks the arguments and returns ``(checkpoint, target,
-    dtypes, options)`` as the plain loader does (or raises); ``options`` are
-    the load's keyword arguments (staging, chunk_size, io_depth, threads,
-    verify, progress, faults).
+    ``prepared`` is this rank's ``_prepare.Prepared`` (``prepare_share``),
+    or the Exception that preparing it raised: that error reaches every
+    rank at the ranks' first agreement, here.
     """
     dist = _check_group(process_group)
     group = _Group(dist, process_group, timeout_from_env())
     checkpoint = local = None
     try:
-        checkpoint, target, dtypes, options = prepare()
-        # A rank that set no knob samples the page cache; absent: it set one.
-        resident = options.pop("resident", False)
+        if isinstance(prepared, BaseException):
+            raise prepared
+        checkpoint, target = prepared.shards, prepared.target
         if target.device.type == "cpu" and group.backend == "nccl":
             raise ValueError("an NCCL process group exchanges GPU tensors: load to this rank's "
                              "GPU, or use a gloo group for device='cpu'")
         post = (True, "", checkpoint.derived("layout", _layout), _wanted(checkpoint),
-                resident, checkpoint.derived("contents", _contents), str(target.dtype))
+                prepared.resident, checkpoint.derived("contents", _contents),
+                str(target.dtype))
     except Exception as e:
         local = e
         post = (False, _describe(e), None, None, None, None, None)
@@ -444,8 +445,10 @@ def iter_load_group(prepare, process_group):
             checkpoint.close()
         raise
     wanted = [Wanted(_places(v[3][0]), v[3][1]) for v in values]
-    options.update(_for_cache([v[4] for v in values]))
-    return DistributedLoadIterator(group, wanted, checkpoint, target, dtypes, **options)
+    knobs = _for_cache([v[4] for v in values])
+    if knobs:
+        prepared = dataclasses.replace(prepared, options=dataclasses.replace(prepared.options, **knobs))
+    return DistributedLoadIterator(group, wanted, prepared)
 
 
 def _for_cache(residents):

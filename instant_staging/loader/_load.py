@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional
 
 from . import _gc
-from ._checkpoint import Checkpoint
+from ._checkpoint import Checkpoint, load_shared
 from ._options import LoadOptions
-from ._prepare import _parse_target, _prepare, _target, _usable_target
+from ._prepare import checked_target, parse_target, usable_target
 from ._run import LoadIterator
 from ._typing import Device, DType, Names, ProgressArg, Source
 
@@ -53,35 +53,26 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     if process_group is not None:
         # Every step, opening included, inside the group's first agreement:
         # a rank whose file is bad (or device unusable) tells the others.
-        def prepare(single=False):
-            opts = build()
-            target = _target(device, dtype)
+        def parts():
+            options = build()
+            target = checked_target(device, dtype)
             with Checkpoint.open(source, storage_options=storage_options) as checkpoint:
-                shards = checkpoint._hold()
-            try:
-                return _prepare(shards, target, opts, names, None, single)
-            except BaseException:
-                shards.close()
-                raise
-        from ._distributed import iter_load_group
-        it = iter_load_group(prepare, process_group)
-        it.timed(began)
-        return it
+                return options, target, checkpoint._hold()
+        return load_shared(parts, names, None, process_group, began)
     opts = build()
     # device and dtype first: a bad one is named before any file is opened.
     # Whether the device is there is asked once the checkpoint is open (in a
     # fresh process that is CUDA's start: a cold checkpoint's reads begin
     # beside it), and an unusable one is still the first error.
-    parsed = _parse_target(device, dtype)
+    parsed = parse_target(device, dtype)
     try:
         checkpoint = Checkpoint.open(source, storage_options=storage_options)
     except Exception:
-        _usable_target(parsed)
+        usable_target(parsed)
         raise
     with checkpoint:
         # (closing the handle here leaves the files to the load, which holds them)
-        return checkpoint._iter_load(parsed, opts, names, None, process_group, began,
-                                     checkpoint.open_seconds)
+        return checkpoint._iter_load(parsed, opts, names, None, began, checkpoint.open_seconds)
 
 
 def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, names: Names = None,

@@ -267,11 +267,6 @@ class LoadOptions:
             return self
         return dataclasses.replace(self, **checkpoint.default_knobs())
 
-    def run_kwargs(self, faults) -> dict:
-        """The keyword arguments of a LoadIterator's load."""
-        return {"chunk_size": self.chunk_size, "io_depth": self.io_depth, "threads": self.threads,
-                "staging": self.staging, "verify": self.verify, "progress": self.progress,
-                "faults": faults}
 
 
 def _progress_callback(progress):

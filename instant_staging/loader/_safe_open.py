@@ -50,10 +50,9 @@ from . import _staging_pool
 from ._errors import MissingTensorError
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
 from ._options import LoadOptions, _check_args, check_backend, knobs, left_unset
-from ._prepare import _prepare
-from ._prepare import _target as _load_target
+from ._prepare import checked_target, fault_plan, planned, prepare_solo
 from ._remote import RemoteShards, is_url
-from ._run import LoadIterator, fault_plan
+from ._run import LoadIterator
 from ._shards import Shards
 from ._target import _import_torch, _TorchTarget
 from ._typing import Device, PathLike
@@ -82,7 +81,7 @@ class _View:
         self.read_bytes, self.current_size = checkpoint.read_bytes, checkpoint.current_size
 
     def stop_warming(self):
-        pass        # (a read of a safe_open's is never warmed: _prepare._usable_target)
+        pass        # (a read of a safe_open's is never warmed: _prepare.usable_target)
 
     def close(self):
         pass
@@ -180,9 +179,10 @@ class _File:
                 staging = own = _staging_pool.own(target.index, io_depth * chunk_size, chunk_size)
             self.reading = True
             try:
-                with LoadIterator(view, target, [dtypes[e] for _, e in view.entries], staging=staging,
-                                  chunk_size=chunk_size, io_depth=io_depth, threads=self.threads,
-                                  faults=fault_plan(staging)) as it:
+                options = LoadOptions(chunk_size, io_depth, self.threads, tuned=False,
+                                      staging=staging, views=False)
+                with LoadIterator(planned(view, target, [dtypes[e] for _, e in view.entries],
+                                          options)) as it:
                     # Yielded in completion order; one read holds each name once.
                     loaded = dict(it)
             finally:
@@ -364,16 +364,11 @@ class safe_open:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         file = self._file
-        target = file.target if device is None else _load_target(device, None)
+        target = file.target if device is None else checked_target(device, None)
         opts = LoadOptions.build(chunk_size=file.chunk_size, io_depth=file.io_depth, threads=threads)
         file.hold()
         shards = file.checkpoint.share(file.release)
-        try:
-            held, target, dtypes, kwargs = _prepare(shards, target, opts, None, dict(plan), single=True)
-            return PrefetchLoader(LoadIterator(held, target, dtypes, **kwargs))
-        except BaseException:
-            shards.close()
-            raise
+        return PrefetchLoader(LoadIterator(prepare_solo(shards, target, opts, plan=dict(plan))))
 
     def close(self) -> None:
         """Closes the handle: the file once no slice of it is left, and gives

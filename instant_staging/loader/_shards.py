@@ -213,7 +213,7 @@ class Shards:
         view.close = close
         return view
 
-    def plan(self, plan):
+    def select_rows(self, plan):
         """Keeps, of each tensor ``plan`` maps to a slice, only those rows of
         its first dimension (``Checkpoint.load``'s ``plan=``; the selection
         is then the plan's names): only their bytes are read."""

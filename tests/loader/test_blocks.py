@@ -23,7 +23,17 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
 import instant_staging as ist
-from instant_staging.loader import TensorInfo, _blocks, _entries, _run, _shards, _staging_pool, empty_cache
+from instant_staging.loader import (
+    LoadOptions,
+    TensorInfo,
+    _blocks,
+    _entries,
+    _prepare,
+    _run,
+    _shards,
+    _staging_pool,
+    empty_cache,
+)
 from instant_staging.loader._header import TensorEntry
 from instant_staging.loader._target import _TorchTarget
 from instant_staging.testing import FaultPlan, SimulatedRuntime
@@ -115,21 +125,21 @@ def sim_pool(monkeypatch):
     empty_cache()
 
 
-def begin_device_load(paths, rt, *, views=True, own_staging=True, staging=None, faults=None,
+def begin_device_load(paths, rt, *, views=True, staging=None, faults=None,
                       names=None, chunk=CHUNK, threads=3, target_type=None, verify=True):
     """iter_load's single path on the simulated device, up to its iterator:
-    the plan and its runs, and the staging buffer started beside it.
-    Returns ``(LoadIterator, its _Start, the checkpoint)``."""
+    the plan and its runs, and the staging buffer started beside it (none
+    where ``staging`` is given).  Returns ``(LoadIterator, its ReadPlan,
+    the checkpoint)``."""
     checkpoint = _shards.Shards().open(paths if isinstance(paths, list) else [paths])
     checkpoint.select(names)
     target = (target_type or SimTarget)(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    options = {"chunk_size": chunk, "io_depth": 4, "threads": threads, "staging": staging}
-    start = _run._plan(checkpoint, target, dtypes, chunk, faults and FaultPlan.parse(faults), views)
-    if own_staging:
-        start.staging = _run._begin_staging(target, start.plan, options)
-    it = _run.LoadIterator(checkpoint, target, dtypes, verify=verify, start=start, **options)
-    return it, start, checkpoint
+    options = LoadOptions(chunk, 4, threads, tuned=False, staging=staging, verify=verify,
+                          views=views)
+    prepared = _prepare.planned(checkpoint, target, dtypes, options,
+                                faults and FaultPlan.parse(faults))
+    return _run.LoadIterator(prepared), prepared.reads, checkpoint
 
 
 def device_load(paths, rt, **kw):
@@ -374,7 +384,7 @@ def test_a_ctrl_c_while_the_views_are_made_keeps_the_block_until_the_readers_sto
     monkeypatch.setattr(_pipeline, "Pipeline", Recording)
     path = save(tmp_path, moe_tensors())
     buf = ist.StagingBuffer(8 * CHUNK, runtime=rt, segment_size=2 * CHUNK, prefault_threads=0)
-    it, start, _ = begin_device_load(path, rt, staging=buf, own_staging=False, threads=1,
+    it, start, _ = begin_device_load(path, rt, staging=buf, threads=1,
                                      target_type=ViewsInterrupted, verify=False)
     assert [r.block for r in start.runs] == [True]
     with pytest.raises(KeyboardInterrupt):
@@ -475,7 +485,7 @@ sys.path.insert(0, TESTS)
 import torch
 from safetensors.torch import save_file
 import instant_staging as ist
-from instant_staging.loader import _shards, _run, _staging_pool, empty_cache
+from instant_staging.loader import LoadOptions, _prepare, _shards, _run, _staging_pool, empty_cache
 from instant_staging.testing import SimulatedRuntime
 from support.tensors import SimTarget
 rt = state["rt"] = SimulatedRuntime()
@@ -488,10 +498,7 @@ save_file({f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)
 ck = _shards.Shards().open([p])
 target = SimTarget(rt)
 dtypes = [target.check(t, p) for _, t in ck.entries]
-opts = {"chunk_size": 8192, "io_depth": 4, "threads": 2, "staging": None}
-start = _run._plan(ck, target, dtypes, 8192, None, True)
-start.staging = _run._begin_staging(target, start.plan, opts)
-it = _run.LoadIterator(ck, target, dtypes, start=start, **opts)
+it = _run.LoadIterator(_prepare.planned(ck, target, dtypes, LoadOptions(8192, 4, 2, tuned=False)))
 """
 
 
@@ -639,7 +646,7 @@ def test_the_staging_buffer_is_made_on_the_loads_device(monkeypatch):
     monkeypatch.setattr(runtime_module, "default_runtime", lambda: rt)
     monkeypatch.setattr(_staging_pool, "_make", make_staging)
     empty_cache()
-    start = _run._StagingStart(1, 1 << 20, 1 << 16)
+    start = _prepare.PendingStaging(1, 1 << 20, 1 << 16)
     buf = start.take()
     try:
         assert current == [(0, 1)]
@@ -663,7 +670,7 @@ def test_a_load_dropped_by_the_collector_on_the_making_thread_gives_the_buffer_b
         holder[0].abandon()         # as a __del__ run by the collector here would
         return real_make(size, segment)
     monkeypatch.setattr(_staging_pool, "_make", make_then_collected)
-    holder.append(_run._StagingStart.__new__(_run._StagingStart))
+    holder.append(_prepare.PendingStaging.__new__(_prepare.PendingStaging))
     holder[0].__init__(0, 1 << 20, 1 << 16)        # starts the thread: holder[0] is there
     holder[0]._thread.join(10)
     assert not holder[0]._thread.is_alive()
@@ -693,7 +700,7 @@ def test_ctrl_c_while_next_waits_for_the_buffer_keeps_the_making_thread_waited_f
         making[0].join(10)
         print("kept", len(_staging_pool.kept()), flush=True)
         empty_cache()
-        second = _run._StagingStart(0, 1 << 20, 1 << 16)
+        second = _prepare.PendingStaging(0, 1 << 20, 1 << 16)
         signal.setitimer(signal.ITIMER_REAL, 0.1)
         try:
             second.take()           # interrupted; the program then ends
@@ -766,14 +773,14 @@ def test_an_interrupt_while_waiting_for_the_staging_buffer_gives_it_back(tmp_pat
     state, made = sim_pool
     rt = state["rt"]
     path = save(tmp_path, moe_tensors())
-    real_take = _run._StagingStart.take
+    real_take = _prepare.PendingStaging.take
 
     def interrupted(self):
         raise KeyboardInterrupt
-    monkeypatch.setattr(_run._StagingStart, "take", interrupted)
+    monkeypatch.setattr(_prepare.PendingStaging, "take", interrupted)
     with pytest.raises(KeyboardInterrupt):
         device_load(path, rt)
-    monkeypatch.setattr(_run._StagingStart, "take", real_take)
+    monkeypatch.setattr(_prepare.PendingStaging, "take", real_take)
     assert len(made) == 1 and _staging_pool.kept() == {0: made[0]}
     gc.collect()
     assert rt.live_device_allocs == 0
@@ -794,13 +801,13 @@ def test_a_close_from_another_thread_while_the_buffer_is_made_cancels_the_next(t
     rt = state["rt"]
     path = save(tmp_path, moe_tensors())
     release, waiting = threading.Event(), threading.Event()
-    real_take = _run._StagingStart.take
+    real_take = _prepare.PendingStaging.take
 
     def slow_take(self):
         waiting.set()
         release.wait(10)
         return real_take(self)
-    monkeypatch.setattr(_run._StagingStart, "take", slow_take)
+    monkeypatch.setattr(_prepare.PendingStaging, "take", slow_take)
     it, _, checkpoint = begin_device_load(path, rt, threads=2, verify=False)
     got = []
 

@@ -701,9 +701,9 @@ def test_safe_open_reads_a_cold_file_with_the_cold_knobs(tmp_path, monkeypatch, 
     seen = []
     real = _safe_open.LoadIterator
 
-    def spy(*args, **kwargs):
-        seen.append((kwargs["chunk_size"], kwargs["threads"]))
-        return real(*args, **kwargs)
+    def spy(prepared):
+        seen.append((prepared.options.chunk_size, prepared.options.threads))
+        return real(prepared)
     monkeypatch.setattr(_safe_open, "LoadIterator", spy)
 
     def check(path, tensors):

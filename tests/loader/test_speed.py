@@ -15,7 +15,7 @@ import safetensors.torch as st
 import torch
 
 import instant_staging as ist
-from instant_staging.loader import _run, _shards, load_file
+from instant_staging.loader import _shards, load_file
 from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 from instant_staging.testing import SimulatedRuntime
 
@@ -116,7 +116,7 @@ def test_allocation_failure_midway_frees_everything(saved, monkeypatch):
     path, _ = saved
     rt = SimulatedRuntime()
     buf = ist.StagingBuffer(8 * CHUNK, runtime=rt, copy_unit=CHUNK, prefault_threads=0)
-    from support.tensors import SimTarget
+    from support.tensors import SimTarget, iterator
     target = SimTarget(rt)
     calls = []
     real = target.allocate
@@ -129,8 +129,8 @@ def test_allocation_failure_midway_frees_everything(saved, monkeypatch):
     target.allocate = failing
     ck = _shards.Shards().open([path])
     dtypes = [target.check(t, path) for _, t in ck.entries]
-    with pytest.raises(MemoryError), _run.LoadIterator(
-            ck, target, dtypes, staging=buf, chunk_size=CHUNK, io_depth=4, threads=3) as it:
+    with pytest.raises(MemoryError), iterator(ck, target, dtypes, staging=buf, chunk_size=CHUNK,
+                                             io_depth=4, threads=3) as it:
         dict(it)
     import gc
     gc.collect()
@@ -143,11 +143,11 @@ def test_default_io_depth_is_two_slots_per_thread(saved):
     path, ts = saved
     rt = SimulatedRuntime()
     buf = ist.StagingBuffer(64 * CHUNK, runtime=rt, copy_unit=CHUNK, prefault_threads=0)
-    from support.tensors import SimTarget
+    from support.tensors import SimTarget, iterator
     target = SimTarget(rt)
     ck = _shards.Shards().open([path])
     dtypes = [target.check(t, path) for _, t in ck.entries]
-    with _run.LoadIterator(ck, target, dtypes, staging=buf, chunk_size=CHUNK, threads=3) as it:
+    with iterator(ck, target, dtypes, staging=buf, chunk_size=CHUNK, threads=3) as it:
         first = next(it)
         assert it._state.pipe.slots == 6       # not all 64 slots of the buffer
         got = dict([first, *it])
