@@ -92,3 +92,11 @@ def test_results_are_the_current_tables():
         assert needed in text, needed
     # no dated work log: sessions are cited, not logged
     assert not re.search(r"^## Session \d+", text, re.M)
+
+
+def test_the_sdist_holds_the_site_sources():
+    # tox -e wheel runs these tests from the unpacked sdist: the hook, the
+    # pages and mkdocs.yml must be in it
+    manifest = read("MANIFEST.in")
+    assert re.search(r"^include .*\bmkdocs\.yml\b", manifest, re.M)
+    assert re.search(r"^recursive-include docs .*\*\.md\b.*\*\.py\b", manifest, re.M)
