@@ -47,8 +47,8 @@ from instant_staging import loader
 from instant_staging.defaults import reader_threads
 from instant_staging.loader import _run as L
 from instant_staging.loader import _staging_pool
-from instant_staging.loader._checkpoint import _Checkpoint
 from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
+from instant_staging.loader._shards import Shards
 from instant_staging.loader._target import _TorchTarget
 
 MiB = C.MiB
@@ -74,7 +74,7 @@ class Files:
 
     def __init__(self, torch, paths, device):
         self.torch, self.paths, self.device = torch, paths, device
-        self.ck = _Checkpoint().open(paths)
+        self.ck = Shards().open(paths)
         self.nbytes = self.ck.total_bytes
         self.target = _TorchTarget(torch, device)
         dtypes = [self.target.check(t, paths[i]) for i, t in self.ck.entries]
@@ -107,7 +107,7 @@ def section_phases(torch, name, paths, device, repeat, out):
     for _ in range(repeat):
         t = {}
         t0 = time.perf_counter()
-        ck = _Checkpoint().open(paths)
+        ck = Shards().open(paths)
         target = _TorchTarget(torch, device)
         dtypes = [target.check(e, paths[i]) for i, e in ck.entries]
         t["headers"] = time.perf_counter() - t0
@@ -174,7 +174,7 @@ def section_phases(torch, name, paths, device, repeat, out):
     # Allocating the tensors alone (no threads running), torch's cache empty:
     # per tensor, and after reserve() (one block, then cut).
     for label, reserve in (("allocate_alone", False), ("allocate_alone_reserved", True)):
-        ck = _Checkpoint().open(paths)
+        ck = Shards().open(paths)
         target = _TorchTarget(torch, device)
         dtypes = [target.check(e, paths[i]) for i, e in ck.entries]
         times = []
@@ -292,9 +292,9 @@ class _Stamping:
         gc.callbacks.append(self._collected)
         self.real_pipe = real_pipe = _pipeline.Pipeline
         # (where, function): the label its return is stamped with
-        steps = [(_checkpoint._Checkpoint, "open", "headers parsed"),
-                 (_checkpoint._Checkpoint, "warm_if_cold", "warming asked"),
-                 (_checkpoint._Checkpoint, "stop_warming", "warming joined"),
+        steps = [(_checkpoint.Shards, "open", "headers parsed"),
+                 (_checkpoint.Shards, "warm_if_cold", "warming asked"),
+                 (_checkpoint.Shards, "stop_warming", "warming joined"),
                  (_load, "_usable_target", "device usable"),
                  (_load, "_plan", "planned"),
                  (_load, "_begin_staging", "staging begun"),

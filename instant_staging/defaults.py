@@ -45,7 +45,7 @@ MAX_THREADS = 16
 IO_DEPTH = SLOTS_PER_THREAD * MAX_THREADS
 
 # A checkpoint not in the page cache is read from disk (load_file and
-# iter_load with every knob left unset, loader/_checkpoint.py's resident()):
+# iter_load with every knob left unset, loader/_shards.py's resident()):
 # in larger reads by fewer threads, in a staging buffer of the same 128 MiB:
 # from a disk, 16 MiB reads were the fastest tried, and 4 threads of them
 # as fast as 16.  Hot, 16 threads of 4 MiB stay the defaults above

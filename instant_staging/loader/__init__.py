@@ -66,16 +66,18 @@ benchmarks), who import nothing from an underscored module of it
 from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
 from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
 from ._bytes import load
+from ._checkpoint import Checkpoint, TensorInfo
 from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
 from ._header import DTYPE_BITS, TORCH_DTYPES, SafetensorsError
-from ._load import Checkpoint, LoadOptions, TensorInfo, iter_load, load_file
+from ._load import iter_load, load_file
 from ._options import (
     DTYPE_ALIASES,
     ENV_CHUNK_SIZE,
     ENV_IO_DEPTH,
     ENV_KEEP_STAGING,
     ENV_THREADS,
+    LoadOptions,
     torch_dtype,
 )
 from ._progress import Progress

@@ -460,7 +460,7 @@ def _for_cache(residents):
 
 
 # A checkpoint's layout and its files' identity are worked out once
-# (``_Checkpoint.derived``), however many group loads it makes: each was a
+# (``Shards.derived``), however many group loads it makes: each was a
 # walk of every tensor, or reads of every file, per load (docs/design.md,
 # "Measured: a selection by names").
 

@@ -49,9 +49,9 @@ import time
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from ._checkpoint import _Checkpoint
 from ._errors import LoadError
 from ._header import SafetensorsError, header_length, parse_header
+from ._shards import Shards
 from ._source import INDEX_NAME, INDEX_SUFFIX, SHARD_SUFFIX, Source, parse_index
 
 # URL schemes and the extra that installs their client.
@@ -260,9 +260,9 @@ def _index(obstore, url, stores):
 
 # -- the checkpoint ---------------------------------------------------------------
 
-class _RemoteCheckpoint(_Checkpoint):
+class RemoteShards(Shards):
     """The objects of a URL source, with validated headers: what
-    ``_Checkpoint`` is for files.  Its "descriptors" are the objects'
+    ``Shards`` is for files.  Its "descriptors" are the objects'
     indexes, which ``fetch`` (the reader threads' read, ``Pipeline(fetch=)``)
     takes.  It owns no descriptor and no socket (the client's connection
     pool is the store's, dropped with it)."""

@@ -47,14 +47,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..defaults import io_depth_for
 from . import _staging_pool
-from ._checkpoint import _Checkpoint
 from ._errors import MissingTensorError
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
-from ._load import LoadOptions, _check_args, _prepare
-from ._load import _target as _load_target
-from ._options import check_backend, knobs, left_unset
-from ._remote import _RemoteCheckpoint, is_url
+from ._options import LoadOptions, _check_args, check_backend, knobs, left_unset
+from ._prepare import _prepare
+from ._prepare import _target as _load_target
+from ._remote import RemoteShards, is_url
 from ._run import LoadIterator, fault_plan
+from ._shards import Shards
 from ._target import _import_torch, _TorchTarget
 from ._typing import Device, PathLike
 
@@ -82,7 +82,7 @@ class _View:
         self.read_bytes, self.current_size = checkpoint.read_bytes, checkpoint.current_size
 
     def stop_warming(self):
-        pass        # (a read of a safe_open's is never warmed: _load._usable_target)
+        pass        # (a read of a safe_open's is never warmed: _prepare._usable_target)
 
     def close(self):
         pass
@@ -97,7 +97,7 @@ class _File:
     close; a slice read after that takes one from the pool for that read."""
 
     def __init__(self, checkpoint, torch, target, chunk_size, io_depth, threads):
-        self.checkpoint: _Checkpoint = checkpoint
+        self.checkpoint: Shards = checkpoint
         self.released = False           # every holder let go: the file is closed
         self.path = checkpoint.paths[0]
         self.torch, self.target = torch, target
@@ -254,11 +254,11 @@ class safe_open:
         chunk_size, io_depth, threads = knobs(None, None, None)
         _check_args(chunk_size, io_depth, threads)
         if is_url(filename):        # one object: s3://bucket/key.safetensors, https://...
-            checkpoint = _RemoteCheckpoint(_RemoteCheckpoint.one(filename, storage_options))
+            checkpoint = RemoteShards(RemoteShards.one(filename, storage_options))
         elif storage_options is not None:
             raise ValueError("storage_options apply to a URL (s3://, gs://, az://, https://), not a file")
         else:
-            checkpoint = _Checkpoint()
+            checkpoint = Shards()
         # Until the handle's _File holds it, the file is closed here on any
         # exception (a Ctrl-C too): nothing else could reach it.
         try:

@@ -23,9 +23,8 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
 import instant_staging as ist
-from instant_staging.loader import _blocks, _checkpoint, _entries, _run, _staging_pool, empty_cache
+from instant_staging.loader import TensorInfo, _blocks, _entries, _run, _shards, _staging_pool, empty_cache
 from instant_staging.loader._header import TensorEntry
-from instant_staging.loader._load import TensorInfo
 from instant_staging.loader._target import _TorchTarget
 from instant_staging.testing import FaultPlan, SimulatedRuntime
 
@@ -121,7 +120,7 @@ def begin_device_load(paths, rt, *, views=True, own_staging=True, staging=None, 
     """iter_load's single path on the simulated device, up to its iterator:
     the plan and its runs, and the staging buffer started beside it.
     Returns ``(LoadIterator, its _Start, the checkpoint)``."""
-    checkpoint = _checkpoint._Checkpoint().open(paths if isinstance(paths, list) else [paths])
+    checkpoint = _shards.Shards().open(paths if isinstance(paths, list) else [paths])
     checkpoint.select(names)
     target = (target_type or SimTarget)(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
@@ -276,7 +275,7 @@ def test_entry_columns_in_c_equal_the_python_loops(layout, known_dtypes):
 
 
 def start_entries(path):
-    ck = _checkpoint._Checkpoint().open([path])
+    ck = _shards.Shards().open([path])
     try:
         return ck.entries
     finally:
@@ -476,7 +475,7 @@ sys.path.insert(0, TESTS)
 import torch
 from safetensors.torch import save_file
 import instant_staging as ist
-from instant_staging.loader import _checkpoint, _run, _staging_pool, empty_cache
+from instant_staging.loader import _shards, _run, _staging_pool, empty_cache
 from instant_staging.testing import SimulatedRuntime
 from support.tensors import SimTarget
 rt = state["rt"] = SimulatedRuntime()
@@ -486,7 +485,7 @@ def make(size, segment):
 _staging_pool._make = make
 p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
 save_file({f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)}, p)
-ck = _checkpoint._Checkpoint().open([p])
+ck = _shards.Shards().open([p])
 target = SimTarget(rt)
 dtypes = [target.check(t, p) for _, t in ck.entries]
 opts = {"chunk_size": 8192, "io_depth": 4, "threads": 2, "staging": None}

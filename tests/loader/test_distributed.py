@@ -120,11 +120,11 @@ def test_a_ranks_selection_travels_as_a_mask_of_its_places(tmp_path, count):
     import torch
     from safetensors.torch import save_file
 
-    from instant_staging.loader import _checkpoint
+    from instant_staging.loader import _shards
     path = str(tmp_path / "m.safetensors")
     save_file({f"t{k:04d}": torch.tensor([k % 256], dtype=torch.uint8) for k in range(count)}
               | {"zz": torch.zeros(0)}, path)
-    ck = _checkpoint._Checkpoint().open([path])
+    ck = _shards.Shards().open([path])
     try:
         n = len(ck.all_entries)
         assert D._places(D._wanted(ck)[0]) == list(range(n)) and D._wanted(ck)[1] == {}

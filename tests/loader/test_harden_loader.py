@@ -325,8 +325,8 @@ def test_cancel_frees_everything_on_the_simulated_device(tmp_path):
     tensors = big_tensors(32, numel=8 << 10, seed=2)
     path = save(tmp_path, tensors)
     rt, buf = sim_staging()
-    from instant_staging.loader import _checkpoint, _run
-    checkpoint = _checkpoint._Checkpoint().open([path])
+    from instant_staging.loader import _run, _shards
+    checkpoint = _shards.Shards().open([path])
     target = SimTarget(rt)
     dtypes = [target.check(t, path) for _, t in checkpoint.entries]
     it = _run.LoadIterator(checkpoint, target, dtypes, staging=buf, chunk_size=CHUNK, threads=3)
@@ -393,8 +393,8 @@ def test_any_chunk_size_on_the_simulated_device(tmp_path, chunk):
     path = save(tmp_path, tensors)
     rt = SimulatedRuntime(faults="register#1=invalid_value")      # SEGMENTED
     buf = ist.StagingBuffer(32 << 20, runtime=rt, segment_size=3 << 20, prefault_threads=0)
-    from instant_staging.loader import _checkpoint, _run
-    checkpoint = _checkpoint._Checkpoint().open([path])
+    from instant_staging.loader import _run, _shards
+    checkpoint = _shards.Shards().open([path])
     target = SimTarget(rt)
     dtypes = [target.check(t, path) for _, t in checkpoint.entries]
     with _run.LoadIterator(checkpoint, target, dtypes, staging=buf, chunk_size=chunk) as it:

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors.torch")
 
 import instant_staging as ist
-from instant_staging.loader import LoadError, _checkpoint, _pipeline, _run, _staging_pool, empty_cache
+from instant_staging.loader import LoadError, _pipeline, _run, _shards, _staging_pool, empty_cache
 from instant_staging.testing import FaultPlan, SimulatedRuntime
 
 from support.calls import raise_on_call, raising
@@ -62,7 +62,7 @@ def begin(path, rt, *, prepared=True, views=True, faults=None, progress=None):
     """iter_load's single path up to its iterator (the plan made and the
     staging buffer started beside it where ``prepared``; else the load
     makes both)."""
-    checkpoint = _checkpoint._Checkpoint().open([path])
+    checkpoint = _shards.Shards().open([path])
     checkpoint.select(None)
     target = SimTarget(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]

@@ -15,7 +15,7 @@ import safetensors.torch as st
 import torch
 
 import instant_staging as ist
-from instant_staging.loader import _checkpoint, _run, load_file
+from instant_staging.loader import _run, _shards, load_file
 from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 from instant_staging.testing import SimulatedRuntime
 
@@ -32,7 +32,7 @@ def tensors(count=30, seed=0):
 
 
 def plan_of(path, chunk=CHUNK):
-    ck = _checkpoint._Checkpoint().open([path])
+    ck = _shards.Shards().open([path])
     plan = Plan([(ck.fds[i], t.begin, t.end) for i, t in ck.entries], chunk)
     return ck, plan
 
@@ -127,7 +127,7 @@ def test_allocation_failure_midway_frees_everything(saved, monkeypatch):
             raise MemoryError("simulated out of device memory")
         return real(entry, dtype)
     target.allocate = failing
-    ck = _checkpoint._Checkpoint().open([path])
+    ck = _shards.Shards().open([path])
     dtypes = [target.check(t, path) for _, t in ck.entries]
     with pytest.raises(MemoryError), _run.LoadIterator(
             ck, target, dtypes, staging=buf, chunk_size=CHUNK, io_depth=4, threads=3) as it:
@@ -145,7 +145,7 @@ def test_default_io_depth_is_two_slots_per_thread(saved):
     buf = ist.StagingBuffer(64 * CHUNK, runtime=rt, copy_unit=CHUNK, prefault_threads=0)
     from support.tensors import SimTarget
     target = SimTarget(rt)
-    ck = _checkpoint._Checkpoint().open([path])
+    ck = _shards.Shards().open([path])
     dtypes = [target.check(t, path) for _, t in ck.entries]
     with _run.LoadIterator(ck, target, dtypes, staging=buf, chunk_size=CHUNK, threads=3) as it:
         first = next(it)

@@ -17,7 +17,7 @@ pytest.importorskip("safetensors.torch")
 
 import instant_staging as ist
 from instant_staging import defaults
-from instant_staging.loader import _checkpoint, _run, _staging_pool, empty_cache, iter_load, load_file
+from instant_staging.loader import _run, _shards, _staging_pool, empty_cache, iter_load, load_file
 from instant_staging.testing import SimulatedRuntime
 
 from support import PAGE, run_child
@@ -168,7 +168,7 @@ def test_a_kept_buffer_is_taken_without_the_staging_thread(monkeypatch):
 
 def device_load(path, rt, made, **kw):
     """A load to the simulated device that makes its own staging buffer."""
-    checkpoint = _checkpoint._Checkpoint().open([path])
+    checkpoint = _shards.Shards().open([path])
     target = SimTarget(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
     with _run.LoadIterator(checkpoint, target, dtypes, chunk_size=CHUNK, io_depth=4,
@@ -223,7 +223,7 @@ def test_failed_load_gives_its_buffer_back_reusable(tmp_path, sim_pool):
 def test_interrupted_load_gives_its_buffer_back(tmp_path, sim_pool):
     rt, made = sim_pool
     path = save(tmp_path, mixed_tensors(count=20))
-    checkpoint = _checkpoint._Checkpoint().open([path])
+    checkpoint = _shards.Shards().open([path])
     target = SimTarget(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
     it = _run.LoadIterator(checkpoint, target, dtypes, chunk_size=CHUNK, io_depth=4, threads=2)

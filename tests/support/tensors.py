@@ -12,7 +12,7 @@ import safetensors.torch as st
 import torch
 
 import instant_staging as ist
-from instant_staging.loader import _checkpoint, _run, _target
+from instant_staging.loader import _run, _shards, _target
 from instant_staging.testing import FaultPlan
 
 from support import PAGE
@@ -142,7 +142,7 @@ class SimTarget:
 def sim_load(paths, staging, *, faults=None, threads=None, verify=False, progress=None,
              target=None):
     """Loads through SimTarget; returns {name: CPU tensor}."""
-    checkpoint = _checkpoint._Checkpoint().open(paths if isinstance(paths, list) else [paths])
+    checkpoint = _shards.Shards().open(paths if isinstance(paths, list) else [paths])
     target = target or SimTarget(staging.runtime)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
     with _run.LoadIterator(checkpoint, target, dtypes, staging=staging, chunk_size=CHUNK,
