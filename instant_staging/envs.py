@@ -4,7 +4,7 @@ The contract:
 
 - ``VARIABLES`` lists every ``INSTANT_STAGING_*`` variable, each once:
   its name, its type (a short text), its default and where it applies
-  (README's texts), and ``parse``, the one parser of its value.
+  (the docs' texts), and ``parse``, the one parser of its value.
 - Every run-time reader reads through ``get(name)`` (the parsed value) or
   ``raw(name)`` (the text); a name that is not in the table is a KeyError,
   so nothing reads a variable the table does not list.  The build-time
@@ -17,8 +17,9 @@ The contract:
 - ``parse`` takes the variable's text (stripped, never empty) and returns
   the value, or raises a ValueError naming the variable (the CLI makes it
   a usage error, exit 2); readers call it before anything is allocated.
-- README's "Environment variables" table is ``markdown_table()``'s output
-  (tests/core/test_envs.py compares them): edit the table here, then paste it.
+- The documentation's "Environment variables" page is ``markdown_table()``'s
+  output, written when the site is built (docs/_hooks.py): edit the table
+  here, nowhere else.
 
 Modelled on vLLM's ``envs.py``.  Light (the standard library and
 ``defaults``/``_types``), so any module may import it at import time; the
@@ -124,7 +125,7 @@ def _row(name: str, type: str, default: str, applies: str,
                     None if parse is None else functools.partial(parse, name))
 
 
-# -- the table (README's order) ------------------------------------------------------
+# -- the table (the docs' order) ----------------------------------------------------
 
 VARIABLES: tuple[Variable, ...] = (
     _row("INSTANT_STAGING_BACKEND", "cuda|rocm (build)",
@@ -216,7 +217,7 @@ def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
 
 
 def markdown_table() -> str:
-    """README's "Environment variables" table (no final newline)."""
+    """The docs' "Environment variables" table (no final newline)."""
     def cell(text):
         return text.replace("|", "\\|")
     lines = ["| variable | default | where it applies |", "| --- | --- | --- |"]

@@ -1,6 +1,7 @@
 """instant_staging/envs.py: the one table of INSTANT_STAGING_* variables.
 
-README's table is its output, every INSTANT_STAGING_* name in the package
+The docs' table is its output (docs/_hooks.py writes it when the site is
+built: tests/core/test_docs.py), every INSTANT_STAGING_* name in the package
 and the build is one of its rows, no module of the package reads one of
 them from the environment itself (the build's _build_backend/backends.py
 and setup.py do, at build time), each parser refuses a bad value with a
@@ -31,23 +32,6 @@ def source_files():
             dirnames[:] = [d for d in dirnames if d != "__pycache__"]
             yield from (os.path.join(dirpath, n) for n in sorted(filenames) if n.endswith(SOURCES))
     yield os.path.join(ROOT, "setup.py")
-
-
-def readme_table():
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        section = f.read().split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
-    lines = section.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("| variable |"))
-    end = start
-    while end < len(lines) and lines[end].startswith("|"):
-        end += 1
-    return "\n".join(lines[start:end])
-
-
-def test_readme_table_is_the_envs_table():
-    assert readme_table() == envs.markdown_table(), (
-        "README's environment table differs from instant_staging/envs.py's: paste "
-        "python -c 'from instant_staging import envs; print(envs.markdown_table())'")
 
 
 def test_table_rows_are_whole():
