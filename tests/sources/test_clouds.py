@@ -234,3 +234,73 @@ def test_missing_object_and_empty_prefix(cloud):
         load_file(cloud.url("none.safetensors"), storage_options=opts)
     with pytest.raises(FileNotFoundError, match=r"no model\.safetensors\.index\.json"):
         load_file(cloud.url("empty/"), storage_options=opts)
+
+
+# -- credentials: each form a server can check --------------------------------------------
+
+@pytest.mark.parametrize("cloud", ["az"], indirect=True)
+def test_azure_account_key_and_sas(cloud, tmp_path, monkeypatch):
+    """The Azure server checks Shared Key signatures and service SAS
+    tokens: the account key (storage_options or AZURE_STORAGE_ACCOUNT_KEY)
+    and a SAS (sas_key, or AZURE_STORAGE_SAS_KEY) load; a wrong key, an
+    expired SAS, a SAS without read permission, and none at all are
+    PermissionError, naming the URL and showing no key or signature."""
+    import datetime
+
+    from support.cloud_servers import AZURE_ACCOUNT, azure_sas
+    local = upload(cloud, "k", moe(), tmp_path)
+    want = load_file(local)
+    url = cloud.url("k/")
+    server = cloud.server
+    base = {"account_name": AZURE_ACCOUNT, "endpoint": f"{cloud.proxy.url}/{AZURE_ACCOUNT}",
+            "client_options": {"allow_http": True}}
+
+    def auth_of_last(n):
+        return set(server.auth[-n:])
+
+    n = len(server.auth)
+    same(load_file(url, storage_options={**base, "access_key": AZURE_KEY}), want)
+    assert auth_of_last(len(server.auth) - n) == {"SharedKey"}
+
+    sas = azure_sas(cloud.bucket)
+    n = len(server.auth)
+    same(load_file(url, storage_options={**base, "sas_key": sas}), want)
+    assert auth_of_last(len(server.auth) - n) == {"SAS"}
+
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", AZURE_ACCOUNT)
+    monkeypatch.setenv("AZURE_STORAGE_SAS_KEY", sas)
+    n = len(server.auth)
+    same(load_file(url, storage_options={"endpoint": base["endpoint"],
+                                         "client_options": {"allow_http": True}}), want)
+    assert auth_of_last(len(server.auth) - n) == {"SAS"}
+    monkeypatch.delenv("AZURE_STORAGE_SAS_KEY")
+
+    other_key = "A" * 86 + "=="
+    expired = azure_sas(cloud.bucket, expiry=datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc))
+    write_only = azure_sas(cloud.bucket, permissions="w")
+    for bad, shown in [({"access_key": other_key}, other_key[:20]),
+                       ({"sas_key": expired}, expired.split("sig=")[1][:12]),
+                       ({"sas_key": write_only}, write_only.split("sig=")[1][:12]),
+                       ({"skip_signature": "true"}, None)]:
+        fds = _fds()
+        with pytest.raises(PermissionError, match="access denied") as e:
+            load_file(cloud.url("k/model.safetensors"), storage_options={**base, **bad})
+        assert cloud.url("k/model.safetensors") in str(e.value)
+        assert shown is None or shown not in str(e.value), bad
+        assert AZURE_KEY[:20] not in str(e.value)
+        assert _settled(_threads(), fds)
+
+
+@pytest.mark.parametrize("cloud", ["gs"], indirect=True)
+def test_gcs_service_account_file(cloud, tmp_path, monkeypatch):
+    """A service-account file, by storage_options (service_account_path)
+    or by GOOGLE_SERVICE_ACCOUNT (the environment test above): its
+    gcs_base_url reaches the server.  fake-gcs-server checks no token,
+    so what the file signs is not tested (docs/object-storage-emulators.md)."""
+    local = upload(cloud, "sa", moe(), tmp_path)
+    cloud.proxy.reset_counts()
+    same(load_file(cloud.url("sa/"), storage_options={"service_account_path": cloud.sa_path}),
+         load_file(local))
+    assert cloud.proxy.requests
+    with pytest.raises((ValueError, OSError)):
+        load_file(cloud.url("sa/"), storage_options={"service_account_path": str(tmp_path / "none.json")})

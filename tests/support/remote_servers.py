@@ -548,7 +548,8 @@ class FaultProxy(_Threaded):
     back, unless a fault set through fail/reset/truncate/delay applies.
     ``requests`` lists a Seen (method, path, range) for every request,
     ``request_headers`` its headers (a dict, names in lower case);
-    ``body_bytes``: the bytes of answer bodies relayed to clients.
+    ``body_bytes``: the bytes of answer bodies relayed to clients,
+    ``bytes_by_path`` the same for each path (the target without its query).
     ``rewrite_host``: forward with the upstream's Host instead of the
     client's (for a server that routes by Host, such as fake-gcs-server;
     it breaks SigV4, which signs Host).
@@ -558,6 +559,7 @@ class FaultProxy(_Threaded):
         super().__init__()
         self.rewrite_host = rewrite_host
         self.body_bytes = 0
+        self.bytes_by_path = {}
         parts = urllib.parse.urlsplit(upstream)
         if parts.scheme != "http":
             raise ValueError(f"FaultProxy forwards to http:// upstreams only, not {upstream!r}")
@@ -629,6 +631,7 @@ class FaultProxy(_Threaded):
             self.requests.clear()
             self.request_headers.clear()
             self.body_bytes = 0
+            self.bytes_by_path.clear()
 
     def _take(self, seen, headers):
         with self._lock:
@@ -764,8 +767,11 @@ class _ProxyHandler(_Handler):
                 break
             sent += len(data)
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
-            with self.server.owner._lock:
-                self.server.owner.body_bytes += len(data)
+            owner = self.server.owner
+            with owner._lock:
+                owner.body_bytes += len(data)
+                key = self.path.split("?", 1)[0]
+                owner.bytes_by_path[key] = owner.bytes_by_path.get(key, 0) + len(data)
         if chunked:
             self.wfile.write(b"0\r\n\r\n")
         if cut is not None and fault.kind != "delay":   # the body was shorter than after_bytes
