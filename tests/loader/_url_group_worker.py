@@ -25,6 +25,7 @@ def main(spec_path, rank):
     from safetensors.torch import load_file as st_load
 
     from instant_staging.loader import iter_load
+
     from support.remote_servers import fast_retry_config
 
     world = spec["world"]

@@ -58,7 +58,8 @@ def run_world(tmp, world, proxy, scenarios):
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     env = dict(os.environ, INSTANT_STAGING_DIST_TIMEOUT="30", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_PARENT, TESTS, os.environ.get("PYTHONPATH")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_PARENT, TESTS, os.environ.get("PYTHONPATH"))
+                                          if p))
     env.pop("INSTANT_STAGING_FAULTS", None)
     procs = [subprocess.Popen([sys.executable, WORKER, spec_path, str(r)], cwd=tmp, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -207,7 +207,7 @@ def test_object_replaced_between_retries_of_a_range(cloud, tmp_path):
         proxy.truncate(1, after_bytes=100, method="GET", ranged=True)
         proxy.hook(lambda seen: cloud.put(f"rr/{files[0][0]}", raw[:-1] + bytes([raw[-1] ^ 1])), 1,
                    method="GET", ranged=True)
-        with pytest.raises(LoadError, match="changed while it was loaded|no such object"):
+        with pytest.raises(LoadError, match=r"changed while it was loaded|no such object"):
             ck.load("cpu", chunk_size=1 << 20)
 
 

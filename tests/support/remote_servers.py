@@ -720,7 +720,7 @@ class _ProxyHandler(_Handler):
                 proxy = self.server.owner
                 conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
                 if proxy.rewrite_host:
-                    conn.putheader("Host", "%s:%d" % proxy.upstream)
+                    conn.putheader("Host", "{}:{}".format(*proxy.upstream))
                 for k, v in self.headers.items():
                     if k.lower() not in _HOP and k.lower() != "content-length" and \
                             not (proxy.rewrite_host and k.lower() == "host"):
