@@ -114,3 +114,18 @@ def test_requester_pays(bare_env, model, fault_proxy, how):
     got = load(url, fault_proxy, access_key_id=ACCESS_KEY, secret_access_key="testing", **config)
     assert torch.equal(got["w"], want["w"])
     assert {h.get("x-amz-request-payer") for h in fault_proxy.request_headers} == {"requester"}
+
+
+def test_aws_profile_is_not_read(bare_env, model, fault_proxy, creds_server, tmp_path):
+    """obstore 0.12 reads no AWS profile: with AWS_PROFILE and a shared
+    credentials file, the next source in its chain (instance metadata
+    here) signs.  docs/object-storage-emulators.md says what to do instead;
+    this test fails once obstore reads profiles, to update the docs."""
+    (tmp_path / "credentials").write_text(
+        "[loader]\naws_access_key_id = AKIAPROFILEKEY000001\naws_secret_access_key = profile-secret\n")
+    bare_env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    bare_env.setenv("AWS_PROFILE", "loader")
+    bare_env.setenv("AWS_METADATA_ENDPOINT", creds_server.url)
+    url, want = model
+    assert torch.equal(load(url, fault_proxy)["w"], want["w"])
+    assert signed_by(fault_proxy) == {AwsCredentialServer.IMDS_KEY}
