@@ -304,3 +304,29 @@ def test_gcs_service_account_file(cloud, tmp_path, monkeypatch):
     assert cloud.proxy.requests
     with pytest.raises((ValueError, OSError)):
         load_file(cloud.url("sa/"), storage_options={"service_account_path": str(tmp_path / "none.json")})
+
+
+def test_gcs_server_exits_with_its_parent():
+    """fake-gcs-server (a Go binary, which watches no pipe) is killed when
+    the process that started it dies, not only on stop()."""
+    import subprocess
+    import sys
+
+    from support import TESTS
+    from support.cloud_servers import require_gcs
+    require_gcs()
+    script = ("import os, sys; sys.path.insert(0, sys.argv[1]); import support.cloud_servers as c; "
+              "s = c.GCSServer().start(); print(s.pid, flush=True); os.kill(os.getpid(), 9)")
+    out = subprocess.run([sys.executable, "-c", script, TESTS], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"fake-gcs-server (pid {pid}) outlived its parent")
