@@ -486,12 +486,18 @@ def _contents(checkpoint):
     the sampled pages (one byte elsewhere): ``verify=True`` checks every
     tensor against its file, and fails on the rank whose tensor came from
     the other copy.  A URL's objects are not fetched again for the pages
-    (one ranged GET for the header each)."""
+    (one ranged GET for the header each); each is named instead by
+    ``(url, ETag, version)`` as it was opened, a fifth item (None for a
+    file): ranks that opened the same URL at another ETag or version saw
+    two versions of it (replaced between their opens; on a versioned
+    bucket each rank's GETs would get its own)."""
     out = []
     for i, h in enumerate(checkpoint.headers):
         header = hashlib.sha256(checkpoint.read_bytes(i, 0, h.data_start)).hexdigest()
-        pages = None
-        if checkpoint.fetch is None:        # files
+        pages = origin = None
+        if checkpoint.fetch is not None:
+            origin = checkpoint.origin(i)
+        else:                               # files
             data = h.file_size - h.data_start
             if data <= IDENTITY_PAGES * _PAGE:
                 spans = [(h.data_start, data)]
@@ -503,7 +509,7 @@ def _contents(checkpoint):
             for offset, length in spans:
                 digest.update(checkpoint.read_bytes(i, offset, length))
             pages = digest.hexdigest()
-        out.append((os.path.basename(checkpoint.paths[i]), h.file_size, header, pages))
+        out.append((os.path.basename(checkpoint.paths[i]), h.file_size, header, pages, origin))
     return out
 
 
@@ -518,6 +524,9 @@ def _differences(contents, dtypes):
         for mine, first in zip(contents[r], contents[0]):
             parts = [part for part, a, b in (("size", mine[1], first[1]), ("header", mine[2], first[2]),
                                              ("sampled data pages", mine[3], first[3])) if a != b]
+            if mine[4] and first[4] and mine[4][0] == first[4][0] and mine[4][1:] != first[4][1:]:
+                parts.append(f"ETag or version ({mine[4][1]}, {mine[4][2]} where rank 0 opened "
+                             f"{first[4][1]}, {first[4][2]}: the object was replaced between the opens)")
             if parts:
                 what.append(f"{mine[0]} differs from rank 0's {first[0]} in its {' and '.join(parts)}")
         if what:

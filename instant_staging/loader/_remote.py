@@ -340,6 +340,13 @@ class RemoteShards(Shards):
                                               what="reading its header")
         self.headers.append(parse_header(raw, url, obj.size))
 
+    def origin(self, index):
+        """``(url, ETag, version)`` of object ``index`` as it was opened
+        (the URL without credentials; ETag and version None where the
+        server gives none): its identity for a group's check."""
+        obj = self._objects[index]
+        return _safe(obj.url), obj.etag, obj.version
+
     def resident(self, samples=None):
         return None         # no page cache to ask
 

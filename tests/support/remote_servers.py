@@ -547,11 +547,19 @@ class FaultProxy(_Threaded):
     included, so SigV4 signatures stay valid; body), and streams the answer
     back, unless a fault set through fail/reset/truncate/delay applies.
     ``requests`` lists a Seen (method, path, range) for every request,
-    ``request_headers`` its headers (a dict, names in lower case).
+    ``request_headers`` its headers (a dict, names in lower case);
+    ``body_bytes``: the bytes of answer bodies relayed to clients,
+    ``bytes_by_path`` the same for each path (the target without its query).
+    ``rewrite_host``: forward with the upstream's Host instead of the
+    client's (for a server that routes by Host, such as fake-gcs-server;
+    it breaks SigV4, which signs Host).
     """
 
-    def __init__(self, upstream, upstream_timeout=60.0):
+    def __init__(self, upstream, upstream_timeout=60.0, rewrite_host=False):
         super().__init__()
+        self.rewrite_host = rewrite_host
+        self.body_bytes = 0
+        self.bytes_by_path = {}
         parts = urllib.parse.urlsplit(upstream)
         if parts.scheme != "http":
             raise ValueError(f"FaultProxy forwards to http:// upstreams only, not {upstream!r}")
@@ -622,6 +630,8 @@ class FaultProxy(_Threaded):
         with self._lock:
             self.requests.clear()
             self.request_headers.clear()
+            self.body_bytes = 0
+            self.bytes_by_path.clear()
 
     def _take(self, seen, headers):
         with self._lock:
@@ -707,9 +717,13 @@ class _ProxyHandler(_Handler):
         for attempt in range(2):
             conn = self._upstream()
             try:
+                proxy = self.server.owner
                 conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                if proxy.rewrite_host:
+                    conn.putheader("Host", "{}:{}".format(*proxy.upstream))
                 for k, v in self.headers.items():
-                    if k.lower() not in _HOP and k.lower() != "content-length":
+                    if k.lower() not in _HOP and k.lower() != "content-length" and \
+                            not (proxy.rewrite_host and k.lower() == "host"):
                         conn.putheader(k, v)
                 if body or "Content-Length" in self.headers or "Transfer-Encoding" in self.headers:
                     conn.putheader("Content-Length", str(len(body)))
@@ -753,6 +767,11 @@ class _ProxyHandler(_Handler):
                 break
             sent += len(data)
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            owner = self.server.owner
+            with owner._lock:
+                owner.body_bytes += len(data)
+                key = self.path.split("?", 1)[0]
+                owner.bytes_by_path[key] = owner.bytes_by_path.get(key, 0) + len(data)
         if chunked:
             self.wfile.write(b"0\r\n\r\n")
         if cut is not None and fault.kind != "delay":   # the body was shorter than after_bytes
