@@ -322,6 +322,14 @@ def load_shared(parts, names, plan, process_group, began):
     def prepare():
         options, target, shards = parts()
         return prepare_share(shards, target, options, names, plan)
-    it = iter_load_group(prepared_or_error(prepare), process_group)
+    prepared = prepared_or_error(prepare)
+    try:
+        it = iter_load_group(prepared, process_group)
+    except BaseException:
+        # (a group refused before any agreement: not a group, this process
+        # not a member; or a failure every rank was told of)
+        if not isinstance(prepared, BaseException):
+            prepared.shards.close()
+        raise
     it.timed(began)
     return it

@@ -54,7 +54,7 @@ from ._prepare import checked_target, fault_plan, planned, prepare_solo
 from ._remote import RemoteShards, is_url
 from ._run import LoadIterator
 from ._shards import Shards
-from ._target import _import_torch, _TorchTarget
+from ._target import _import_torch, _TorchTarget, parse_device
 from ._typing import Device, PathLike
 
 if TYPE_CHECKING:
@@ -250,7 +250,7 @@ class safe_open:
             raise ValueError(f"framework {framework!r} is not supported: instant_staging.loader.safe_open "
                              "returns torch tensors (framework='pt'); use safetensors.safe_open for others")
         torch = _import_torch()
-        target = _TorchTarget(torch, device)
+        target = _TorchTarget(torch, parse_device(torch, device))
         chunk_size, io_depth, threads = knobs(None, None, None)
         _check_args(chunk_size, io_depth, threads)
         if is_url(filename):        # one object: s3://bucket/key.safetensors, https://...

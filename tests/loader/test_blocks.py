@@ -546,7 +546,7 @@ def test_fork_while_the_staging_buffer_is_made():
                          ids=str)
 def test_torch_views_have_the_files_shape_and_bytes(dtype):
     # The torch target's views (set_ on the block's storage) on the CPU.
-    target = _TorchTarget(torch, "cpu")
+    target = _TorchTarget(torch, torch.device("cpu"))
     item = torch.empty((), dtype=dtype).element_size()
     a = random_tensor(dtype, [3, 5], 1)
     b = random_tensor(dtype, [7], 2)
@@ -976,7 +976,7 @@ def test_deterministic_fill_of_new_gpu_memory_is_waited_for_before_copies(monkey
         are_deterministic_algorithms_enabled=lambda: torch.are_deterministic_algorithms_enabled(),
         cuda=SimpleNamespace(OutOfMemoryError=torch.cuda.OutOfMemoryError,
                              current_stream=lambda d: SimpleNamespace(synchronize=lambda: synced.append(d))))
-    target = _TorchTarget(torch, "cpu")
+    target = _TorchTarget(torch, torch.device("cpu"))
     target.torch, target.device = fake, torch.device("cuda", 0)
     entry = TensorEntry("a", "F32", (4,), 0, 16)
     run = _blocks.Run(0, 1, 0, 16, True)

@@ -179,14 +179,15 @@ def test_a_group_loads_samples_the_cache_only_where_no_knob_is_set(tmp_path, mon
     st.save_file({"a": torch.ones(3)}, path)
     seen = []
 
-    def group(prepare, process_group):
-        seen.append(prepare()[3].get("resident", "absent"))
+    def group(prepared, process_group):
+        seen.append(prepared.resident)
+        prepared.shards.close()
         raise RuntimeError("stop")
     monkeypatch.setattr(D, "iter_load_group", group)
     for kw in ({}, {"threads": 2}):
         with pytest.raises(RuntimeError, match="stop"):
             _load.iter_load(path, process_group=object(), **kw)
-    assert seen[0] in (1.0, None) and seen[1] == "absent"
+    assert seen[0] in (1.0, None) and seen[1] is False     # False: a knob set, no sample
 
 
 def test_error_pickles():

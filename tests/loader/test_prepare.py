@@ -157,7 +157,10 @@ def test_a_bad_rank_raises_on_every_rank_within_seconds(tmp_path, entry, bad):
                 p.wait()
     for r, (p, text) in enumerate(zip(procs, texts)):
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{text[-3000:]}"
-    got = [json.load(open(o)) for o in outs]
+    got = []
+    for o in outs:
+        with open(o) as f:
+            got.append(json.load(f))
     words = "not available" if bad == "device" else "threads"
     assert words in got[1]["error"], got[1]
     assert "DistributedLoadError" in got[0]["error"] and "rank 1" in got[0]["error"], got[0]
@@ -165,3 +168,22 @@ def test_a_bad_rank_raises_on_every_rank_within_seconds(tmp_path, entry, bad):
     for rec in got:
         assert rec["seconds"] < 30, rec         # not INSTANT_STAGING_DIST_TIMEOUT's 600 s
         assert rec["fds"] == [] and rec["threads"] <= 0, rec
+
+
+@pytest.mark.parametrize("entry", ["module", "checkpoint"])
+def test_a_group_refused_before_any_agreement_leaves_no_file_open(tmp_path, entry):
+    # Preparing (the files opened and held) comes before the group is
+    # looked at: a refused group gives the held share back.
+    from instant_staging.loader import Checkpoint, iter_load
+    path = save(tmp_path, {"a": torch.ones(3)})
+
+    def open_on_path():
+        return sum(os.path.realpath(os.path.join("/proc/self/fd", fd)) == os.path.realpath(path)
+                   for fd in os.listdir("/proc/self/fd"))
+    with pytest.raises((TypeError, RuntimeError), match="ProcessGroup|not initialized"):
+        if entry == "module":
+            iter_load(path, process_group="world")
+        else:
+            with Checkpoint.open(path) as ck:
+                ck.iter_load(process_group="world")
+    assert open_on_path() == 0

@@ -93,7 +93,7 @@ class SimTarget:
     def __init__(self, rt):
         from instant_staging.loader._pipeline import DEVICE
         self.rt, self.mode, self.index = rt, DEVICE, 0
-        self.torch_target = _target._TorchTarget(torch, "cpu")
+        self.torch_target = _target._TorchTarget(torch, torch.device("cpu"))
 
     def check(self, entry, path):
         return self.torch_target.check(entry, path)
