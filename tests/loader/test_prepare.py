@@ -180,7 +180,7 @@ def test_a_group_refused_before_any_agreement_leaves_no_file_open(tmp_path, entr
     def open_on_path():
         return sum(os.path.realpath(os.path.join("/proc/self/fd", fd)) == os.path.realpath(path)
                    for fd in os.listdir("/proc/self/fd"))
-    with pytest.raises((TypeError, RuntimeError), match="ProcessGroup|not initialized"):
+    with pytest.raises((TypeError, RuntimeError), match=r"ProcessGroup|not initialized"):
         if entry == "module":
             iter_load(path, process_group="world")
         else:
