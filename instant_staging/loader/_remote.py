@@ -44,10 +44,11 @@ from __future__ import annotations
 import os
 import posixpath
 import random
+import re
 import threading
 import time
 from collections.abc import Mapping
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from ._checkpoint import _Checkpoint
 from ._errors import LoadError
@@ -125,11 +126,20 @@ class _Stores:
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in SCHEMES:
-            raise ValueError(f"{url}: scheme {parts.scheme!r} is not one of {', '.join(SCHEMES)}")
+            raise ValueError(f"{_safe(url)}: scheme {parts.scheme!r} is not one of "
+                             f"{', '.join(SCHEMES)}")
         if not parts.netloc:
-            raise ValueError(f"{url}: no bucket or host in the URL")
+            raise ValueError(f"{_safe(url)}: no bucket or host in the URL")
         if parts.query or parts.fragment:
             raise ValueError(f"{_safe(url)}: a source URL takes no query or fragment")
+        if parts.password is not None:
+            # Neither used nor kept: a password in a URL ends up in messages,
+            # reports and shell history.  (README, "Object storage".)
+            raise ValueError(f"{_safe(url)}: a password in the URL is not used: pass "
+                             "credentials through storage_options= or the environment "
+                             "(AWS_*, GOOGLE_*, AZURE_*; for https, an Authorization "
+                             "header in storage_options={'client_options': "
+                             "{'default_headers': ...}})")
         root = f"{scheme}://{parts.netloc}"
         store = self._stores.get(root)
         if store is None:
@@ -157,16 +167,67 @@ class _Stores:
             raise ValueError(f"{root}: cannot make an object-store client: {_describe(e)}") from None
 
 
-def _safe(url):
-    """``url`` without anything after the path (a signed URL's secrets)."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+# A query parameter whose value is a secret: a presigned URL's signature
+# and credential (S3's X-Amz-*, GCS's X-Goog-*, the old AWSAccessKeyId &
+# Signature), an Azure SAS's sig, and anything named like a token or a key.
+_SECRET_PARAMS = ("sig", "awsaccesskeyid")
+_SECRET_WORDS = ("token", "signature", "secret", "key", "credential", "password")
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+REDACTED = "***"
+
+
+def _secret_param(name):
+    name = unquote(name).lower()
+    return name in _SECRET_PARAMS or any(word in name for word in _SECRET_WORDS)
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown: in messages, reprs, reports, logs.
+
+    A password in the userinfo becomes ``***`` (``user:***@host``), as do
+    the values of query parameters that carry a secret (a presigned URL's
+    ``X-Amz-Signature``/``X-Amz-Credential``/``X-Amz-Security-Token``,
+    ``X-Goog-Signature``, an Azure SAS's ``sig``, any parameter named like
+    a token, signature, secret, key, credential or password) and a
+    fragment; the scheme, host, path and the other parameters stay, so the
+    object is recognised.  A URL without secrets is returned unchanged.
+
+    Args:
+        url: any URL (or text that is not one: returned as it is).
+
+    Returns:
+        The URL with its secrets replaced by ``***``.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0),
+              default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]
+    userinfo, at, host = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.split(':', 1)[0]}:{REDACTED}@{host}"
+    tail, hash_, fragment = tail.partition("#")
+    path, q, query = tail.partition("?")
+    if query:
+        query = "&".join(f"{p.split('=', 1)[0]}={REDACTED}" if _secret_param(p.split("=", 1)[0])
+                         else p for p in query.split("&"))
+    return f"{scheme}://{netloc}{path}{q}{query}" + (f"#{REDACTED}" if hash_ else "")
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it passed through ``redact_url``."""
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+
+
+_safe = redact_url
 
 
 def _describe(exc):
-    """The client's message, first line: it names the request, never the credentials."""
+    """The client's message, first line: it names the request (its URLs
+    redacted), never the credentials."""
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return redact_text(text[0]) if text else type(exc).__name__
 
 
 def _classify(obstore, exc, url, what):
@@ -210,7 +271,7 @@ def resolve(source, stores: _Stores) -> tuple[Source, list[_Object]]:
     for u in items:
         if not is_url(u):
             raise TypeError(f"a list of URLs must hold only URLs of {', '.join(SCHEMES)}, "
-                            f"got {u!r}")
+                            f"got {redact_text(repr(u))}")
         if u.endswith("/") or u.endswith(".json"):
             raise ValueError(f"{_safe(u)} is a directory or an index: pass it alone, not in a "
                              "list of shards")
@@ -218,8 +279,12 @@ def resolve(source, stores: _Stores) -> tuple[Source, list[_Object]]:
 
 
 def _objects(urls, stores, index=None, weight_map=None):
+    # The Source (the checkpoint's paths, its files and messages) names
+    # each object as it may be shown: redact_url.
     objects = [_Object(u, *stores.split(u)) for u in urls]
-    return Source([o.url for o in objects], index, weight_map), objects
+    if weight_map is not None:
+        weight_map = {name: _safe(u) for name, u in weight_map.items()}
+    return Source([_safe(o.url) for o in objects], index and _safe(index), weight_map), objects
 
 
 def _listing(obstore, url, stores):
@@ -250,8 +315,8 @@ def _index(obstore, url, stores):
     except Exception as e:
         raise _classify(obstore, e, _safe(url), "reading the index") from None
     if not url.endswith(INDEX_SUFFIX):
-        raise SafetensorsError(f"an index must be named *{INDEX_SUFFIX}", url)
-    weight_map = parse_index(raw, url)
+        raise SafetensorsError(f"an index must be named *{INDEX_SUFFIX}", _safe(url))
+    weight_map = parse_index(raw, _safe(url))
     base = url.rsplit("/", 1)[0] + "/"
     shards = sorted(set(weight_map.values()))
     return _objects([base + s for s in shards], stores, url,
@@ -316,6 +381,7 @@ class _RemoteCheckpoint(_Checkpoint):
 
     def _open(self, url, got=None):
         """Opens object ``url`` with ``got``, ``_first``'s answer for it."""
+        url = _safe(url)        # as it is shown (the object is ``_objects[index]``)
         index = len(self.paths)
         obj = self._objects[index]
         obstore = self._obstore
