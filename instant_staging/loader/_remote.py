@@ -207,7 +207,7 @@ def redact_url(url: str) -> str:
     userinfo, at, host = netloc.rpartition("@")
     if at and ":" in userinfo:
         netloc = f"{userinfo.split(':', 1)[0]}:{REDACTED}@{host}"
-    tail, hash_, fragment = tail.partition("#")
+    tail, hash_, _ = tail.partition("#")
     path, q, query = tail.partition("?")
     if query:
         query = "&".join(f"{p.split('=', 1)[0]}={REDACTED}" if _secret_param(p.split("=", 1)[0])
