@@ -28,8 +28,10 @@ The header is validated exactly as a local file's.  The data ranges are
 then fetched by the loader's reader threads (``Pipeline(fetch=)``): one
 ranged GET per chunk, straight into a staging slot.  Every GET carries
 ``If-Match`` with the ETag the first GET saw (and the version, where the store
-versions objects), so an object replaced during a load is an error naming
-it, never a model built from two versions.
+versions objects), and each answer's ETag (its Last-Modified where the
+server gives no ETag; its size always) is compared with the pinned one (a
+server may ignore ``If-Match``), so an object replaced during a load is an
+error naming it, never a model built from two versions.
 
 Failures: the client retries 5xx answers, throttling and connection errors
 with backoff (``retry_config``), and resumes a body cut short from where it
@@ -41,6 +43,7 @@ is opened: before anything is allocated.
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import random
@@ -54,6 +57,8 @@ from ._checkpoint import _Checkpoint
 from ._errors import LoadError
 from ._header import SafetensorsError, header_length, parse_header
 from ._source import INDEX_NAME, INDEX_SUFFIX, SHARD_SUFFIX, Source, parse_index
+
+log = logging.getLogger("instant_staging")
 
 # URL schemes and the extra that installs their client.
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "http", "https")
@@ -101,11 +106,33 @@ def _obstore():
 class _Object:
     """One object of a remote checkpoint: where it is and which version."""
 
-    __slots__ = ("etag", "key", "size", "store", "url", "version")
+    __slots__ = ("etag", "key", "modified", "size", "store", "url", "version")
 
     def __init__(self, url, store, key):
         self.url, self.store, self.key = url, store, key
-        self.size = self.etag = self.version = None
+        self.size = self.etag = self.version = self.modified = None
+
+    def pin(self, meta):
+        """Takes the version the first answer names: size, ETag, version,
+        Last-Modified."""
+        self.size, self.etag, self.version = meta["size"], meta.get("e_tag"), meta.get("version")
+        self.modified = meta.get("last_modified")
+
+    def changed(self, meta):
+        """What of ``meta`` (a range answer's) differs from the pinned
+        version, or None: a server that ignores ``If-Match`` still names the
+        version it answered with.  The ETag where the first answer had one;
+        else Last-Modified; the size always."""
+        if meta.get("size") != self.size:
+            return f"its size is {meta.get('size')}, not {self.size}"
+        if self.etag is not None:
+            if meta.get("e_tag") != self.etag:
+                return f"its ETag is {meta.get('e_tag')}, not {self.etag}"
+        elif self.modified is not None and meta.get("last_modified") != self.modified:
+            return f"it was modified at {meta.get('last_modified')}, not {self.modified}"
+        if self.version is not None and meta.get("version") not in (None, self.version):
+            return f"its version is {meta.get('version')}, not {self.version}"
+        return None
 
 
 class _Stores:
@@ -144,7 +171,13 @@ class _Stores:
         store = self._stores.get(root)
         if store is None:
             store = self._stores[root] = self._make(root, scheme)
-        return store, parts.path.lstrip("/")
+        key = parts.path.lstrip("/")
+        if scheme in ("http", "https"):
+            # An http(s) URL's path is percent-encoded already; the client
+            # encodes a key again (a space as %20, so %20 as %2520): the
+            # key is the path decoded.  (An s3:// URL's is the key as it is.)
+            key = unquote(key)
+        return store, key
 
     def _make(self, root, scheme):
         obstore = _obstore()
@@ -338,6 +371,7 @@ class _RemoteCheckpoint(_Checkpoint):
         self._error_lock = threading.Lock()
         self._stop = threading.Event()
         self._obstore = _obstore()
+        self._unpinned = False      # an object without an ETag was said (once)
         super().__init__()          # open(): the objects' URLs, in order
 
     def share(self, release):
@@ -392,7 +426,11 @@ class _RemoteCheckpoint(_Checkpoint):
                 raise _classify(obstore, e, _safe(url), "asking for its size") from None
         else:
             meta, first = got
-        obj.size, obj.etag, obj.version = meta["size"], meta.get("e_tag"), meta.get("version")
+        obj.pin(meta)
+        if obj.etag is None and not self._unpinned:
+            self._unpinned = True
+            log.warning("%s: the server gives no ETag: a change during the load is seen only "
+                        "by the object's size and Last-Modified (one a second)", url)
         self.fds.append(index)
         self.paths.append(url)
         want = min(obj.size, HEADER_PREFETCH)
@@ -447,11 +485,19 @@ class _RemoteCheckpoint(_Checkpoint):
             if self._stop.is_set():
                 raise LoadError(f"{url}: the load was cancelled", url)
             try:
-                data = obstore.get(obj.store, obj.key, options=options).bytes()
+                got = obstore.get(obj.store, obj.key, options=options)
+                changed = obj.changed(got.meta)
+                if changed is not None:
+                    raise RemoteChangedError(f"{url}: the object changed while it was loaded "
+                                             f"({changed}; the server did not refuse the "
+                                             "request): load again", url)
+                data = got.bytes()
                 if len(data) == length:
                     return data
                 problem = OSError(f"{url}: {what}: got {len(data)} of the {length} bytes at "
                                   f"byte {offset}")
+            except RemoteChangedError:
+                raise
             except Exception as e:
                 problem = _classify(obstore, e, url, what)
                 if _permanent(obstore, e) or isinstance(problem, RemoteChangedError):
