@@ -43,6 +43,7 @@ is opened: before anything is allocated.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
@@ -146,6 +147,14 @@ class _Stores:
         self.client_options = dict(options.pop("client_options", None) or {})
         self.retry_config = options.pop("retry_config", None)
         self.config = options
+        for key, value in options.items():
+            _check_value(f"storage_options[{key!r}]", value, endpoint="endpoint" in str(key).lower())
+        for key, value in self.client_options.items():
+            if isinstance(value, Mapping):      # default_headers
+                for k, v in value.items():
+                    _check_value(f"storage_options['client_options'][{key!r}][{k!r}]", v)
+            else:
+                _check_value(f"storage_options['client_options'][{key!r}]", value)
         self._stores = {}
 
     def split(self, url):
@@ -181,6 +190,7 @@ class _Stores:
 
     def _make(self, root, scheme):
         obstore = _obstore()
+        _check_environment(scheme)
         client = dict(self.client_options)
         config = dict(self.config)
         if scheme in ("s3", "s3a"):
@@ -195,9 +205,64 @@ class _Stores:
             client.setdefault("allow_http", True)
         kwargs = {"client_options": client or None, "retry_config": self.retry_config}
         try:
-            return obstore.store.from_url(root, config=config or None, **kwargs)
+            with _no_panic(root):
+                return obstore.store.from_url(root, config=config or None, **kwargs)
+        except ClientPanic:
+            raise
         except Exception as e:
             raise ValueError(f"{root}: cannot make an object-store client: {_describe(e)}") from None
+
+
+# The variables the client reads for each scheme (its credential chain).
+_ENV_PREFIXES = {"s3": ("AWS_",), "s3a": ("AWS_",), "gs": ("GOOGLE_",),
+                 "az": ("AZURE_",), "azure": ("AZURE_",), "abfs": ("AZURE_",), "abfss": ("AZURE_",)}
+
+
+def _check_value(name, value, endpoint=False):
+    """A ValueError naming ``name`` (never its value: it may be a secret)
+    where ``value`` is a string the client cannot send: a control character
+    (a token read from a file keeps its newline), surrounding blanks; an
+    endpoint without its scheme (``127.0.0.1:9000``).  The client panics on
+    those, at its first request."""
+    if not isinstance(value, str):
+        return
+    if any(ord(c) < 32 or ord(c) == 127 for c in value) or value != value.strip():
+        raise ValueError(f"{name} holds a newline, a control character or surrounding blanks "
+                         "(a value read from a file keeps its newline): strip it")
+    if endpoint and value and not value.lower().startswith(("http://", "https://")):
+        raise ValueError(f"{name} must be a URL with its scheme (http://host:port or "
+                         f"https://host), not {redact_url(value)!r}")
+
+
+def _check_environment(scheme):
+    """``_check_value`` for the variables the client reads for ``scheme``."""
+    prefixes = _ENV_PREFIXES.get(scheme)
+    if not prefixes:
+        return
+    for name, value in os.environ.items():
+        if name.startswith(prefixes):
+            _check_value(name, value, endpoint="ENDPOINT" in name)
+
+
+class ClientPanic(ValueError):
+    """The object-store client panicked (a Rust panic, pyo3's
+    ``PanicException``, a BaseException): almost always a value it was
+    given that it could not use.  One line, no backtrace."""
+
+
+@contextlib.contextmanager
+def _no_panic(url):
+    """Turns a panic of the client inside the block into ``ClientPanic``."""
+    try:
+        yield
+    except Exception:
+        raise
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise                       # KeyboardInterrupt, SystemExit
+        raise ClientPanic(f"{redact_url(url)}: the object-store client failed: "
+                          f"{_describe(e)} (check the endpoint, credentials and "
+                          "storage_options)") from None
 
 
 # A query parameter whose value is a secret: a presigned URL's signature
@@ -325,7 +390,10 @@ def _listing(obstore, url, stores):
     (obstore's metadata: path, size, ...), one level deep."""
     store, prefix = stores.split(url)
     try:
-        return store, obstore.list_with_delimiter(store, prefix or None)["objects"]
+        with _no_panic(url):
+            return store, obstore.list_with_delimiter(store, prefix or None)["objects"]
+    except ClientPanic:
+        raise
     except Exception as e:
         raise _classify(obstore, e, _safe(url), "listing") from None
 
@@ -344,7 +412,10 @@ def _directory(obstore, url, stores):
 def _index(obstore, url, stores):
     store, key = stores.split(url)
     try:
-        raw = bytes(obstore.get(store, key).bytes())
+        with _no_panic(url):
+            raw = bytes(obstore.get(store, key).bytes())
+    except ClientPanic:
+        raise
     except Exception as e:
         raise _classify(obstore, e, _safe(url), "reading the index") from None
     if not url.endswith(INDEX_SUFFIX):
@@ -406,8 +477,11 @@ class _RemoteCheckpoint(_Checkpoint):
         names again (a permanent one is raised here)."""
         obj, obstore = self._objects[index], self._obstore
         try:
-            got = obstore.get(obj.store, obj.key, options={"range": (0, HEADER_PREFETCH)})
-            return got.meta, bytes(got.bytes())
+            with _no_panic(obj.url):
+                got = obstore.get(obj.store, obj.key, options={"range": (0, HEADER_PREFETCH)})
+                return got.meta, bytes(got.bytes())
+        except ClientPanic:
+            raise
         except Exception as e:
             if _permanent(obstore, e):
                 raise _classify(obstore, e, _safe(obj.url), "reading its header") from None
@@ -421,7 +495,10 @@ class _RemoteCheckpoint(_Checkpoint):
         obstore = self._obstore
         if got is None:
             try:
-                meta, first = obstore.head(obj.store, obj.key), None
+                with _no_panic(url):
+                    meta, first = obstore.head(obj.store, obj.key), None
+            except ClientPanic:
+                raise
             except Exception as e:
                 raise _classify(obstore, e, _safe(url), "asking for its size") from None
         else:
@@ -485,18 +562,19 @@ class _RemoteCheckpoint(_Checkpoint):
             if self._stop.is_set():
                 raise LoadError(f"{url}: the load was cancelled", url)
             try:
-                got = obstore.get(obj.store, obj.key, options=options)
-                changed = obj.changed(got.meta)
-                if changed is not None:
-                    raise RemoteChangedError(f"{url}: the object changed while it was loaded "
-                                             f"({changed}; the server did not refuse the "
-                                             "request): load again", url)
-                data = got.bytes()
+                with _no_panic(url):
+                    got = obstore.get(obj.store, obj.key, options=options)
+                    changed = obj.changed(got.meta)
+                    if changed is not None:
+                        raise RemoteChangedError(f"{url}: the object changed while it was "
+                                                 f"loaded ({changed}; the server did not refuse "
+                                                 "the request): load again", url)
+                    data = got.bytes()
                 if len(data) == length:
                     return data
                 problem = OSError(f"{url}: {what}: got {len(data)} of the {length} bytes at "
                                   f"byte {offset}")
-            except RemoteChangedError:
+            except (RemoteChangedError, ClientPanic):
                 raise
             except Exception as e:
                 problem = _classify(obstore, e, url, what)
@@ -604,7 +682,10 @@ def fetch_side_files(url, dest, storage_options=None):
         if os.path.isfile(path) and os.path.getsize(path) == meta["size"]:
             continue
         try:
-            data = obstore.get(store, meta["path"]).bytes()
+            with _no_panic(url):
+                data = obstore.get(store, meta["path"]).bytes()
+        except ClientPanic:
+            raise
         except Exception as e:
             raise _classify(obstore, e, _safe(url + name), "fetching it") from None
         tmp = f"{path}.{os.getpid()}.tmp"
