@@ -271,7 +271,8 @@ def _load(checkpoint, device, dtype, chunk_size, io_depth, threads, verify, stag
             "device": str(device), "dtype": None if dtype is None else str(dtype),
             "tensors": report.tensors, "bytes": report.bytes,
             "seconds": report.seconds, "gbps": report.gbps, "phases": report.phases,
-            "chunk_size": chunk_size, "io_depth": io_depth, "threads": threads,
+            # the reader threads that ran (the knob may have been None: the loader's own)
+            "chunk_size": chunk_size, "io_depth": io_depth, "threads": report.threads,
             "verified": bool(verify), "staging": staging}
 
 

@@ -525,8 +525,9 @@ class _RemoteCheckpoint(_Checkpoint):
         return None         # no page cache to ask
 
     def default_knobs(self):
-        from ..defaults import REMOTE_CHUNK_SIZE, REMOTE_THREADS
-        return {"chunk_size": REMOTE_CHUNK_SIZE, "io_depth": None, "threads": REMOTE_THREADS}
+        from ..defaults import REMOTE_CHUNK_SIZE, REMOTE_THREADS, default_threads
+        return {"chunk_size": REMOTE_CHUNK_SIZE, "io_depth": None,
+                "threads": default_threads(REMOTE_THREADS)}
 
     def _fetch(self, index, offset, length):
         try:
