@@ -36,7 +36,11 @@ error naming it, never a model built from two versions.
 Failures: the client retries 5xx answers, throttling and connection errors
 with backoff (``retry_config``), and resumes a body cut short from where it
 stopped (checking the ETag); a range that still fails is fetched again
-here, that range only, with backoff, within ``RETRY_SECONDS`` in all.  A missing object, a refused request and
+here, that range only, with backoff, within ``RETRY_SECONDS`` in all; each
+try ends by then however the server answers (a body that stalls too).
+Requests run on an asyncio loop of the checkpoint's (``_Requests``), so a
+cancel (``close()``, Ctrl-C) ends every wait at once and drops the
+requests in flight.  A missing object, a refused request and
 missing credentials are errors naming the URL, raised when the checkpoint
 is opened: before anything is allocated.
 """
@@ -255,8 +259,11 @@ def _no_panic(url):
     """Turns a panic of the client inside the block into ``ClientPanic``."""
     try:
         yield
-    except Exception:
-        raise
+    except Exception as e:
+        if type(e).__name__ != "RustPanic":      # (a panic in an awaited request)
+            raise
+        raise ClientPanic(f"{redact_url(url)}: the object-store client failed: it panicked "
+                          "(check the endpoint, credentials and storage_options)") from None
     except BaseException as e:
         if type(e).__name__ != "PanicException":
             raise                       # KeyboardInterrupt, SystemExit
@@ -427,6 +434,93 @@ def _index(obstore, url, stores):
                     {name: base + s for name, s in weight_map.items()})
 
 
+# -- requests that a cancel or a stall can end ----------------------------------------
+
+# How often a thread waiting for a request looks at its load's stop flag.
+_POLL = 0.05
+
+
+class _Requests:
+    """The client's requests of one checkpoint, run on an asyncio loop of
+    their own (a thread, started with the first request, joined by
+    ``close()``), so that a thread waiting for one can stop waiting: a
+    load's cancel (``close()``, Ctrl-C) and a stalled body end the wait
+    at once, and cancelling the request drops it in the client (its
+    connection closed), so nothing of it outlives the load.  The client's
+    blocking calls could not be left: a reader thread in one waited for the
+    server, however long it stalled."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._loop = self._thread = None
+
+    def run(self, make, stop, timeout):
+        """``await make()`` on the loop: its result, or its exception;
+        ``TimeoutError`` after ``timeout`` s; ``_Cancelled`` once ``stop``
+        is set.  The request is cancelled whenever this returns early
+        (a KeyboardInterrupt here too)."""
+        import asyncio
+        from concurrent.futures import wait
+        loop = self._start()
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(make(), timeout), loop)
+        try:
+            while not future.done():
+                if stop.is_set():
+                    raise _Cancelled()
+                wait([future], timeout=_POLL)
+            return future.result()
+        finally:
+            future.cancel()         # (done: nothing; else the request is dropped)
+
+    def _start(self):
+        with self._lock:
+            if self._loop is None:
+                import asyncio
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, daemon=True,
+                                          name="instant_staging-requests")
+                thread.start()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    def close(self):
+        """Cancels what is left and joins the loop's thread (idempotent)."""
+        import asyncio
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None:
+            return
+
+        async def stop():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            loop.stop()
+        asyncio.run_coroutine_threadsafe(stop(), loop)
+        if thread is not threading.current_thread():
+            thread.join()
+            loop.close()
+
+
+class _Cancelled(Exception):
+    """The load's stop flag was set while a request was waited for."""
+
+
+# (They take the _Object, never its store: an error's frames, kept by the
+# caller's exception, would keep the store's connections alive; the
+# object's store is dropped when the checkpoint closes.)
+
+async def _get_async(obstore, obj, options):
+    """``(meta, bytes)`` of one GET of ``obj``."""
+    got = await obstore.get_async(obj.store, obj.key, options=options)
+    return got.meta, await got.bytes_async()
+
+
+async def _head_async(obstore, obj):
+    return await obstore.head_async(obj.store, obj.key)
+
+
 # -- the checkpoint ---------------------------------------------------------------
 
 class _RemoteCheckpoint(_Checkpoint):
@@ -441,6 +535,7 @@ class _RemoteCheckpoint(_Checkpoint):
         self._error = None
         self._error_lock = threading.Lock()
         self._stop = threading.Event()
+        self._requests = _Requests()
         self._obstore = _obstore()
         self._unpinned = False      # an object without an ETag was said (once)
         super().__init__()          # open(): the objects' URLs, in order
@@ -478,10 +573,15 @@ class _RemoteCheckpoint(_Checkpoint):
         obj, obstore = self._objects[index], self._obstore
         try:
             with _no_panic(obj.url):
-                got = obstore.get(obj.store, obj.key, options={"range": (0, HEADER_PREFETCH)})
-                return got.meta, bytes(got.bytes())
-        except ClientPanic:
+                meta, data = self._request(
+                    lambda: _get_async(obstore, obj, {"range": (0, HEADER_PREFETCH)}),
+                    RETRY_SECONDS)
+                return meta, bytes(data)
+        except (ClientPanic, LoadError):
             raise
+        except TimeoutError:
+            raise LoadError(f"{_safe(obj.url)}: no answer within {RETRY_SECONDS:g} s while "
+                            "reading its header", _safe(obj.url)) from None
         except Exception as e:
             if _permanent(obstore, e):
                 raise _classify(obstore, e, _safe(obj.url), "reading its header") from None
@@ -496,9 +596,14 @@ class _RemoteCheckpoint(_Checkpoint):
         if got is None:
             try:
                 with _no_panic(url):
-                    meta, first = obstore.head(obj.store, obj.key), None
-            except ClientPanic:
+                    meta = self._request(lambda: _head_async(obstore, obj),
+                                         RETRY_SECONDS)
+                    first = None
+            except (ClientPanic, LoadError):
                 raise
+            except TimeoutError:
+                raise LoadError(f"{url}: no answer within {RETRY_SECONDS:g} s while asking for "
+                                "its size", url) from None
             except Exception as e:
                 raise _classify(obstore, e, _safe(url), "asking for its size") from None
         else:
@@ -562,21 +667,27 @@ class _RemoteCheckpoint(_Checkpoint):
         for attempt in range(RETRIES + 1):
             if self._stop.is_set():
                 raise LoadError(f"{url}: the load was cancelled", url)
+            # Each try ends by the deadline, however the server answers
+            # (a body that stalls included).
+            left = deadline - time.monotonic()
             try:
                 with _no_panic(url):
-                    got = obstore.get(obj.store, obj.key, options=options)
-                    changed = obj.changed(got.meta)
+                    meta, data = self._request(
+                        lambda: _get_async(obstore, obj, options), max(left, 0.001))
+                    changed = obj.changed(meta)
                     if changed is not None:
                         raise RemoteChangedError(f"{url}: the object changed while it was "
                                                  f"loaded ({changed}; the server did not refuse "
                                                  "the request): load again", url)
-                    data = got.bytes()
                 if len(data) == length:
                     return data
                 problem = OSError(f"{url}: {what}: got {len(data)} of the {length} bytes at "
                                   f"byte {offset}")
-            except (RemoteChangedError, ClientPanic):
+            except (RemoteChangedError, ClientPanic, LoadError):
                 raise
+            except TimeoutError:
+                problem = OSError(f"{url}: {what}: no answer within {RETRY_SECONDS:g} s for "
+                                  f"bytes [{offset}, {offset + length})")
             except Exception as e:
                 problem = _classify(obstore, e, url, what)
                 if _permanent(obstore, e) or isinstance(problem, RemoteChangedError):
@@ -588,9 +699,17 @@ class _RemoteCheckpoint(_Checkpoint):
             self._stop.wait(delay)          # a cancel ends the wait
         raise AssertionError("unreachable")
 
+    def _request(self, make, timeout):
+        """``_Requests.run`` for this load: a cancel of it is a LoadError."""
+        try:
+            return self._requests.run(make, self._stop, timeout)
+        except _Cancelled:
+            raise LoadError("the load was cancelled") from None
+
     def close(self):
         # The stores (their connection pools) go with the last reference:
         # a closed checkpoint keeps no socket.
+        self._requests.close()
         self.fds = []
         for obj in self._objects:
             obj.store = None
@@ -626,8 +745,8 @@ class _Fetch:
     object ``file``, as the client's buffer (the reader threads copy it into
     their slot).  The first error is kept for ``fetch_error`` (the pipeline
     only sees that this raised).  ``cancel()`` (the pipeline's cancel and
-    close, any thread) ends the range retries and backoffs of this load: a
-    request already sent runs to its end, within the client's timeout."""
+    close, any thread) ends the range retries, backoffs and requests in
+    flight of this load within ``_POLL`` s (``_Requests``)."""
 
     __slots__ = ("_checkpoint",)
 

@@ -5,6 +5,11 @@ server on 127.0.0.1 (``support/remote_servers.RangeHTTPServer``)."""
 
 import logging
 import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
@@ -12,9 +17,21 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("obstore")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from instant_staging.loader import Checkpoint, RemoteChangedError, load_file
+from instant_staging.loader import Checkpoint, LoadError, RemoteChangedError, iter_load, load_file
 
+from support import child_env
 from support.remote_servers import range_http_server_fixture  # noqa: F401
+
+
+def _settled(before, timeout=5.0):
+    """No thread is left of those started since ``before`` (the client's
+    dropped pool closes on its own threads a moment later)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if {t.ident for t in threading.enumerate()} <= before:
+            return True
+        time.sleep(0.05)
+    return False
 
 TENSORS = 8
 ELEMENTS = 16 * 1024          # 64 KiB of float32 each
@@ -85,3 +102,117 @@ def test_a_percent_encoded_url_is_sent_as_given(range_http_server):
     assert sent == {"/my%20model/model%201.safetensors"}, sent
     with Checkpoint.open(url) as ck:
         assert ck.files == [url]
+
+
+# -- a server that stalls mid-body (item 4) ------------------------------------------
+
+def _stall_data(server, after=1000):
+    """From the first ranged GET past the header's on, each body stops
+    after ``after`` bytes until ``server.release`` is set."""
+    stalled = threading.Event()
+
+    def hook(request):
+        if request.method == "GET" and request.range and not request.range.startswith("bytes=0-"):
+            server.stall_after = after
+            stalled.set()
+    server.on_request = hook
+    return stalled
+
+
+def _big(server):
+    # 3 chunks of 64 KiB per tensor's worth: data GETs after the header's
+    path = os.path.join(server.root, "model.safetensors")
+    _write(path, 1)
+    return server.url_for("model.safetensors")
+
+
+def _in_thread(fn):
+    box = {}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            box["result"] = fn()
+        except BaseException as e:     # (the test looks at it)
+            box["error"] = e
+        box["seconds"] = time.monotonic() - t0
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_a_stalled_body_fails_within_the_budget(range_http_server, monkeypatch):
+    from instant_staging.loader import _remote
+    monkeypatch.setattr(_remote, "RETRY_SECONDS", 2.0)
+    url = _big(range_http_server)
+    _stall_data(range_http_server)
+    threads = {t.ident for t in threading.enumerate()}
+    thread, box = _in_thread(lambda: load_file(url, "cpu", chunk_size=CHUNK, threads=2))
+    thread.join(20)
+    try:
+        assert not thread.is_alive(), "a stalled body held the load past the budget"
+        assert isinstance(box.get("error"), LoadError), box
+        assert "no answer within 2 s" in str(box["error"]) and url in str(box["error"])
+        assert box["seconds"] < 2.0 + 3.0, box["seconds"]
+        assert range_http_server.wait_connections(0, timeout=3.0) == 0   # the request dropped
+        assert _settled(threads)
+    finally:
+        range_http_server.release.set()
+
+
+def test_close_ends_a_load_whose_server_stalls(range_http_server):
+    # RETRY_SECONDS as it is (60 s): close() must not wait for it.
+    url = _big(range_http_server)
+    stalled = _stall_data(range_http_server)
+    threads = {t.ident for t in threading.enumerate()}
+    it = iter_load(url, "cpu", chunk_size=CHUNK, threads=2)
+    thread, box = _in_thread(lambda it=it: [name for name, _ in it])
+    try:
+        assert stalled.wait(20)
+        time.sleep(0.2)                 # (the body's first bytes sent: the reader waits mid-body)
+        t0 = time.monotonic()
+        it.close()
+        assert time.monotonic() - t0 < 3.0
+        thread.join(5)
+        assert not thread.is_alive() and isinstance(box.get("error"), LoadError), box
+        assert "cancelled" in str(box["error"])
+        assert range_http_server.wait_connections(0, timeout=3.0) == 0
+        del it
+        assert _settled(threads)
+    finally:
+        range_http_server.release.set()
+
+
+def test_ctrl_c_ends_a_load_whose_server_stalls(range_http_server, tmp_path):
+    # The SIGINT is sent once the server holds a body mid-way (a known
+    # point, whatever the timing); the child must end within seconds, not
+    # RETRY_SECONDS.
+    url = _big(range_http_server)
+    stalled = _stall_data(range_http_server)
+    code = f"""
+import signal, sys, threading
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from instant_staging.loader import load_file
+try:
+    load_file({url!r}, "cpu", chunk_size={CHUNK}, threads=2)
+    print("not interrupted")
+except KeyboardInterrupt:
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    print("interrupted", left)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=child_env())
+    try:
+        assert stalled.wait(60), "the load never reached the stall"
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+        assert time.monotonic() - t0 < 5.0
+        assert proc.returncode == 0, err
+        assert out.strip() == "interrupted []", out + err
+    finally:
+        range_http_server.release.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
