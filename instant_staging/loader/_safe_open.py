@@ -523,8 +523,11 @@ class PrefetchLoader:
                 (asked again), or the load ended without it.
         """
         with self._lock:
-            if name in self._taken or name not in self._planned:
-                raise MissingTensorError(f"{name!r} is not in this prefetch or was taken already")
+            if name in self._taken:
+                raise MissingTensorError(f"{name!r} was taken already: a prefetch hands each "
+                                         "tensor out once")
+            if name not in self._planned:
+                raise MissingTensorError(f"{name!r} is not in this prefetch")
             while name not in self._ready:
                 if not self._pull():
                     raise MissingTensorError(f"the load ended without {name!r}")

@@ -216,3 +216,47 @@ except KeyboardInterrupt:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- the loader's own range retries (a stand-in client) -------------------------------
+
+def _flaky_client(monkeypatch, failures):
+    """The data GETs fail ``failures`` times in all (a connection reset,
+    then a body cut short, in turn), then answer as the server does."""
+    from instant_staging.loader import _remote
+    real, calls = _remote._get_async, []
+
+    async def flaky(obstore, obj, options):
+        calls.append(options["range"])
+        if len(calls) <= failures:
+            if len(calls) % 2:
+                raise RuntimeError("connection reset by peer")
+            meta, data = await real(obstore, obj, options)
+            return meta, bytes(data)[:-1]
+        return await real(obstore, obj, options)
+    monkeypatch.setattr(_remote, "_get_async", flaky)
+    monkeypatch.setattr(_remote, "_BACKOFF", 0.001)
+    return calls
+
+
+def test_the_range_retry_loop_recovers_within_its_tries(range_http_server, monkeypatch):
+    from instant_staging.loader import _remote
+    url = _big(range_http_server)
+    with Checkpoint.open(url) as ck:            # the header read before the client misbehaves
+        calls = _flaky_client(monkeypatch, _remote.RETRIES)
+        got = ck.load("cpu", chunk_size=1 << 20, threads=1)
+    assert all(torch.equal(got[n], t) for n, t in _model(1).items())
+    assert len(calls) == _remote.RETRIES + 1 and len(set(calls)) == 1     # one range, tried again
+
+
+def test_the_range_retry_loop_gives_up_naming_the_range_and_the_tries(range_http_server,
+                                                                        monkeypatch):
+    from instant_staging.loader import _remote
+    url = _big(range_http_server)
+    with Checkpoint.open(url) as ck:
+        calls = _flaky_client(monkeypatch, _remote.RETRIES + 1)
+        with pytest.raises(LoadError) as e:
+            ck.load("cpu", chunk_size=1 << 20, threads=1)
+    start, end = calls[0]
+    assert f"gave up after {_remote.RETRIES + 1} tries of bytes [{start}, {end})" in str(e.value)
+    assert url in str(e.value)
