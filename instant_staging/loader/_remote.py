@@ -55,6 +55,7 @@ import random
 import re
 import threading
 import time
+import traceback
 from collections.abc import Mapping
 from urllib.parse import unquote, urlsplit
 
@@ -398,8 +399,9 @@ def _listing(obstore, url, stores):
     store, prefix = stores.split(url)
     try:
         with _no_panic(url):
-            return store, obstore.list_with_delimiter(store, prefix or None)["objects"]
-    except ClientPanic:
+            listing = _once(lambda: _list_async(obstore, store, prefix or None), url, "listing")
+            return store, listing["objects"]
+    except (ClientPanic, _NoAnswer):
         raise
     except Exception as e:
         raise _classify(obstore, e, _safe(url), "listing") from None
@@ -420,8 +422,8 @@ def _index(obstore, url, stores):
     store, key = stores.split(url)
     try:
         with _no_panic(url):
-            raw = bytes(obstore.get(store, key).bytes())
-    except ClientPanic:
+            raw = bytes(_once(lambda: _read_async(obstore, store, key), url, "reading the index"))
+    except (ClientPanic, _NoAnswer):
         raise
     except Exception as e:
         raise _classify(obstore, e, _safe(url), "reading the index") from None
@@ -468,7 +470,13 @@ class _Requests:
                 if stop.is_set():
                     raise _Cancelled()
                 wait([future], timeout=_POLL)
-            return future.result()
+            try:
+                return future.result()
+            except BaseException as e:
+                # The request's frames (its store: the client's connections)
+                # would live as long as the caller keeps the error.
+                traceback.clear_frames(e.__traceback__)
+                raise
         finally:
             future.cancel()         # (done: nothing; else the request is dropped)
 
@@ -501,6 +509,32 @@ class _Requests:
         if thread is not threading.current_thread():
             thread.join()
             loop.close()
+
+
+class _NoAnswer(OSError):
+    """No answer within ``RETRY_SECONDS`` (an OSError as any failed request)."""
+
+
+def _once(make, url, what):
+    """``await make()`` on a loop of its own (``_Requests``): resolving a
+    source, before the checkpoint exists.  A Ctrl-C ends it at once; no
+    answer within ``RETRY_SECONDS`` is an OSError."""
+    requests = _Requests()
+    try:
+        return requests.run(make, threading.Event(), RETRY_SECONDS)
+    except TimeoutError:
+        raise _NoAnswer(f"{_safe(url)}: no answer within {RETRY_SECONDS:g} s while {what}") from None
+    finally:
+        requests.close()
+
+
+async def _list_async(obstore, store, prefix):
+    return await obstore.list_with_delimiter_async(store, prefix)
+
+
+async def _read_async(obstore, store, key):
+    got = await obstore.get_async(store, key)
+    return await got.bytes_async()
 
 
 class _Cancelled(Exception):

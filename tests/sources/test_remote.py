@@ -582,3 +582,19 @@ def test_close_ends_the_range_retries(s3_server, s3_bucket, tmp_path, fault_prox
     assert elapsed < 4.0, elapsed
     assert _settled(threads)
     fault_proxy.clear_faults()
+
+
+def test_a_listing_without_an_answer_ends_within_the_budget(s3_server, s3_bucket, tmp_path,
+                                                            fault_proxy, monkeypatch):
+    """Resolving a prefix (its listing) is bounded as a range is: no answer
+    within RETRY_SECONDS is an OSError naming the URL, not a wait as long
+    as the server's (and a Ctrl-C there ends it: the same requests)."""
+    from instant_staging.loader import _remote
+    upload(s3_server, s3_bucket, "l", layouts()["moe"], tmp_path)
+    monkeypatch.setattr(_remote, "RETRY_SECONDS", 1.0)
+    fault_proxy.delay(6.0, n=1, method="GET", ranged=False)
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match=r"no answer within 1 s while listing") as e:
+        Checkpoint.open(f"s3://{s3_bucket}/l/", storage_options=options(fault_proxy.url))
+    assert time.monotonic() - t0 < 4.0
+    assert f"s3://{s3_bucket}/l/" in str(e.value)
