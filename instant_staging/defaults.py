@@ -113,6 +113,15 @@ def max_io_depth(threads=None) -> int:
     return MAX_SLOTS_PER_THREAD * reader_threads(threads)
 
 
+def default_threads(threads: int) -> int:
+    """A default thread count (``COLD_THREADS``, ``REMOTE_THREADS``,
+    ``PREFETCH_THREADS``) as this host runs it: at most
+    ``max_reader_threads()``, silently.  The cap's warning is for a value
+    the user set; a default never warns, and the CLI, which passes the
+    default on as a value, gets the same figure as the API."""
+    return min(threads, max_reader_threads())
+
+
 def reader_threads(threads=None) -> int:
     """A load's reader threads: ``threads``, else one per usable CPU, at
     most MAX_THREADS."""
@@ -140,3 +149,6 @@ def staging_segment_size(slot_bytes) -> int:
 # chunks in flight (threads x chunk), whatever the checkpoint's size.
 REMOTE_CHUNK_SIZE = 16 << 20
 REMOTE_THREADS = 16
+
+# safe_open's prefetch(threads=None): safetensors 0.9's default.
+PREFETCH_THREADS = 8

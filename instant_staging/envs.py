@@ -65,7 +65,13 @@ def _count(name: str, text: str, parse: Callable[[str], int], what: str) -> int:
 
 
 def _size(name: str, text: str) -> int:
-    return _count(name, text, parse_size, "a size of at least 1 byte (e.g. 8MiB)")
+    try:
+        value = parse_size(text)
+    except ValueError as e:         # its reason: not a number, an unknown suffix, a fraction
+        raise ValueError(f"{name}={text!r}: {e}") from None
+    if value < 1:
+        raise ValueError(f"{name}={text!r}: must be a size of at least 1 byte (e.g. 8MiB)")
+    return value
 
 
 def _int_at_least_1(name: str, text: str) -> int:
@@ -101,13 +107,19 @@ def _prefault_threads(name: str, text: str) -> int:
     return threads
 
 
+# The longest wait a ``seconds`` variable takes: a week.  torch's and
+# Python's timeouts overflow long before ``inf`` or ``1e15``, deep inside
+# the call that uses them.
+MAX_SECONDS = 7 * 24 * 3600
+
+
 def _seconds(name: str, text: str) -> float:
     try:
         seconds = float(text)
     except ValueError:
         raise ValueError(f"{name} must be a number of seconds, not {text!r}") from None
-    if not seconds > 0:
-        raise ValueError(f"{name} must be > 0, got {text!r}")
+    if not 0 < seconds <= MAX_SECONDS:     # (nan and inf too)
+        raise ValueError(f"{name} must be > 0 and at most {MAX_SECONDS} (a week), got {text!r}")
     return seconds
 
 
@@ -173,7 +185,7 @@ VARIABLES: tuple[Variable, ...] = (
          "`1`: a load keeps the staging buffer it made for the next load to the same device",
          "the loader's own staging buffer; `0` releases it when each load ends",
          _keep_or_release),
-    _row("INSTANT_STAGING_DIST_TIMEOUT", "seconds > 0",
+    _row("INSTANT_STAGING_DIST_TIMEOUT", "seconds in (0, 604800]",
          "600 (seconds)",
          "`process_group=` loads: how long a rank waits for the others at each agreement before "
          "naming the ranks that never came",

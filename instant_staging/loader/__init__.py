@@ -46,6 +46,8 @@ benchmarks), who import nothing from an underscored module of it
   ``DistributedLoadError``, ``RemoteChangedError``;
 - ``DEFAULT_CHUNK_SIZE``, ``DEFAULT_IO_DEPTH``; the variables' names
   ``ENV_CHUNK_SIZE``, ``ENV_IO_DEPTH``, ``ENV_THREADS``, ``ENV_KEEP_STAGING``;
+- ``redact_url(url)``, ``redact_text(text)``: a URL (every URL in a text)
+  as it may be shown, its password and signature parameters ``***``;
 - ``resolve_source(source)``: the shard files (``.paths``) a local source
   names, nothing opened (``Checkpoint.open`` does this itself);
 - devices: ``parse_device(torch, device)`` (the name's syntax alone),
@@ -82,7 +84,7 @@ from ._options import (
 )
 from ._progress import Progress
 from ._progress import resolve as resolve_progress
-from ._remote import RemoteChangedError, fetch_side_files, is_url
+from ._remote import RemoteChangedError, fetch_side_files, is_url, redact_text, redact_url
 from ._run import LoadIterator, LoadReport
 from ._safe_open import PrefetchLoader, safe_open
 from ._source import resolve as resolve_source
@@ -129,6 +131,8 @@ __all__ = [
     "load",
     "load_file",
     "parse_device",
+    "redact_text",
+    "redact_url",
     "resolve_device",
     "resolve_progress",
     "resolve_source",

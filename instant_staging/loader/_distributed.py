@@ -521,6 +521,8 @@ def _differences(contents, dtypes):
         what = []
         if dtypes[r] != dtypes[0]:
             what.append(f"dtype={dtypes[r]} where rank 0 has dtype={dtypes[0]}")
+        if len(contents[r]) != len(contents[0]):    # (zip below would stop at the shorter)
+            what.append(f"{len(contents[r])} file(s) where rank 0 has {len(contents[0])}")
         for mine, first in zip(contents[r], contents[0]):
             parts = [part for part, a, b in (("size", mine[1], first[1]), ("header", mine[2], first[2]),
                                              ("sampled data pages", mine[3], first[3])) if a != b]

@@ -38,6 +38,7 @@ from ..defaults import (
     KEEP_STAGING,
     MAX_SLOTS_PER_THREAD,
     THREADS_PER_CPU,
+    default_threads,
     max_io_depth,
     max_reader_threads,
     reader_threads,
@@ -123,11 +124,12 @@ def for_cache(resident) -> dict:
     otherwise.  Applies only where ``left_unset``."""
     if not is_cold(resident):
         return {}
+    threads = default_threads(COLD_THREADS)
     log.info("%.0f%% of the sampled pages of the checkpoint are in the page cache: reading it "
              "from disk in %s pieces with %d threads (chunk_size=, io_depth=, threads= or "
              "INSTANT_STAGING_* choose otherwise)", 100 * resident, format_size(COLD_CHUNK_SIZE),
-             COLD_THREADS)
-    return {"chunk_size": COLD_CHUNK_SIZE, "io_depth": None, "threads": COLD_THREADS}
+             threads)
+    return {"chunk_size": COLD_CHUNK_SIZE, "io_depth": None, "threads": threads}
 
 
 def keep_staging() -> bool:

@@ -239,9 +239,9 @@ def _use_device(device):
 def fault_plan(staging):
     """The plan whose ``read`` and ``copy`` rules this load obeys: that of the
     staging buffer's runtime if it has one, else INSTANT_STAGING_FAULTS."""
-    from ..faults import FaultPlan
+    from .. import envs
     plan = getattr(staging.runtime, "plan", None) if staging is not None else None
-    return plan if plan is not None else FaultPlan.from_env()
+    return plan if plan is not None else envs.get("INSTANT_STAGING_FAULTS")
 
 
 class ReadPlan:

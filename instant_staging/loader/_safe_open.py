@@ -45,7 +45,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..defaults import io_depth_for
+from ..defaults import PREFETCH_THREADS, default_threads, io_depth_for
 from . import _staging_pool
 from ._errors import MissingTensorError
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
@@ -334,7 +334,7 @@ class safe_open:
         return _Slice(self._file, self._entry(name))
 
     def prefetch(self, plan: dict[str, slice | None] | None = None, *, device: Device | None = None,
-                 threads: int = 8) -> PrefetchLoader:
+                 threads: int | None = None) -> PrefetchLoader:
         """safetensors 0.9's ``prefetch``: starts loading the file's tensors
         in the background.
 
@@ -346,7 +346,9 @@ class safe_open:
                 None (the default) for every tensor whole.
             device: where the tensors go; default None: the handle's (any
                 device, the CPU too).
-            threads: reader threads, an int >= 1; default 8.
+            threads: reader threads, an int >= 1; default None:
+                safetensors' 8, at most what this host can use
+                (``defaults.default_threads``: a default never warns).
 
         Returns:
             A ``PrefetchLoader`` that hands each tensor out once.
@@ -361,7 +363,9 @@ class safe_open:
         """
         self._check_open()
         plan = _prefetch_plan(plan, self._entries, self._order, self._path)
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        if threads is None:
+            threads = default_threads(PREFETCH_THREADS)
+        elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         file = self._file
         target = file.target if device is None else checked_target(device, None)
@@ -514,8 +518,11 @@ class PrefetchLoader:
                 (asked again), or the load ended without it.
         """
         with self._lock:
-            if name in self._taken or name not in self._planned:
-                raise MissingTensorError(f"{name!r} is not in this prefetch or was taken already")
+            if name in self._taken:
+                raise MissingTensorError(f"{name!r} was taken already: a prefetch hands each "
+                                         "tensor out once")
+            if name not in self._planned:
+                raise MissingTensorError(f"{name!r} is not in this prefetch")
             while name not in self._ready:
                 if not self._pull():
                     raise MissingTensorError(f"the load ended without {name!r}")

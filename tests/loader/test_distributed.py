@@ -254,7 +254,8 @@ def free_port():
 
 
 SCENARIOS = ["replicated", "load_file", "progress_true", "dtype_and_directory", "names", "predicate",
-             "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "own_copies", "other_data",
+             "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "prefix_sources",
+             "own_copies", "other_data", "other_last_page",
              "other_header", "other_dtype", "unsampled_change", "unknown_name", "plan_rows",
              "truncated", "read_fault", "kinds", "staging_unusable", "subgroup", "not_a_group",
              "dropped", "leak_plan", "leak_pipeline", "leak_allocate", "leak_read", "leak_exchange",
@@ -387,6 +388,7 @@ def test_copies_at_other_paths_are_the_same_checkpoint(world):
 
 @pytest.mark.parametrize("name, words", [
     ("other_data", ["other_data-rank1.safetensors", "sampled data pages"]),
+    ("other_last_page", ["other_last_page-rank1.safetensors", "sampled data pages"]),
     ("other_header", ["meta_b.safetensors", "header"]),
     ("other_dtype", ["dtype"]),
 ])
@@ -400,6 +402,39 @@ def test_other_contents_on_one_rank_are_an_error_on_every_rank(world, name, word
         assert "different checkpoints" in rec["message"], rec["message"]
         for word in words:
             assert word in rec["message"], rec["message"]
+
+
+def test_sources_that_are_a_prefix_of_rank_0s_are_refused_on_every_rank(world):
+    # rank 0 loads [a, b], rank 1 [a]: "different checkpoints", never an IndexError
+    for r, rec in enumerate(scenario(world, "prefix_sources")):
+        assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1], f"rank {r}: {rec}"
+        assert "different checkpoints" in rec["message"], rec["message"]
+
+
+def test_the_content_check_compares_the_file_counts():
+    one = [("a.safetensors", 10, "h", "p")]
+    two = one + [("b.safetensors", 20, "h2", "p2")]
+    assert D._differences([two, one], ["x", "x"]) == {1: "1 file(s) where rank 0 has 2"}
+    assert D._differences([one, two], ["x", "x"]) == {1: "2 file(s) where rank 0 has 1"}
+    assert D._differences([two, two], ["x", "x"]) == {}
+
+
+def test_the_identity_sees_the_last_data_page(tmp_path):
+    from instant_staging.loader import Checkpoint
+    path = str(tmp_path / "m.safetensors")
+    st.save_file({f"w{i}": rand(torch.float32, (97, 33 + i), 40 + i) for i in range(12)}, path)
+
+    def identity():
+        with Checkpoint.open(path) as ck:
+            return D._contents(ck._shards)[0]
+    before = identity()
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte ^ 0xFF]))
+    after = identity()
+    assert after[:3] == before[:3] and after[3] != before[3]
 
 
 def test_a_change_between_the_sampled_pages_is_caught_by_verify(world):

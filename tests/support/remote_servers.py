@@ -820,7 +820,13 @@ class RangeHTTPServer(_Threaded):
     GET and HEAD, one byte range per request (206 with Content-Range; 416
     where it cannot be satisfied; several ranges are answered 200 with the
     whole file), ETag and Last-Modified, If-Match (412), If-None-Match
-    (304), If-Range; keep-alive.  ``requests``: a Seen for each request."""
+    (304), If-Range; keep-alive.  ``requests``: a Seen for each request.
+
+    To misbehave: ``ignore_if_match`` answers as if no If-Match were sent;
+    ``send_etag = False`` sends no ETag; ``on_request(seen)`` runs before
+    each request is served (to replace a file mid-load); ``stall_after`` (a
+    byte count) stops a ranged body after that many bytes until
+    ``release`` is set (or the client goes), the connection left open."""
 
     def __init__(self, root):
         super().__init__()
@@ -828,6 +834,11 @@ class RangeHTTPServer(_Threaded):
         self.root_path = pathlib.Path(self.root)
         self.requests = []
         self._lock = threading.Lock()
+        self.ignore_if_match = False
+        self.send_etag = True
+        self.on_request = None
+        self.stall_after = None
+        self.release = threading.Event()
 
     def url_for(self, relpath):
         return f"{self.url}/{urllib.parse.quote(relpath)}"
@@ -867,6 +878,15 @@ def _parse_range(value, size):
     return start, min(end, size - 1)
 
 
+def _peer_gone(sock):
+    """Whether the client closed (or reset) its end of ``sock``."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
 def _etag_in(header, etag):
     tags = [t.strip() for t in header.split(",")]
     weakless = etag.removeprefix("W/")
@@ -891,8 +911,11 @@ class _StaticHandler(_Handler):
         owner = self.server.owner
         self.read_body()
         rng = self.headers.get("Range")
+        seen = Seen(self.command, self.path, rng)
         with owner._lock:
-            owner.requests.append(Seen(self.command, self.path, rng))
+            owner.requests.append(seen)
+        if owner.on_request is not None:
+            owner.on_request(seen)
         rel = posixpath.normpath(urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)).lstrip("/")
         path = os.path.realpath(os.path.join(owner.root, rel))
         if not (path == owner.root or path.startswith(owner.root + os.sep)) or not os.path.isfile(path):
@@ -900,10 +923,11 @@ class _StaticHandler(_Handler):
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             size, etag = st.st_size, RangeHTTPServer.etag(st)
-            common = [("ETag", etag), ("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True)),
-                      ("Accept-Ranges", "bytes")]
+            common = [("ETag", etag)] if owner.send_etag else []
+            common += [("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True)),
+                       ("Accept-Ranges", "bytes")]
             if_match = self.headers.get("If-Match")
-            if if_match is not None and not _etag_in(if_match, etag):
+            if if_match is not None and not owner.ignore_if_match and not _etag_in(if_match, etag):
                 return self._plain(412, "precondition failed\n", common)
             if_none = self.headers.get("If-None-Match")
             if if_none is not None and _etag_in(if_none, etag):
@@ -928,6 +952,13 @@ class _StaticHandler(_Handler):
                 return
             f.seek(start)
             left = length
+            if owner.stall_after is not None and span is not None:
+                self.wfile.write(f.read(min(owner.stall_after, left)))
+                self.wfile.flush()
+                left -= min(owner.stall_after, left)
+                while not owner.release.wait(0.05):
+                    if _peer_gone(self.connection):
+                        return
             while left:
                 data = f.read(min(_CHUNK, left))
                 if not data:
