@@ -29,7 +29,9 @@ everything else is transformers' own machinery:
    ``get_class_from_dynamic_module``), else, for a config without
    ``architectures``, the one ``AutoModelForCausalLM`` maps its type to (as
    the Auto class does).  An Auto class as ``model_class`` is resolved the
-   same way.
+   same way.  A ``generation_config.json`` beside it is read as
+   transformers' own reads it, and set on the model once it is built
+   (``_arguments.saved_generation_config``).
 3. ``Checkpoint.open(weights).iter_load(device)`` (``_hub.weights``: the files
    transformers would read there, ``variant`` included; their headers parsed
    once, for the layout and the load) reads every tensor in the file's dtype
@@ -118,9 +120,10 @@ from ._arguments import (
     one_dtype,
     refuse_what_is_not_read_here,
     remote_dir,
+    saved_generation_config,
 )
 from ._background import assemble_while_reading, no_allocator_warmup
-from ._placement import Spread, parallel_device, target_device
+from ._placement import Spread, offloading_a_state_dict, parallel_device, target_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -253,9 +256,9 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
                              trust_remote_code=trust_remote_code, code_revision=code_revision,
                              revision=revision, cache_dir=cache_dir, subfolder=subfolder, hub=hub)
     cls = model_class_of(transformers, config, model_class, model_dir, trust_remote_code, code_revision)
-    generation = os.path.join(model_dir, "generation_config.json")
-    if kwargs.get("generation_config") is None and os.path.isfile(generation):
-        kwargs["generation_config"] = transformers.GenerationConfig.from_pretrained(model_dir)
+    # (read before the weights: a bad file is an error before anything is read)
+    generation = None if kwargs.get("generation_config") is not None else saved_generation_config(
+        transformers, model_dir)
     # transformers needs accelerate for any device_map; on the CPU none is
     # needed (its default places everything there, and a .to("cpu") of a CPU
     # tensor is a no-op).  Tensor parallelism places each rank's part itself.
@@ -285,7 +288,7 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
         state = load_file(weights.source, "cpu" if spread else device,
                           storage_options=weights.storage_options)
         try:
-            with no_allocator_warmup(transformers):
+            with no_allocator_warmup(transformers), offloading_a_state_dict(transformers, cls, spread):
                 model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
         finally:
             state.clear()      # the model holds what it took; nothing else outlives the call
@@ -297,6 +300,8 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
         name, model = type(model).__name__, None       # not kept alive by the traceback
         raise KeyError(f"{model_dir}: {len(missing)} weight(s) of {name} are not in the checkpoint: "
                        + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else ""))
+    if generation is not None and model.can_generate():
+        model.generation_config = generation
     _set_name_or_path(model, os.fsdecode(os.fspath(given)))
     logger.info("from_pretrained %s: %s in %.3f s", model_dir, type(model).__name__, t1 - t0)
     return (model, info) if output_loading_info else model

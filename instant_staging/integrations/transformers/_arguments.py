@@ -224,3 +224,18 @@ def remote_class(transformers, config, name, model_dir, trust_remote_code, code_
     if isinstance(ref, (list, tuple)):
         ref = ref[0]
     return get_class_from_dynamic_module(ref, model_dir, code_revision=code_revision)
+
+
+def saved_generation_config(transformers, model_dir):
+    """The generation config transformers' own ``from_pretrained`` gives a
+    model whose directory has a ``generation_config.json``:
+    ``GenerationConfig.from_pretrained`` of it, set on the model as it is
+    (not handed to ``from_pretrained(generation_config=)``, which copies it
+    through a dict without the hash it recorded at loading: transformers
+    4.56-4.57's ``generate()`` asks for that hash where the file says
+    ``"_from_model_config": true``, as ``save_pretrained`` writes it).
+    None without the file: the model keeps the one transformers makes from
+    its config."""
+    if not os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        return None
+    return transformers.GenerationConfig.from_pretrained(model_dir)

@@ -11,7 +11,7 @@ import traceback
 import weakref
 
 from ...loader import TORCH_DTYPES, Checkpoint, import_torch
-from ._placement import Spread, reading_where_mapped
+from ._placement import Spread, offloading_a_state_dict, reading_where_mapped
 
 
 def assemble_while_reading(transformers, cls, weights, device, kwargs):
@@ -28,7 +28,7 @@ def assemble_while_reading(transformers, cls, weights, device, kwargs):
         state = {name: Arriving(load, name, shape, dtype) for name, (shape, dtype) in load.layout.items()}
         placing = (reading_where_mapped(transformers, load, kwargs.get("offload_folder")) if spread
                    else contextlib.nullcontext())
-        with no_allocator_warmup(transformers), placing:
+        with no_allocator_warmup(transformers), placing, offloading_a_state_dict(transformers, cls, spread):
             model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
         state.clear()
         load.finish()

@@ -140,3 +140,34 @@ def parallel_device(torch, device, device_map):
     if torch.cuda.is_available():
         return resolve_device(torch, f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
     return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def offloading_a_state_dict(transformers, cls, spread=True):
+    """transformers 4's ``_load_pretrained_model``, for this call, given
+    ``checkpoint_files=[""]`` where it gets a state dict and no files (the
+    value it sets itself for a state dict): 4.57 sets it only where no
+    module goes to the disk, so a state dict under a map with "disk" fails
+    (``TypeError: 'NoneType' object is not iterable``).  A class attribute:
+    another thread's load of ``cls`` meanwhile gets the same value, which
+    its transformers would have set itself.  Nothing to do for one device,
+    nor for transformers 5 (another loading)."""
+    function = getattr(getattr(cls, "_load_pretrained_model", None), "__func__", None)
+    if not spread or not transformers.__version__.startswith("4.") or function is None:
+        yield
+        return
+    own = cls.__dict__.get("_load_pretrained_model")
+
+    def loading(klass, model, state_dict, checkpoint_files, *args, **kwargs):
+        if state_dict is not None and checkpoint_files is None:
+            checkpoint_files = [""]
+        return function(klass, model, state_dict, checkpoint_files, *args, **kwargs)
+
+    cls._load_pretrained_model = classmethod(loading)
+    try:
+        yield
+    finally:
+        if own is None:
+            del cls._load_pretrained_model
+        else:
+            cls._load_pretrained_model = own
