@@ -126,7 +126,14 @@ from ._background import assemble_while_reading, no_allocator_warmup
 from ._placement import Spread, offloading_a_state_dict, parallel_device, target_device
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import GenerationMixin, PreTrainedModel
+
+    class PreTrainedModelWithGenerate(PreTrainedModel, GenerationMixin):
+        """What ``from_pretrained`` is typed as: transformers' model with
+        ``generate()``, as transformers types its ``AutoModelForCausalLM.
+        from_pretrained`` (its ``PreTrainedModel`` has no ``generate``: mypy
+        takes ``model.generate`` for torch's ``Module.__getattr__``, a
+        ``Tensor | Module``)."""
 
 logger = logging.getLogger("instant_staging")
 
@@ -139,7 +146,8 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = ..., dtype: 
                     trust_remote_code: bool = ..., cache_dir: PathLike | None = ...,
                     token: str | bool | None = ..., local_files_only: bool = ...,
                     force_download: bool = ..., output_loading_info: Literal[False] = ...,
-                    storage_options: dict[str, Any] | None = ..., **kwargs: Any) -> PreTrainedModel: ...
+                    storage_options: dict[str, Any] | None = ...,
+                    **kwargs: Any) -> PreTrainedModelWithGenerate: ...
 @overload
 def from_pretrained(model_dir: PathLike, *, device: Device | None = ..., dtype: DType = ...,
                     model_class: type[Any] | None = ..., device_map: Any = ...,
@@ -149,7 +157,7 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = ..., dtype: 
                     token: str | bool | None = ..., local_files_only: bool = ...,
                     force_download: bool = ..., output_loading_info: Literal[True],
                     storage_options: dict[str, Any] | None = ...,
-                    **kwargs: Any) -> tuple[PreTrainedModel, dict[str, Any]]: ...
+                    **kwargs: Any) -> tuple[PreTrainedModelWithGenerate, dict[str, Any]]: ...
 
 
 def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype: DType = None,
@@ -160,7 +168,8 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
                     token: str | bool | None = None, local_files_only: bool = False,
                     force_download: bool = False, output_loading_info: bool = False,
                     storage_options: dict[str, Any] | None = None,
-                    **kwargs: Any) -> PreTrainedModel | tuple[PreTrainedModel, dict[str, Any]]:
+                    **kwargs: Any,
+                    ) -> PreTrainedModelWithGenerate | tuple[PreTrainedModelWithGenerate, dict[str, Any]]:
     """A ready model (eval mode): transformers' ``from_pretrained`` with the
     weights read by instant_staging.
 
