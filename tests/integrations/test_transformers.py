@@ -24,8 +24,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from instant_staging.integrations import transformers as integration
-from instant_staging.integrations.transformers import _background, _placement
-from instant_staging.integrations.transformers import from_pretrained
+from instant_staging.integrations.transformers import _background, _placement, from_pretrained
 from instant_staging.loader import _run
 
 from support import ROOT, record_reads

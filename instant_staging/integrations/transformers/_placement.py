@@ -10,7 +10,6 @@ import threading
 
 from ...loader import default_device, import_torch, resolve_device
 
-
 # transformers' device_map strategies ("auto" too) that it resolves to a dict.
 SPREADING = ("balanced", "balanced_low_0", "sequential")
 
