@@ -60,7 +60,7 @@ import transformers
 from safetensors import safe_open as st_safe_open
 from safetensors.torch import save_file
 
-from instant_staging.integrations import transformers as integration
+from instant_staging.integrations.transformers import _background
 from instant_staging.integrations.transformers import from_pretrained
 from instant_staging.loader import load_file, safe_open
 
@@ -168,7 +168,7 @@ def phases(path, device, repeat):
     result = {}
 
     def assemble(state, warmup):
-        context = contextlib.nullcontext() if warmup else integration._no_allocator_warmup(transformers)
+        context = contextlib.nullcontext() if warmup else _background.no_allocator_warmup(transformers)
         with context:
             return transformers.LlamaForCausalLM.from_pretrained(
                 None, config=config, state_dict=state, dtype=torch.bfloat16, device_map=dmap)

@@ -241,14 +241,19 @@ FAKE_STUBS = {
         """,
     "torch/nn/__init__.pyi": """\
         from typing import Any
+        from torch import Tensor
         class Module:
             training: bool
+            def __getattr__(self, name: str) -> Tensor | Module: ...
         def __getattr__(name: str) -> Any: ...
         """,
+    # as transformers 4.50 and newer: generate() is GenerationMixin's, not
+    # PreTrainedModel's (where mypy finds Module.__getattr__ instead)
     "transformers/__init__.pyi": """\
         from typing import Any
         from torch.nn import Module
-        class PreTrainedModel(Module):
+        class PreTrainedModel(Module): ...
+        class GenerationMixin:
             def generate(self, inputs: Any = ..., **kwargs: Any) -> Any: ...
         def __getattr__(name: str) -> Any: ...
         """,
@@ -257,8 +262,9 @@ FAKE_STUBS = {
 
 def test_from_pretrained_is_typed_as_transformers_model(tmp_path):
     """``model.generate(...)`` type-checks under ``mypy --strict``: the model is
-    transformers' PreTrainedModel (it was torch's nn.Module, which has no
-    generate), and with ``output_loading_info=True`` a (model, info) pair."""
+    transformers' PreTrainedModel with GenerationMixin's generate (as
+    transformers types AutoModelForCausalLM.from_pretrained), and with
+    ``output_loading_info=True`` a (model, info) pair."""
     pytest.importorskip("mypy")
     fakes = tmp_path / "fakes"
     for name, text in FAKE_STUBS.items():
@@ -290,8 +296,8 @@ def test_from_pretrained_is_typed_as_transformers_model(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     revealed = [line.split("Revealed type is ")[1].replace("builtins.", "")   # (as older mypy names them)
                 for line in result.stdout.splitlines() if "Revealed type is" in line]
-    assert revealed == ['"transformers.PreTrainedModel"',
-                        '"tuple[transformers.PreTrainedModel, dict[str, Any]]"'], result.stdout
+    model = '"instant_staging.integrations.transformers.PreTrainedModelWithGenerate"'
+    assert revealed == [model, f'"tuple[{model[1:-1]}, dict[str, Any]]"'], result.stdout
 
 
 def test_an_editable_install_is_a_path_mypy_follows(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from instant_staging.integrations import transformers as integration
-from instant_staging.integrations.transformers import from_pretrained
+from instant_staging.integrations.transformers import _background, _placement, from_pretrained
 from instant_staging.loader import _run
 
 from support import ROOT, record_reads
@@ -88,7 +88,7 @@ def test_converted_weights_do_not_outlive_their_conversion(tmp_path, monkeypatch
     path, cls = save(tmp_path, "llama", sharded=True)
     cls.from_pretrained(path).half().save_pretrained(tmp_path / "fp16", max_shard_size="24KB")
     handed, alive_at_end = [], []
-    real_wait, real_finish = integration._BackgroundLoad.wait, integration._BackgroundLoad.finish
+    real_wait, real_finish = _background.BackgroundLoad.wait, _background.BackgroundLoad.finish
 
     def wait(self, name):
         tensor = real_wait(self, name)
@@ -99,8 +99,8 @@ def test_converted_weights_do_not_outlive_their_conversion(tmp_path, monkeypatch
         gc.collect()
         alive_at_end.append(sum(r() is not None for r in handed))
         return real_finish(self)
-    monkeypatch.setattr(integration._BackgroundLoad, "wait", wait)
-    monkeypatch.setattr(integration._BackgroundLoad, "finish", finish)
+    monkeypatch.setattr(_background.BackgroundLoad, "wait", wait)
+    monkeypatch.setattr(_background.BackgroundLoad, "finish", finish)
     model = from_pretrained(tmp_path / "fp16", device="cpu", dtype=dtype)
     assert handed and alive_at_end == [0]
     assert_same_model(model, AUTO.from_pretrained(tmp_path / "fp16", dtype=dtype))
@@ -358,7 +358,7 @@ def test_transformers_4_gets_a_mapped_tensor_where_it_was_read():
 
         def wait(self, name):
             return read
-    arriving = integration._Arriving(Load(), "w", torch.Size([2, 3]), torch.float32)
+    arriving = _background.Arriving(Load(), "w", torch.Size([2, 3]), torch.float32)
     for args, kwargs in [(("cpu",), {}), ((0,), {}), (("disk",), {}), ((), {"device": "cpu"})]:
         assert arriving.to(*args, **kwargs) is read
     assert arriving.to(torch.float16).dtype == torch.float16       # not a move: done
@@ -373,7 +373,7 @@ def test_one_load_per_device(tmp_path, monkeypatch):
     pytest.importorskip("accelerate")
     path, _ = save(tmp_path, "llama", sharded=True)
     ref = AUTO.from_pretrained(path, offload_folder=str(tmp_path / "ref-offload"), device_map=OFFLOADING)
-    real = integration._groups
+    real = _placement.groups
     split = []
 
     def two(torch_, model, device_map, names):
@@ -381,7 +381,7 @@ def test_one_load_per_device(tmp_path, monkeypatch):
         half = len(every) // 2
         split.append(every)
         return [(device, every[half:]), (device, every[:half])]
-    monkeypatch.setattr(integration, "_groups", two)
+    monkeypatch.setattr(_placement, "groups", two)
     loads, opened = record_loads(monkeypatch)
     ours = from_pretrained(path, offload_folder=str(tmp_path / "offload"), device_map=OFFLOADING)
     assert_same_placed_model(ours, ref)
@@ -391,7 +391,7 @@ def test_one_load_per_device(tmp_path, monkeypatch):
 
 def test_each_tensor_is_read_to_the_device_its_module_is_mapped_to(tmp_path, monkeypatch):
     # (the GPU devices only named: which tensor goes to which load)
-    monkeypatch.setattr(integration, "_resolve_device",
+    monkeypatch.setattr(_placement, "resolve_device",
                         lambda torch_, d: torch.device(f"cuda:{d}" if isinstance(d, int) else d))
     with torch.device("meta"):
         model = AUTO.from_config(configs()["llama"][0])
@@ -403,7 +403,7 @@ def test_each_tensor_is_read_to_the_device_its_module_is_mapped_to(tmp_path, mon
              "layers.0.self_attn.q_proj.weight": "cuda:0",             # saved without the prefix
              "model.layers.10.mlp.up_proj.weight": "cuda:1",           # not layers.1's: ""
              "something.else": "cuda:1"}
-    groups = integration._groups(torch, model, device_map, list(names))
+    groups = _placement.groups(torch, model, device_map, list(names))
     assert [str(d) for d, _ in groups] == ["cuda:0", "cuda:1", "cpu"]      # in the order first named
     assert {name: str(d) for d, group in groups for name in group} == names
 
@@ -675,7 +675,7 @@ def test_device_and_device_map_must_agree(tmp_path, monkeypatch):
     assert_same_model(from_pretrained(path, device="cpu", device_map={"": "cpu"}), AUTO.from_pretrained(path))
     no_read(monkeypatch)
     if not torch.cuda.is_available():
-        monkeypatch.setattr(integration, "_resolve_device", lambda torch, d: torch.device(d))
+        monkeypatch.setattr(_placement, "resolve_device", lambda torch, d: torch.device(d))
     with pytest.raises(ValueError, match="different devices"):
         from_pretrained(path, device="cpu", device_map="cuda:0")
 
@@ -774,7 +774,7 @@ def test_gpu_device_map(tmp_path, monkeypatch, gpu, device_map):
 def test_gpu_without_accelerate_is_an_error_before_reading(tmp_path, monkeypatch):
     path, _ = save(tmp_path, "llama", sharded=False)
     no_read(monkeypatch)
-    monkeypatch.setattr(integration, "_resolve_device", lambda torch, d: torch.device(d))
+    monkeypatch.setattr(_placement, "resolve_device", lambda torch, d: torch.device(d))
     monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda: False)
     with pytest.raises(ImportError, match="accelerate"):
         from_pretrained(path, device="cuda:0")
@@ -832,11 +832,11 @@ def test_an_arriving_tensor_is_what_each_transformers_asks_of_a_state_dict_value
     ``t.to(device)`` of a state dict's value: both wait for the tensor and
     give it (not a copy) where it is already there."""
     path, _ = save(tmp_path, "llama", sharded=False)
-    load = integration._BackgroundLoad(str(path / "model.safetensors"), torch.device("cpu"))
+    load = _background.BackgroundLoad(str(path / "model.safetensors"), torch.device("cpu"))
     try:
         name = "model.embed_tokens.weight"
         shape, dtype = load.layout[name]
-        value = integration._Arriving(load, name, shape, dtype)
+        value = _background.Arriving(load, name, shape, dtype)
         assert value.get_shape() == list(shape) and value.is_floating_point()
         meta = torch.empty(shape, dtype=dtype, device="meta")
         assert (value.dim(), value.size(), value.size(1), value.stride(), value.stride(0)) == \
@@ -855,7 +855,7 @@ def test_an_arriving_tensor_is_what_each_transformers_asks_of_a_state_dict_value
 # -- the arguments transformers users pass (issue 29, item 3) ---------------------------
 
 def no_read_after_error(monkeypatch):
-    monkeypatch.setattr(integration, "_BackgroundLoad", lambda *a, **k: pytest.fail("read before the check"))
+    monkeypatch.setattr(_background, "BackgroundLoad", lambda *a, **k: pytest.fail("read before the check"))
     no_read(monkeypatch)
 
 
