@@ -198,11 +198,6 @@ def _first_cuda(homes, major: int | None) -> Backend | None:
     return None
 
 
-def find_cuda_toolkit(major: int | None = None) -> Backend | None:
-    """A CUDA toolkit (of ``major``, when given)."""
-    return _first_cuda(_toolkit_homes(), major)
-
-
 def cross_target() -> str | None:
     """The machine a cross build compiles for (``_PYTHON_HOST_PLATFORM``
     ``linux-aarch64`` on an x86_64 host: ``aarch64``), else None."""
@@ -213,14 +208,20 @@ def cross_target() -> str | None:
     return machine
 
 
-def find_cuda(major: int | None = None) -> Backend | None:
-    """The toolkit (its own version unless INSTANT_STAGING_CUDA says), else
-    the wheels; a cross build: the wheels on sys.path (the target's)."""
-    if major is None:
-        major = requested_cuda_major()
+def find_cuda_toolkit(major: int | None = None) -> Backend | None:
+    """A CUDA toolkit (of ``major``, when given); none in a cross build
+    (its library is for this machine's architecture)."""
     if cross_target() is not None:
         _cuda_skipped.append(f"a cross build for {cross_target()}: no toolkit of this machine used")
-        return _first_cuda(_wheel_homes(major or 12), major or 12)
+        return None
+    return _first_cuda(_toolkit_homes(), major)
+
+
+def find_cuda(major: int | None = None) -> Backend | None:
+    """The toolkit (its own version unless INSTANT_STAGING_CUDA says), else
+    the wheels (a cross build: only the wheels, the target's)."""
+    if major is None:
+        major = requested_cuda_major()
     found = find_cuda_toolkit(major)
     if found:
         return found
