@@ -28,8 +28,8 @@
 # with this Python's headers (those of one CPython minor version are the
 # same on both 64-bit Linux targets but for pyconfig.h's feature macros,
 # which the extension modules do not use).  Nothing aarch64 runs here: the
-# checks below are what is proven; an import needs an aarch64 Python
-# (tools/check_wheel_qemu.sh, where qemu-user is installed).
+# checks below are what is proven; running it needs an aarch64 Python
+# (native, or under qemu-user).
 #
 # Checks before it succeeds, for each wheel: the module NEEDs no libcudart,
 # every module is of the wheel's architecture, and neither the sdist nor
