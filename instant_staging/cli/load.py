@@ -259,6 +259,8 @@ def _load(checkpoint, device, dtype, chunk_size, io_depth, threads, verify, stag
                 buf.close()
             except StagingError as e:          # ReleaseError: memory retained
                 failed = failed or e
+    # The knobs as the load resolves them (None: the default, a number here).
+    threads = defaults.reader_threads(threads)
     if failed is not None:
         return {"command": "load", "ok": False, "files": files, "device": str(device),
                 "dtype": None if dtype is None else str(dtype), "chunk_size": chunk_size,
@@ -267,12 +269,16 @@ def _load(checkpoint, device, dtype, chunk_size, io_depth, threads, verify, stag
     # The kind the load staged through, as its report says (a CPU load's
     # ordinary memory: none, shown as HOST).
     staging["kind"] = report.staging_kind or staging["kind"]
+    # Every figure of the LoadReport (its phases: open, prepare, load), the
+    # run's own where it has one.
     return {"command": "load", "ok": True, "files": files,
-            "device": str(device), "dtype": None if dtype is None else str(dtype),
+            "device": report.device or str(device), "dtype": None if dtype is None else str(dtype),
             "tensors": report.tensors, "bytes": report.bytes,
-            "seconds": report.seconds, "gbps": report.gbps, "phases": report.phases,
-            # the reader threads that ran (the knob may have been None: the loader's own)
-            "chunk_size": chunk_size, "io_depth": io_depth, "threads": report.threads,
+            "seconds": report.seconds, "gbps": report.gbps, "phases": dict(report.phases),
+            "chunk_size": report.chunk_size or chunk_size, "io_depth": io_depth,
+            "threads": threads,
+            # the reader threads that ran (no more than the load has chunks)
+            "reader_threads": report.threads if report.threads is not None else threads,
             "verified": bool(verify), "staging": staging}
 
 

@@ -24,6 +24,7 @@ from ..loader import (
     LoadOptions,
     SafetensorsError,
     default_device,
+    resolve_progress,
 )
 from .report import OutputError, attempt_dict, describe_attempt, emit, error_result, write_out
 
@@ -91,6 +92,66 @@ def version_line():
     return f"instant-staging {__version__} ({build})"
 
 
+# -- verbosity: the package's log lines (logger "instant_staging") on stderr --------
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def log_level_arg(text):
+    """A level's name, any case: 'info' -> logging.INFO."""
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"not a log level: {text!r} (one of {', '.join(LOG_LEVELS)})")
+    return getattr(logging, text.upper())
+
+
+def verbosity_parser(suppress):
+    """-v, -q, --log-level: on the command line before the subcommand and
+    after it (``suppress``: the subcommand's copy leaves what the main
+    parser read, where it is not given again)."""
+    unset = argparse.SUPPRESS if suppress else None
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("output")
+    g.add_argument("-v", "--verbose", action="count", default=unset if suppress else 0,
+                   help="more log lines: -v the package's INFO (where a load goes, the "
+                   "defaults it chose), -vv DEBUG")
+    g.add_argument("-q", "--quiet", action="store_true", default=unset if suppress else False,
+                   help="errors only: no warnings, no progress")
+    g.add_argument("--log-level", type=log_level_arg, default=unset, metavar="LEVEL",
+                   help=f"the package's log level ({', '.join(LOG_LEVELS)}; default warning)")
+    return p
+
+
+def log_level(args):
+    """The level the flags ask for (default WARNING); a usage error (str)
+    where they disagree."""
+    given = [flag for flag, on in (("-v", args.verbose), ("-q", args.quiet),
+                                   ("--log-level", args.log_level is not None)) if on]
+    if len(given) > 1:
+        return f"{' and '.join(given)} ask for different log levels: give one"
+    if args.log_level is not None:
+        return args.log_level
+    if args.quiet:
+        return logging.ERROR
+    return {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+
+
+_handler = None     # the handler main() installed (one, however often main() runs)
+
+
+def configure_logging(level):
+    """The ``instant_staging`` logger at ``level``, to stderr; other
+    libraries' lines from WARNING up (ERROR up under -q), as before."""
+    global _handler
+    root = logging.getLogger()
+    if _handler is not None:
+        root.removeHandler(_handler)
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("instant_staging: %(levelname)s: %(message)s"))
+    root.addHandler(_handler)
+    root.setLevel(max(level, logging.WARNING))
+    logging.getLogger("instant_staging").setLevel(level)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit 2), not the usage
     block followed by the error: ``--help`` shows the usage."""
@@ -101,12 +162,13 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser():
     parser = _Parser(
-        prog="instant-staging",
+        prog="instant-staging", parents=[verbosity_parser(suppress=False)],
         description="Pinned host staging buffers: see which path works on this host, and why.")
     parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    verbosity = [verbosity_parser(suppress=True)]
 
-    p = commands.add_parser("probe", help="run the allocation state machine once and "
+    p = commands.add_parser("probe", parents=verbosity, help="run the allocation state machine once and "
                             "copy the buffer to the GPU and back")
     p.add_argument("--size", type=size_arg, default=defaults.STAGING_SIZE,
                    help=f"buffer size (default {format_size(defaults.STAGING_SIZE)})")
@@ -135,11 +197,12 @@ def build_parser():
                        help="exit 1 instead of simulating when there is no usable GPU")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
-    d = commands.add_parser("doctor", help="what on this host decides whether pinning works")
+    d = commands.add_parser("doctor", parents=verbosity,
+                            help="what on this host decides whether pinning works")
     d.add_argument("--json", action="store_true", help="print one JSON object")
 
     ld = commands.add_parser(
-        "load", help="load safetensors checkpoints through a staging buffer",
+        "load", parents=verbosity, help="load safetensors checkpoints through a staging buffer",
         description="Load safetensors checkpoints through a staging buffer.  Where "
         "--chunk-size, --io-depth, --threads and their variables are all unset, a checkpoint "
         "the page cache lacks gets the cold defaults (larger reads by fewer threads).")
@@ -259,8 +322,11 @@ def run_load(args, parser):
         if args.staging_size is not None and args.staging_size < chunk_size:
             parser.error("--staging-size must hold at least one chunk of --chunk-size "
                          f"({format_size(chunk_size)} for this checkpoint)")
-        tty = sys.stderr.isatty()
-        progress = load_cmd.Progress(sys.stderr, bar=tty, quiet=args.json)
+        # The API's progress=True: a bar on a terminal (tqdm's where it is
+        # installed), else a line per tenth; none under -q, nor beside --json
+        # where stderr is no terminal.
+        quiet = args.quiet or (args.json and not sys.stderr.isatty())
+        progress = resolve_progress(not quiet)
         try:
             result = load_cmd.load(checkpoint, device=args.device, dtype=args.dtype,
                                    chunk_size=chunk_size, io_depth=io_depth, threads=threads,
@@ -270,9 +336,9 @@ def run_load(args, parser):
             # ImportError: no torch; ValueError: a bad file (SafetensorsError);
             # RuntimeError: a failed read or copy (LoadError), or torch's own
             # (no CUDA device, out of memory).
-            progress.close()
+            _close(progress)
             return _load_failed(args, e)
-    progress.close()
+    _close(progress)
     if not result["ok"]:
         if args.json:
             write_out(json.dumps(result, indent=2))
@@ -281,6 +347,11 @@ def run_load(args, parser):
         return 1
     emit(args.json, result, load_cmd.format_text(result))
     return 0
+
+
+def _close(progress):
+    if progress is not None:
+        progress.close()
 
 
 def _load_failed(args, e):
@@ -303,9 +374,12 @@ def main(argv=None):
     """Entry point of ``instant-staging`` and ``python -m instant_staging``."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    # The state machine logs each fallback once; show it, on stderr.
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="instant_staging: %(levelname)s: %(message)s")
+    level = log_level(args)
+    if isinstance(level, str):
+        parser.error(level)
+    # The state machine logs each fallback once (WARNING), the loader its
+    # choices (INFO: -v): on stderr.
+    configure_logging(level)
     try:
         try:
             return COMMANDS[args.command](args, parser)

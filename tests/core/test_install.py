@@ -114,6 +114,22 @@ def test_cuda12_asked_passes_a_cuda13_toolkit_over(env, tmp_path):
         backends.find_backend()
 
 
+def test_a_cross_build_takes_the_targets_wheels_never_a_toolkit_here(env, tmp_path, monkeypatch):
+    """tools/build_wheel.sh's aarch64 wheel on x86_64 (_PYTHON_HOST_PLATFORM,
+    as CPython's cross builds name the target): a toolkit of this machine
+    holds a library for this machine's architecture."""
+    import platform
+    env.toolkit(_fake_cuda(tmp_path / "cuda", 12040))
+    env.wheels(tmp_path, 12)
+    other = "x86_64" if platform.machine() == "aarch64" else "aarch64"
+    monkeypatch.setenv("_PYTHON_HOST_PLATFORM", f"linux-{other}")
+    assert backends.cross_target() == other
+    assert backends.find_backend().toolchain == "CUDA 12.9 (PyPI wheels)"
+    monkeypatch.setenv("_PYTHON_HOST_PLATFORM", f"linux-{platform.machine()}")
+    assert backends.cross_target() is None
+    assert backends.find_backend().toolchain == "CUDA 12.4 (toolkit)"
+
+
 def test_toolkit_without_static_runtime_is_passed_over(env, tmp_path):
     env.toolkit(_fake_cuda(tmp_path / "cuda", 12040, static=False))
     with pytest.raises(backends.BackendNotFound, match=r"no libcudart_static\.a"):

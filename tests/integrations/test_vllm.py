@@ -135,6 +135,65 @@ def test_bad_value_is_an_error_naming_it(key, value):
         parse({key: value})
 
 
+def test_a_typo_is_one_line_naming_the_key_and_the_accepted_ones():
+    with pytest.raises(ValueError) as e:
+        parse({"chunk_sise": "8MiB"})
+    message = str(e.value)
+    assert "\n" not in message and "'chunk_sise' (did you mean 'chunk_size'?)" in message
+    assert message.endswith("accepted: " + ", ".join(_options.KEYS)), message
+
+
+class FakeArgUtils:
+    """vllm.engine.arg_utils as far as the check needs it: EngineArgs,
+    whose create_load_config makes a LoadConfig (vLLM is not installed in
+    every env; with it, test_bad_extra_config_is_a_clear_error runs vLLM's own)."""
+
+    class LoadConfig:
+        def __init__(self, load_format, model_loader_extra_config):
+            self.load_format = load_format
+            self.model_loader_extra_config = model_loader_extra_config
+
+    class EngineArgs:
+        def __init__(self, load_format="auto", model_loader_extra_config=None):
+            self.load_format = load_format
+            self.model_loader_extra_config = model_loader_extra_config or {}
+
+        def create_load_config(self):
+            return FakeArgUtils.LoadConfig(self.load_format, self.model_loader_extra_config)
+
+
+def test_the_extra_config_is_checked_where_the_engine_arguments_are_made(monkeypatch):
+    """A typo was reported only by each worker, ~20 s in, under "Engine core
+    initialization failed": register() hooks the check into
+    EngineArgs.create_load_config, in the process that read the arguments."""
+    import types
+
+    import instant_staging.integrations.vllm as plugin
+    module = types.ModuleType("vllm.engine.arg_utils")
+    engine_args = type("EngineArgs", (FakeArgUtils.EngineArgs,), {})
+    module.EngineArgs = engine_args
+    monkeypatch.delitem(sys.modules, "vllm.engine.arg_utils", raising=False)
+    assert plugin.check_where_engine_args_are_made() is False     # nothing imported: no check
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", module)
+    assert plugin.check_where_engine_args_are_made() is True
+    hooked = engine_args.create_load_config
+    assert plugin.check_where_engine_args_are_made() is True and engine_args.create_load_config is hooked
+    with pytest.raises(ValueError, match=r"'chunk_sise' \(did you mean 'chunk_size'\?\); accepted: "):
+        engine_args(load_format="INSTANT_STAGING",
+                    model_loader_extra_config={"chunk_sise": "8MiB"}).create_load_config()
+    with pytest.raises(ValueError, match="threads=0"):
+        engine_args(load_format=LOAD_FORMAT, model_loader_extra_config={"threads": 0}).create_load_config()
+    good = engine_args(load_format=LOAD_FORMAT, model_loader_extra_config={"threads": 2})
+    assert good.create_load_config().model_loader_extra_config == {"threads": 2}
+    # another load format's config is its loader's business
+    other = engine_args(load_format="tensorizer", model_loader_extra_config={"tensorizer_uri": "x"})
+    assert other.create_load_config().load_format == "tensorizer"
+    # an older vLLM's LoadFormat enum
+    enum_format = types.SimpleNamespace(value=LOAD_FORMAT)
+    with pytest.raises(ValueError, match="'chunk'"):
+        _options.check_load_config(FakeArgUtils.LoadConfig(enum_format, {"chunk": 1}))
+
+
 def test_not_an_object():
     with pytest.raises(ValueError, match="JSON object"):
         parse(["chunk_size"])

@@ -23,8 +23,13 @@ The contract:
   is untouched.
 - Knobs: ``--model-loader-extra-config`` keys (``_options.py``: chunk_size,
   io_depth, threads, progress, verify, batch_bytes, shared_read,
-  enable_weights_track), an unknown key or a bad value a ValueError naming
-  it when vLLM makes the loader; keys left out come from instant_staging's
+  enable_weights_track, weights), an unknown key or a bad value a
+  ValueError naming it and the accepted ones, raised where vLLM makes its
+  engine arguments' LoadConfig (``register`` hooks the check into
+  ``EngineArgs.create_load_config``: vLLM has no hook of its own for a load
+  format's config, and without it a typo surfaced only in the workers,
+  under "Engine core initialization failed"), and again when vLLM makes
+  the loader; keys left out come from instant_staging's
   environment variables (``INSTANT_STAGING_CHUNK_SIZE`` ...), else the
   loader's defaults.
 - Tensor parallel: where every worker runs on one node, the batches are
@@ -52,8 +57,10 @@ vLLM is imported only by ``register`` and ``_loader``; ``_options``,
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
+import sys
 
 LOAD_FORMAT = "instant_staging"
 
@@ -75,13 +82,42 @@ def untested(version: str) -> str | None:
             f"--load-format safetensors reads the same checkpoint")
 
 
+def check_where_engine_args_are_made() -> bool:
+    """Makes vLLM's ``EngineArgs.create_load_config`` check the extra
+    config of load format ``instant_staging`` (``_options.check_load_config``)
+    once it made the LoadConfig, so that a typo is a ValueError at start-up,
+    in the process that read the arguments.  Only where vLLM's
+    ``vllm.engine.arg_utils`` is imported already (vLLM loads its plugins
+    from ``EngineArgs``; a worker has no arguments to check); idempotent.
+    Returns whether the check is in place."""
+    arg_utils = sys.modules.get("vllm.engine.arg_utils")
+    engine_args = getattr(arg_utils, "EngineArgs", None)
+    make = getattr(engine_args, "create_load_config", None)
+    if make is None:
+        return False
+    if getattr(make, "_instant_staging_checks", False):
+        return True
+    from ._options import check_load_config
+
+    @functools.wraps(make)
+    def create_load_config(self, *args, **kwargs):
+        load_config = make(self, *args, **kwargs)
+        check_load_config(load_config)
+        return load_config
+    create_load_config._instant_staging_checks = True    # type: ignore[attr-defined]
+    engine_args.create_load_config = create_load_config
+    return True
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: registers the loader class
-    under ``LOAD_FORMAT`` (idempotent)."""
+    under ``LOAD_FORMAT`` and checks the extra config where the engine
+    arguments are made (``check_where_engine_args_are_made``); idempotent."""
     import vllm
     from vllm.model_executor import model_loader
 
     from ._loader import InstantStagingModelLoader
+    check_where_engine_args_are_made()
     note = untested(getattr(vllm, "__version__", "unknown"))
     if note is not None and not _warned:
         _warned.append(note)
@@ -92,4 +128,4 @@ def register() -> None:
     model_loader.register_model_loader(LOAD_FORMAT)(InstantStagingModelLoader)
 
 
-__all__ = ["LOAD_FORMAT", "TESTED", "register", "untested"]
+__all__ = ["LOAD_FORMAT", "TESTED", "check_where_engine_args_are_made", "register", "untested"]

@@ -5,8 +5,13 @@
 
 ``parse(extra)`` checks the JSON object vLLM passes (a dict) and returns an
 ``Options``; an unknown key, or a value of the wrong type, is a ValueError
-naming it and what is accepted, raised when vLLM makes the loader (before
-any model is built or any byte read).  A key left out is None: the loader's
+naming it and what is accepted, in one line.  ``check_load_config`` runs it
+where vLLM makes its engine arguments' ``LoadConfig``
+(``EngineArgs.create_load_config``, hooked by ``register``): a typo stops
+``vllm serve`` at start-up, in the process that read the command line,
+rather than in each worker once the engine core is up; the loader parses
+the config again when vLLM makes it (before any model is built or any
+byte read).  A key left out is None: the loader's
 own knob then comes from its environment variable (``INSTANT_STAGING_CHUNK_SIZE``,
 ``INSTANT_STAGING_IO_DEPTH``, ``INSTANT_STAGING_THREADS``), else its measured
 default, exactly as for ``load_file``.  Needs no vLLM.
@@ -14,6 +19,7 @@ default, exactly as for ``load_file``.  Needs no vLLM.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, NamedTuple
 
 from ..._types import parse_size
@@ -77,9 +83,10 @@ def parse(extra: Any) -> Options:
                          f"object, not {type(extra).__name__}")
     unknown = sorted(k for k in extra if k not in KEYS)
     if unknown:
+        close = [m[0] for k in unknown for m in [difflib.get_close_matches(str(k), KEYS, n=1)] if m]
+        guess = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
         raise ValueError("unknown --model-loader-extra-config key(s) for load format instant_staging: "
-                         + ", ".join(map(repr, unknown)) + "; accepted: "
-                         + "; ".join(f"{k} ({v})" for k, v in KEYS.items()))
+                         + ", ".join(map(repr, unknown)) + guess + "; accepted: " + ", ".join(KEYS))
     values = {}
     for key, value in extra.items():
         if value is None:
@@ -93,6 +100,17 @@ def parse(extra: Any) -> Options:
         else:
             values[key] = _flag(key, value)
     return Options(**values)
+
+
+def check_load_config(load_config: Any) -> None:
+    """Checks the extra config of a vLLM ``LoadConfig`` whose load format is
+    ``instant_staging`` (any other is left to its own loader): the
+    ValueError of ``parse``, at start-up."""
+    from . import LOAD_FORMAT
+    load_format = getattr(load_config, "load_format", None)
+    load_format = getattr(load_format, "value", load_format)    # an older vLLM's LoadFormat enum
+    if isinstance(load_format, str) and load_format.lower() == LOAD_FORMAT:
+        parse(getattr(load_config, "model_loader_extra_config", None))
 
 
 def _bad(key, value):
