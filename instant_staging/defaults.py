@@ -16,11 +16,14 @@ STAGING_SIZE = 2 << 30
 # registration becomes eight of these.
 SEGMENT_SIZE = 256 << 20
 
-# Bytes per read and per host-to-device copy.  Copies of this size still
-# move what the link can, and with two slots per thread (below) it loaded
-# fastest of the sizes tried on both realistic layouts, the dense and the
-# MoE one (docs/design.md, "Measured: the chunk size").
-CHUNK_SIZE = 4 << 20
+# Bytes per read and per host-to-device copy.  What counts is the bytes in
+# flight (IO_DEPTH of these): a chunk a reader thread just wrote is copied
+# to the device best while the host's cache still holds it, and a smaller
+# staging footprint loaded every layout faster on an H100 host (64 MiB:
+# 1.12-1.18x the 128 MiB of 4 MiB chunks) at a small cost on the H200 host
+# (0.96x); 1 MiB chunks were slower again (per-copy costs) (docs/design.md,
+# "Measured: the chunk size").
+CHUNK_SIZE = 2 << 20
 
 # Slots per reader thread: two let a thread read its next chunk while the
 # previous one is still being copied (one slot serialised them); more were
@@ -40,15 +43,15 @@ MAX_SLOTS_PER_THREAD = 64
 MAX_THREADS = 16
 
 # Chunks in flight when the reader threads are MAX_THREADS: the staging
-# buffer of a load holds io_depth * chunk_size (128 MiB).  load_file's
+# buffer of a load holds io_depth * chunk_size (64 MiB).  load_file's
 # io_depth=None is SLOTS_PER_THREAD per thread of the load.
 IO_DEPTH = SLOTS_PER_THREAD * MAX_THREADS
 
 # A checkpoint not in the page cache is read from disk (load_file and
 # iter_load with every knob left unset, loader/_shards.py's resident()):
-# in larger reads by fewer threads, in a staging buffer of the same 128 MiB:
+# in larger reads by fewer threads, in a staging buffer of 128 MiB:
 # from a disk, 16 MiB reads were the fastest tried, and 4 threads of them
-# as fast as 16.  Hot, 16 threads of 4 MiB stay the defaults above
+# as fast as 16.  Hot, 16 threads of 2 MiB stay the defaults above
 # (docs/design.md, "Measured: cold reads").
 COLD_CHUNK_SIZE = 16 << 20
 COLD_THREADS = 4
