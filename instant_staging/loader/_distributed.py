@@ -11,10 +11,10 @@ device; the parts are then exchanged with torch.distributed collectives
 only (NCCL between GPUs, gloo on the CPU), so every rank ends with every
 tensor it asked for, bit-exact, each tensor owning its own memory.
 
-The plan (``plan()``, pure and the same on every rank), over segments
-(``_segments``): a tensor is one, unless ranks want different rows of it,
-when it is cut where any rank's rows begin or end, each piece wanted by
-the ranks whose rows hold it:
+The share plan (``_share_plan.py``'s ``share_reads()``, pure and the same
+on every rank), over segments (``cut_segments()``): a tensor is one,
+unless ranks want different rows of it, when it is cut where any rank's
+rows begin or end, each piece wanted by the ranks whose rows hold it:
 
 - a segment wanted by one rank is read by that rank, whole, and never sent;
 - the segments wanted by the same set of ranks form one byte stream in file
@@ -76,7 +76,6 @@ import logging
 import os
 import pickle
 import traceback
-from typing import NamedTuple
 
 from .. import envs
 from ..defaults import DISTRIBUTED_TIMEOUT
@@ -84,19 +83,10 @@ from . import _progress, _run
 from ._errors import LoadError
 from ._options import for_cache
 from ._run import LoadIterator
+from ._share_plan import Wanted, cut_segments, share_reads
 
 log = logging.getLogger("instant_staging")
 
-# Largest unit of exchange: a unit is sent once its reader has it, so the
-# exchange of the last unit is what stays exposed after the reads (a
-# fraction of a millisecond over NVLink; docs/design.md, "Measured: reading
-# and exchanging across GPUs").
-UNIT_BYTES = 64 << 20
-# Cuts inside a tensor fall on this boundary (relative to the tensor).
-CUT_ALIGN = 4096
-# A cut moves to the nearest tensor boundary when that unbalances the
-# ranks by less than this fraction of one rank's share.
-SNAP_FRACTION = 1 / 64
 # A file's identity samples this many pages of its data (_contents).
 IDENTITY_PAGES = 8
 _PAGE = 4096
@@ -154,146 +144,6 @@ class DistributedLoadIterator(LoadIterator):
     def read_bytes(self):
         """Bytes this rank reads from the host (its share), once planned."""
         return self._shared.read_bytes
-
-
-# -- the plan ------------------------------------------------------------------
-
-class Unit:
-    """Bytes ``[begin, end)`` of tensor ``entry``, read by ``src`` and sent
-    to ``dsts`` (ranks of the group; empty for a tensor only src wants)."""
-
-    __slots__ = ("begin", "dsts", "end", "entry", "item", "key", "src")
-
-    def __init__(self, entry, begin, end, src, dsts):
-        self.entry, self.begin, self.end, self.src, self.dsts = entry, begin, end, src, dsts
-        self.item = -1      # index among src's read items
-        self.key = None     # position in the global issue order
-
-    def __repr__(self):
-        return f"Unit({self.entry}, {self.begin}, {self.end}, src={self.src}, dsts={self.dsts})"
-
-
-def plan(sizes, wanted, world, unit_bytes=UNIT_BYTES):
-    """Who reads what, and the exchanges, the same on every rank.
-
-    ``sizes[i]``: bytes of tensor i (tensors in reading order); ``wanted[i]``:
-    the ranks that want it.  Returns ``(reads, exchanges)``: ``reads[r]`` the
-    units rank r reads, in file order (unit.item is the index there), and
-    ``exchanges`` the units with receivers, in the global issue order.
-    """
-    loads = [0] * world
-    reads = [[] for _ in range(world)]
-    groups = {}
-    for i, (n, ranks) in enumerate(zip(sizes, wanted)):
-        ranks = tuple(sorted(set(ranks)))
-        if n == 0 or not ranks:
-            continue
-        if len(ranks) == 1:
-            reads[ranks[0]].append(Unit(i, 0, n, ranks[0], ()))
-            loads[ranks[0]] += n
-        else:
-            groups.setdefault(ranks, []).append(i)
-    for members, entries in groups.items():
-        shares = _water_fill([loads[r] for r in members], sum(sizes[i] for i in entries))
-        parts = _cut(entries, sizes, shares)
-        for r, part in zip(members, parts):
-            dsts = tuple(m for m in members if m != r)
-            for i, b, e in part:
-                for ub in range(b, e, unit_bytes):
-                    reads[r].append(Unit(i, ub, min(e, ub + unit_bytes), r, dsts))
-                loads[r] += e - b
-    exchanges = []
-    for r in range(world):
-        reads[r].sort(key=lambda u: (u.entry, u.begin))
-        position = 0
-        for item, u in enumerate(reads[r]):
-            u.item = item
-            position += u.end - u.begin
-            u.key = (position, r)
-            if u.dsts:
-                exchanges.append(u)
-    exchanges.sort(key=lambda u: u.key)
-    return reads, exchanges
-
-
-class Segment(NamedTuple):
-    """Bytes ``[begin, end)`` of the planned tensor ``index`` that the same
-    ``ranks`` want: a tensor is one segment, unless some rank wants only
-    rows of it (``plan=``), when it is cut where any rank's rows begin or
-    end."""
-
-    index: int
-    begin: int
-    end: int
-    ranks: list
-
-
-def _segments(union, everything, wanted_sets, wanted):
-    """The segments ``plan()`` cuts (its "tensors"), in reading order."""
-    out = []
-    for k, (p, (_, t)) in enumerate(zip(union, everything)):
-        spans = {r: w.span(p, t.nbytes) for r, (w, places) in enumerate(zip(wanted, wanted_sets))
-                 if p in places}
-        if len(set(spans.values())) == 1:      # (the usual: every rank the same bytes)
-            b, e = next(iter(spans.values()))
-            out.append(Segment(k, b, e, sorted(spans)))
-            continue
-        cuts = sorted({x for span in spans.values() for x in span})
-        for b, e in zip(cuts, cuts[1:]):
-            ranks = [r for r, (lo, hi) in spans.items() if lo <= b and e <= hi]
-            if ranks:
-                out.append(Segment(k, b, e, ranks))
-    return out
-
-
-def _water_fill(loads, total):
-    """Shares of ``total`` that bring ``loads`` as close to level as possible."""
-    order = sorted(range(len(loads)), key=lambda k: loads[k])
-    level, left = 0, total
-    for j, k in enumerate(order):       # raise the lowest j+1 together
-        nxt = loads[order[j + 1]] if j + 1 < len(order) else None
-        width = j + 1
-        if nxt is None or (nxt - loads[k]) * width >= left:
-            level = loads[k] + left / width
-            break
-        left -= (nxt - loads[k]) * width
-    return [max(0.0, level - x) for x in loads]
-
-
-def _cut(entries, sizes, shares):
-    """Cuts the byte stream of ``entries`` into contiguous parts of about
-    ``shares`` bytes: a list of ``(entry, begin, end)`` per part."""
-    starts, pos = [], 0
-    for i in entries:
-        starts.append(pos)
-        pos += sizes[i]
-    total = pos
-    tolerance = max(CUT_ALIGN, int(total / max(1, len(shares)) * SNAP_FRACTION))
-    bounds, acc = [0], 0.0
-    for s in shares[:-1]:
-        acc += s
-        bounds.append(max(bounds[-1], _snap(round(acc), entries, sizes, starts, tolerance)))
-    bounds.append(total)
-    parts = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        part = []
-        for i, start in zip(entries, starts):
-            b, e = max(lo, start), min(hi, start + sizes[i])
-            if b < e:
-                part.append((i, b - start, e - start))
-        parts.append(part)
-    return parts
-
-
-def _snap(p, entries, sizes, starts, tolerance):
-    for i, start in zip(entries, starts):
-        end = start + sizes[i]
-        if start <= p < end:
-            if p - start <= tolerance or end - p <= tolerance:
-                return start if p - start <= end - p else end
-            inside = (p - start) // CUT_ALIGN * CUT_ALIGN
-            return start + inside if inside > 0 else end
-    return p
 
 
 # -- agreement through the store ----------------------------------------------
@@ -543,18 +393,6 @@ def _wanted(checkpoint):
     return bytes(bits), rows
 
 
-class Wanted(NamedTuple):
-    """One rank's selection: the places of its tensors in ``all_entries``,
-    in order, and the bytes it wants of those it wants only rows of."""
-
-    places: list
-    rows: dict
-
-    def span(self, place, nbytes):
-        """The bytes ``[begin, end)`` of the tensor at ``place`` it wants."""
-        return self.rows.get(place, (0, nbytes))
-
-
 def _places(mask):
     """The places a mask of ``_wanted`` sets, in order."""
     return [8 * i + b for i, byte in enumerate(mask) if byte for b in range(8) if byte >> b & 1]
@@ -565,7 +403,7 @@ def _places(mask):
 class _Shared:
     """One rank's part of a process group's load: the strategy ``_run.run``
     runs it with (``_run._Solo`` is a load of one process's).  It reads its
-    share of the bytes (``plan``) into tensors of their own, agrees with the
+    share of the bytes (``share_reads``) into tensors of their own, agrees with the
     other ranks that every rank is ready, exchanges the parts as its reads
     finish, agrees that every rank succeeded, and only then hands out its
     tensors."""
@@ -580,23 +418,23 @@ class _Shared:
         self.union = self.segments = None
 
     def plan_reads(self, state, chunk_size, faults):
-        """Step 1: every rank's share of the bytes (``plan``, the same on
+        """Step 1: every rank's share of the bytes (``share_reads``, the same on
         every rank), and the Plan of this rank's (None: it reads nothing).
         The tensors planned (``everything``) are those some rank wants, in
         reading order: a load as long as the ranks' selections."""
         from ._pipeline import Plan
         group, checkpoint = self.group, state.checkpoint
-        wanted = [set(w.places) for w in self.wanted]
-        union = self.union = sorted(set().union(*wanted))
+        union = self.union = sorted(set().union(*(w.places for w in self.wanted)))
         everything = self.everything = [checkpoint.all_entries[k] for k in union]
         places = checkpoint.name_places()
         # This rank's own entries (rows where plan= asked for rows), by
         # place, with their dtypes.
         self.mine = {places[t.name]: (i, t, dtype)
                      for (i, t), dtype in zip(checkpoint.entries, state.dtypes)}
-        segments = self.segments = _segments(union, everything, wanted, self.wanted)
-        reads, self.exchanges = plan([g.end - g.begin for g in segments],
-                                     [g.ranks for g in segments], group.size)
+        segments = self.segments = cut_segments(union, [t.nbytes for _, t in everything],
+                                                self.wanted)
+        reads, self.exchanges = share_reads([g.end - g.begin for g in segments],
+                                            [g.ranks for g in segments], group.size)
         self.started = True
         items = self.items = reads[group.rank]
         self.read_bytes = sum(u.end - u.begin for u in items)

@@ -329,7 +329,8 @@ def main(spec_path, rank):
             else:
                 out[name] = run(shards)
         elif name == "leak_plan":      # step 1: rank 1's share of the reads
-            out[name] = probe(shards, [(_distributed, "plan", raising(RuntimeError("injected: plan")))])
+            out[name] = probe(shards, [(_distributed, "share_reads",
+                                        raising(RuntimeError("injected: plan")))])
         elif name == "leak_pipeline":  # step 2: rank 1's reader pipeline
             out[name] = probe(shards, [(_pipeline, "Pipeline",
                                         raising(RuntimeError("injected: pipeline")))])

@@ -1,7 +1,6 @@
 """Loading under a process group (loader/_distributed.py) on the CPU with gloo.
 
-The plan is checked directly (every wanted byte read exactly once, by a
-rank that wants it; shares balanced; one issue order).  The load itself
+The share plan is checked alone (tests/loader/test_share_plan.py).  The load itself
 runs in 2 and 3 real processes (tests/loader/_dist_worker.py, a gloo group over
 a free port), each world running every scenario in one group so that the
 processes start once: replicated loads, per-rank ``names=``, uneven
@@ -37,78 +36,7 @@ TESTS = os.path.dirname(os.path.dirname(WORKER))       # the worker imports supp
 TIMEOUT = 5       # INSTANT_STAGING_DIST_TIMEOUT of the workers: the "timeout" scenario waits this
 
 
-# -- the plan ------------------------------------------------------------------
-
-def check_plan(sizes, wanted, world, unit):
-    reads, exchanges = D.plan(sizes, wanted, world, unit)
-    got = {}
-    for r, units in enumerate(reads):
-        for item, u in enumerate(units):
-            assert u.item == item and u.src == r and r in wanted[u.entry]
-            assert set(u.dsts) == set(wanted[u.entry]) - {r}
-            assert 0 < u.end - u.begin <= (unit if u.dsts else sizes[u.entry])
-            got.setdefault(u.entry, []).append((u.begin, u.end))
-        assert [(u.entry, u.begin) for u in units] == sorted((u.entry, u.begin) for u in units)
-    for i, n in enumerate(sizes):        # each wanted byte exactly once
-        ranges = sorted(got.get(i, []))
-        if not wanted[i] or n == 0:
-            assert not ranges
-            continue
-        assert ranges[0][0] == 0 and ranges[-1][1] == n
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-    assert exchanges == sorted(exchanges, key=lambda u: u.key)
-    assert {id(u) for u in exchanges} == {id(u) for units in reads for u in units if u.dsts}
-    return [sum(u.end - u.begin for u in units) for units in reads]
-
-
-def test_plan_replicated_balanced():
-    sizes = [1 << 30] + [112 << 20] * 96 + [8192] * 65 + [1 << 30]
-    loads = check_plan(sizes, [range(2)] * len(sizes), 2, 64 << 20)
-    assert abs(loads[0] - loads[1]) <= max(sizes) / 64 * 2
-    loads = check_plan(sizes, [range(3)] * len(sizes), 3, 64 << 20)
-    assert max(loads) - min(loads) <= sum(sizes) / 3 / 64 * 2 + 4096
-
-
-def test_plan_contiguous_in_file_order():
-    sizes = [1000] * 30
-    reads, _ = D.plan(sizes, [range(3)] * 30, 3, 1 << 20)
-    firsts = [(units[0].entry, units[-1].entry) for units in reads]
-    assert firsts[0][0] == 0 and firsts[-1][1] == 29
-    assert firsts[0][1] <= firsts[1][0] and firsts[1][1] <= firsts[2][0]
-
-
-def test_plan_private_tensors_stay_home_and_shares_even_out():
-    # rank 0 alone wants a big tensor; the shared ones go mostly to rank 1
-    sizes = [600, 100, 100, 100, 100]
-    wanted = [[0], [0, 1], [0, 1], [0, 1], [0, 1]]
-    reads, exchanges = D.plan(sizes, wanted, 2, 1 << 20)
-    assert [(u.entry, u.begin, u.end) for u in reads[0]] == [(0, 0, 600)]
-    assert all(u.src == 1 and u.dsts == (0,) for u in exchanges)
-    check_plan(sizes, wanted, 2, 1 << 20)
-
-
-@pytest.mark.parametrize("world", [2, 3, 5])
-def test_plan_many_shapes(world):
-    import random
-    rng = random.Random(world)
-    for _ in range(50):
-        n = rng.randint(1, 40)
-        sizes = [rng.choice([0, 1, 3, 4096, 10000, 1 << 20]) for _ in range(n)]
-        wanted = [rng.sample(range(world), rng.randint(0, world)) for _ in range(n)]
-        check_plan(sizes, wanted, world, rng.choice([4096, 1 << 20]))
-
-
-def test_more_ranks_than_bytes():
-    loads = check_plan([3], [range(4)], 4, 1 << 20)
-    assert sorted(loads) == [0, 0, 0, 3]
-
-
-def test_cut_inside_a_tensor_is_aligned():
-    reads, _ = D.plan([1 << 24], [range(2)], 2, 1 << 30)
-    assert [(u.begin, u.end) for u in reads[0]] == [(0, 1 << 23)]
-    reads, _ = D.plan([(1 << 24) + 5], [range(3)], 3, 1 << 30)
-    assert all(u.begin % D.CUT_ALIGN == 0 for units in reads for u in units)
-
+# -- a rank's selection -------------------------------------------------------
 
 @pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 64, 1000])
 def test_a_ranks_selection_travels_as_a_mask_of_its_places(tmp_path, count):
