@@ -4,7 +4,8 @@
 
 Every rank of ``pg`` calls the loader with the same checkpoint (its own
 ``device``; ``names=`` and ``plan=`` may differ per rank: a rank may load
-only rows of a tensor, a tensor-parallel rank's share).  The ranks agree on a plan:
+only rows of a tensor, a tensor-parallel rank's share).  The ranks agree
+on a plan:
 each byte that some rank wants is read from the host by exactly one rank
 that wants it, through that rank's own staging buffer into its own
 device; the parts are then exchanged with torch.distributed collectives
@@ -24,14 +25,29 @@ rows begin or end, each piece wanted by the ranks whose rows hold it:
   than 1/64 of a rank's share, else it falls on a 4 KiB boundary inside
   the tensor;
 - each part is cut again into units of at most ``UNIT_BYTES``: a unit is
-  one pipeline item of its reader and one exchange (a ``broadcast`` when
-  every rank of the group wants it, else batched ``isend``/``irecv`` to the
-  members that want it);
-- every rank issues the exchanges in one global order, sorted by how far
-  into its reader's share each unit ends, so a rank issues its own unit as
-  soon as its pipeline finished it, and the others' units are already
-  queued (asynchronously) behind: the exchange runs while the ranks still
-  read (NCCL and gloo both queue asynchronous work in issue order).
+  one pipeline item of its reader;
+- the bytes each rank reads for others, in its reading order, are cut into
+  buckets of at most ``BUCKET_BYTES`` (``bucket_exchanges()``; a unit may
+  straddle two): a bucket is one exchange, a ``broadcast`` from its reader
+  (the ranks that want none of its bytes drop them), so a load makes at
+  most ``ceil(bytes / BUCKET_BYTES) + world`` collectives however many
+  tensors it holds (one per tensor made a fine-grained MoE checkpoint's
+  exchange a launch and a round trip per tensor on NCCL);
+- every rank issues the buckets in one global order, sorted by how far
+  into its reader's share each bucket's last unit ends, so a rank issues
+  its own bucket as soon as its pipeline finished it, and the others'
+  are already queued (asynchronously) behind: the exchange runs while the
+  ranks still read (NCCL and gloo both queue asynchronous work in issue
+  order);
+- a bucket passes through one of a rank's ``BUCKET_SLOTS`` buffers on its
+  device (``_Ring``): its reader packs its bytes there from its tensors, a
+  receiver copies out the bytes it wants into its own; a rank reuses the
+  oldest slot once its exchange finished, so the exchange holds at most
+  ``BUCKET_SLOTS * BUCKET_BYTES`` of device memory beyond the tensors.
+  On gloo finishing means waiting on the host, and meanwhile watching the
+  store: a rank that stopped exchanging (it posted its failure at
+  agreement 3 without issuing every bucket) is an error on the others at
+  once; on NCCL it only orders the device stream.
 
 Failure on one rank is an error on every rank, never a hang: the ranks
 agree three times through the group's key-value store (the one
@@ -75,21 +91,28 @@ import hashlib
 import logging
 import os
 import pickle
+import time
 import traceback
 
 from .. import envs
-from ..defaults import DISTRIBUTED_TIMEOUT
+from ..defaults import DISTRIBUTED_TIMEOUT, GROUP_BUCKET_BYTES, GROUP_BUCKET_SLOTS
 from . import _progress, _run
 from ._errors import LoadError
 from ._options import for_cache
 from ._run import LoadIterator
-from ._share_plan import Wanted, cut_segments, share_reads
+from ._share_plan import Wanted, bucket_exchanges, cut_segments, share_reads
 
 log = logging.getLogger("instant_staging")
 
 # A file's identity samples this many pages of its data (_contents).
 IDENTITY_PAGES = 8
 _PAGE = 4096
+# The buckets of the exchange (defaults.py says why); a test sets smaller ones.
+BUCKET_BYTES = GROUP_BUCKET_BYTES
+BUCKET_SLOTS = GROUP_BUCKET_SLOTS
+# While a gloo exchange waits, the store is asked this often whether a rank
+# stopped exchanging.
+_STORE_POLL_SECONDS = 0.05
 
 
 class DistributedLoadError(LoadError):
@@ -200,6 +223,18 @@ class _Group:
 
     def global_rank(self, r):
         return self.globals[r]
+
+    def stopped(self, phase):
+        """{rank: message} of the other ranks that posted failure at
+        ``phase`` without issuing every exchange (agreement 3's posts)."""
+        out = {}
+        for r in range(self.size):
+            key = self.prefix + f"{phase}/{r}"
+            if r != self.rank and _check(self.store, key):
+                ok, message, issued_all = pickle.loads(self.store.get(key))
+                if not ok and not issued_all:
+                    out[r] = message
+        return out
 
 
 def _check(store, key):
@@ -414,8 +449,9 @@ class _Shared:
         self.kinds = None           # every rank's staging Kind, once all are ready
         self.read_bytes = None      # this rank's share, once planned
         self.whole = 0
-        self.everything = self.mine = self.items = self.exchanges = self.read_plan = None
+        self.everything = self.mine = self.items = self.buckets = self.read_plan = None
         self.union = self.segments = None
+        self.slots = []             # this rank's bucket buffers (BUCKET_SLOTS at most)
 
     def plan_reads(self, state, chunk_size, faults):
         """Step 1: every rank's share of the bytes (``share_reads``, the same on
@@ -433,8 +469,9 @@ class _Shared:
                      for (i, t), dtype in zip(checkpoint.entries, state.dtypes)}
         segments = self.segments = cut_segments(union, [t.nbytes for _, t in everything],
                                                 self.wanted)
-        reads, self.exchanges = share_reads([g.end - g.begin for g in segments],
-                                            [g.ranks for g in segments], group.size)
+        reads, _ = share_reads([g.end - g.begin for g in segments], [g.ranks for g in segments],
+                               group.size)
+        self.buckets = bucket_exchanges(reads, BUCKET_BYTES)
         self.started = True
         items = self.items = reads[group.rank]
         self.read_bytes = sum(u.end - u.begin for u in items)
@@ -451,8 +488,9 @@ class _Shared:
         pass                        # its buffer is made at once; torch's CUDA waits for step 5
 
     def provide_destinations(self, state):
-        """Step 3: this rank's tensors, each its own allocation (a part
-        exchanged is one tensor's bytes), all before any read."""
+        """Step 3: this rank's tensors, each its own allocation, all before
+        any read, and the buffers its buckets pass through (at most
+        ``BUCKET_SLOTS`` of at most ``BUCKET_BYTES``, on its device)."""
         target, mine, union = state.target, self.mine, self.union
         target.reserve([mine[p][1] for p in union if p in mine])
         state.handles[:] = [None] * len(union)
@@ -460,6 +498,10 @@ class _Shared:
             if p in mine:
                 _, t, dtype = mine[p]
                 state.handles[k] = target.allocate(t, dtype)[0]
+        if self.buckets:
+            size = max(k.nbytes for k in self.buckets)
+            self.slots = [target.torch.empty(size, dtype=target.torch.uint8, device=target.device)
+                          for _ in range(min(BUCKET_SLOTS, len(self.buckets)))]
 
     def ready(self, state, error):
         """Step 4, the second agreement: every rank made its staging buffer
@@ -473,6 +515,7 @@ class _Shared:
         values = self.group.agree("ready", post)
         failed = _failed(values)
         if failed:
+            self.slots = []
             _raise_others(self.group, failed, error, "making the staging buffer and the tensors")
         from .._types import Kind
         self.kinds = tuple(Kind[v[2]] if v[2] is not None else None for v in values)
@@ -490,19 +533,20 @@ class _Shared:
         target.before_copies()
         flat = {k: t.reshape(-1).view(target.torch.uint8) for k, t in enumerate(handles)
                 if t is not None}
-        segments, at = self.segments, self._at
+        segments = self.segments
         if pipe is not None:
-            pipe.start([flat[segments[u.entry].index].data_ptr() + at(u) for u in items])
-        works, issued_all, error = [], False, None
+            pipe.start([flat[segments[u.entry].index].data_ptr() + self._at(u) for u in items])
+        ring, issued_all, error = _Ring(group, self.slots, self._pieces(flat)), False, None
         waiter = _Waiter(pipe, len(items), self.read_bytes, progress)
         try:
-            for u in self.exchanges:
-                if u.src == me:
-                    waiter.until(u.item)
-                if u.src == me or me in u.dsts:
-                    where = at(u)
-                    works.extend(_exchange(group, u, flat[segments[u.entry].index]
-                                           [where:where + u.end - u.begin]))
+            for k in self.buckets:
+                slot = ring.take()
+                view = slot[:k.nbytes]
+                if k.src == me:
+                    for u in dict.fromkeys(u for u, *_ in k.pieces):
+                        waiter.until(u.item)
+                    ring.pack(k, view)
+                ring.issue(k, slot, view, _exchange(group, k, view))
             issued_all = True
             waiter.until_all()
             # Read before close(): closing a pipeline cancels it, and reports so.
@@ -510,7 +554,13 @@ class _Shared:
         except BaseException as e:
             # Interrupted here (Ctrl-C, a cancel, a broken group): tell the
             # others at once instead of letting them wait for the timeout.
-            group.post("done", (False, f"interrupted while exchanging: {_describe(e)}", False))
+            # Stopped by another rank that stopped (``_Ring``): that one's
+            # post names it; this rank's says only that it issued no more.
+            if isinstance(e, DistributedLoadError) and e.ranks:
+                group.post("done", (True, "", False))
+            else:
+                group.post("done", (False, f"interrupted while exchanging: {_describe(e)}", False))
+            ring.drop()
             raise
         finally:
             if pipe is not None:
@@ -527,9 +577,9 @@ class _Shared:
         values = group.agree("done", post)
         failed = _failed(values)
         if all(v[2] for v in values):
-            for w in works:            # every rank issued every exchange: they all finish
-                w.wait()
-        works.clear()
+            ring.finish()              # every rank issued every exchange: they all finish
+        ring.drop()
+        self.slots = []
         if failed:
             _raise_others(group, failed, local, "reading and exchanging")
         if target.device.type != "cpu":
@@ -547,6 +597,22 @@ class _Shared:
                 if verify:
                     _run.verify_tensor(checkpoint, (i, t), target, handle)
                 yield t.name, target.result(handle)
+
+    def _pieces(self, flat):
+        """``pieces(bucket)``: the bytes of ``bucket`` this rank holds (its
+        reader) or wants (a receiver), as ``(tensor view, bucket offset)``
+        (a function: each bucket's views are made as it comes)."""
+        me, segments, at = self.group.rank, self.segments, self._at
+
+        def pieces(bucket):
+            mine = bucket.src == me
+            out = []
+            for u, b, e, offset in bucket.pieces:
+                if mine or me in u.dsts:
+                    where = at(u) + b - u.begin
+                    out.append((flat[segments[u.entry].index][where:where + e - b], offset))
+            return out
+        return pieces
 
     def _at(self, unit):
         """Where ``unit``'s bytes lie in this rank's tensor: its segment's
@@ -590,16 +656,96 @@ class _Waiter:
             self._poll(_run.POLL_SECONDS)
 
 
-def _exchange(group, unit, view):
-    """Issues the exchange of one unit (asynchronously); returns its works."""
-    dist, pg, me = group.dist, group.pg, group.rank
-    if len(unit.dsts) == group.size - 1:
-        return [dist.broadcast(view, src=group.global_rank(unit.src), group=pg, async_op=True)]
-    if me == unit.src:
-        ops = [dist.P2POp(dist.isend, view, group.global_rank(d), pg) for d in unit.dsts]
-    else:
-        ops = [dist.P2POp(dist.irecv, view, group.global_rank(unit.src), pg)]
-    return dist.batch_isend_irecv(ops)
+def _exchange(group, bucket, view):
+    """Issues the exchange of one bucket (asynchronously); returns its work:
+    a ``broadcast`` from its reader to the whole group, also where only some
+    ranks want its bytes (the others drop them): a gloo ``isend``/``irecv``
+    cannot be polled (its work says it completed only once waited for, and
+    a wait that timed out cannot be waited for again), so a rank waiting
+    for one could not watch the store for a rank that stopped."""
+    return group.dist.broadcast(view, src=group.global_rank(bucket.src), group=group.pg,
+                                async_op=True)
+
+
+class _Ring:
+    """This rank's bucket buffers (``slots``), each sending or receiving one
+    bucket at a time: a bucket takes a free one, or the oldest in flight
+    once that one finished (a received bucket is then copied out into its
+    tensors).  On NCCL, finishing orders the device stream (``wait()``
+    blocks no host thread); on gloo it waits for the transfer, watching the
+    store meanwhile: a rank that stopped exchanging (it posted its failure
+    at agreement 3 without issuing every exchange) is an error here at
+    once, not a wait for the group's timeout."""
+
+    def __init__(self, group, slots, pieces):
+        self.group, self.pieces = group, pieces
+        self.free = list(slots)
+        self.flying = []            # (work, slot, bucket received or None, view), oldest first
+
+    def take(self):
+        """A free slot (the oldest in flight retired first, where none is)."""
+        if not self.free:
+            self._retire(self.flying.pop(0))
+        return self.free.pop()
+
+    def pack(self, bucket, view):
+        """Copies this rank's bytes of ``bucket`` into ``view``."""
+        views = self.pieces(bucket)
+        _copy([view[o:o + t.numel()] for t, o in views], [t for t, _ in views])
+
+    def issue(self, bucket, slot, view, work):
+        """Keeps ``slot`` busy until ``work`` (``bucket``'s exchange through
+        ``view``) finished."""
+        received = bucket if bucket.src != self.group.rank else None
+        self.flying.append((work, slot, received, view))
+
+    def finish(self):
+        while self.flying:
+            self._retire(self.flying.pop(0))
+
+    def drop(self):
+        """Forgets what is in flight (the load failed): nothing is copied out."""
+        self.flying.clear()
+        self.free.clear()
+
+    def _retire(self, flight):
+        work, slot, received, view = flight
+        if self.group.backend != "nccl":
+            self._settle(work)
+        work.wait()
+        if received is not None:
+            views = self.pieces(received)
+            _copy([t for t, _ in views], [view[o:o + t.numel()] for t, o in views])
+        self.free.append(slot)
+
+    def _settle(self, work):
+        """Waits until ``work`` completed, or raises when a rank it may wait
+        for gave up exchanging, or after the group's timeout."""
+        group, pause = self.group, 1e-4
+        began = check = time.monotonic()
+        while not work.is_completed():
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+            now = time.monotonic()
+            if now - check >= _STORE_POLL_SECONDS:
+                check = now
+                gone = group.stopped("done")
+                if gone:
+                    text = "; ".join(f"rank {r}: {m}" for r, m in sorted(gone.items()))
+                    raise DistributedLoadError(f"the load failed on another rank of the process "
+                                               f"group (reading and exchanging): {text}", gone)
+                if now - began > group.timeout:
+                    raise DistributedLoadError(
+                        f"an exchange of the load did not finish within {group.timeout:g} s "
+                        f"(INSTANT_STAGING_DIST_TIMEOUT sets this timeout)")
+
+
+def _copy(dsts, srcs):
+    """Copies each of ``srcs`` into the tensor of ``dsts`` at its place, in
+    as few device launches as torch batches them into."""
+    if dsts:
+        import torch
+        torch._foreach_copy_(dsts, srcs)
 
 
 def _report_kinds(kinds):

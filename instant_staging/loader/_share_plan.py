@@ -183,3 +183,53 @@ def _snap(p, entries, sizes, starts, tolerance):
             inside = (p - start) // CUT_ALIGN * CUT_ALIGN
             return start + inside if inside > 0 else end
     return p
+
+
+class Bucket(NamedTuple):
+    """One exchange: ``nbytes`` bytes that ``src`` read, packed back to back
+    and sent to ``dsts`` (the union of its units' receivers; a receiver
+    keeps only the pieces it wants).  ``pieces``: ``(unit, begin, end,
+    offset)``, the bytes ``[begin, end)`` of ``unit`` (in the unit's
+    coordinates, ``unit.begin <= begin < end <= unit.end``) at ``offset``
+    in the bucket.  ``key``: its place in the global issue order."""
+
+    src: int
+    dsts: tuple
+    nbytes: int
+    pieces: list
+    key: tuple
+
+
+def bucket_exchanges(reads, bucket_bytes):
+    """The exchanges of ``share_reads()``'s ``reads``, packed: each rank's
+    units with receivers, in its reading order, as one byte stream cut
+    every ``bucket_bytes`` (a unit may straddle two buckets), so a load
+    makes at most ``ceil(bytes / bucket_bytes) + world`` exchanges however
+    many tensors it holds.  Returned in the global issue order: by how far
+    into its reader's share each bucket's last unit ends (a rank issues its
+    own bucket once its pipeline has read it, the others' are queued
+    behind), the same on every rank."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, not {bucket_bytes}")
+    out = []
+    for r, units in enumerate(reads):
+        streams, filled = [[]], 0       # each bucket's pieces
+        for u in units:
+            if not u.dsts:
+                continue
+            b = u.begin
+            while b < u.end:
+                if filled == bucket_bytes:
+                    streams.append([])
+                    filled = 0
+                n = min(u.end - b, bucket_bytes - filled)
+                streams[-1].append((u, b, b + n, filled))
+                filled += n
+                b += n
+        for pieces in streams:
+            if pieces:
+                out.append(Bucket(r, tuple(sorted({d for u, *_ in pieces for d in u.dsts})),
+                                  pieces[-1][3] + pieces[-1][2] - pieces[-1][1], pieces,
+                                  (pieces[-1][0].key[0], r, len(out))))
+    out.sort(key=lambda k: k.key)
+    return out

@@ -166,6 +166,11 @@ def make_files(d):
     for key, note in (("meta_a", "a"), ("meta_b", "b")):
         files[key] = os.path.join(d, f"{key}.safetensors")
         st.save_file(single, files[key], metadata={"note": note})
+    # The same bytes (512,000) as 100 tensors and as 4,000.
+    for key, count in (("few", 100), ("many", 4000)):
+        files[key] = os.path.join(d, f"{key}.safetensors")
+        st.save_file({f"t{k:04d}": rand(torch.float32, (128000 // count,), 100 + k)
+                      for k in range(count)}, files[key])
     files["bad"] = os.path.join(d, "bad.safetensors")
     with open(files["single"], "rb") as src, open(files["bad"], "wb") as dst:
         data = bytearray(src.read())
@@ -185,12 +190,15 @@ SCENARIOS = ["replicated", "load_file", "progress_true", "dtype_and_directory", 
              "other_header", "other_dtype", "unsampled_change", "unknown_name", "plan_rows",
              "truncated", "read_fault", "kinds", "staging_unusable", "subgroup", "not_a_group",
              "dropped", "leak_plan", "leak_pipeline", "leak_allocate", "leak_read", "leak_exchange",
-             "leak_verify", "leak_close", "after_failures", "timeout"]
+             "leak_verify", "leak_close", "after_failures", "collectives", "leak_midway", "timeout"]
+BUCKET = 16 << 10           # the workers' bucket size (their files are ~100 KiB)
+COUNT_BUCKET = 64 << 10     # and the collectives scenario's
 
 
 def run_world(tmp, world):
     files = make_files(tmp)
-    spec = dict(world=world, port=free_port(), out=tmp, files=files, scenarios=SCENARIOS)
+    spec = dict(world=world, port=free_port(), out=tmp, files=files, scenarios=SCENARIOS,
+                bucket=BUCKET, count_bucket=COUNT_BUCKET)
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -459,6 +467,32 @@ def test_a_group_load_ended_while_handing_out_leaves_nothing(world):
     for r, rec in enumerate(scenario(world, "leak_close")):
         assert rec["ok"] and rec["taken"] == 1 and rec["allocated"] > 1, f"rank {r}: {rec}"
         assert_left_nothing(rec, r)
+
+
+def test_a_rank_that_stops_mid_exchange_is_an_error_on_every_rank_at_once(world):
+    # Rank 1 is interrupted before its second bucket; the others, waiting
+    # for a bucket it will never send (their slots full), see its post and
+    # raise at once, naming it, instead of waiting for the timeout.
+    recs = scenario(world, "leak_midway")
+    assert recs[1]["error"] == "KeyboardInterrupt", recs[1]
+    for r, rec in enumerate(recs):
+        if r != 1:
+            assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1], f"rank {r}: {rec}"
+            assert "interrupted while exchanging: KeyboardInterrupt" in rec["message"], rec
+        assert rec["seconds"] < TIMEOUT, f"rank {r} waited for the timeout: {rec}"
+        assert_left_nothing(rec, r)
+
+
+def test_collectives_follow_the_bytes_not_the_tensors(world):
+    # 100 tensors or 4,000 of the same 512,000 bytes: the same collectives,
+    # at most one per bucket of each rank's share (ceil(bytes / bucket) + world),
+    # where there had been one per tensor.
+    n = world[0]
+    for r, rec in enumerate(scenario(world, "collectives")):
+        assert rec["equal"] == [True, True], f"rank {r}: {rec}"
+        few, many = rec["counts"]
+        assert few == many <= -(-512000 // COUNT_BUCKET) + n, f"rank {r}: {rec}"
+        assert few > 0
 
 
 def test_group_usable_after_failures(world):

@@ -94,3 +94,62 @@ def test_segments_cut_where_any_ranks_rows_begin_or_end():
     got = P.cut_segments([0, 1, 2], [100, 30, 16], wanted)
     assert got == [P.Segment(0, 0, 40, [0]), P.Segment(0, 40, 100, [0, 1]),
                    P.Segment(1, 0, 30, [0, 1]), P.Segment(2, 0, 8, [1])]
+
+
+def check_buckets(sizes, wanted, world, unit, bucket):
+    reads, _ = P.share_reads(sizes, wanted, world, unit)
+    buckets = P.bucket_exchanges(reads, bucket)
+    sent = {}
+    for k in buckets:
+        assert 0 < k.nbytes <= bucket
+        offset = 0
+        for u, b, e, at in k.pieces:
+            assert u.src == k.src and set(u.dsts) <= set(k.dsts) and at == offset
+            assert u.begin <= b < e <= u.end
+            sent.setdefault(id(u), []).append((b, e))
+            offset += e - b
+        assert offset == k.nbytes
+    # every byte with a receiver sent exactly once, by its reader
+    for units in reads:
+        for u in units:
+            if u.dsts:
+                spans = sorted(sent.pop(id(u)))
+                assert spans[0][0] == u.begin and spans[-1][1] == u.end
+                assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert not sent
+    assert [k.key for k in buckets] == sorted(k.key for k in buckets)
+    outgoing = [sum(u.end - u.begin for u in units if u.dsts) for units in reads]
+    assert len(buckets) == sum(-(-n // bucket) for n in outgoing)
+    assert len(buckets) <= -(-sum(outgoing) // bucket) + world
+    return buckets
+
+
+def test_buckets_follow_the_bytes_not_the_tensors():
+    # The same 4 MiB as 4 tensors or 4,096: the same number of exchanges.
+    for world in (2, 3, 4):
+        few = check_buckets([1 << 20] * 4, [range(world)] * 4, world, 1 << 20, 1 << 20)
+        many = check_buckets([1 << 10] * 4096, [range(world)] * 4096, world, 1 << 20, 1 << 20)
+        assert len(few) == len(many) <= 4 + world
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_buckets_of_many_shapes(world):
+    import random
+    rng = random.Random(100 + world)
+    for _ in range(50):
+        n = rng.randint(1, 40)
+        sizes = [rng.choice([0, 1, 3, 4096, 10000, 1 << 20]) for _ in range(n)]
+        wanted = [rng.sample(range(world), rng.randint(0, world)) for _ in range(n)]
+        check_buckets(sizes, wanted, world, rng.choice([4096, 1 << 20]),
+                      rng.choice([4096, 5000, 1 << 22]))
+
+
+def test_a_bucket_goes_to_the_union_of_its_units_receivers():
+    # rank 0 reads both; one tensor for rank 1, one for rank 2: one bucket to both.
+    reads = [[P.Unit(0, 0, 10, 0, (1,)), P.Unit(1, 0, 10, 0, (2,))], [], []]
+    for item, u in enumerate(reads[0]):
+        u.item, u.key = item, (10 * (item + 1), 0)
+    (k,) = P.bucket_exchanges(reads, 1 << 20)
+    assert k.src == 0 and k.dsts == (1, 2) and k.nbytes == 20
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        P.bucket_exchanges(reads, 0)
