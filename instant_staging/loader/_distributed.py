@@ -689,9 +689,10 @@ class _Ring:
         return self.free.pop()
 
     def pack(self, bucket, view):
-        """Copies this rank's bytes of ``bucket`` into ``view``."""
-        views = self.pieces(bucket)
-        _copy([view[o:o + t.numel()] for t, o in views], [t for t, _ in views])
+        """Copies this rank's bytes of ``bucket`` into ``view`` (its pieces
+        lie back to back there: one ``cat``)."""
+        import torch
+        torch.cat([t for t, _ in self.pieces(bucket)], out=view)
 
     def issue(self, bucket, slot, view, work):
         """Keeps ``slot`` busy until ``work`` (``bucket``'s exchange through
@@ -741,11 +742,18 @@ class _Ring:
 
 
 def _copy(dsts, srcs):
-    """Copies each of ``srcs`` into the tensor of ``dsts`` at its place, in
-    as few device launches as torch batches them into."""
-    if dsts:
+    """Copies each of ``srcs`` into the tensor of ``dsts`` at its place: on
+    a GPU in as few launches as torch batches them into (a launch per piece
+    would cost a fine-grained checkpoint milliseconds); on the CPU one by
+    one (``_foreach_copy_`` there copied several times slower than a loop)."""
+    if not dsts:
+        return
+    if dsts[0].is_cuda:
         import torch
         torch._foreach_copy_(dsts, srcs)
+    else:
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
 
 
 def _report_kinds(kinds):
