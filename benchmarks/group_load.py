@@ -103,8 +103,10 @@ def rank_main(spec):
     import torch
     import torch.distributed as dist
 
-    from instant_staging.loader import load_file
+    from instant_staging.loader import _distributed, load_file
     rank, world, mode = spec["rank"], spec["world"], spec["mode"]
+    if spec["bucket"]:
+        _distributed.BUCKET_BYTES = _distributed.HOST_BUCKET_BYTES = spec["bucket"]
     backend = "nccl" if mode == "nccl" else "gloo"
     if mode == "cpu":
         device = torch.device("cpu")
@@ -218,7 +220,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_world(mode, world, layouts, repeat, directory, timeout):
+def run_world(mode, world, layouts, repeat, directory, timeout, bucket):
     out = os.path.join(directory, f"result-{mode}-{world}.json")
     if os.path.exists(out):
         os.remove(out)
@@ -227,7 +229,8 @@ def run_world(mode, world, layouts, repeat, directory, timeout):
     env.pop("INSTANT_STAGING_FAULTS", None)
     procs = []
     for r in range(world):
-        spec = dict(rank=r, world=world, mode=mode, port=port, layouts=layouts, repeat=repeat, out=out)
+        spec = dict(rank=r, world=world, mode=mode, port=port, layouts=layouts, repeat=repeat, out=out,
+                    bucket=bucket)
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank-spec",
                                        json.dumps(spec)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
@@ -267,6 +270,8 @@ def main(argv=None):
     ap.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "ist-group-load"))
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--bucket", type=ist.parse_size, default=None,
+                    help="the exchange's bucket size (default: the loader's)")
     ap.add_argument("--rank-spec", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank_spec is not None:
@@ -287,7 +292,11 @@ def main(argv=None):
                 while f.read(64 << 20):
                     pass
     from instant_staging.loader import _distributed
-    buckets = (f"buckets of {C.fmt_size(_distributed.BUCKET_BYTES)} x {_distributed.BUCKET_SLOTS}"
+    if args.bucket:
+        _distributed.BUCKET_BYTES = _distributed.HOST_BUCKET_BYTES = args.bucket
+    buckets = (f"buckets of {C.fmt_size(_distributed.BUCKET_BYTES)} on a GPU, "
+               f"{C.fmt_size(_distributed.HOST_BUCKET_BYTES)} on the CPU, "
+               f"{_distributed.BUCKET_SLOTS} a rank"
                if hasattr(_distributed, "BUCKET_BYTES") else "an exchange per tensor")
     print(f"group loads: {C.fmt_size(FINE_TENSORS * args.tensor_bytes)} as {FINE_TENSORS} and "
           f"{DENSE_TENSORS} tensors; {buckets}; torch {torch.__version__}, "
@@ -298,7 +307,7 @@ def main(argv=None):
             if mode == "nccl" and world > gpus:
                 print(f"nccl x{world}: skipped, {gpus} GPU(s)", flush=True)
                 continue
-            res = run_world(mode, world, layouts, args.repeat, args.dir, args.timeout)
+            res = run_world(mode, world, layouts, args.repeat, args.dir, args.timeout, args.bucket)
             doc.append(dict(mode=mode, ranks=world, **res))
             dense = statistics.median(res["layouts"]["dense"]["seconds"])
             for layout in ("dense", "finemoe"):

@@ -89,6 +89,14 @@ DISTRIBUTED_TIMEOUT = 600.0
 # stay far from the model's own memory.
 GROUP_BUCKET_BYTES = 256 << 20
 
+# The same for a load to the CPU (gloo, buckets in host memory): smaller,
+# since host memory this large is mapped fresh by each allocation and
+# faulted in page by page on every load (torch's CPU allocator keeps
+# nothing), where a few MiB are reused from the heap; a gloo collective
+# on the CPU costs far less than an NCCL launch, so the count matters less
+# (docs/design.md, "Measured: a group load's buckets").
+GROUP_HOST_BUCKET_BYTES = 16 << 20
+
 # Buckets a rank holds at once (sending or receiving): one is filled or
 # drained while the other moves.  Device memory beyond the model is this
 # times GROUP_BUCKET_BYTES (512 MiB).

@@ -27,7 +27,8 @@ rows begin or end, each piece wanted by the ranks whose rows hold it:
 - each part is cut again into units of at most ``UNIT_BYTES``: a unit is
   one pipeline item of its reader;
 - the bytes each rank reads for others, in its reading order, are cut into
-  buckets of at most ``BUCKET_BYTES`` (``bucket_exchanges()``; a unit may
+  buckets of at most ``BUCKET_BYTES`` (``HOST_BUCKET_BYTES`` for a load
+  to the CPU; ``bucket_exchanges()``; a unit may
   straddle two): a bucket is one exchange, a ``broadcast`` from its reader
   (the ranks that want none of its bytes drop them), so a load makes at
   most ``ceil(bytes / BUCKET_BYTES) + world`` collectives however many
@@ -95,7 +96,7 @@ import time
 import traceback
 
 from .. import envs
-from ..defaults import DISTRIBUTED_TIMEOUT, GROUP_BUCKET_BYTES, GROUP_BUCKET_SLOTS
+from ..defaults import DISTRIBUTED_TIMEOUT, GROUP_BUCKET_BYTES, GROUP_BUCKET_SLOTS, GROUP_HOST_BUCKET_BYTES
 from . import _progress, _run
 from ._errors import LoadError
 from ._options import for_cache
@@ -109,6 +110,7 @@ IDENTITY_PAGES = 8
 _PAGE = 4096
 # The buckets of the exchange (defaults.py says why); a test sets smaller ones.
 BUCKET_BYTES = GROUP_BUCKET_BYTES
+HOST_BUCKET_BYTES = GROUP_HOST_BUCKET_BYTES      # a load to the CPU
 BUCKET_SLOTS = GROUP_BUCKET_SLOTS
 # While a gloo exchange waits, the store is asked this often whether a rank
 # stopped exchanging.
@@ -471,7 +473,8 @@ class _Shared:
                                                 self.wanted)
         reads, _ = share_reads([g.end - g.begin for g in segments], [g.ranks for g in segments],
                                group.size)
-        self.buckets = bucket_exchanges(reads, BUCKET_BYTES)
+        self.buckets = bucket_exchanges(reads, HOST_BUCKET_BYTES if state.target.device.type == "cpu"
+                                        else BUCKET_BYTES)
         self.started = True
         items = self.items = reads[group.rank]
         self.read_bytes = sum(u.end - u.begin for u in items)
