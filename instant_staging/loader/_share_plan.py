@@ -120,7 +120,14 @@ def cut_segments(places, sizes, wanted):
     rank's ``Wanted``."""
     out = []
     wanted_sets = [set(w.places) for w in wanted]
+    everyone = list(range(len(wanted)))
+    # (the usual, without a walk of the ranks per tensor: every rank wants
+    # every tensor whole; a fine-grained checkpoint holds tens of thousands)
+    whole = all(not w.rows for w in wanted) and all(len(m) == len(places) for m in wanted_sets)
     for k, (p, nbytes) in enumerate(zip(places, sizes)):
+        if whole:
+            out.append(Segment(k, 0, nbytes, everyone))
+            continue
         spans = {r: w.span(p, nbytes) for r, (w, mine) in enumerate(zip(wanted, wanted_sets))
                  if p in mine}
         if len(set(spans.values())) == 1:      # (the usual: every rank the same bytes)

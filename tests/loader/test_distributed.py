@@ -506,3 +506,22 @@ def test_rank_that_never_comes_is_named(world):
         assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [n - 1]
         assert f"rank {n - 1}" in rec["message"] and "did not reach" in rec["message"]
         assert TIMEOUT - 0.5 <= rec["seconds"] <= TIMEOUT + 30
+
+
+def test_the_group_benchmark_runs_on_cpu_ranks(tmp_path):
+    # benchmarks/group_load.py, the one command the GPU runs take: its CPU
+    # mode end to end (2 ranks, small tensors), every load bit-exact
+    # against a solo load, both faults failing on every rank.
+    script = os.path.join(os.path.dirname(TESTS), "benchmarks", "group_load.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_PARENT,
+                                                                    os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, script, "--modes", "cpu", "--ranks", "2", "--tensor-bytes",
+                           "4KiB", "--repeat", "1", "--dir", str(tmp_path), "--bucket", "1MiB"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("cpu ")]
+    loads = [r for r in rows if r[2] in ("dense", "finemoe")]
+    assert [r[2] for r in loads] == ["dense", "finemoe"] and all(r[-1] == "yes" for r in loads), rows
+    assert loads[0][-2] == loads[1][-2]              # the same collectives for 291 tensors and 4,680
+    faults = [r for r in rows if r not in loads]
+    assert len(faults) == 2 and all("yes" in r for r in faults), rows

@@ -153,3 +153,14 @@ def test_a_bucket_goes_to_the_union_of_its_units_receivers():
     assert k.src == 0 and k.dsts == (1, 2) and k.nbytes == 20
     with pytest.raises(ValueError, match="bucket_bytes"):
         P.bucket_exchanges(reads, 0)
+
+
+def test_segments_of_every_rank_wanting_everything_whole():
+    wanted = [P.Wanted([3, 5], {}), P.Wanted([3, 5], {})]
+    assert P.cut_segments([3, 5], [10, 0], wanted) == [P.Segment(0, 0, 10, [0, 1]),
+                                                      P.Segment(1, 0, 0, [0, 1])]
+    # one rank's rows of one tensor: no longer the usual
+    wanted[1] = P.Wanted([3, 5], {5: (0, 4)})
+    assert P.cut_segments([3, 5], [10, 8], wanted) == [P.Segment(0, 0, 10, [0, 1]),
+                                                      P.Segment(1, 0, 4, [0, 1]),
+                                                      P.Segment(1, 4, 8, [0])]
