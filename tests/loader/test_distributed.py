@@ -519,7 +519,8 @@ def test_the_group_benchmark_runs_on_cpu_ranks(tmp_path):
                            "4KiB", "--repeat", "1", "--dir", str(tmp_path), "--bucket", "1MiB"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("cpu ")]
+    rows = [line.split() for line in done.stdout.splitlines()
+            if line.startswith("cpu ") and not line.endswith("done")]
     loads = [r for r in rows if r[2] in ("dense", "finemoe")]
     assert [r[2] for r in loads] == ["dense", "finemoe"] and all(r[-1] == "yes" for r in loads), rows
     assert loads[0][-2] == loads[1][-2]              # the same collectives for 291 tensors and 4,680
