@@ -8,7 +8,7 @@ Cython source to compile and the include dirs, library dirs, libraries and
 macros to compile it with; ``build_requirements()`` is what the build
 backend adds to pip's build environment.
 
-The rule (README "Building"):
+The rule (docs/develop/building.md):
 
 - ``INSTANT_STAGING_BACKEND=cuda|rocm`` picks the backend; unset, CUDA
   when a CUDA toolkit is found, else ROCm when HIP is found, else CUDA

@@ -45,10 +45,11 @@ import bench_load as B
 
 from instant_staging import loader
 from instant_staging.defaults import reader_threads
+from instant_staging.loader import _prepare as P
 from instant_staging.loader import _run as L
 from instant_staging.loader import _staging_pool
-from instant_staging.loader._checkpoint import _Checkpoint
 from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
+from instant_staging.loader._shards import Shards
 from instant_staging.loader._target import _TorchTarget
 
 MiB = C.MiB
@@ -74,7 +75,7 @@ class Files:
 
     def __init__(self, torch, paths, device):
         self.torch, self.paths, self.device = torch, paths, device
-        self.ck = _Checkpoint().open(paths)
+        self.ck = Shards().open(paths)
         self.nbytes = self.ck.total_bytes
         self.target = _TorchTarget(torch, device)
         dtypes = [self.target.check(t, paths[i]) for i, t in self.ck.entries]
@@ -107,12 +108,12 @@ def section_phases(torch, name, paths, device, repeat, out):
     for _ in range(repeat):
         t = {}
         t0 = time.perf_counter()
-        ck = _Checkpoint().open(paths)
+        ck = Shards().open(paths)
         target = _TorchTarget(torch, device)
         dtypes = [target.check(e, paths[i]) for i, e in ck.entries]
         t["headers"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        start = L._plan(ck, target, dtypes, loader.DEFAULT_CHUNK_SIZE, None, True)
+        start = P.plan_chunks(ck, target, dtypes, loader.DEFAULT_CHUNK_SIZE, None, True)
         plan = start.plan
         t["plan"] = time.perf_counter() - t1
         t1 = time.perf_counter()
@@ -120,10 +121,10 @@ def section_phases(torch, name, paths, device, repeat, out):
         blocks = target.allocate_blocks(start.runs, ck.entries, dtypes)
         t["blocks"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        depth = L.slot_count(plan, None, None)
+        depth = P.slot_count(plan, None, None)
         gpu = device.type == "cuda"
         kept = bool(loader._staging_pool.kept())
-        buf = _staging_pool.own(target.index, *L.staging_size(plan, depth)) if gpu else None
+        buf = _staging_pool.own(target.index, *P.staging_size(plan, depth)) if gpu else None
         t["staging_kept" if kept else "staging_made"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         pipe = Pipeline(plan, threads=reader_threads(), staging=buf, depth=depth,
@@ -174,7 +175,7 @@ def section_phases(torch, name, paths, device, repeat, out):
     # Allocating the tensors alone (no threads running), torch's cache empty:
     # per tensor, and after reserve() (one block, then cut).
     for label, reserve in (("allocate_alone", False), ("allocate_alone_reserved", True)):
-        ck = _Checkpoint().open(paths)
+        ck = Shards().open(paths)
         target = _TorchTarget(torch, device)
         dtypes = [target.check(e, paths[i]) for i, e in ck.entries]
         times = []
@@ -286,21 +287,21 @@ class _Stamping:
     def __enter__(self):
         import gc
 
-        from instant_staging.loader import _checkpoint, _load, _pipeline, _target
+        from instant_staging.loader import _checkpoint, _pipeline, _prepare, _shards, _target
         stamps = self.stamps
         self._gc_start = None
         gc.callbacks.append(self._collected)
         self.real_pipe = real_pipe = _pipeline.Pipeline
         # (where, function): the label its return is stamped with
-        steps = [(_checkpoint._Checkpoint, "open", "headers parsed"),
-                 (_checkpoint._Checkpoint, "warm_if_cold", "warming asked"),
-                 (_checkpoint._Checkpoint, "stop_warming", "warming joined"),
-                 (_load, "_usable_target", "device usable"),
-                 (_load, "_plan", "planned"),
-                 (_load, "_begin_staging", "staging begun"),
+        steps = [(_shards.Shards, "open", "headers parsed"),
+                 (_shards.Shards, "warm_if_cold", "warming asked"),
+                 (_shards.Shards, "stop_warming", "warming joined"),
+                 (_checkpoint, "usable_target", "device usable"),
+                 (_prepare, "plan_chunks", "planned"),
+                 (_prepare, "begin_staging", "staging begun"),
                  (L, "_allocate_blocks", "blocks allocated"),
-                 (L._StagingStart, "_make", "staging made (its thread)"),
-                 (L._StagingStart, "take", "staging taken"),
+                 (_prepare.PendingStaging, "_make", "staging made (its thread)"),
+                 (_prepare.PendingStaging, "take", "staging taken"),
                  (_target._TorchTarget, "views", "views made")]
         self.patched = [(where, name, _stamped(stamps, where, name, label))
                         for where, name, label in steps]

@@ -38,8 +38,8 @@ except ModuleNotFoundError as _missing:
     raise ImportError(
         f"instant_staging is not built ({_missing.name} is missing: this looks like its "
         "source tree): build it in place with `CUDA_HOME=/usr/local/cuda python setup.py "
-        "build_ext --inplace`, or install it with `pip install -e .` (README.md, "
-        "\"Building\", says which toolkit each build uses)", name=_missing.name) from None
+        "build_ext --inplace`, or install it with `pip install -e .` (docs/develop/"
+        "building.md says which toolkit each build uses)", name=_missing.name) from None
 
 __all__ = [
                      "BACKEND",

@@ -45,7 +45,7 @@ MAX_THREADS = 16
 IO_DEPTH = SLOTS_PER_THREAD * MAX_THREADS
 
 # A checkpoint not in the page cache is read from disk (load_file and
-# iter_load with every knob left unset, loader/_checkpoint.py's resident()):
+# iter_load with every knob left unset, loader/_shards.py's resident()):
 # in larger reads by fewer threads, in a staging buffer of the same 128 MiB:
 # from a disk, 16 MiB reads were the fastest tried, and 4 threads of them
 # as fast as 16.  Hot, 16 threads of 4 MiB stay the defaults above
@@ -135,6 +135,15 @@ def max_io_depth(threads=None) -> int:
     return MAX_SLOTS_PER_THREAD * reader_threads(threads)
 
 
+def default_threads(threads: int) -> int:
+    """A default thread count (``COLD_THREADS``, ``REMOTE_THREADS``,
+    ``PREFETCH_THREADS``) as this host runs it: at most
+    ``max_reader_threads()``, silently.  The cap's warning is for a value
+    the user set; a default never warns, and the CLI, which passes the
+    default on as a value, gets the same figure as the API."""
+    return min(threads, max_reader_threads())
+
+
 def reader_threads(threads=None) -> int:
     """A load's reader threads: ``threads``, else one per usable CPU, at
     most MAX_THREADS."""
@@ -162,3 +171,6 @@ def staging_segment_size(slot_bytes) -> int:
 # chunks in flight (threads x chunk), whatever the checkpoint's size.
 REMOTE_CHUNK_SIZE = 16 << 20
 REMOTE_THREADS = 16
+
+# safe_open's prefetch(threads=None): safetensors 0.9's default.
+PREFETCH_THREADS = 8

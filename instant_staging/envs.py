@@ -4,7 +4,7 @@ The contract:
 
 - ``VARIABLES`` lists every ``INSTANT_STAGING_*`` variable, each once:
   its name, its type (a short text), its default and where it applies
-  (README's texts), and ``parse``, the one parser of its value.
+  (the docs' texts), and ``parse``, the one parser of its value.
 - Every run-time reader reads through ``get(name)`` (the parsed value) or
   ``raw(name)`` (the text); a name that is not in the table is a KeyError,
   so nothing reads a variable the table does not list.  The build-time
@@ -17,8 +17,9 @@ The contract:
 - ``parse`` takes the variable's text (stripped, never empty) and returns
   the value, or raises a ValueError naming the variable (the CLI makes it
   a usage error, exit 2); readers call it before anything is allocated.
-- README's "Environment variables" table is ``markdown_table()``'s output
-  (tests/core/test_envs.py compares them): edit the table here, then paste it.
+- The documentation's "Environment variables" page is ``markdown_table()``'s
+  output, written when the site is built (docs/_hooks.py): edit the table
+  here, nowhere else.
 
 Modelled on vLLM's ``envs.py``.  Light (the standard library and
 ``defaults``/``_types``), so any module may import it at import time; the
@@ -64,7 +65,13 @@ def _count(name: str, text: str, parse: Callable[[str], int], what: str) -> int:
 
 
 def _size(name: str, text: str) -> int:
-    return _count(name, text, parse_size, "a size of at least 1 byte (e.g. 8MiB)")
+    try:
+        value = parse_size(text)
+    except ValueError as e:         # its reason: not a number, an unknown suffix, a fraction
+        raise ValueError(f"{name}={text!r}: {e}") from None
+    if value < 1:
+        raise ValueError(f"{name}={text!r}: must be a size of at least 1 byte (e.g. 8MiB)")
+    return value
 
 
 def _int_at_least_1(name: str, text: str) -> int:
@@ -100,13 +107,19 @@ def _prefault_threads(name: str, text: str) -> int:
     return threads
 
 
+# The longest wait a ``seconds`` variable takes: a week.  torch's and
+# Python's timeouts overflow long before ``inf`` or ``1e15``, deep inside
+# the call that uses them.
+MAX_SECONDS = 7 * 24 * 3600
+
+
 def _seconds(name: str, text: str) -> float:
     try:
         seconds = float(text)
     except ValueError:
         raise ValueError(f"{name} must be a number of seconds, not {text!r}") from None
-    if not seconds > 0:
-        raise ValueError(f"{name} must be > 0, got {text!r}")
+    if not 0 < seconds <= MAX_SECONDS:     # (nan and inf too)
+        raise ValueError(f"{name} must be > 0 and at most {MAX_SECONDS} (a week), got {text!r}")
     return seconds
 
 
@@ -124,7 +137,7 @@ def _row(name: str, type: str, default: str, applies: str,
                     None if parse is None else functools.partial(parse, name))
 
 
-# -- the table (README's order) ------------------------------------------------------
+# -- the table (the docs' order) ----------------------------------------------------
 
 VARIABLES: tuple[Variable, ...] = (
     _row("INSTANT_STAGING_BACKEND", "cuda|rocm (build)",
@@ -172,7 +185,7 @@ VARIABLES: tuple[Variable, ...] = (
          "`1`: a load keeps the staging buffer it made for the next load to the same device",
          "the loader's own staging buffer; `0` releases it when each load ends",
          _keep_or_release),
-    _row("INSTANT_STAGING_DIST_TIMEOUT", "seconds > 0",
+    _row("INSTANT_STAGING_DIST_TIMEOUT", "seconds in (0, 604800]",
          "600 (seconds)",
          "`process_group=` loads: how long a rank waits for the others at each agreement before "
          "naming the ranks that never came",
@@ -216,7 +229,7 @@ def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
 
 
 def markdown_table() -> str:
-    """README's "Environment variables" table (no final newline)."""
+    """The docs' "Environment variables" table (no final newline)."""
     def cell(text):
         return text.replace("|", "\\|")
     lines = ["| variable | default | where it applies |", "| --- | --- | --- |"]

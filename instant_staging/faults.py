@@ -24,16 +24,17 @@ chunk), both in reading order (file, then offset); ``>SIZE`` compares the
 chunk's or the piece's length.  A load takes them from its staging
 buffer's runtime (a FaultyRuntime's or SimulatedRuntime's plan), else from
 ``INSTANT_STAGING_FAULTS``.  Python, apart from the error codes it takes
-from ``runtime._table`` (the one table of them).
+from ``runtime._table`` (the one table of them).  The variable is read
+through ``envs`` (``envs.get(ENV_VAR)`` is its plan); this module does not
+import ``envs``, whose table imports this grammar when a spec is parsed.
 """
 
 import errno
 import re
 import threading
 from collections.abc import Iterable
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
-from instant_staging import envs
 from instant_staging._types import parse_size
 from instant_staging.runtime._table import ERROR_CODES
 
@@ -233,21 +234,6 @@ class FaultPlan:
         if not isinstance(spec, str):
             raise TypeError(f"a fault spec must be a str, not {type(spec).__name__}")
         return cls(_parse_rule(part) for part in spec.split(";") if part.strip())
-
-    @classmethod
-    def from_env(cls, environ=None) -> Optional["FaultPlan"]:
-        """The plan of ``INSTANT_STAGING_FAULTS``.
-
-        Args:
-            environ: where to read it; None (the default): ``os.environ``.
-
-        Returns:
-            The plan, or None when the variable is unset or empty.
-
-        Raises:
-            ValueError: a malformed spec (naming the variable and the rule).
-        """
-        return envs.get(ENV_VAR, environ)
 
     @property
     def rules(self) -> tuple[FaultRule, ...]:

@@ -33,6 +33,8 @@ from ..loader import (
     SafetensorsError,
     import_torch,
     parse_device,
+    redact_text,
+    redact_url,
     resolve_device,
     resolve_source,
 )
@@ -145,7 +147,7 @@ def sources(args, revision=None):
     if any(urls):
         if not all(urls):
             raise ValueError("a load reads local files or URLs, not both: "
-                             f"{next(a for a, u in zip(args, urls) if u)} is a URL, "
+                             f"{redact_url(next(a for a, u in zip(args, urls) if u))} is a URL, "
                              f"{next(a for a, u in zip(args, urls) if not u)} is not")
         if revision is not None:
             raise ValueError("--revision applies to a hub id SOURCE, not to a URL")
@@ -186,7 +188,7 @@ def open_checkpoint(source):
         # "reading from object storage needs the obstore client: pip install '...[remote]'"
         raise UsageError(str(e).strip().splitlines()[0]) from None
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, TypeError, ValueError) as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(redact_text(str(e))) from None
 
 
 def knobs(checkpoint, options):
@@ -269,7 +271,8 @@ def _load(checkpoint, device, dtype, chunk_size, io_depth, threads, verify, stag
             "device": str(device), "dtype": None if dtype is None else str(dtype),
             "tensors": report.tensors, "bytes": report.bytes,
             "seconds": report.seconds, "gbps": report.gbps, "phases": report.phases,
-            "chunk_size": chunk_size, "io_depth": io_depth, "threads": threads,
+            # the reader threads that ran (the knob may have been None: the loader's own)
+            "chunk_size": chunk_size, "io_depth": io_depth, "threads": report.threads,
             "verified": bool(verify), "staging": staging}
 
 

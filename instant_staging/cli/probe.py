@@ -63,9 +63,9 @@ def _plan(faults):
 
 
 def env_plan():
-    from ..faults import FaultPlan
+    from .. import envs
     try:
-        return FaultPlan.from_env()
+        return envs.get("INSTANT_STAGING_FAULTS")
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -116,10 +116,10 @@ def _real_with_faults(real, plan, info):
     if plan is not None:
         from ..runtime._faults import inject_faults
         return inject_faults(real, plan)
-    from ..faults import FaultPlan
+    from .. import envs
     from ..runtime import default_runtime
     try:
-        env = FaultPlan.from_env()
+        env = envs.get("INSTANT_STAGING_FAULTS")
         runtime = default_runtime()
     except ValueError as e:
         raise UsageError(str(e)) from None

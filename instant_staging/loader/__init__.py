@@ -46,6 +46,8 @@ benchmarks), who import nothing from an underscored module of it
   ``DistributedLoadError``, ``RemoteChangedError``;
 - ``DEFAULT_CHUNK_SIZE``, ``DEFAULT_IO_DEPTH``; the variables' names
   ``ENV_CHUNK_SIZE``, ``ENV_IO_DEPTH``, ``ENV_THREADS``, ``ENV_KEEP_STAGING``;
+- ``redact_url(url)``, ``redact_text(text)``: a URL (every URL in a text)
+  as it may be shown, its password and signature parameters ``***``;
 - ``resolve_source(source)``: the shard files (``.paths``) a local source
   names, nothing opened (``Checkpoint.open`` does this itself);
 - devices: ``parse_device(torch, device)`` (the name's syntax alone),
@@ -66,21 +68,23 @@ benchmarks), who import nothing from an underscored module of it
 from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
 from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
 from ._bytes import load
+from ._checkpoint import Checkpoint, TensorInfo
 from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
 from ._header import DTYPE_BITS, TORCH_DTYPES, SafetensorsError
-from ._load import Checkpoint, LoadOptions, TensorInfo, iter_load, load_file
+from ._load import iter_load, load_file
 from ._options import (
     DTYPE_ALIASES,
     ENV_CHUNK_SIZE,
     ENV_IO_DEPTH,
     ENV_KEEP_STAGING,
     ENV_THREADS,
+    LoadOptions,
     torch_dtype,
 )
 from ._progress import Progress
 from ._progress import resolve as resolve_progress
-from ._remote import RemoteChangedError, fetch_side_files, is_url
+from ._remote import RemoteChangedError, fetch_side_files, is_url, redact_text, redact_url
 from ._run import LoadIterator, LoadReport
 from ._safe_open import PrefetchLoader, safe_open
 from ._source import resolve as resolve_source
@@ -127,6 +131,8 @@ __all__ = [
     "load",
     "load_file",
     "parse_device",
+    "redact_text",
+    "redact_url",
     "resolve_device",
     "resolve_progress",
     "resolve_source",

@@ -23,7 +23,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ._header import header_length, parse_header
-from ._target import _import_torch, _TorchTarget
+from ._target import _import_torch, _TorchTarget, parse_device
 from ._typing import Device
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def load(data: bytes, device: Device = "cpu") -> dict[str, torch.Tensor]:
     if sys.byteorder != "little":
         raise RuntimeError("safetensors data is little-endian; this loader needs a little-endian host")
     torch = _import_torch()
-    target = _TorchTarget(torch, device)      # a bad device is named first
+    target = _TorchTarget(torch, parse_device(torch, device))      # a bad device is named first
     size = len(view)
     length = header_length(bytes(view[:8]), size, None)
     header = parse_header(bytes(view[8:8 + length]), None, size)

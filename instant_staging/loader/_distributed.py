@@ -87,6 +87,7 @@ nearly free (exchanging costs a tenth of reading): docs/design.md,
 "Measured: reading and exchanging across GPUs".
 """
 
+import dataclasses
 import datetime
 import hashlib
 import logging
@@ -137,12 +138,12 @@ class DistributedLoadIterator(LoadIterator):
     consume (or close) its iterator: a rank that drops it unstarted never
     reaches the agreements, and the others then name it after the timeout."""
 
-    def __init__(self, group, wanted, checkpoint, target, dtypes, **options):
+    def __init__(self, group, wanted, prepared):
         self._shared = _Shared(group, wanted)
-        super().__init__(checkpoint, target, dtypes, **options)
+        super().__init__(prepared)
 
-    def _generate(self, state, **options):
-        return _run.run(state, self._shared, **options)
+    def _generate(self, state):
+        return _run.run(state, self._shared)
 
     def close(self):
         # Closed before loading (never iterated, or dropped): the others
@@ -288,26 +289,26 @@ def _check_group(process_group):
     return dist
 
 
-def iter_load_group(prepare, process_group):
+def iter_load_group(prepared, process_group):
     """``iter_load`` under a process group.
 
-    ``prepare()`` checks the arguments and returns ``(checkpoint, target,
-    dtypes, options)`` as the plain loader does (or raises); ``options`` are
-    the load's keyword arguments (staging, chunk_size, io_depth, threads,
-    verify, progress, faults).
+    ``prepared`` is this rank's ``_prepare.Prepared`` (``prepare_share``),
+    or the Exception that preparing it raised: that error reaches every
+    rank at the ranks' first agreement, here.
     """
     dist = _check_group(process_group)
     group = _Group(dist, process_group, timeout_from_env())
     checkpoint = local = None
     try:
-        checkpoint, target, dtypes, options = prepare()
-        # A rank that set no knob samples the page cache; absent: it set one.
-        resident = options.pop("resident", False)
+        if isinstance(prepared, BaseException):
+            raise prepared
+        checkpoint, target = prepared.shards, prepared.target
         if target.device.type == "cpu" and group.backend == "nccl":
             raise ValueError("an NCCL process group exchanges GPU tensors: load to this rank's "
                              "GPU, or use a gloo group for device='cpu'")
         post = (True, "", checkpoint.derived("layout", _layout), _wanted(checkpoint),
-                resident, checkpoint.derived("contents", _contents), str(target.dtype))
+                prepared.resident, checkpoint.derived("contents", _contents),
+                str(target.dtype))
     except Exception as e:
         local = e
         post = (False, _describe(e), None, None, None, None, None)
@@ -331,8 +332,10 @@ def iter_load_group(prepare, process_group):
             checkpoint.close()
         raise
     wanted = [Wanted(_places(v[3][0]), v[3][1]) for v in values]
-    options.update(_for_cache([v[4] for v in values]))
-    return DistributedLoadIterator(group, wanted, checkpoint, target, dtypes, **options)
+    knobs = _for_cache([v[4] for v in values])
+    if knobs:
+        prepared = dataclasses.replace(prepared, options=dataclasses.replace(prepared.options, **knobs))
+    return DistributedLoadIterator(group, wanted, prepared)
 
 
 def _for_cache(residents):
@@ -347,7 +350,7 @@ def _for_cache(residents):
 
 
 # A checkpoint's layout and its files' identity are worked out once
-# (``_Checkpoint.derived``), however many group loads it makes: each was a
+# (``Shards.derived``), however many group loads it makes: each was a
 # walk of every tensor, or reads of every file, per load (docs/design.md,
 # "Measured: a selection by names").
 
@@ -370,12 +373,18 @@ def _contents(checkpoint):
     the sampled pages (one byte elsewhere): ``verify=True`` checks every
     tensor against its file, and fails on the rank whose tensor came from
     the other copy.  A URL's objects are not fetched again for the pages
-    (one ranged GET for the header each)."""
+    (one ranged GET for the header each); each is named instead by
+    ``(url, ETag, version)`` as it was opened, a fifth item (None for a
+    file): ranks that opened the same URL at another ETag or version saw
+    two versions of it (replaced between their opens; on a versioned
+    bucket each rank's GETs would get its own)."""
     out = []
     for i, h in enumerate(checkpoint.headers):
         header = hashlib.sha256(checkpoint.read_bytes(i, 0, h.data_start)).hexdigest()
-        pages = None
-        if checkpoint.fetch is None:        # files
+        pages = origin = None
+        if checkpoint.fetch is not None:
+            origin = checkpoint.origin(i)
+        else:                               # files
             data = h.file_size - h.data_start
             if data <= IDENTITY_PAGES * _PAGE:
                 spans = [(h.data_start, data)]
@@ -387,7 +396,7 @@ def _contents(checkpoint):
             for offset, length in spans:
                 digest.update(checkpoint.read_bytes(i, offset, length))
             pages = digest.hexdigest()
-        out.append((os.path.basename(checkpoint.paths[i]), h.file_size, header, pages))
+        out.append((os.path.basename(checkpoint.paths[i]), h.file_size, header, pages, origin))
     return out
 
 
@@ -399,9 +408,14 @@ def _differences(contents, dtypes):
         what = []
         if dtypes[r] != dtypes[0]:
             what.append(f"dtype={dtypes[r]} where rank 0 has dtype={dtypes[0]}")
+        if len(contents[r]) != len(contents[0]):    # (zip below would stop at the shorter)
+            what.append(f"{len(contents[r])} file(s) where rank 0 has {len(contents[0])}")
         for mine, first in zip(contents[r], contents[0]):
             parts = [part for part, a, b in (("size", mine[1], first[1]), ("header", mine[2], first[2]),
                                              ("sampled data pages", mine[3], first[3])) if a != b]
+            if mine[4] and first[4] and mine[4][0] == first[4][0] and mine[4][1:] != first[4][1:]:
+                parts.append(f"ETag or version ({mine[4][1]}, {mine[4][2]} where rank 0 opened "
+                             f"{first[4][1]}, {first[4][2]}: the object was replaced between the opens)")
             if parts:
                 what.append(f"{mine[0]} differs from rank 0's {first[0]} in its {' and '.join(parts)}")
         if what:

@@ -1,4 +1,5 @@
-"""The loader's knobs: arguments, else the environment, else the defaults.
+"""How a load runs: ``LoadOptions``, and its knobs: arguments, else the
+environment, else the defaults.
 
 ``chunk_size``, ``io_depth`` and ``threads`` left at None come from
 ``INSTANT_STAGING_CHUNK_SIZE`` (bytes, or a size such as ``8MiB``),
@@ -24,7 +25,9 @@ name: ``"bfloat16"``, ``"bf16"``, ...); anything else is an error before
 anything is allocated.
 """
 
+import dataclasses
 import logging
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .. import envs
 from .._types import format_size
@@ -35,11 +38,15 @@ from ..defaults import (
     KEEP_STAGING,
     MAX_SLOTS_PER_THREAD,
     THREADS_PER_CPU,
+    default_threads,
     max_io_depth,
     max_reader_threads,
     reader_threads,
     usable_cpus,
 )
+
+if TYPE_CHECKING:
+    from .._staging import StagingBuffer
 
 log = logging.getLogger("instant_staging")
 
@@ -105,7 +112,7 @@ def left_unset(chunk_size, io_depth, threads) -> bool:
 
 def is_cold(resident) -> bool:
     """Whether a checkpoint of which ``resident`` (a fraction of the sampled
-    pages, ``_Checkpoint.resident()``) is in the page cache is read from
+    pages, ``Shards.resident()``) is in the page cache is read from
     disk: below half; never where that cannot be told (None)."""
     return resident is not None and resident < 0.5
 
@@ -117,11 +124,12 @@ def for_cache(resident) -> dict:
     otherwise.  Applies only where ``left_unset``."""
     if not is_cold(resident):
         return {}
+    threads = default_threads(COLD_THREADS)
     log.info("%.0f%% of the sampled pages of the checkpoint are in the page cache: reading it "
              "from disk in %s pieces with %d threads (chunk_size=, io_depth=, threads= or "
              "INSTANT_STAGING_* choose otherwise)", 100 * resident, format_size(COLD_CHUNK_SIZE),
-             COLD_THREADS)
-    return {"chunk_size": COLD_CHUNK_SIZE, "io_depth": None, "threads": COLD_THREADS}
+             threads)
+    return {"chunk_size": COLD_CHUNK_SIZE, "io_depth": None, "threads": threads}
 
 
 def keep_staging() -> bool:
@@ -197,3 +205,72 @@ def check_backend(backend) -> None:
         raise TypeError(f"backend must be 'mmap' or 'pread', not {type(backend).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(map(repr, BACKENDS))}")
+
+
+# -- LoadOptions ---------------------------------------------------------------------
+
+def _check_staging(staging):
+    from .._staging import StagingBuffer
+    if not isinstance(staging, StagingBuffer):
+        raise TypeError(f"staging must be an instant_staging.StagingBuffer, not {type(staging).__name__}")
+    if staging.closed:
+        raise ValueError("staging buffer is closed")
+
+
+def _check_args(chunk_size, io_depth, threads):
+    # io_depth and threads may stay None (defaults.io_depth_for, reader_threads).
+    for name, value, optional in (("chunk_size", chunk_size, False), ("io_depth", io_depth, True),
+                                  ("threads", threads, True)):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int{' or None' if optional else ''}, "
+                            f"not {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """How one load runs.
+
+    Built once from the arguments, the environment (``_options.py``'s
+    variables) and the defaults, and checked there, before anything is
+    opened or allocated.  ``chunk_size``, ``io_depth``
+    and ``threads`` are the resolved knobs; ``tuned`` says whether the
+    caller left all three to the loader (which then picks them for the
+    checkpoint: cold, remote)."""
+
+    chunk_size: int
+    io_depth: Optional[int]
+    threads: Optional[int]
+    tuned: bool
+    staging: Optional["StagingBuffer"] = None
+    verify: bool = False
+    progress: Optional[Callable[[int, int], object]] = None
+    views: bool = True
+
+    @classmethod
+    def build(cls, *, chunk_size=None, io_depth=None, threads=None, staging=None, verify=False,
+              progress=None, views=True, backend="mmap") -> "LoadOptions":
+        if not isinstance(views, bool):
+            raise TypeError(f"views must be a bool, not {type(views).__name__}")
+        check_backend(backend)
+        resolved = knobs(chunk_size, io_depth, threads)
+        _check_args(*resolved)
+        if staging is not None:
+            _check_staging(staging)
+        return cls(*resolved, tuned=left_unset(chunk_size, io_depth, threads), staging=staging,
+                   verify=verify, progress=_progress_callback(progress), views=views)
+
+    def for_checkpoint(self, checkpoint) -> "LoadOptions":
+        """These options with the checkpoint's own knobs where the caller set none."""
+        if not self.tuned:
+            return self
+        return dataclasses.replace(self, **checkpoint.default_knobs())
+
+
+
+def _progress_callback(progress):
+    from ._progress import resolve  # (the progress bars import tqdm where asked)
+    return resolve(progress)

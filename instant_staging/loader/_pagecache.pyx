@@ -25,7 +25,7 @@ own reads then find it cached.  It is advisory: a failed read ends that
 thread's warming, and the load's own read of the range reports the error.
 
 Who owns what: the Warmer's threads read descriptors its owner (a
-``_Checkpoint``) keeps open until ``close()`` has joined them (the load's
+``Shards``) keeps open until ``close()`` has joined them (the load's
 teardown, or an unusable device, closes it); ``stop()`` only asks them to
 end after their reads in flight, and ``close()`` is that and the join.
 Its scratch buffer is freed after the join.  At interpreter exit the

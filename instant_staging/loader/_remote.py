@@ -28,31 +28,43 @@ The header is validated exactly as a local file's.  The data ranges are
 then fetched by the loader's reader threads (``Pipeline(fetch=)``): one
 ranged GET per chunk, straight into a staging slot.  Every GET carries
 ``If-Match`` with the ETag the first GET saw (and the version, where the store
-versions objects), so an object replaced during a load is an error naming
-it, never a model built from two versions.
+versions objects), and each answer's ETag (its Last-Modified where the
+server gives no ETag; its size always) is compared with the pinned one (a
+server may ignore ``If-Match``), so an object replaced during a load is an
+error naming it, never a model built from two versions.
 
 Failures: the client retries 5xx answers, throttling and connection errors
 with backoff (``retry_config``), and resumes a body cut short from where it
 stopped (checking the ETag); a range that still fails is fetched again
-here, that range only, with backoff, within ``RETRY_SECONDS`` in all.  A missing object, a refused request and
+here, that range only, with backoff, within ``RETRY_SECONDS`` in all; each
+try ends by then however the server answers (a body that stalls too).
+Requests run on an asyncio loop of the checkpoint's (``_Requests``), so a
+cancel (``close()``, Ctrl-C) ends every wait at once and drops the
+requests in flight.  A missing object, a refused request and
 missing credentials are errors naming the URL, raised when the checkpoint
 is opened: before anything is allocated.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import posixpath
 import random
+import re
 import threading
 import time
+import traceback
 from collections.abc import Mapping
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
-from ._checkpoint import _Checkpoint
 from ._errors import LoadError
 from ._header import SafetensorsError, header_length, parse_header
+from ._shards import Shards
 from ._source import INDEX_NAME, INDEX_SUFFIX, SHARD_SUFFIX, Source, parse_index
+
+log = logging.getLogger("instant_staging")
 
 # URL schemes and the extra that installs their client.
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "http", "https")
@@ -100,11 +112,33 @@ def _obstore():
 class _Object:
     """One object of a remote checkpoint: where it is and which version."""
 
-    __slots__ = ("etag", "key", "size", "store", "url", "version")
+    __slots__ = ("etag", "key", "modified", "size", "store", "url", "version")
 
     def __init__(self, url, store, key):
         self.url, self.store, self.key = url, store, key
-        self.size = self.etag = self.version = None
+        self.size = self.etag = self.version = self.modified = None
+
+    def pin(self, meta):
+        """Takes the version the first answer names: size, ETag, version,
+        Last-Modified."""
+        self.size, self.etag, self.version = meta["size"], meta.get("e_tag"), meta.get("version")
+        self.modified = meta.get("last_modified")
+
+    def changed(self, meta):
+        """What of ``meta`` (a range answer's) differs from the pinned
+        version, or None: a server that ignores ``If-Match`` still names the
+        version it answered with.  The ETag where the first answer had one;
+        else Last-Modified; the size always."""
+        if meta.get("size") != self.size:
+            return f"its size is {meta.get('size')}, not {self.size}"
+        if self.etag is not None:
+            if meta.get("e_tag") != self.etag:
+                return f"its ETag is {meta.get('e_tag')}, not {self.etag}"
+        elif self.modified is not None and meta.get("last_modified") != self.modified:
+            return f"it was modified at {meta.get('last_modified')}, not {self.modified}"
+        if self.version is not None and meta.get("version") not in (None, self.version):
+            return f"its version is {meta.get('version')}, not {self.version}"
+        return None
 
 
 class _Stores:
@@ -118,6 +152,14 @@ class _Stores:
         self.client_options = dict(options.pop("client_options", None) or {})
         self.retry_config = options.pop("retry_config", None)
         self.config = options
+        for key, value in options.items():
+            _check_value(f"storage_options[{key!r}]", value, endpoint="endpoint" in str(key).lower())
+        for key, value in self.client_options.items():
+            if isinstance(value, Mapping):      # default_headers
+                for k, v in value.items():
+                    _check_value(f"storage_options['client_options'][{key!r}][{k!r}]", v)
+            else:
+                _check_value(f"storage_options['client_options'][{key!r}]", value)
         self._stores = {}
 
     def split(self, url):
@@ -125,19 +167,35 @@ class _Stores:
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in SCHEMES:
-            raise ValueError(f"{url}: scheme {parts.scheme!r} is not one of {', '.join(SCHEMES)}")
+            raise ValueError(f"{_safe(url)}: scheme {parts.scheme!r} is not one of "
+                             f"{', '.join(SCHEMES)}")
         if not parts.netloc:
-            raise ValueError(f"{url}: no bucket or host in the URL")
+            raise ValueError(f"{_safe(url)}: no bucket or host in the URL")
         if parts.query or parts.fragment:
             raise ValueError(f"{_safe(url)}: a source URL takes no query or fragment")
+        if parts.password is not None:
+            # Neither used nor kept: a password in a URL ends up in messages,
+            # reports and shell history.  (README, "Object storage".)
+            raise ValueError(f"{_safe(url)}: a password in the URL is not used: pass "
+                             "credentials through storage_options= or the environment "
+                             "(AWS_*, GOOGLE_*, AZURE_*; for https, an Authorization "
+                             "header in storage_options={'client_options': "
+                             "{'default_headers': ...}})")
         root = f"{scheme}://{parts.netloc}"
         store = self._stores.get(root)
         if store is None:
             store = self._stores[root] = self._make(root, scheme)
-        return store, parts.path.lstrip("/")
+        key = parts.path.lstrip("/")
+        if scheme in ("http", "https"):
+            # An http(s) URL's path is percent-encoded already; the client
+            # encodes a key again (a space as %20, so %20 as %2520): the
+            # key is the path decoded.  (An s3:// URL's is the key as it is.)
+            key = unquote(key)
+        return store, key
 
     def _make(self, root, scheme):
         obstore = _obstore()
+        _check_environment(scheme)
         client = dict(self.client_options)
         config = dict(self.config)
         if scheme in ("s3", "s3a"):
@@ -152,21 +210,130 @@ class _Stores:
             client.setdefault("allow_http", True)
         kwargs = {"client_options": client or None, "retry_config": self.retry_config}
         try:
-            return obstore.store.from_url(root, config=config or None, **kwargs)
+            with _no_panic(root):
+                return obstore.store.from_url(root, config=config or None, **kwargs)
+        except ClientPanic:
+            raise
         except Exception as e:
             raise ValueError(f"{root}: cannot make an object-store client: {_describe(e)}") from None
 
 
-def _safe(url):
-    """``url`` without anything after the path (a signed URL's secrets)."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+# The variables the client reads for each scheme (its credential chain).
+_ENV_PREFIXES = {"s3": ("AWS_",), "s3a": ("AWS_",), "gs": ("GOOGLE_",),
+                 "az": ("AZURE_",), "azure": ("AZURE_",), "abfs": ("AZURE_",), "abfss": ("AZURE_",)}
+
+
+def _check_value(name, value, endpoint=False):
+    """A ValueError naming ``name`` (never its value: it may be a secret)
+    where ``value`` is a string the client cannot send: a control character
+    (a token read from a file keeps its newline), surrounding blanks; an
+    endpoint without its scheme (``127.0.0.1:9000``).  The client panics on
+    those, at its first request."""
+    if not isinstance(value, str):
+        return
+    if any(ord(c) < 32 or ord(c) == 127 for c in value) or value != value.strip():
+        raise ValueError(f"{name} holds a newline, a control character or surrounding blanks "
+                         "(a value read from a file keeps its newline): strip it")
+    if endpoint and value and not value.lower().startswith(("http://", "https://")):
+        raise ValueError(f"{name} must be a URL with its scheme (http://host:port or "
+                         f"https://host), not {redact_url(value)!r}")
+
+
+def _check_environment(scheme):
+    """``_check_value`` for the variables the client reads for ``scheme``."""
+    prefixes = _ENV_PREFIXES.get(scheme)
+    if not prefixes:
+        return
+    for name, value in os.environ.items():
+        if name.startswith(prefixes):
+            _check_value(name, value, endpoint="ENDPOINT" in name)
+
+
+class ClientPanic(ValueError):
+    """The object-store client panicked (a Rust panic, pyo3's
+    ``PanicException``, a BaseException): almost always a value it was
+    given that it could not use.  One line, no backtrace."""
+
+
+@contextlib.contextmanager
+def _no_panic(url):
+    """Turns a panic of the client inside the block into ``ClientPanic``."""
+    try:
+        yield
+    except Exception as e:
+        if type(e).__name__ != "RustPanic":      # (a panic in an awaited request)
+            raise
+        raise ClientPanic(f"{redact_url(url)}: the object-store client failed: it panicked "
+                          "(check the endpoint, credentials and storage_options)") from None
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise                       # KeyboardInterrupt, SystemExit
+        raise ClientPanic(f"{redact_url(url)}: the object-store client failed: "
+                          f"{_describe(e)} (check the endpoint, credentials and "
+                          "storage_options)") from None
+
+
+# A query parameter whose value is a secret: a presigned URL's signature
+# and credential (S3's X-Amz-*, GCS's X-Goog-*, the old AWSAccessKeyId &
+# Signature), an Azure SAS's sig, and anything named like a token or a key.
+_SECRET_PARAMS = ("sig", "awsaccesskeyid")
+_SECRET_WORDS = ("token", "signature", "secret", "key", "credential", "password")
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+REDACTED = "***"
+
+
+def _secret_param(name):
+    name = unquote(name).lower()
+    return name in _SECRET_PARAMS or any(word in name for word in _SECRET_WORDS)
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown: in messages, reprs, reports, logs.
+
+    A password in the userinfo becomes ``***`` (``user:***@host``), as do
+    the values of query parameters that carry a secret (a presigned URL's
+    ``X-Amz-Signature``/``X-Amz-Credential``/``X-Amz-Security-Token``,
+    ``X-Goog-Signature``, an Azure SAS's ``sig``, any parameter named like
+    a token, signature, secret, key, credential or password) and a
+    fragment; the scheme, host, path and the other parameters stay, so the
+    object is recognised.  A URL without secrets is returned unchanged.
+
+    Args:
+        url: any URL (or text that is not one: returned as it is).
+
+    Returns:
+        The URL with its secrets replaced by ``***``.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0),
+              default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]
+    userinfo, at, host = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.split(':', 1)[0]}:{REDACTED}@{host}"
+    tail, hash_, _ = tail.partition("#")
+    path, q, query = tail.partition("?")
+    if query:
+        query = "&".join(f"{p.split('=', 1)[0]}={REDACTED}" if _secret_param(p.split("=", 1)[0])
+                         else p for p in query.split("&"))
+    return f"{scheme}://{netloc}{path}{q}{query}" + (f"#{REDACTED}" if hash_ else "")
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it passed through ``redact_url``."""
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+
+
+_safe = redact_url
 
 
 def _describe(exc):
-    """The client's message, first line: it names the request, never the credentials."""
+    """The client's message, first line: it names the request (its URLs
+    redacted), never the credentials."""
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return redact_text(text[0]) if text else type(exc).__name__
 
 
 def _classify(obstore, exc, url, what):
@@ -210,7 +377,7 @@ def resolve(source, stores: _Stores) -> tuple[Source, list[_Object]]:
     for u in items:
         if not is_url(u):
             raise TypeError(f"a list of URLs must hold only URLs of {', '.join(SCHEMES)}, "
-                            f"got {u!r}")
+                            f"got {redact_text(repr(u))}")
         if u.endswith("/") or u.endswith(".json"):
             raise ValueError(f"{_safe(u)} is a directory or an index: pass it alone, not in a "
                              "list of shards")
@@ -218,8 +385,12 @@ def resolve(source, stores: _Stores) -> tuple[Source, list[_Object]]:
 
 
 def _objects(urls, stores, index=None, weight_map=None):
+    # The Source (the checkpoint's paths, its files and messages) names
+    # each object as it may be shown: redact_url.
     objects = [_Object(u, *stores.split(u)) for u in urls]
-    return Source([o.url for o in objects], index, weight_map), objects
+    if weight_map is not None:
+        weight_map = {name: _safe(u) for name, u in weight_map.items()}
+    return Source([_safe(o.url) for o in objects], index and _safe(index), weight_map), objects
 
 
 def _listing(obstore, url, stores):
@@ -227,7 +398,11 @@ def _listing(obstore, url, stores):
     (obstore's metadata: path, size, ...), one level deep."""
     store, prefix = stores.split(url)
     try:
-        return store, obstore.list_with_delimiter(store, prefix or None)["objects"]
+        with _no_panic(url):
+            listing = _once(lambda: _list_async(obstore, store, prefix or None), url, "listing")
+            return store, listing["objects"]
+    except (ClientPanic, _NoAnswer):
+        raise
     except Exception as e:
         raise _classify(obstore, e, _safe(url), "listing") from None
 
@@ -246,23 +421,145 @@ def _directory(obstore, url, stores):
 def _index(obstore, url, stores):
     store, key = stores.split(url)
     try:
-        raw = bytes(obstore.get(store, key).bytes())
+        with _no_panic(url):
+            raw = bytes(_once(lambda: _read_async(obstore, store, key), url, "reading the index"))
+    except (ClientPanic, _NoAnswer):
+        raise
     except Exception as e:
         raise _classify(obstore, e, _safe(url), "reading the index") from None
     if not url.endswith(INDEX_SUFFIX):
-        raise SafetensorsError(f"an index must be named *{INDEX_SUFFIX}", url)
-    weight_map = parse_index(raw, url)
+        raise SafetensorsError(f"an index must be named *{INDEX_SUFFIX}", _safe(url))
+    weight_map = parse_index(raw, _safe(url))
     base = url.rsplit("/", 1)[0] + "/"
     shards = sorted(set(weight_map.values()))
     return _objects([base + s for s in shards], stores, url,
                     {name: base + s for name, s in weight_map.items()})
 
 
+# -- requests that a cancel or a stall can end ----------------------------------------
+
+# How often a thread waiting for a request looks at its load's stop flag.
+_POLL = 0.05
+
+
+class _Requests:
+    """The client's requests of one checkpoint, run on an asyncio loop of
+    their own (a thread, started with the first request, joined by
+    ``close()``), so that a thread waiting for one can stop waiting: a
+    load's cancel (``close()``, Ctrl-C) and a stalled body end the wait
+    at once, and cancelling the request drops it in the client (its
+    connection closed), so nothing of it outlives the load.  The client's
+    blocking calls could not be left: a reader thread in one waited for the
+    server, however long it stalled."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._loop = self._thread = None
+
+    def run(self, make, stop, timeout):
+        """``await make()`` on the loop: its result, or its exception;
+        ``TimeoutError`` after ``timeout`` s; ``_Cancelled`` once ``stop``
+        is set.  The request is cancelled whenever this returns early
+        (a KeyboardInterrupt here too)."""
+        import asyncio
+        from concurrent.futures import wait
+        loop = self._start()
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(make(), timeout), loop)
+        try:
+            while not future.done():
+                if stop.is_set():
+                    raise _Cancelled()
+                wait([future], timeout=_POLL)
+            try:
+                return future.result()
+            except BaseException as e:
+                # The request's frames (its store: the client's connections)
+                # would live as long as the caller keeps the error.
+                traceback.clear_frames(e.__traceback__)
+                raise
+        finally:
+            future.cancel()         # (done: nothing; else the request is dropped)
+
+    def _start(self):
+        with self._lock:
+            if self._loop is None:
+                import asyncio
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, daemon=True,
+                                          name="instant_staging-requests")
+                thread.start()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    def close(self):
+        """Cancels what is left and joins the loop's thread (idempotent)."""
+        import asyncio
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None:
+            return
+
+        async def stop():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            loop.stop()
+        asyncio.run_coroutine_threadsafe(stop(), loop)
+        if thread is not threading.current_thread():
+            thread.join()
+            loop.close()
+
+
+class _NoAnswer(OSError):
+    """No answer within ``RETRY_SECONDS`` (an OSError as any failed request)."""
+
+
+def _once(make, url, what):
+    """``await make()`` on a loop of its own (``_Requests``): resolving a
+    source, before the checkpoint exists.  A Ctrl-C ends it at once; no
+    answer within ``RETRY_SECONDS`` is an OSError."""
+    requests = _Requests()
+    try:
+        return requests.run(make, threading.Event(), RETRY_SECONDS)
+    except TimeoutError:
+        raise _NoAnswer(f"{_safe(url)}: no answer within {RETRY_SECONDS:g} s while {what}") from None
+    finally:
+        requests.close()
+
+
+async def _list_async(obstore, store, prefix):
+    return await obstore.list_with_delimiter_async(store, prefix)
+
+
+async def _read_async(obstore, store, key):
+    got = await obstore.get_async(store, key)
+    return await got.bytes_async()
+
+
+class _Cancelled(Exception):
+    """The load's stop flag was set while a request was waited for."""
+
+
+# (They take the _Object, never its store: an error's frames, kept by the
+# caller's exception, would keep the store's connections alive; the
+# object's store is dropped when the checkpoint closes.)
+
+async def _get_async(obstore, obj, options):
+    """``(meta, bytes)`` of one GET of ``obj``."""
+    got = await obstore.get_async(obj.store, obj.key, options=options)
+    return got.meta, await got.bytes_async()
+
+
+async def _head_async(obstore, obj):
+    return await obstore.head_async(obj.store, obj.key)
+
+
 # -- the checkpoint ---------------------------------------------------------------
 
-class _RemoteCheckpoint(_Checkpoint):
+class RemoteShards(Shards):
     """The objects of a URL source, with validated headers: what
-    ``_Checkpoint`` is for files.  Its "descriptors" are the objects'
+    ``Shards`` is for files.  Its "descriptors" are the objects'
     indexes, which ``fetch`` (the reader threads' read, ``Pipeline(fetch=)``)
     takes.  It owns no descriptor and no socket (the client's connection
     pool is the store's, dropped with it)."""
@@ -272,7 +569,9 @@ class _RemoteCheckpoint(_Checkpoint):
         self._error = None
         self._error_lock = threading.Lock()
         self._stop = threading.Event()
+        self._requests = _Requests()
         self._obstore = _obstore()
+        self._unpinned = False      # an object without an ETag was said (once)
         super().__init__()          # open(): the objects' URLs, in order
 
     def share(self, release):
@@ -307,8 +606,16 @@ class _RemoteCheckpoint(_Checkpoint):
         names again (a permanent one is raised here)."""
         obj, obstore = self._objects[index], self._obstore
         try:
-            got = obstore.get(obj.store, obj.key, options={"range": (0, HEADER_PREFETCH)})
-            return got.meta, bytes(got.bytes())
+            with _no_panic(obj.url):
+                meta, data = self._request(
+                    lambda: _get_async(obstore, obj, {"range": (0, HEADER_PREFETCH)}),
+                    RETRY_SECONDS)
+                return meta, bytes(data)
+        except (ClientPanic, LoadError):
+            raise
+        except TimeoutError:
+            raise LoadError(f"{_safe(obj.url)}: no answer within {RETRY_SECONDS:g} s while "
+                            "reading its header", _safe(obj.url)) from None
         except Exception as e:
             if _permanent(obstore, e):
                 raise _classify(obstore, e, _safe(obj.url), "reading its header") from None
@@ -316,17 +623,30 @@ class _RemoteCheckpoint(_Checkpoint):
 
     def _open(self, url, got=None):
         """Opens object ``url`` with ``got``, ``_first``'s answer for it."""
+        url = _safe(url)        # as it is shown (the object is ``_objects[index]``)
         index = len(self.paths)
         obj = self._objects[index]
         obstore = self._obstore
         if got is None:
             try:
-                meta, first = obstore.head(obj.store, obj.key), None
+                with _no_panic(url):
+                    meta = self._request(lambda: _head_async(obstore, obj),
+                                         RETRY_SECONDS)
+                    first = None
+            except (ClientPanic, LoadError):
+                raise
+            except TimeoutError:
+                raise LoadError(f"{url}: no answer within {RETRY_SECONDS:g} s while asking for "
+                                "its size", url) from None
             except Exception as e:
                 raise _classify(obstore, e, _safe(url), "asking for its size") from None
         else:
             meta, first = got
-        obj.size, obj.etag, obj.version = meta["size"], meta.get("e_tag"), meta.get("version")
+        obj.pin(meta)
+        if obj.etag is None and not self._unpinned:
+            self._unpinned = True
+            log.warning("%s: the server gives no ETag: a change during the load is seen only "
+                        "by the object's size and Last-Modified (one a second)", url)
         self.fds.append(index)
         self.paths.append(url)
         want = min(obj.size, HEADER_PREFETCH)
@@ -340,12 +660,20 @@ class _RemoteCheckpoint(_Checkpoint):
                                               what="reading its header")
         self.headers.append(parse_header(raw, url, obj.size))
 
+    def origin(self, index):
+        """``(url, ETag, version)`` of object ``index`` as it was opened
+        (the URL without credentials; ETag and version None where the
+        server gives none): its identity for a group's check."""
+        obj = self._objects[index]
+        return _safe(obj.url), obj.etag, obj.version
+
     def resident(self, samples=None):
         return None         # no page cache to ask
 
     def default_knobs(self):
-        from ..defaults import REMOTE_CHUNK_SIZE, REMOTE_THREADS
-        return {"chunk_size": REMOTE_CHUNK_SIZE, "io_depth": None, "threads": REMOTE_THREADS}
+        from ..defaults import REMOTE_CHUNK_SIZE, REMOTE_THREADS, default_threads
+        return {"chunk_size": REMOTE_CHUNK_SIZE, "io_depth": None,
+                "threads": default_threads(REMOTE_THREADS)}
 
     def _fetch(self, index, offset, length):
         try:
@@ -380,12 +708,27 @@ class _RemoteCheckpoint(_Checkpoint):
         for attempt in range(RETRIES + 1):
             if self._stop.is_set():
                 raise LoadError(f"{url}: the load was cancelled", url)
+            # Each try ends by the deadline, however the server answers
+            # (a body that stalls included).
+            left = deadline - time.monotonic()
             try:
-                data = obstore.get(obj.store, obj.key, options=options).bytes()
+                with _no_panic(url):
+                    meta, data = self._request(
+                        lambda: _get_async(obstore, obj, options), max(left, 0.001))
+                    changed = obj.changed(meta)
+                    if changed is not None:
+                        raise RemoteChangedError(f"{url}: the object changed while it was "
+                                                 f"loaded ({changed}; the server did not refuse "
+                                                 "the request): load again", url)
                 if len(data) == length:
                     return data
                 problem = OSError(f"{url}: {what}: got {len(data)} of the {length} bytes at "
                                   f"byte {offset}")
+            except (RemoteChangedError, ClientPanic, LoadError):
+                raise
+            except TimeoutError:
+                problem = OSError(f"{url}: {what}: no answer within {RETRY_SECONDS:g} s for "
+                                  f"bytes [{offset}, {offset + length})")
             except Exception as e:
                 problem = _classify(obstore, e, url, what)
                 if _permanent(obstore, e) or isinstance(problem, RemoteChangedError):
@@ -397,9 +740,17 @@ class _RemoteCheckpoint(_Checkpoint):
             self._stop.wait(delay)          # a cancel ends the wait
         raise AssertionError("unreachable")
 
+    def _request(self, make, timeout):
+        """``_Requests.run`` for this load: a cancel of it is a LoadError."""
+        try:
+            return self._requests.run(make, self._stop, timeout)
+        except _Cancelled:
+            raise LoadError("the load was cancelled") from None
+
     def close(self):
         # The stores (their connection pools) go with the last reference:
         # a closed checkpoint keeps no socket.
+        self._requests.close()
         self.fds = []
         for obj in self._objects:
             obj.store = None
@@ -435,8 +786,8 @@ class _Fetch:
     object ``file``, as the client's buffer (the reader threads copy it into
     their slot).  The first error is kept for ``fetch_error`` (the pipeline
     only sees that this raised).  ``cancel()`` (the pipeline's cancel and
-    close, any thread) ends the range retries and backoffs of this load: a
-    request already sent runs to its end, within the client's timeout."""
+    close, any thread) ends the range retries, backoffs and requests in
+    flight of this load within ``_POLL`` s (``_Requests``)."""
 
     __slots__ = ("_checkpoint",)
 
@@ -492,7 +843,10 @@ def fetch_side_files(url, dest, storage_options=None):
         if os.path.isfile(path) and os.path.getsize(path) == meta["size"]:
             continue
         try:
-            data = obstore.get(store, meta["path"]).bytes()
+            with _no_panic(url):
+                data = obstore.get(store, meta["path"]).bytes()
+        except ClientPanic:
+            raise
         except Exception as e:
             raise _classify(obstore, e, _safe(url + name), "fetching it") from None
         tmp = f"{path}.{os.getpid()}.tmp"

@@ -2,8 +2,9 @@
 plan, the reader pipeline, the consumer, and the iterator every load
 hands out.
 
-``_load.py`` checks a load's arguments and plans it; every load then runs
-here, as the generator of a ``LoadIterator``, through the same steps:
+A load is made ready first (``_prepare.py``: a ``Prepared``); every load
+then runs here, as the generator of a ``LoadIterator(prepared)``, through
+the same steps:
 
 1. plan the reads (the bytes this process reads),
 2. the staging buffer and the reader pipeline,
@@ -14,7 +15,7 @@ here, as the generator of a ``LoadIterator``, through the same steps:
 and one teardown, ``_LoadState.close()``.  What differs is the strategy:
 ``_Solo`` (a load of one process, below) or ``_distributed._Shared`` (one
 rank's part of a process group's load).  Imports go one way: ``_load`` ->
-``_distributed`` -> ``_run``.
+``_checkpoint`` -> ``_distributed`` -> ``_run`` -> ``_prepare``.
 
 On a GPU, tensors lying back to back in a file share one device block
 and are handed out as views of it (``_blocks.pyx``; ``views=False``: each
@@ -26,7 +27,7 @@ a slot is refilled only after its copy finished; to the CPU with memcpy.
 
 A first load in a fresh process pays CUDA's start, its staging buffer and
 its device memory: the buffer is made in a thread of its own
-(``_StagingStart``) once the headers are checked and the device is known
+(``_prepare.PendingStaging``) once the headers are checked and the device is known
 to be there, while this thread starts torch's CUDA, allocates the blocks
 and starts the readers' plan; the readers copy only once the buffer is
 made (its registration done: no copy from an unregistered range).
@@ -38,8 +39,8 @@ Who owns what, at each moment (everything a load holds is in its
   until the generator's ``finally`` (or ``LoadIterator.close()`` for a load
   that never started) closes them, always after ``Pipeline.close()`` joined
   the readers, so no reader can ever read a reused descriptor number;
-- a staging buffer being made belongs to the load's ``_StagingStart``
-  (its thread, then the start itself) until the load takes it; a load
+- a staging buffer being made belongs to the load's ``PendingStaging``
+  (its thread, then the pending start itself) until the load takes it; a load
   that ends before that (an error, a close, Ctrl-C) waits for the making
   and gives the buffer to ``_staging_pool`` (a forked child drops its
   copy; a load dropped by the collector on the making thread leaves that
@@ -73,9 +74,10 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 # (the fault plans imported with the loader, not by a server's first load:
 # docs/design.md, "Measured: a server's first load")
 from .. import faults as _faults  # noqa: F401
-from ..defaults import CHUNK_SIZE, io_depth_for, reader_threads
-from . import _blocks, _entries, _gc, _pipeline, _staging_pool
+from ..defaults import reader_threads
+from . import _entries, _gc, _pipeline, _staging_pool
 from ._errors import LoadError, VerifyError
+from ._prepare import slot_count, staging_size
 
 if TYPE_CHECKING:
     import torch
@@ -96,133 +98,6 @@ _VERIFY_STEP = 64 << 20
 # pipeline's lock once).
 _FIRST_BATCH = 4
 _BATCH = 32
-
-
-class _StagingStart:
-    """A load's own staging buffer, made by a thread of its own
-    (``_staging_pool.own``) while the load goes on: prefaulting and
-    registering 128 MiB takes milliseconds (docs/design.md, "Measured:
-    making a load's own staging buffer"), and in a fresh process their
-    registration waits for CUDA's context as torch's start does.  (One
-    that an earlier load kept is taken at once, without the thread.)
-
-    ``take()`` waits for it and hands it over (or raises its error);
-    ``abandon()``, for a load that ends before taking it, waits for it and
-    gives it to ``_staging_pool``.  Exactly one of the two is called.
-
-    They wait on an event the thread sets, never with ``Thread.join()``: a
-    Ctrl-C that interrupts a join makes CPython 3.11 mark the thread stopped
-    while it runs (bpo-45274's handling), and the exit then no longer waits
-    for it, finalizing the interpreter inside its registration."""
-
-    def __init__(self, device, size, slot_bytes):
-        self._device, self._pid = device, os.getpid()
-        self._error = None
-        self._abandoned = False
-        self._made = threading.Event()
-        # A buffer an earlier load kept is taken here, with no thread: starting
-        # one and setting its device cost about a percent of a MoE load, for
-        # a take of microseconds (docs/design.md, "Measured: making a load's
-        # own staging buffer").
-        self._buf = _staging_pool.take_kept(device, size, slot_bytes)
-        if self._buf is not None:
-            self._thread = None
-            self._made.set()
-            return
-        # Not a daemon: an exit waits for the (bounded) making, and the
-        # staging module's exit hook then releases the buffer; a daemon
-        # would be dropped inside the runtime's calls.
-        self._thread = threading.Thread(target=self._run, args=(device, size, slot_bytes),
-                                        name="instant_staging-staging")
-        try:
-            self._thread.start()
-        except RuntimeError:            # no thread to be had: make it here
-            self._thread = None
-            self._make(device, size, slot_bytes)
-            self._made.set()
-            error = self._error
-            if error is not None and not isinstance(error, Exception):
-                self._error = None
-                raise error from None   # a Ctrl-C in the caller's own thread is its own
-
-    def _run(self, device, size, slot_bytes):
-        try:
-            _use_device(device)         # this thread's own: no caller's device changes
-            self._make(device, size, slot_bytes)
-        finally:
-            self._made.set()
-            if self._abandoned:
-                self._give_back()
-
-    def _make(self, device, size, slot_bytes):
-        try:
-            self._buf = _staging_pool.own(device, size, slot_bytes)
-        except BaseException as e:      # raised by take(), in the load's thread
-            self._error = e
-
-    def _wait(self):
-        # In a forked child the thread is not there (and the event may never
-        # be set): nothing to wait for.
-        if os.getpid() == self._pid:
-            self._made.wait()
-
-    def ready(self):
-        """Whether ``take()`` would return at once."""
-        return self._made.is_set() or os.getpid() != self._pid
-
-    def take(self):
-        self._wait()
-        buf, error, self._buf, self._error = self._buf, self._error, None, None
-        if error is not None:
-            raise error
-        if buf is None:
-            raise LoadError("the staging buffer's thread ended without a buffer or an error")
-        return buf
-
-    def abandon(self):
-        if self._thread is threading.current_thread():
-            # The garbage collector ran a dropped load's close on this very
-            # thread (a thread cannot wait for itself): inside the making,
-            # the end of _run gives the buffer back; after it, here.
-            if self._made.is_set():
-                self._give_back()
-            else:
-                self._abandoned = True
-            return
-        self._wait()
-        self._give_back()
-
-    def _give_back(self):
-        buf, self._buf, self._error = self._buf, None, None
-        if buf is not None and os.getpid() == self._pid:
-            _staging_pool.give(self._device, buf)
-        # (a forked child's copy goes with the object: StagingBuffer's
-        # release in a child only drops the child's mapping)
-
-
-def _use_device(device):
-    """Makes ``device`` this thread's current device (the staging thread's
-    own, so no caller's current device changes).  A registration belongs to
-    the context of the thread's current device, and a new thread's is device
-    0: without this a load to cuda:1 created device 0's context in a process
-    that may never use it (a vLLM worker of rank 1 sees every GPU and sets
-    its own), which costs that GPU hundreds of MiB and the load the time to
-    create it.  The memory is pinned for every device either way (on a UVA
-    host cudaHostRegisterDefault is portable).  A failure is left to the
-    registration, which reports its own."""
-    from ..runtime import default_runtime
-    try:
-        default_runtime().set_device(device)
-    except Exception:           # no runtime to be had: making the buffer says why
-        pass
-
-
-def fault_plan(staging):
-    """The plan whose ``read`` and ``copy`` rules this load obeys: that of the
-    staging buffer's runtime if it has one, else INSTANT_STAGING_FAULTS."""
-    from ..faults import FaultPlan
-    plan = getattr(staging.runtime, "plan", None) if staging is not None else None
-    return plan if plan is not None else FaultPlan.from_env()
 
 
 class LoadReport(NamedTuple):
@@ -258,16 +133,34 @@ class _LoadState:
     ``LoadIterator.close()``; each step is idempotent, so a second call (or
     one after an interrupt cut the first short) finishes what is left."""
 
-    __slots__ = ("blocks", "cancelled", "checkpoint", "device", "dtypes", "finished", "handles",
-                 "own_staging", "pid", "pipe", "staging", "staging_kind", "start", "target",
-                 "threads")
+    __slots__ = (
+        "blocks",
+        "cancelled",
+        "checkpoint",
+        "device",
+        "dtypes",
+        "faults",
+        "finished",
+        "handles",
+        "options",
+        "own_staging",
+        "pid",
+        "pipe",
+        "reads",
+        "staging",
+        "staging_kind",
+        "target",
+        "threads",
+    )
 
-    def __init__(self, checkpoint, target, dtypes, start=None):
+    def __init__(self, prepared):
         from ._pipeline import DEVICE
-        self.checkpoint, self.target, self.dtypes = checkpoint, target, dtypes
+        self.checkpoint, self.target, self.dtypes = prepared.shards, prepared.target, prepared.dtypes
+        self.options, self.faults = prepared.options, prepared.faults
+        target = self.target
         self.device = target.index if target.mode == DEVICE else None
         self.pid = os.getpid()
-        self.start = start      # a _Start until the load takes its parts
+        self.reads = prepared.reads     # a solo load's ReadPlan until it takes its parts
         self.pipe = None
         self.staging = None     # the buffer the readers' slots are in
         self.own_staging = None  # ... where the load took or made it: given back by close()
@@ -282,21 +175,21 @@ class _LoadState:
 
     def open_pipeline(self, how, plan, staging, io_depth, threads):
         """Step 2: the staging buffer (the caller's, one an earlier load
-        kept, the one ``_StagingStart`` made, or a new one) and the reader
+        kept, the one ``PendingStaging`` made, or a new one) and the reader
         pipeline over ``plan``, which holds the buffer until it is joined."""
         from ._pipeline import Pipeline
         threads = reader_threads(threads)
         depth = slot_count(plan, io_depth, threads)
         pending = None
-        if staging is None and self.device is not None and self.start is not None:
-            pending = self.start.staging
+        if staging is None and self.device is not None and self.reads is not None:
+            pending = self.reads.staging
         how.while_staging(self, pending)
         if staging is None and self.device is not None:
             if pending is not None:
                 # Given up by the start only once taken: a Ctrl-C while
                 # waiting for it leaves it to close() (_abandon).
                 staging = self.own_staging = pending.take()
-                self.start.staging = None
+                self.reads.staging = None
             else:
                 staging = self.own_staging = _staging_pool.own(self.device, *staging_size(plan, depth))
         self.staging = staging
@@ -331,7 +224,7 @@ class _LoadState:
         buf, self.own_staging, self.staging = self.own_staging, None, None
         if buf is not None and os.getpid() == self.pid:
             _staging_pool.give(self.device, buf)    # kept for the next load, or closed
-        # (a forked child's copy goes with the object, as _StagingStart's)
+        # (a forked child's copy goes with the object, as PendingStaging's)
         self.checkpoint.stop_warming()      # the page cache's warming: joined, freed
         self.checkpoint.close()     # only now: no reader can use a reused fd number
 
@@ -348,25 +241,22 @@ class LoadIterator:
     ``LoadError`` (the reader threads are the parent's).
     """
 
-    def __init__(self, checkpoint, target, dtypes, *, staging=None, chunk_size=CHUNK_SIZE,
-                 io_depth=None, threads=None, verify=False, progress=None, faults=None,
-                 start=None):
+    def __init__(self, prepared):
+        """Runs ``prepared`` (``_prepare.Prepared``) as the iterator is consumed."""
         now = time.perf_counter()
         self._times = [now, 0.0, now, None]     # began, opened (seconds), made, ended
-        self._chunk_size = chunk_size
-        self._device = str(getattr(target, "device", None))
-        self._state = _LoadState(checkpoint, target, dtypes, start)
+        self._chunk_size = prepared.options.chunk_size
+        self._device = str(getattr(prepared.target, "device", None))
+        self._state = _LoadState(prepared)
         self._lock = threading.RLock()     # one next() or close() at a time
-        self._generator = self._generate(self._state, staging=staging, chunk_size=chunk_size,
-                                         io_depth=io_depth, threads=threads, verify=verify,
-                                         progress=progress, faults=faults)
-        self.names = _entries.names(checkpoint.entries)
-        self.total_bytes = checkpoint.total_bytes
+        self._generator = self._generate(self._state)
+        self.names = _entries.names(prepared.shards.entries)
+        self.total_bytes = prepared.shards.total_bytes
 
-    def _generate(self, state, **options):
+    def _generate(self, state):
         """The generator of the load: ``run`` with this iterator's strategy
         (a process group's iterator hands it its own)."""
-        return _load(state, **options)
+        return _load(state)
 
     def timed(self, began, opened=0.0):
         """Counts the load's time from the call.
@@ -478,66 +368,14 @@ class LoadIterator:
             pass
 
 
-class _Start:
-    """What ``iter_load`` prepared for a load of its own: the plan, its runs
-    (``_blocks.pyx``) and the staging buffer being made (or None)."""
-
-    __slots__ = ("plan", "runs", "staging")
-
-    def __init__(self, plan, run_list):
-        self.plan, self.runs, self.staging = plan, run_list, None
-
-    def abandon(self):
-        """Gives back the staging buffer being made, if the load has not
-        taken it."""
-        staging, self.staging = self.staging, None
-        if staging is not None:
-            staging.abandon()
-
-
-def _plan(checkpoint, target, dtypes, chunk_size, faults, views):
-    """The load's ``_Start``: which tensors share a block, and the chunks."""
-    from ._pipeline import Plan
-    entries = checkpoint.entries
-    # (the rule asked once per dtype: per tensor it showed in a MoE shard's
-    # setup; docs/design.md, "Measured: the view rule per dtype")
-    viewable = {d: target.joins(d, views) for d in set(dtypes)}
-    run_list = _blocks.runs(entries, [viewable[d] for d in dtypes])
-    plan = Plan(_entries.ranges(entries, checkpoint.fds), chunk_size,
-                faults=faults, packed=_blocks.packed(run_list), joins=_blocks.joined(run_list))
-    return _Start(plan, run_list)
-
-
-def slot_count(plan, io_depth, threads):
-    """A load's slots: ``io_depth`` (``defaults.io_depth_for``), never more
-    than its chunks (io_depth=10**11 is fine)."""
-    return min(io_depth_for(io_depth, threads), max(plan.n_chunks, 1))
-
-
-def staging_size(plan, depth):
-    """``(bytes, slot bytes)`` of a load's own staging buffer: ``depth`` slots
-    as long as the plan's longest chunk."""
-    slot = max(plan.max_chunk, 1)
-    return depth * slot, slot
-
-
-def _begin_staging(target, plan, options):
-    """Starts making the load's own staging buffer (a GPU load given none)."""
-    from ._pipeline import DEVICE
-    if options["staging"] is not None or target.mode != DEVICE:
-        return None
-    depth = slot_count(plan, options["io_depth"], reader_threads(options["threads"]))
-    return _StagingStart(target.index, *staging_size(plan, depth))
-
-
 def _abandon(state):
-    """Gives back what a load's ``_Start`` still holds (nothing once taken)."""
-    start, state.start = state.start, None
-    if start is not None:
-        start.abandon()
+    """Gives back what a load's ``ReadPlan`` still holds (nothing once taken)."""
+    reads, state.reads = state.reads, None
+    if reads is not None:
+        reads.abandon()
 
 
-def run(state, how, *, staging, chunk_size, io_depth, threads, verify, progress, faults):
+def run(state, how):
     """The one skeleton of every load, the generator behind its LoadIterator.
 
     ``how`` is the load's strategy: ``_Solo`` for a load of one process,
@@ -550,11 +388,11 @@ def run(state, how, *, staging, chunk_size, io_depth, threads, verify, progress,
         error = None
         try:
             # 1. Plan the reads: the bytes this process reads (None: none).
-            plan = how.plan_reads(state, chunk_size,
-                                  faults if faults is not None else fault_plan(staging))
+            options = state.options
+            plan = how.plan_reads(state, options.chunk_size, state.faults)
             # 2. The staging buffer and the reader pipeline.
             if plan is not None:
-                state.open_pipeline(how, plan, staging, io_depth, threads)
+                state.open_pipeline(how, plan, options.staging, options.io_depth, options.threads)
             # 3. The destinations: where each byte read goes.
             how.provide_destinations(state)
         except Exception as e:
@@ -564,7 +402,7 @@ def run(state, how, *, staging, chunk_size, io_depth, threads, verify, progress,
         how.ready(state, error)
         # 5. Read and copy (a group: and exchange the parts), and hand out
         #    the tensors.
-        yield from how.drive(state, verify, progress)
+        yield from how.drive(state, state.options.verify, state.options.progress)
         state.finished = True
     except BaseException as e:
         # The traceback's finished frames would keep tensors alive for as
@@ -575,10 +413,9 @@ def run(state, how, *, staging, chunk_size, io_depth, threads, verify, progress,
         state.close()
 
 
-def _load(state, *, staging, chunk_size, io_depth, threads, verify, progress, faults):
+def _load(state):
     """The generator behind a load of one process: ``run`` with ``_Solo``."""
-    return run(state, _Solo(), staging=staging, chunk_size=chunk_size, io_depth=io_depth,
-               threads=threads, verify=verify, progress=progress, faults=faults)
+    return run(state, _Solo())
 
 
 class _Solo:
@@ -588,12 +425,9 @@ class _Solo:
     each tensor out as soon as it is finished."""
 
     def plan_reads(self, state, chunk_size, faults):
-        """Step 1: the ``_Start`` that ``iter_load`` prepared (the staging
-        buffer already being made beside it), else one made now."""
-        if state.start is None:     # a LoadIterator made without iter_load
-            state.start = _plan(state.checkpoint, state.target, state.dtypes, chunk_size, faults,
-                                False)
-        return state.start.plan
+        """Step 1: the ``ReadPlan`` that preparing made (the staging buffer
+        already being made beside it: ``_prepare.planned``)."""
+        return state.reads.plan
 
     def while_staging(self, state, pending):
         """Step 2, before the load takes its staging buffer: torch's CUDA (in
@@ -601,13 +435,13 @@ class _Solo:
         (``pending``) is still being made (``_allocate_blocks``)."""
         state.target.before_copies()
         if pending is not None and not pending.ready():
-            state.blocks = _allocate_blocks(state.target, state.start.runs,
+            state.blocks = _allocate_blocks(state.target, state.reads.runs,
                                             state.checkpoint.entries, state.dtypes)
 
     def provide_destinations(self, state):
         """Step 3: starts the readers and gives them every address (``_start``)."""
         _start(state.pipe, state.handles, state.target, state.checkpoint.entries, state.dtypes,
-               state.start.runs, state.blocks)
+               state.reads.runs, state.blocks)
         state.blocks = None         # handles hold the views now
 
     def ready(self, state, error):
@@ -617,7 +451,7 @@ class _Solo:
 
     def drive(self, state, verify, progress):
         """Step 5: each tensor as the pipeline finishes it (``_drive``)."""
-        return _drive(state.pipe, state.start.plan, state.checkpoint, state.target, state.handles,
+        return _drive(state.pipe, state.reads.plan, state.checkpoint, state.target, state.handles,
                       verify, progress, state.runtime)
 
 

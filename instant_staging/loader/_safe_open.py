@@ -45,17 +45,16 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..defaults import io_depth_for
+from ..defaults import PREFETCH_THREADS, default_threads, io_depth_for
 from . import _staging_pool
-from ._checkpoint import _Checkpoint
 from ._errors import MissingTensorError
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
-from ._load import LoadOptions, _check_args, _prepare
-from ._load import _target as _load_target
-from ._options import check_backend, knobs, left_unset
-from ._remote import _RemoteCheckpoint, is_url
-from ._run import LoadIterator, fault_plan
-from ._target import _import_torch, _TorchTarget
+from ._options import LoadOptions, _check_args, check_backend, knobs, left_unset
+from ._prepare import checked_target, fault_plan, planned, prepare_solo
+from ._remote import RemoteShards, is_url
+from ._run import LoadIterator
+from ._shards import Shards
+from ._target import _import_torch, _TorchTarget, parse_device
 from ._typing import Device, PathLike
 
 if TYPE_CHECKING:
@@ -82,7 +81,7 @@ class _View:
         self.read_bytes, self.current_size = checkpoint.read_bytes, checkpoint.current_size
 
     def stop_warming(self):
-        pass        # (a read of a safe_open's is never warmed: _load._usable_target)
+        pass        # (a read of a safe_open's is never warmed: _prepare.usable_target)
 
     def close(self):
         pass
@@ -97,7 +96,7 @@ class _File:
     close; a slice read after that takes one from the pool for that read."""
 
     def __init__(self, checkpoint, torch, target, chunk_size, io_depth, threads):
-        self.checkpoint: _Checkpoint = checkpoint
+        self.checkpoint: Shards = checkpoint
         self.released = False           # every holder let go: the file is closed
         self.path = checkpoint.paths[0]
         self.torch, self.target = torch, target
@@ -180,9 +179,10 @@ class _File:
                 staging = own = _staging_pool.own(target.index, io_depth * chunk_size, chunk_size)
             self.reading = True
             try:
-                with LoadIterator(view, target, [dtypes[e] for _, e in view.entries], staging=staging,
-                                  chunk_size=chunk_size, io_depth=io_depth, threads=self.threads,
-                                  faults=fault_plan(staging)) as it:
+                options = LoadOptions(chunk_size, io_depth, self.threads, tuned=False,
+                                      staging=staging, views=False)
+                with LoadIterator(planned(view, target, [dtypes[e] for _, e in view.entries],
+                                          options)) as it:
                     # Yielded in completion order; one read holds each name once.
                     loaded = dict(it)
             finally:
@@ -250,15 +250,15 @@ class safe_open:
             raise ValueError(f"framework {framework!r} is not supported: instant_staging.loader.safe_open "
                              "returns torch tensors (framework='pt'); use safetensors.safe_open for others")
         torch = _import_torch()
-        target = _TorchTarget(torch, device)
+        target = _TorchTarget(torch, parse_device(torch, device))
         chunk_size, io_depth, threads = knobs(None, None, None)
         _check_args(chunk_size, io_depth, threads)
         if is_url(filename):        # one object: s3://bucket/key.safetensors, https://...
-            checkpoint = _RemoteCheckpoint(_RemoteCheckpoint.one(filename, storage_options))
+            checkpoint = RemoteShards(RemoteShards.one(filename, storage_options))
         elif storage_options is not None:
             raise ValueError("storage_options apply to a URL (s3://, gs://, az://, https://), not a file")
         else:
-            checkpoint = _Checkpoint()
+            checkpoint = Shards()
         # Until the handle's _File holds it, the file is closed here on any
         # exception (a Ctrl-C too): nothing else could reach it.
         try:
@@ -334,7 +334,7 @@ class safe_open:
         return _Slice(self._file, self._entry(name))
 
     def prefetch(self, plan: dict[str, slice | None] | None = None, *, device: Device | None = None,
-                 threads: int = 8) -> PrefetchLoader:
+                 threads: int | None = None) -> PrefetchLoader:
         """safetensors 0.9's ``prefetch``: starts loading the file's tensors
         in the background.
 
@@ -346,7 +346,9 @@ class safe_open:
                 None (the default) for every tensor whole.
             device: where the tensors go; default None: the handle's (any
                 device, the CPU too).
-            threads: reader threads, an int >= 1; default 8.
+            threads: reader threads, an int >= 1; default None:
+                safetensors' 8, at most what this host can use
+                (``defaults.default_threads``: a default never warns).
 
         Returns:
             A ``PrefetchLoader`` that hands each tensor out once.
@@ -361,19 +363,16 @@ class safe_open:
         """
         self._check_open()
         plan = _prefetch_plan(plan, self._entries, self._order, self._path)
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        if threads is None:
+            threads = default_threads(PREFETCH_THREADS)
+        elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         file = self._file
-        target = file.target if device is None else _load_target(device, None)
+        target = file.target if device is None else checked_target(device, None)
         opts = LoadOptions.build(chunk_size=file.chunk_size, io_depth=file.io_depth, threads=threads)
         file.hold()
         shards = file.checkpoint.share(file.release)
-        try:
-            held, target, dtypes, kwargs = _prepare(shards, target, opts, None, dict(plan), single=True)
-            return PrefetchLoader(LoadIterator(held, target, dtypes, **kwargs))
-        except BaseException:
-            shards.close()
-            raise
+        return PrefetchLoader(LoadIterator(prepare_solo(shards, target, opts, plan=dict(plan))))
 
     def close(self) -> None:
         """Closes the handle: the file once no slice of it is left, and gives
@@ -519,8 +518,11 @@ class PrefetchLoader:
                 (asked again), or the load ended without it.
         """
         with self._lock:
-            if name in self._taken or name not in self._planned:
-                raise MissingTensorError(f"{name!r} is not in this prefetch or was taken already")
+            if name in self._taken:
+                raise MissingTensorError(f"{name!r} was taken already: a prefetch hands each "
+                                         "tensor out once")
+            if name not in self._planned:
+                raise MissingTensorError(f"{name!r} is not in this prefetch")
             while name not in self._ready:
                 if not self._pull():
                     raise MissingTensorError(f"the load ended without {name!r}")

@@ -28,7 +28,7 @@ index promises but no shard holds a ``SafetensorsError``, so an index that
 does not describe its shards fails before anything is allocated.  A JSON file
 passed where a shard belongs is reported as what it is.
 
-Nothing here opens a shard: ``_Checkpoint`` does.
+Nothing here opens a shard: ``Shards`` does.
 """
 
 from __future__ import annotations

@@ -38,12 +38,13 @@ def _import_torch():
 
 
 class _TorchTarget:
-    """Allocates one torch tensor per file tensor on ``device``."""
+    """Allocates one torch tensor per file tensor on ``device`` (a
+    torch.device, parsed at the door: ``_prepare.parse_target``)."""
 
     def __init__(self, torch, device, dtype=None):
         from ._pipeline import DEVICE, HOST
         self.torch = torch
-        self.device = _resolve_device(torch, device)
+        self.device = on_host(torch, device)
         # dtype=: floating tensors are converted on the device once loaded
         # (as transformers does); integer and bool tensors keep theirs.
         self.dtype = dtype
@@ -231,7 +232,14 @@ def _resolve_device(torch, device):
         ValueError: naming it, for anything torch cannot parse, this loader
             cannot load to, or this host does not have.
     """
-    device = parse_device(torch, device)
+    return on_host(torch, parse_device(torch, device))
+
+
+def on_host(torch, device):
+    """``device``, a torch.device ``parse_device`` gave, found on this host
+    (with its index: the current GPU's where it named none); a ValueError
+    naming it where this host lacks it.  The device is parsed once, at the
+    door; this only asks the host."""
     if device.type == "cpu":
         return device
     # Checked here, before anything is allocated: without a GPU the first

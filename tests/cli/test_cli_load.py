@@ -242,12 +242,13 @@ def test_load_reads_a_cold_checkpoint_with_the_cold_defaults(tmp_path):
         path = str(tmp_path / f"m{attempt}.safetensors")    # (loader/test_loader.py's on_a_cold_file)
         save_file({f"t{i:02d}": torch.full([64 << 10], float(i)) for i in range(32)}, path)
         hot = cli_json("load", path, "--device", "cpu")
-        assert (hot["chunk_size"], hot["threads"]) == (ist.defaults.CHUNK_SIZE, None)
+        # (threads: the reader threads that ran, at most one per chunk)
+        assert hot["chunk_size"] == ist.defaults.CHUNK_SIZE and hot["threads"] >= 1
         drop_from_page_cache(path)
         cold = cli_json("load", path, "--device", "cpu")
         assert cold["ok"] and cold["tensors"] == 32
-        if (cold["chunk_size"], cold["threads"]) == (ist.defaults.COLD_CHUNK_SIZE,
-                                                     ist.defaults.COLD_THREADS):
+        if cold["chunk_size"] == ist.defaults.COLD_CHUNK_SIZE:
+            assert cold["threads"] <= ist.defaults.default_threads(ist.defaults.COLD_THREADS)
             return
     raise AssertionError(f"a cold checkpoint was loaded with {cold['chunk_size']} byte chunks "
                          f"and {cold['threads']} threads, three times")

@@ -301,7 +301,7 @@ def fds():
 # just freed, are still open after the checkpoint is gone).
 TRACED = SHARDS + """
 import dis
-from instant_staging.loader import _checkpoint, _load, _safe_open, safe_open
+from instant_staging.loader import _checkpoint, _load, _safe_open, _shards, safe_open
 
 # CPython runs a handler as a function starts or resumes (RESUME), after a
 # call returns and after a backward jump, nowhere else: not between a `with`
@@ -336,7 +336,8 @@ def cycle(d):
     f = safe_open(os.path.join(d, "s0000.safetensors"), framework="pt")
     f.close()
 
-FILES = {_checkpoint.__file__, _load.__file__, _safe_open.__file__, cycle.__code__.co_filename}
+FILES = {_checkpoint.__file__, _shards.__file__, _load.__file__, _safe_open.__file__,
+         cycle.__code__.co_filename}
 d = shards("ck", 8)
 cycle(d)
 base = fds()

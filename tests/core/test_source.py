@@ -1,6 +1,6 @@
-"""The source tree itself: README's Layout lists what exists, README's
-first example runs on any host, its table names every INSTANT_STAGING_*
-variable the code reads, nothing cites notes users lack, and the linters
+"""The source tree itself: the docs' Layout page (docs/develop/layout.md)
+lists what exists, README's StagingBuffer example runs on any host,
+nothing cites notes users lack, and the linters
 (ruff, cython-lint) are clean on instant_staging, tests and benchmarks."""
 
 import os
@@ -18,11 +18,14 @@ GENERATED = {"_build_config.py"}          # written by setup.py
 NAME = re.compile(r"^[\w.]+/?$")
 
 
+LAYOUT = os.path.join(ROOT, "docs", "develop", "layout.md")
+
+
 def readme_layout():
-    """{path relative to instant_staging/: listed} from README's Layout block."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+    """{path relative to instant_staging/: listed} from the Layout page's block."""
+    with open(LAYOUT) as f:
         text = f.read()
-    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    block = text.split("# Layout", 1)[1].split("```", 2)[1]
     lines = block.splitlines()
     start = lines.index("instant_staging/")
     listed, parents = set(), []
@@ -66,9 +69,9 @@ def test_readme_layout_lists_every_module_and_nothing_else():
     # A package's __init__.py is the package line itself.
     expected = {p for p in present if not (p.endswith("/__init__.py") or
                                            (p.endswith(".pyi") and "/" in p))}
-    assert listed - present == set(), "README lists what does not exist"
+    assert listed - present == set(), "docs/develop/layout.md lists what does not exist"
     modules = {p for p in expected if p.endswith((".py", ".pyx")) or "." not in p.split("/")[-1]}
-    assert modules - listed == set(), "README's Layout misses these"
+    assert modules - listed == set(), "docs/develop/layout.md misses these"
 
 
 LINTED = ["instant_staging", "tests", "benchmarks"]
@@ -153,14 +156,13 @@ def readme_python_blocks():
         return re.findall(r"^```python\n(.*?)^```", f.read(), re.S | re.M)
 
 
-def test_readme_first_python_example_runs_on_this_host(tmp_path):
-    """The first example a reader meets runs as pasted, with or without a
+def test_readme_staging_example_runs_on_this_host(tmp_path):
+    """README's StagingBuffer example runs as pasted, with or without a
     GPU (without one: on the simulated runtime, as it says)."""
     import sys
 
     from support import child_env
-    first = readme_python_blocks()[0]
-    assert "StagingBuffer" in first
+    first = next(block for block in readme_python_blocks() if "StagingBuffer(" in block)
     proc = subprocess.run([sys.executable, "-c", first], cwd=str(tmp_path), env=child_env(),
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -213,23 +215,23 @@ def variables_the_code_reads():
     return found
 
 
-def readme_variable_table():
-    """{name: (default, where)} from README's "Environment variables" table."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        section = f.read().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+def docs_variable_table():
+    """{name: (default, where)} from the docs' "Environment variables" table
+    (envs.markdown_table(), which docs/_hooks.py writes into the page)."""
+    from instant_staging import envs
     rows = {}
-    for line in section.splitlines():
+    for line in envs.markdown_table().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and ENV_NAME.fullmatch(cells[0].strip("`")):
             rows[cells[0].strip("`")] = (cells[1], cells[2])
     return rows
 
 
-def test_readme_tables_every_variable_the_code_reads():
-    read, table = variables_the_code_reads(), readme_variable_table()
+def test_docs_table_every_variable_the_code_reads():
+    read, table = variables_the_code_reads(), docs_variable_table()
     assert "INSTANT_STAGING_PREFAULT_THREADS" in read     # the one once documented nowhere
-    assert read - set(table) == set(), "read by the code, missing from README's table"
-    assert set(table) - read == set(), "in README's table, read nowhere"
+    assert read - set(table) == set(), "read by the code, missing from the docs' table"
+    assert set(table) - read == set(), "in the docs' table, read nowhere"
     for name, (default, where) in table.items():
         assert default and where, name
 

@@ -192,6 +192,7 @@ def test_batches_bound_what_is_allocated_at_once(tmp_path, monkeypatch, batch_by
 
 
 def test_small_tensors_loaded_whole_large_ones_streamed():
+    assert _options.WHOLE_BATCH_MEAN_BYTES == 4 << 20        # the figure design.md measured
     m = _options.WHOLE_BATCH_MEAN_BYTES
     assert _weights.whole(_weights.Batch(("f",), ("a", "b"), 2 * m - 1))
     assert not _weights.whole(_weights.Batch(("f",), ("a", "b"), 2 * m))
@@ -253,6 +254,8 @@ def test_a_whole_batch_is_yielded_once_loaded(tmp_path, monkeypatch, whole):
         first = [next(events) for _ in range(2 * len(batch))]
         if whole:
             assert [e for e, _ in first] == ["loaded"] * len(batch) + ["yielded"] * len(batch)
+            # in the batch's order: as its tensors were loaded (file, offset)
+            assert [n for e, n in first if e == "yielded"] == [n for e, n in first if e == "loaded"]
         else:
             assert [e for e, _ in first] == ["loaded", "yielded"] * len(batch)
         assert {n for _, n in first} == batch

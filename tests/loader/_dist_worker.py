@@ -247,7 +247,9 @@ def main(spec_path, rank):
             out[name] = run([files["bad"] if rank == world - 1 else files["single"]])
         elif name == "other_layout":
             out[name] = run([files["other"] if rank == 1 else files["single"]])
-        elif name in ("own_copies", "other_data", "unsampled_change"):
+        elif name == "prefix_sources":  # rank 1's shards are the first of rank 0's
+            out[name] = run(shards[:1] if rank == 1 else shards[:2])
+        elif name in ("own_copies", "other_data", "unsampled_change", "other_last_page"):
             # Each rank its own copy of one file, at its own path; rank 1's
             # with one byte changed: the first data byte (a sampled page), or
             # one between the sampled pages (only verify= sees it).
@@ -257,6 +259,8 @@ def main(spec_path, rank):
                 with open(mine, "r+b") as f:
                     where = 8 + int.from_bytes(f.read(8), "little") + (5000 if name == "unsampled_change"
                                                                         else 0)
+                    if name == "other_last_page":           # the file's last byte
+                        where = os.path.getsize(mine) - 1
                     f.seek(where)
                     byte = f.read(1)[0]
                     f.seek(where)

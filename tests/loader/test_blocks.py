@@ -23,9 +23,18 @@ torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 
 import instant_staging as ist
-from instant_staging.loader import _blocks, _checkpoint, _entries, _run, _staging_pool, empty_cache
+from instant_staging.loader import (
+    LoadOptions,
+    TensorInfo,
+    _blocks,
+    _entries,
+    _prepare,
+    _run,
+    _shards,
+    _staging_pool,
+    empty_cache,
+)
 from instant_staging.loader._header import TensorEntry
-from instant_staging.loader._load import TensorInfo
 from instant_staging.loader._target import _TorchTarget
 from instant_staging.testing import FaultPlan, SimulatedRuntime
 
@@ -116,21 +125,21 @@ def sim_pool(monkeypatch):
     empty_cache()
 
 
-def begin_device_load(paths, rt, *, views=True, own_staging=True, staging=None, faults=None,
+def begin_device_load(paths, rt, *, views=True, staging=None, faults=None,
                       names=None, chunk=CHUNK, threads=3, target_type=None, verify=True):
     """iter_load's single path on the simulated device, up to its iterator:
-    the plan and its runs, and the staging buffer started beside it.
-    Returns ``(LoadIterator, its _Start, the checkpoint)``."""
-    checkpoint = _checkpoint._Checkpoint().open(paths if isinstance(paths, list) else [paths])
+    the plan and its runs, and the staging buffer started beside it (none
+    where ``staging`` is given).  Returns ``(LoadIterator, its ReadPlan,
+    the checkpoint)``."""
+    checkpoint = _shards.Shards().open(paths if isinstance(paths, list) else [paths])
     checkpoint.select(names)
     target = (target_type or SimTarget)(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    options = {"chunk_size": chunk, "io_depth": 4, "threads": threads, "staging": staging}
-    start = _run._plan(checkpoint, target, dtypes, chunk, faults and FaultPlan.parse(faults), views)
-    if own_staging:
-        start.staging = _run._begin_staging(target, start.plan, options)
-    it = _run.LoadIterator(checkpoint, target, dtypes, verify=verify, start=start, **options)
-    return it, start, checkpoint
+    options = LoadOptions(chunk, 4, threads, tuned=False, staging=staging, verify=verify,
+                          views=views)
+    prepared = _prepare.planned(checkpoint, target, dtypes, options,
+                                faults and FaultPlan.parse(faults))
+    return _run.LoadIterator(prepared), prepared.reads, checkpoint
 
 
 def device_load(paths, rt, **kw):
@@ -276,7 +285,7 @@ def test_entry_columns_in_c_equal_the_python_loops(layout, known_dtypes):
 
 
 def start_entries(path):
-    ck = _checkpoint._Checkpoint().open([path])
+    ck = _shards.Shards().open([path])
     try:
         return ck.entries
     finally:
@@ -375,7 +384,7 @@ def test_a_ctrl_c_while_the_views_are_made_keeps_the_block_until_the_readers_sto
     monkeypatch.setattr(_pipeline, "Pipeline", Recording)
     path = save(tmp_path, moe_tensors())
     buf = ist.StagingBuffer(8 * CHUNK, runtime=rt, segment_size=2 * CHUNK, prefault_threads=0)
-    it, start, _ = begin_device_load(path, rt, staging=buf, own_staging=False, threads=1,
+    it, start, _ = begin_device_load(path, rt, staging=buf, threads=1,
                                      target_type=ViewsInterrupted, verify=False)
     assert [r.block for r in start.runs] == [True]
     with pytest.raises(KeyboardInterrupt):
@@ -476,7 +485,7 @@ sys.path.insert(0, TESTS)
 import torch
 from safetensors.torch import save_file
 import instant_staging as ist
-from instant_staging.loader import _checkpoint, _run, _staging_pool, empty_cache
+from instant_staging.loader import LoadOptions, _prepare, _shards, _run, _staging_pool, empty_cache
 from instant_staging.testing import SimulatedRuntime
 from support.tensors import SimTarget
 rt = state["rt"] = SimulatedRuntime()
@@ -486,13 +495,10 @@ def make(size, segment):
 _staging_pool._make = make
 p = os.path.join(tempfile.mkdtemp(), "m.safetensors")
 save_file({f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)}, p)
-ck = _checkpoint._Checkpoint().open([p])
+ck = _shards.Shards().open([p])
 target = SimTarget(rt)
 dtypes = [target.check(t, p) for _, t in ck.entries]
-opts = {"chunk_size": 8192, "io_depth": 4, "threads": 2, "staging": None}
-start = _run._plan(ck, target, dtypes, 8192, None, True)
-start.staging = _run._begin_staging(target, start.plan, opts)
-it = _run.LoadIterator(ck, target, dtypes, start=start, **opts)
+it = _run.LoadIterator(_prepare.planned(ck, target, dtypes, LoadOptions(8192, 4, 2, tuned=False)))
 """
 
 
@@ -540,7 +546,7 @@ def test_fork_while_the_staging_buffer_is_made():
                          ids=str)
 def test_torch_views_have_the_files_shape_and_bytes(dtype):
     # The torch target's views (set_ on the block's storage) on the CPU.
-    target = _TorchTarget(torch, "cpu")
+    target = _TorchTarget(torch, torch.device("cpu"))
     item = torch.empty((), dtype=dtype).element_size()
     a = random_tensor(dtype, [3, 5], 1)
     b = random_tensor(dtype, [7], 2)
@@ -640,7 +646,7 @@ def test_the_staging_buffer_is_made_on_the_loads_device(monkeypatch):
     monkeypatch.setattr(runtime_module, "default_runtime", lambda: rt)
     monkeypatch.setattr(_staging_pool, "_make", make_staging)
     empty_cache()
-    start = _run._StagingStart(1, 1 << 20, 1 << 16)
+    start = _prepare.PendingStaging(1, 1 << 20, 1 << 16)
     buf = start.take()
     try:
         assert current == [(0, 1)]
@@ -664,7 +670,7 @@ def test_a_load_dropped_by_the_collector_on_the_making_thread_gives_the_buffer_b
         holder[0].abandon()         # as a __del__ run by the collector here would
         return real_make(size, segment)
     monkeypatch.setattr(_staging_pool, "_make", make_then_collected)
-    holder.append(_run._StagingStart.__new__(_run._StagingStart))
+    holder.append(_prepare.PendingStaging.__new__(_prepare.PendingStaging))
     holder[0].__init__(0, 1 << 20, 1 << 16)        # starts the thread: holder[0] is there
     holder[0]._thread.join(10)
     assert not holder[0]._thread.is_alive()
@@ -694,7 +700,7 @@ def test_ctrl_c_while_next_waits_for_the_buffer_keeps_the_making_thread_waited_f
         making[0].join(10)
         print("kept", len(_staging_pool.kept()), flush=True)
         empty_cache()
-        second = _run._StagingStart(0, 1 << 20, 1 << 16)
+        second = _prepare.PendingStaging(0, 1 << 20, 1 << 16)
         signal.setitimer(signal.ITIMER_REAL, 0.1)
         try:
             second.take()           # interrupted; the program then ends
@@ -767,14 +773,14 @@ def test_an_interrupt_while_waiting_for_the_staging_buffer_gives_it_back(tmp_pat
     state, made = sim_pool
     rt = state["rt"]
     path = save(tmp_path, moe_tensors())
-    real_take = _run._StagingStart.take
+    real_take = _prepare.PendingStaging.take
 
     def interrupted(self):
         raise KeyboardInterrupt
-    monkeypatch.setattr(_run._StagingStart, "take", interrupted)
+    monkeypatch.setattr(_prepare.PendingStaging, "take", interrupted)
     with pytest.raises(KeyboardInterrupt):
         device_load(path, rt)
-    monkeypatch.setattr(_run._StagingStart, "take", real_take)
+    monkeypatch.setattr(_prepare.PendingStaging, "take", real_take)
     assert len(made) == 1 and _staging_pool.kept() == {0: made[0]}
     gc.collect()
     assert rt.live_device_allocs == 0
@@ -795,13 +801,13 @@ def test_a_close_from_another_thread_while_the_buffer_is_made_cancels_the_next(t
     rt = state["rt"]
     path = save(tmp_path, moe_tensors())
     release, waiting = threading.Event(), threading.Event()
-    real_take = _run._StagingStart.take
+    real_take = _prepare.PendingStaging.take
 
     def slow_take(self):
         waiting.set()
         release.wait(10)
         return real_take(self)
-    monkeypatch.setattr(_run._StagingStart, "take", slow_take)
+    monkeypatch.setattr(_prepare.PendingStaging, "take", slow_take)
     it, _, checkpoint = begin_device_load(path, rt, threads=2, verify=False)
     got = []
 
@@ -970,7 +976,7 @@ def test_deterministic_fill_of_new_gpu_memory_is_waited_for_before_copies(monkey
         are_deterministic_algorithms_enabled=lambda: torch.are_deterministic_algorithms_enabled(),
         cuda=SimpleNamespace(OutOfMemoryError=torch.cuda.OutOfMemoryError,
                              current_stream=lambda d: SimpleNamespace(synchronize=lambda: synced.append(d))))
-    target = _TorchTarget(torch, "cpu")
+    target = _TorchTarget(torch, torch.device("cpu"))
     target.torch, target.device = fake, torch.device("cuda", 0)
     entry = TensorEntry("a", "F32", (4,), 0, 16)
     run = _blocks.Run(0, 1, 0, 16, True)

@@ -123,10 +123,10 @@ def test_a_selection_by_names_takes_the_checkpoints_order_from_one_table(sharded
     # tensor, a share already narrowed is narrowed again by the same rule.
     import random
 
-    from instant_staging.loader import _checkpoint
+    from instant_staging.loader import _shards
     d, _ = sharded
     paths = sorted(str(p) for p in d.glob("*.safetensors"))
-    ck = _checkpoint._Checkpoint().open(paths)
+    ck = _shards.Shards().open(paths)
     try:
         everything = [t.name for _, t in ck.entries]
         rng = random.Random(0)

@@ -48,11 +48,11 @@ def test_a_ranks_selection_travels_as_a_mask_of_its_places(tmp_path, count):
     import torch
     from safetensors.torch import save_file
 
-    from instant_staging.loader import _checkpoint
+    from instant_staging.loader import _shards
     path = str(tmp_path / "m.safetensors")
     save_file({f"t{k:04d}": torch.tensor([k % 256], dtype=torch.uint8) for k in range(count)}
               | {"zz": torch.zeros(0)}, path)
-    ck = _checkpoint._Checkpoint().open([path])
+    ck = _shards.Shards().open([path])
     try:
         n = len(ck.all_entries)
         assert D._places(D._wanted(ck)[0]) == list(range(n)) and D._wanted(ck)[1] == {}
@@ -107,14 +107,15 @@ def test_a_group_loads_samples_the_cache_only_where_no_knob_is_set(tmp_path, mon
     st.save_file({"a": torch.ones(3)}, path)
     seen = []
 
-    def group(prepare, process_group):
-        seen.append(prepare()[3].get("resident", "absent"))
+    def group(prepared, process_group):
+        seen.append(prepared.resident)
+        prepared.shards.close()
         raise RuntimeError("stop")
     monkeypatch.setattr(D, "iter_load_group", group)
     for kw in ({}, {"threads": 2}):
         with pytest.raises(RuntimeError, match="stop"):
             _load.iter_load(path, process_group=object(), **kw)
-    assert seen[0] in (1.0, None) and seen[1] == "absent"
+    assert seen[0] in (1.0, None) and seen[1] is False     # False: a knob set, no sample
 
 
 def test_error_pickles():
@@ -186,7 +187,8 @@ def free_port():
 
 
 SCENARIOS = ["replicated", "load_file", "progress_true", "dtype_and_directory", "names", "predicate",
-             "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "own_copies", "other_data",
+             "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "prefix_sources",
+             "own_copies", "other_data", "other_last_page",
              "other_header", "other_dtype", "unsampled_change", "unknown_name", "plan_rows",
              "truncated", "read_fault", "kinds", "staging_unusable", "subgroup", "not_a_group",
              "dropped", "leak_plan", "leak_pipeline", "leak_allocate", "leak_read", "leak_exchange",
@@ -322,6 +324,7 @@ def test_copies_at_other_paths_are_the_same_checkpoint(world):
 
 @pytest.mark.parametrize("name, words", [
     ("other_data", ["other_data-rank1.safetensors", "sampled data pages"]),
+    ("other_last_page", ["other_last_page-rank1.safetensors", "sampled data pages"]),
     ("other_header", ["meta_b.safetensors", "header"]),
     ("other_dtype", ["dtype"]),
 ])
@@ -335,6 +338,39 @@ def test_other_contents_on_one_rank_are_an_error_on_every_rank(world, name, word
         assert "different checkpoints" in rec["message"], rec["message"]
         for word in words:
             assert word in rec["message"], rec["message"]
+
+
+def test_sources_that_are_a_prefix_of_rank_0s_are_refused_on_every_rank(world):
+    # rank 0 loads [a, b], rank 1 [a]: "different checkpoints", never an IndexError
+    for r, rec in enumerate(scenario(world, "prefix_sources")):
+        assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1], f"rank {r}: {rec}"
+        assert "different checkpoints" in rec["message"], rec["message"]
+
+
+def test_the_content_check_compares_the_file_counts():
+    one = [("a.safetensors", 10, "h", "p")]
+    two = one + [("b.safetensors", 20, "h2", "p2")]
+    assert D._differences([two, one], ["x", "x"]) == {1: "1 file(s) where rank 0 has 2"}
+    assert D._differences([one, two], ["x", "x"]) == {1: "2 file(s) where rank 0 has 1"}
+    assert D._differences([two, two], ["x", "x"]) == {}
+
+
+def test_the_identity_sees_the_last_data_page(tmp_path):
+    from instant_staging.loader import Checkpoint
+    path = str(tmp_path / "m.safetensors")
+    st.save_file({f"w{i}": rand(torch.float32, (97, 33 + i), 40 + i) for i in range(12)}, path)
+
+    def identity():
+        with Checkpoint.open(path) as ck:
+            return D._contents(ck._shards)[0]
+    before = identity()
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte ^ 0xFF]))
+    after = identity()
+    assert after[:3] == before[:3] and after[3] != before[3]
 
 
 def test_a_change_between_the_sampled_pages_is_caught_by_verify(world):

@@ -126,9 +126,10 @@ def test_environment_reaches_the_load(path, clean_env, monkeypatch):
     seen = {}
     real = _run._load
 
-    def spy(*args, chunk_size, io_depth, threads, **kw):
-        seen.update(chunk_size=chunk_size, io_depth=io_depth, threads=threads)
-        return real(*args, chunk_size=chunk_size, io_depth=io_depth, threads=threads, **kw)
+    def spy(state):
+        options = state.options
+        seen.update(chunk_size=options.chunk_size, io_depth=options.io_depth, threads=options.threads)
+        return real(state)
     monkeypatch.setattr(_run, "_load", spy)
     clean_env.setenv("INSTANT_STAGING_CHUNK_SIZE", "4KiB")
     clean_env.setenv("INSTANT_STAGING_IO_DEPTH", "2")

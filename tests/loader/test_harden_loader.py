@@ -23,7 +23,16 @@ from instant_staging.loader._pipeline import Pipeline, Plan
 from instant_staging.testing import FaultPlan, SimulatedRuntime
 
 from support import ROOT, rss, run_child
-from support.tensors import CHUNK, SimTarget, assert_same, mixed_tensors, save, sim_load, sim_staging
+from support.tensors import (
+    CHUNK,
+    SimTarget,
+    assert_same,
+    iterator,
+    mixed_tensors,
+    save,
+    sim_load,
+    sim_staging,
+)
 
 
 def open_fds():
@@ -325,11 +334,11 @@ def test_cancel_frees_everything_on_the_simulated_device(tmp_path):
     tensors = big_tensors(32, numel=8 << 10, seed=2)
     path = save(tmp_path, tensors)
     rt, buf = sim_staging()
-    from instant_staging.loader import _checkpoint, _run
-    checkpoint = _checkpoint._Checkpoint().open([path])
+    from instant_staging.loader import _shards
+    checkpoint = _shards.Shards().open([path])
     target = SimTarget(rt)
     dtypes = [target.check(t, path) for _, t in checkpoint.entries]
-    it = _run.LoadIterator(checkpoint, target, dtypes, staging=buf, chunk_size=CHUNK, threads=3)
+    it = iterator(checkpoint, target, dtypes, staging=buf, chunk_size=CHUNK, threads=3)
     next(it)
     closer = threading.Thread(target=it.close)
     closer.start()
@@ -393,11 +402,11 @@ def test_any_chunk_size_on_the_simulated_device(tmp_path, chunk):
     path = save(tmp_path, tensors)
     rt = SimulatedRuntime(faults="register#1=invalid_value")      # SEGMENTED
     buf = ist.StagingBuffer(32 << 20, runtime=rt, segment_size=3 << 20, prefault_threads=0)
-    from instant_staging.loader import _checkpoint, _run
-    checkpoint = _checkpoint._Checkpoint().open([path])
+    from instant_staging.loader import _shards
+    checkpoint = _shards.Shards().open([path])
     target = SimTarget(rt)
     dtypes = [target.check(t, path) for _, t in checkpoint.entries]
-    with _run.LoadIterator(checkpoint, target, dtypes, staging=buf, chunk_size=chunk) as it:
+    with iterator(checkpoint, target, dtypes, staging=buf, chunk_size=chunk) as it:
         assert_same(dict(it), tensors)
     assert_same(load_file(path, "cpu", chunk_size=chunk), tensors)
     gc.collect()

@@ -23,8 +23,8 @@ from instant_staging.loader import (
     LoadError,
     SafetensorsError,
     VerifyError,
-    _checkpoint,
     _options,
+    _shards,
     iter_load,
     load_file,
 )
@@ -350,7 +350,7 @@ def on_a_cold_file(tmp_path, check, tries=3):
 
 def test_resident_tells_a_hot_checkpoint_from_a_cold_one(tmp_path, caplog):
     def check(path, _):
-        checkpoint = _checkpoint._Checkpoint().open([path])
+        checkpoint = _shards.Shards().open([path])
         try:
             # One probe only: its sample reads start readahead, so a second
             # one may find those pages cached.
@@ -371,7 +371,7 @@ def _without_cachestat(monkeypatch):
     """resident() as on a kernel older than 6.5: cachestat(2) is ENOSYS."""
     def enosys(fd, offset):
         raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
-    monkeypatch.setattr(_checkpoint, "page_cached", enosys)
+    monkeypatch.setattr(_shards, "page_cached", enosys)
 
 
 @pytest.mark.parametrize("probe", ["cachestat", "rwf_nowait"])
@@ -386,12 +386,12 @@ def test_resident_samples_the_same_bytes_with_every_tensor_or_a_selection_of_the
                              f"s{s}.empty": torch.zeros(0)}, f"s{s}.safetensors") for s in (1, 2)]
     where = []
     if probe == "cachestat":
-        real = _checkpoint.page_cached
+        real = _shards.page_cached
 
         def page_cached(fd, offset):
             where.append((os.readlink(f"/proc/self/fd/{fd}"), offset))
             return real(fd, offset)
-        monkeypatch.setattr(_checkpoint, "page_cached", page_cached)
+        monkeypatch.setattr(_shards, "page_cached", page_cached)
     else:
         _without_cachestat(monkeypatch)
         real = os.preadv
@@ -402,7 +402,7 @@ def test_resident_samples_the_same_bytes_with_every_tensor_or_a_selection_of_the
         monkeypatch.setattr(os, "preadv", preadv)
     seen = []
     for names in (None, lambda name: not name.endswith(".empty")):
-        checkpoint = _checkpoint._Checkpoint().open(paths)
+        checkpoint = _shards.Shards().open(paths)
         try:
             checkpoint.select(names)
             assert len(checkpoint.entries) == 20 - 2 * (names is not None)
@@ -421,10 +421,10 @@ def test_resident_reads_nothing_and_starts_no_readahead(tmp_path):
     on a VM whose disk is the host's cache could finish before the kernel
     judged it: a cold file looked cached on this CI host's kind)."""
     def check(path, _):
-        checkpoint = _checkpoint._Checkpoint().open([path])
+        checkpoint = _shards.Shards().open([path])
         try:
             try:
-                _checkpoint.page_cached(checkpoint.fds[0], 0)
+                _shards.page_cached(checkpoint.fds[0], 0)
             except OSError as e:
                 pytest.skip(f"no cachestat(2) here: {e}")
             before = cached_fraction(path)
@@ -440,7 +440,7 @@ def test_resident_falls_back_to_reads_without_cachestat(tmp_path, monkeypatch):
         pytest.skip("no RWF_NOWAIT here")
     path = save(tmp_path, {"a": torch.zeros(1 << 16)})
     _without_cachestat(monkeypatch)
-    checkpoint = _checkpoint._Checkpoint().open([path])
+    checkpoint = _shards.Shards().open([path])
     try:
         assert checkpoint.resident() == 1.0         # just written: cached
     finally:
@@ -451,7 +451,7 @@ def test_resident_cannot_tell_without_cachestat_or_rwf_nowait(tmp_path, monkeypa
     path = save(tmp_path, {"a": torch.zeros(8)})
     _without_cachestat(monkeypatch)
     monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
-    checkpoint = _checkpoint._Checkpoint().open([path])
+    checkpoint = _shards.Shards().open([path])
     try:
         assert checkpoint.resident() is None and checkpoint.default_knobs() == {}
     finally:
@@ -701,9 +701,9 @@ def test_safe_open_reads_a_cold_file_with_the_cold_knobs(tmp_path, monkeypatch, 
     seen = []
     real = _safe_open.LoadIterator
 
-    def spy(*args, **kwargs):
-        seen.append((kwargs["chunk_size"], kwargs["threads"]))
-        return real(*args, **kwargs)
+    def spy(prepared):
+        seen.append((prepared.options.chunk_size, prepared.options.threads))
+        return real(prepared)
     monkeypatch.setattr(_safe_open, "LoadIterator", spy)
 
     def check(path, tensors):

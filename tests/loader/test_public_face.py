@@ -165,7 +165,7 @@ PLANTED = {
     ("instant_staging.cli.load", "from ..loader import Checkpoint, _progress"): True,
     ("instant_staging.cli.load", "from instant_staging.loader import _load"): True,
     ("instant_staging.runtime", "from .loader._load import iter_load"): True,
-    ("instant_staging.cli.load", "def f():\n    from ..loader._checkpoint import _Checkpoint\n"): True,
+    ("instant_staging.cli.load", "def f():\n    from ..loader._shards import Shards\n"): True,
     ("instant_staging.cli.load",
      "import importlib\nimportlib.import_module('instant_staging.loader._remote')"): True,
     ("instant_staging.cli.load", "from ..loader import Checkpoint, resolve_progress"): False,

@@ -158,9 +158,9 @@ def reads_of(monkeypatch):
     seen = []
     real, here = _safe_open.LoadIterator, _safe_open._File._read_here
 
-    def spy(view, *args, **kwargs):
-        seen.append([(e.begin, e.end) for _, e in view.entries])
-        return real(view, *args, **kwargs)
+    def spy(prepared):
+        seen.append([(e.begin, e.end) for _, e in prepared.shards.entries])
+        return real(prepared)
 
     def spy_here(self, entry, dtype):
         got = here(self, entry, dtype)

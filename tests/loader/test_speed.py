@@ -15,7 +15,7 @@ import safetensors.torch as st
 import torch
 
 import instant_staging as ist
-from instant_staging.loader import _checkpoint, _run, load_file
+from instant_staging.loader import _shards, load_file
 from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 from instant_staging.testing import SimulatedRuntime
 
@@ -32,7 +32,7 @@ def tensors(count=30, seed=0):
 
 
 def plan_of(path, chunk=CHUNK):
-    ck = _checkpoint._Checkpoint().open([path])
+    ck = _shards.Shards().open([path])
     plan = Plan([(ck.fds[i], t.begin, t.end) for i, t in ck.entries], chunk)
     return ck, plan
 
@@ -116,7 +116,7 @@ def test_allocation_failure_midway_frees_everything(saved, monkeypatch):
     path, _ = saved
     rt = SimulatedRuntime()
     buf = ist.StagingBuffer(8 * CHUNK, runtime=rt, copy_unit=CHUNK, prefault_threads=0)
-    from support.tensors import SimTarget
+    from support.tensors import SimTarget, iterator
     target = SimTarget(rt)
     calls = []
     real = target.allocate
@@ -127,10 +127,10 @@ def test_allocation_failure_midway_frees_everything(saved, monkeypatch):
             raise MemoryError("simulated out of device memory")
         return real(entry, dtype)
     target.allocate = failing
-    ck = _checkpoint._Checkpoint().open([path])
+    ck = _shards.Shards().open([path])
     dtypes = [target.check(t, path) for _, t in ck.entries]
-    with pytest.raises(MemoryError), _run.LoadIterator(
-            ck, target, dtypes, staging=buf, chunk_size=CHUNK, io_depth=4, threads=3) as it:
+    with pytest.raises(MemoryError), iterator(ck, target, dtypes, staging=buf, chunk_size=CHUNK,
+                                             io_depth=4, threads=3) as it:
         dict(it)
     import gc
     gc.collect()
@@ -143,11 +143,11 @@ def test_default_io_depth_is_two_slots_per_thread(saved):
     path, ts = saved
     rt = SimulatedRuntime()
     buf = ist.StagingBuffer(64 * CHUNK, runtime=rt, copy_unit=CHUNK, prefault_threads=0)
-    from support.tensors import SimTarget
+    from support.tensors import SimTarget, iterator
     target = SimTarget(rt)
-    ck = _checkpoint._Checkpoint().open([path])
+    ck = _shards.Shards().open([path])
     dtypes = [target.check(t, path) for _, t in ck.entries]
-    with _run.LoadIterator(ck, target, dtypes, staging=buf, chunk_size=CHUNK, threads=3) as it:
+    with iterator(ck, target, dtypes, staging=buf, chunk_size=CHUNK, threads=3) as it:
         first = next(it)
         assert it._state.pipe.slots == 6       # not all 64 slots of the buffer
         got = dict([first, *it])

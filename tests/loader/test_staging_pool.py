@@ -17,11 +17,11 @@ pytest.importorskip("safetensors.torch")
 
 import instant_staging as ist
 from instant_staging import defaults
-from instant_staging.loader import _checkpoint, _run, _staging_pool, empty_cache, iter_load, load_file
+from instant_staging.loader import _prepare, _shards, _staging_pool, empty_cache, iter_load, load_file
 from instant_staging.testing import SimulatedRuntime
 
 from support import PAGE, run_child
-from support.tensors import CHUNK, SimTarget, assert_same, mixed_tensors, save
+from support.tensors import CHUNK, SimTarget, assert_same, iterator, mixed_tensors, save
 
 SEGMENT = 64 * PAGE
 
@@ -150,14 +150,14 @@ def test_a_kept_buffer_is_taken_without_the_staging_thread(monkeypatch):
     size, segment = 4 * PAGE, defaults.staging_segment_size(PAGE)
     buf = ist.StagingBuffer(size, runtime=rt, segment_size=segment, prefault_threads=0)
     _staging_pool.give(0, buf)
-    start = _run._StagingStart(0, size, PAGE)
+    start = _prepare.PendingStaging(0, size, PAGE)
     assert start._thread is None and start.ready() and _staging_pool.kept() == {}
     start.abandon()
     assert _staging_pool.kept() == {0: buf}
-    start = _run._StagingStart(0, size, PAGE)
+    start = _prepare.PendingStaging(0, size, PAGE)
     assert start.take() is buf and _staging_pool.kept() == {}
     monkeypatch.setattr(_staging_pool, "_make", lambda size_, segment: made.append(1) or buf)
-    start = _run._StagingStart(0, size, PAGE)           # nothing kept: the thread makes one
+    start = _prepare.PendingStaging(0, size, PAGE)           # nothing kept: the thread makes one
     assert start._thread is not None and start.take() is buf and made == [1]
     _staging_pool.give(0, buf)
     empty_cache()
@@ -168,10 +168,10 @@ def test_a_kept_buffer_is_taken_without_the_staging_thread(monkeypatch):
 
 def device_load(path, rt, made, **kw):
     """A load to the simulated device that makes its own staging buffer."""
-    checkpoint = _checkpoint._Checkpoint().open([path])
+    checkpoint = _shards.Shards().open([path])
     target = SimTarget(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    with _run.LoadIterator(checkpoint, target, dtypes, chunk_size=CHUNK, io_depth=4,
+    with iterator(checkpoint, target, dtypes, chunk_size=CHUNK, io_depth=4,
                             threads=2, **kw) as it:
         out = {name: target.result(handle) if isinstance(handle, tuple) else handle
                for name, handle in it}
@@ -223,10 +223,10 @@ def test_failed_load_gives_its_buffer_back_reusable(tmp_path, sim_pool):
 def test_interrupted_load_gives_its_buffer_back(tmp_path, sim_pool):
     rt, made = sim_pool
     path = save(tmp_path, mixed_tensors(count=20))
-    checkpoint = _checkpoint._Checkpoint().open([path])
+    checkpoint = _shards.Shards().open([path])
     target = SimTarget(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    it = _run.LoadIterator(checkpoint, target, dtypes, chunk_size=CHUNK, io_depth=4, threads=2)
+    it = iterator(checkpoint, target, dtypes, chunk_size=CHUNK, io_depth=4, threads=2)
     next(it)
     assert _staging_pool.kept() == {}           # the load holds it
     with pytest.raises(BufferError):

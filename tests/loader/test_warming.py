@@ -1,7 +1,7 @@
 """The disk's head start (issue 28): the first load of a cold checkpoint in
 a process reads it into the page cache from the moment CUDA starts, and
 then ahead of the load's readers (``_pagecache.Warmer``,
-``_load._usable_target``).
+``_prepare._usable_target``).
 
 The contract it keeps: a device of a bad form is named before anything is
 opened; a device that turns out unusable is still the first error the user
@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from instant_staging.loader import Checkpoint, _checkpoint, _pagecache, iter_load, load_file
+from instant_staging.loader import Checkpoint, _pagecache, _shards, iter_load, load_file
 
 from support import cached_fraction, drop_from_page_cache, run_child
 from support.tensors import assert_same, random_tensor, save
@@ -61,7 +61,7 @@ def warmers(monkeypatch):
         def __init__(self, *args):
             super().__init__(*args)
             made.append(self)
-    monkeypatch.setattr(_checkpoint, "Warmer", Recorded)
+    monkeypatch.setattr(_shards, "Warmer", Recorded)
     return made
 
 
@@ -293,7 +293,7 @@ def warmed_ranges(monkeypatch):
     class Recorded(_pagecache.Warmer):
         def __init__(self, ranges, *args):
             seen.append(list(ranges))
-    monkeypatch.setattr(_checkpoint, "Warmer", Recorded)
+    monkeypatch.setattr(_shards, "Warmer", Recorded)
     return seen
 
 
@@ -374,13 +374,13 @@ def test_a_fresh_process_loads_a_cold_checkpoint_while_cuda_starts(cold):
     proc = run_child(f"""
         import torch
         from safetensors.torch import load_file as st_load
-        from instant_staging.loader import _checkpoint, _pagecache, load_file
+        from instant_staging.loader import _shards, _pagecache, load_file
         made = []
         class Recorded(_pagecache.Warmer):
             def __init__(self, *a):
                 super().__init__(*a)
                 made.append(self)
-        _checkpoint.Warmer = Recorded
+        _shards.Warmer = Recorded
         got = load_file({str(path)!r}, "cuda:0")
         torch.cuda.synchronize()
         want = st_load({str(path)!r})

@@ -415,8 +415,12 @@ def test_close_mid_load_stops_the_requests(s3_server, s3_bucket, tmp_path, fault
 
 
 def test_ctrl_c_mid_load_in_a_subprocess(s3_server, s3_bucket, tmp_path):
-    """A real SIGINT while the readers wait on slow GETs: KeyboardInterrupt,
-    and the process then holds no reader thread and exits 0 promptly."""
+    """A real SIGINT while a reader waits on a GET the proxy holds: the
+    signal is sent from the proxy when that GET arrives, so the load is
+    mid-way whatever the host's speed (it cannot finish before the signal:
+    the held GET never completes).  KeyboardInterrupt, no reader thread
+    left, and the process exits 0 within seconds (not the client's
+    timeout)."""
     upload(s3_server, s3_bucket, "k", layouts()["moe"], tmp_path)
     code = f"""
 import os, signal, sys, threading, time
@@ -424,23 +428,31 @@ sys.path.insert(0, {TESTS!r})
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from support.remote_servers import FaultProxy, fast_retry_config
 from instant_staging.loader import load_file
+release, held = threading.Event(), threading.Event()
+
+def hold(seen):
+    if seen.range and not seen.range.startswith("bytes=0-") and not held.is_set():
+        held.set()
+        os.kill(os.getpid(), signal.SIGINT)     # a reader waits on this GET now
+        release.wait(60)
+
 with FaultProxy({s3_server.url!r}) as proxy:
-    proxy.delay(0.5, n=10_000, method="GET", ranged=True)
+    proxy.hook(hold, n=10_000, method="GET", ranged=True)
     opts = {{"endpoint": proxy.url, "access_key_id": "testing", "secret_access_key": "testing",
             "region": "us-east-1", "retry_config": fast_retry_config()}}
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
     try:
         load_file("s3://{s3_bucket}/k/", storage_options=opts, chunk_size=8 << 10, threads=4)
         print("not interrupted")
     except KeyboardInterrupt:
-        names = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        names = [t.name for t in threading.enumerate() if t.name.startswith("instant_staging")]
         print("interrupted", names)
+    release.set()
 """
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path, env=child_env())
     assert out.returncode == 0, out.stderr
-    assert "interrupted" in out.stdout and "not interrupted" not in out.stdout
+    assert out.stdout.strip() == "interrupted []", out.stdout + out.stderr
     assert time.monotonic() - t0 < 30
 
 
@@ -570,3 +582,19 @@ def test_close_ends_the_range_retries(s3_server, s3_bucket, tmp_path, fault_prox
     assert elapsed < 4.0, elapsed
     assert _settled(threads)
     fault_proxy.clear_faults()
+
+
+def test_a_listing_without_an_answer_ends_within_the_budget(s3_server, s3_bucket, tmp_path,
+                                                            fault_proxy, monkeypatch):
+    """Resolving a prefix (its listing) is bounded as a range is: no answer
+    within RETRY_SECONDS is an OSError naming the URL, not a wait as long
+    as the server's (and a Ctrl-C there ends it: the same requests)."""
+    from instant_staging.loader import _remote
+    upload(s3_server, s3_bucket, "l", layouts()["moe"], tmp_path)
+    monkeypatch.setattr(_remote, "RETRY_SECONDS", 1.0)
+    fault_proxy.delay(6.0, n=1, method="GET", ranged=False)
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match=r"no answer within 1 s while listing") as e:
+        Checkpoint.open(f"s3://{s3_bucket}/l/", storage_options=options(fault_proxy.url))
+    assert time.monotonic() - t0 < 4.0
+    assert f"s3://{s3_bucket}/l/" in str(e.value)

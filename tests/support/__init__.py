@@ -155,12 +155,12 @@ def cached_fraction(path):
 
 
 def drop_from_page_cache(path):
-    """Makes the safetensors file ``path`` cold, as _Checkpoint.resident()
+    """Makes the safetensors file ``path`` cold, as Shards.resident()
     sees it; skips the test where the file system cannot tell (no
     RWF_NOWAIT) or cannot drop it (tmpfs).  The check after dropping is
     mincore's: a sampling read would start readahead and warm the file."""
-    from instant_staging.loader._checkpoint import _Checkpoint
-    checkpoint = _Checkpoint().open([path])
+    from instant_staging.loader._shards import Shards
+    checkpoint = Shards().open([path])
     try:
         if checkpoint.resident() != 1.0:        # hot: no sample reads the disk
             pytest.skip("this file system cannot tell resident pages (no cachestat(2) or RWF_NOWAIT)")

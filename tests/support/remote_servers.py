@@ -547,11 +547,19 @@ class FaultProxy(_Threaded):
     included, so SigV4 signatures stay valid; body), and streams the answer
     back, unless a fault set through fail/reset/truncate/delay applies.
     ``requests`` lists a Seen (method, path, range) for every request,
-    ``request_headers`` its headers (a dict, names in lower case).
+    ``request_headers`` its headers (a dict, names in lower case);
+    ``body_bytes``: the bytes of answer bodies relayed to clients,
+    ``bytes_by_path`` the same for each path (the target without its query).
+    ``rewrite_host``: forward with the upstream's Host instead of the
+    client's (for a server that routes by Host, such as fake-gcs-server;
+    it breaks SigV4, which signs Host).
     """
 
-    def __init__(self, upstream, upstream_timeout=60.0):
+    def __init__(self, upstream, upstream_timeout=60.0, rewrite_host=False):
         super().__init__()
+        self.rewrite_host = rewrite_host
+        self.body_bytes = 0
+        self.bytes_by_path = {}
         parts = urllib.parse.urlsplit(upstream)
         if parts.scheme != "http":
             raise ValueError(f"FaultProxy forwards to http:// upstreams only, not {upstream!r}")
@@ -622,6 +630,8 @@ class FaultProxy(_Threaded):
         with self._lock:
             self.requests.clear()
             self.request_headers.clear()
+            self.body_bytes = 0
+            self.bytes_by_path.clear()
 
     def _take(self, seen, headers):
         with self._lock:
@@ -707,9 +717,13 @@ class _ProxyHandler(_Handler):
         for attempt in range(2):
             conn = self._upstream()
             try:
+                proxy = self.server.owner
                 conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                if proxy.rewrite_host:
+                    conn.putheader("Host", "{}:{}".format(*proxy.upstream))
                 for k, v in self.headers.items():
-                    if k.lower() not in _HOP and k.lower() != "content-length":
+                    if k.lower() not in _HOP and k.lower() != "content-length" and \
+                            not (proxy.rewrite_host and k.lower() == "host"):
                         conn.putheader(k, v)
                 if body or "Content-Length" in self.headers or "Transfer-Encoding" in self.headers:
                     conn.putheader("Content-Length", str(len(body)))
@@ -753,6 +767,11 @@ class _ProxyHandler(_Handler):
                 break
             sent += len(data)
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            owner = self.server.owner
+            with owner._lock:
+                owner.body_bytes += len(data)
+                key = self.path.split("?", 1)[0]
+                owner.bytes_by_path[key] = owner.bytes_by_path.get(key, 0) + len(data)
         if chunked:
             self.wfile.write(b"0\r\n\r\n")
         if cut is not None and fault.kind != "delay":   # the body was shorter than after_bytes
@@ -801,7 +820,13 @@ class RangeHTTPServer(_Threaded):
     GET and HEAD, one byte range per request (206 with Content-Range; 416
     where it cannot be satisfied; several ranges are answered 200 with the
     whole file), ETag and Last-Modified, If-Match (412), If-None-Match
-    (304), If-Range; keep-alive.  ``requests``: a Seen for each request."""
+    (304), If-Range; keep-alive.  ``requests``: a Seen for each request.
+
+    To misbehave: ``ignore_if_match`` answers as if no If-Match were sent;
+    ``send_etag = False`` sends no ETag; ``on_request(seen)`` runs before
+    each request is served (to replace a file mid-load); ``stall_after`` (a
+    byte count) stops a ranged body after that many bytes until
+    ``release`` is set (or the client goes), the connection left open."""
 
     def __init__(self, root):
         super().__init__()
@@ -809,6 +834,11 @@ class RangeHTTPServer(_Threaded):
         self.root_path = pathlib.Path(self.root)
         self.requests = []
         self._lock = threading.Lock()
+        self.ignore_if_match = False
+        self.send_etag = True
+        self.on_request = None
+        self.stall_after = None
+        self.release = threading.Event()
 
     def url_for(self, relpath):
         return f"{self.url}/{urllib.parse.quote(relpath)}"
@@ -848,6 +878,15 @@ def _parse_range(value, size):
     return start, min(end, size - 1)
 
 
+def _peer_gone(sock):
+    """Whether the client closed (or reset) its end of ``sock``."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
 def _etag_in(header, etag):
     tags = [t.strip() for t in header.split(",")]
     weakless = etag.removeprefix("W/")
@@ -872,8 +911,11 @@ class _StaticHandler(_Handler):
         owner = self.server.owner
         self.read_body()
         rng = self.headers.get("Range")
+        seen = Seen(self.command, self.path, rng)
         with owner._lock:
-            owner.requests.append(Seen(self.command, self.path, rng))
+            owner.requests.append(seen)
+        if owner.on_request is not None:
+            owner.on_request(seen)
         rel = posixpath.normpath(urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)).lstrip("/")
         path = os.path.realpath(os.path.join(owner.root, rel))
         if not (path == owner.root or path.startswith(owner.root + os.sep)) or not os.path.isfile(path):
@@ -881,10 +923,11 @@ class _StaticHandler(_Handler):
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             size, etag = st.st_size, RangeHTTPServer.etag(st)
-            common = [("ETag", etag), ("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True)),
-                      ("Accept-Ranges", "bytes")]
+            common = [("ETag", etag)] if owner.send_etag else []
+            common += [("Last-Modified", email.utils.formatdate(st.st_mtime, usegmt=True)),
+                       ("Accept-Ranges", "bytes")]
             if_match = self.headers.get("If-Match")
-            if if_match is not None and not _etag_in(if_match, etag):
+            if if_match is not None and not owner.ignore_if_match and not _etag_in(if_match, etag):
                 return self._plain(412, "precondition failed\n", common)
             if_none = self.headers.get("If-None-Match")
             if if_none is not None and _etag_in(if_none, etag):
@@ -909,6 +952,13 @@ class _StaticHandler(_Handler):
                 return
             f.seek(start)
             left = length
+            if owner.stall_after is not None and span is not None:
+                self.wfile.write(f.read(min(owner.stall_after, left)))
+                self.wfile.flush()
+                left -= min(owner.stall_after, left)
+                while not owner.release.wait(0.05):
+                    if _peer_gone(self.connection):
+                        return
             while left:
                 data = f.read(min(_CHUNK, left))
                 if not data:

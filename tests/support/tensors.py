@@ -12,7 +12,7 @@ import safetensors.torch as st
 import torch
 
 import instant_staging as ist
-from instant_staging.loader import _checkpoint, _run, _target
+from instant_staging.loader import _options, _prepare, _run, _shards, _target
 from instant_staging.testing import FaultPlan
 
 from support import PAGE
@@ -93,10 +93,13 @@ class SimTarget:
     def __init__(self, rt):
         from instant_staging.loader._pipeline import DEVICE
         self.rt, self.mode, self.index = rt, DEVICE, 0
-        self.torch_target = _target._TorchTarget(torch, "cpu")
+        self.torch_target = _target._TorchTarget(torch, torch.device("cpu"))
 
     def check(self, entry, path):
         return self.torch_target.check(entry, path)
+
+    def dtypes(self, entries, paths):
+        return self.torch_target.dtypes(entries, paths)
 
     def allocate(self, entry, dtype):
         block = SimBlock(self.rt, entry.nbytes)
@@ -139,13 +142,22 @@ class SimTarget:
         return bytes(out[offset:offset + len(data)].numpy()) == bytes(data)
 
 
+def iterator(checkpoint, target, dtypes, *, chunk_size=CHUNK, io_depth=None, threads=None,
+             staging=None, verify=False, progress=None, faults=None, views=False):
+    """A LoadIterator of a load of one process of ``checkpoint`` as it is
+    (``_prepare.planned``: the reads planned, a staging buffer started where
+    none is given), with LoadOptions made of these arguments."""
+    options = _options.LoadOptions(chunk_size, io_depth, threads, tuned=False, staging=staging,
+                                   verify=verify, progress=progress, views=views)
+    return _run.LoadIterator(_prepare.planned(checkpoint, target, dtypes, options, faults))
+
+
 def sim_load(paths, staging, *, faults=None, threads=None, verify=False, progress=None,
              target=None):
     """Loads through SimTarget; returns {name: CPU tensor}."""
-    checkpoint = _checkpoint._Checkpoint().open(paths if isinstance(paths, list) else [paths])
+    checkpoint = _shards.Shards().open(paths if isinstance(paths, list) else [paths])
     target = target or SimTarget(staging.runtime)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    with _run.LoadIterator(checkpoint, target, dtypes, staging=staging, chunk_size=CHUNK,
-                            io_depth=4, threads=threads, verify=verify, progress=progress,
-                            faults=faults and FaultPlan.parse(faults)) as it:
+    with iterator(checkpoint, target, dtypes, io_depth=4, threads=threads, staging=staging,
+                  verify=verify, progress=progress, faults=faults and FaultPlan.parse(faults)) as it:
         return dict(it)

@@ -1,0 +1,70 @@
+#!/bin/bash
+# One GPU session's runs, in one command: build in place, then the steps
+# named in $STEPS, each writing its JSON and log under $OUT (default
+# ./gpu-out).  The peers come from wheels in ../.whl or ./.whl where there
+# are any (a machine without network), else from what is installed.
+#
+#   STEPS="env gpu bench profile" bash benchmarks/gpu_session.sh
+#
+# Steps:
+#   env       the host: GPU, driver, link, kernel, CPUs, THP, torch and peers' versions
+#   gpu       the gpu-marked tests (pytest -m gpu)
+#   bench     bench_load.py hot on $LAYOUTS (default dense,moe,awq,finemoe,fp8), peers
+#             in $ONLY (default: us, the ceilings, safetensors prefetch, InstantTensor MMAP)
+#   cold      bench_load.py cold only, on $COLD (default moe,dense)
+#   profile   profile_load.py's timeline on $PROFILE_LAYOUTS (default finemoe,dense)
+#   first     bench_first_load.py --modes cuda on $FIRST_LAYOUTS (a server's first load)
+#   group     group_one_gpu.py (several gloo ranks on one GPU), where it exists
+#   reload    bench_reload.py (load_into), where it exists
+set -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+stamp() { echo "=== $(( $(date +%s) - T0 )) s: $*"; }
+for w in ../.whl .whl; do
+    if ls $w/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site $w/*.whl && export PYTHONPATH=/tmp/site
+        break
+    fi
+done
+stamp build
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} python3 setup.py -q build_ext --inplace -j 16 \
+    > "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+D=${BENCH_DIR:-/var/tmp/instant_staging_bench}
+mkdir -p "$D"
+for step in ${STEPS:-env gpu bench}; do
+    stamp "$step"
+    case $step in
+        env) { nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
+               uname -r; nproc; cat /sys/kernel/mm/transparent_hugepage/enabled
+               python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+               python3 -m pip list 2>/dev/null | grep -iE "safetensors|instanttensor|fastsafetensors|runai|nccl"
+             } 2>&1 | tee "$OUT/env.txt" ;;
+        gpu) timeout ${GPU_T:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
+                 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+        bench) timeout ${BENCH_T:-360} python3 benchmarks/bench_load.py --dir "$D" \
+                   --layouts "${LAYOUTS:-dense,moe,awq,finemoe,fp8}" --cold '' --repeat ${REPEAT:-3} \
+                   --budget ${BUDGET:-6} \
+                   --only "${ONLY:-instant_staging,pinned copy ceiling,read ceiling,safetensors prefetch,instanttensor MMAP}" \
+                   --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -vE "^\s*$" | tail -60 ;;
+        cold) timeout ${COLD_T:-300} python3 benchmarks/bench_load.py --dir "$D" --layouts "${COLD:-moe,dense}" \
+                  --cold "${COLD:-moe,dense}" --skip-hot --only "${COLD_ONLY:-instant_staging,read ceiling,runai}" \
+                  --json "$OUT/cold.json" 2>&1 | tee "$OUT/cold.log" | tail -30 ;;
+        profile) timeout ${PROFILE_T:-200} python3 benchmarks/profile_load.py --dir "$D" \
+                     --layouts "${PROFILE_LAYOUTS:-finemoe,dense}" --sections timeline --repeat 3 \
+                     --json "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -30 ;;
+        first) timeout ${FIRST_T:-300} python3 benchmarks/bench_first_load.py --dir "$D" --modes cuda \
+                   --layouts "${FIRST_LAYOUTS:-dense,moe,awq,finemoe,fp8}" --methods instant_staging --cold '' \
+                   --runs ${FIRST_RUNS:-2} --json "$OUT/first.json" 2>&1 | tee "$OUT/first.log" | tail -30 ;;
+        group) [ -f benchmarks/group_one_gpu.py ] && timeout ${GROUP_T:-240} python3 benchmarks/group_one_gpu.py \
+                   $GROUP_ARGS --json "$OUT/group.json" 2>&1 | tee "$OUT/group.log" | tail -30 ;;
+        reload) [ -f benchmarks/bench_reload.py ] && timeout ${RELOAD_T:-240} python3 benchmarks/bench_reload.py \
+                    --dir "$D" $RELOAD_ARGS --json "$OUT/reload.json" 2>&1 | tee "$OUT/reload.log" | tail -30 ;;
+    esac
+    echo "rc=$?"
+done
+stamp end
