@@ -83,6 +83,28 @@ KEEP_STAGING_MAX = 2 * IO_DEPTH * CHUNK_SIZE
 # seconds, but a cold read of a large checkpoint takes minutes.
 DISTRIBUTED_TIMEOUT = 600.0
 
+# A load under a process group exchanges the bytes each rank read packed
+# into buckets of at most this size, one collective each, so the number of
+# collectives follows the bytes, not the tensors (a fine-grained MoE
+# checkpoint holds tens of thousands; on NCCL each collective costs a
+# launch and a round trip whatever its size).  Large enough that a
+# bucket's transfer hides that cost, small enough that its slots (below)
+# stay far from the model's own memory.
+GROUP_BUCKET_BYTES = 256 << 20
+
+# The same for a load to the CPU (gloo, buckets in host memory): smaller,
+# since host memory this large is mapped fresh by each allocation and
+# faulted in page by page on every load (torch's CPU allocator keeps
+# nothing), where a few MiB are reused from the heap; a gloo collective
+# on the CPU costs far less than an NCCL launch, so the count matters less
+# (docs/design.md, "Measured: a group load's buckets").
+GROUP_HOST_BUCKET_BYTES = 16 << 20
+
+# Buckets a rank holds at once (sending or receiving): one is filled or
+# drained while the other moves.  Device memory beyond the model is this
+# times GROUP_BUCKET_BYTES (512 MiB).
+GROUP_BUCKET_SLOTS = 2
+
 # Step 2: at most this many prefault threads (a sanity bound on the knob).
 MAX_PREFAULT_THREADS = 1024
 

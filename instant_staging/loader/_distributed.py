@@ -4,17 +4,18 @@
 
 Every rank of ``pg`` calls the loader with the same checkpoint (its own
 ``device``; ``names=`` and ``plan=`` may differ per rank: a rank may load
-only rows of a tensor, a tensor-parallel rank's share).  The ranks agree on a plan:
+only rows of a tensor, a tensor-parallel rank's share).  The ranks agree
+on a plan:
 each byte that some rank wants is read from the host by exactly one rank
 that wants it, through that rank's own staging buffer into its own
 device; the parts are then exchanged with torch.distributed collectives
 only (NCCL between GPUs, gloo on the CPU), so every rank ends with every
 tensor it asked for, bit-exact, each tensor owning its own memory.
 
-The plan (``plan()``, pure and the same on every rank), over segments
-(``_segments``): a tensor is one, unless ranks want different rows of it,
-when it is cut where any rank's rows begin or end, each piece wanted by
-the ranks whose rows hold it:
+The share plan (``_share_plan.py``'s ``share_reads()``, pure and the same
+on every rank), over segments (``cut_segments()``): a tensor is one,
+unless ranks want different rows of it, when it is cut where any rank's
+rows begin or end, each piece wanted by the ranks whose rows hold it:
 
 - a segment wanted by one rank is read by that rank, whole, and never sent;
 - the segments wanted by the same set of ranks form one byte stream in file
@@ -24,14 +25,30 @@ the ranks whose rows hold it:
   than 1/64 of a rank's share, else it falls on a 4 KiB boundary inside
   the tensor;
 - each part is cut again into units of at most ``UNIT_BYTES``: a unit is
-  one pipeline item of its reader and one exchange (a ``broadcast`` when
-  every rank of the group wants it, else batched ``isend``/``irecv`` to the
-  members that want it);
-- every rank issues the exchanges in one global order, sorted by how far
-  into its reader's share each unit ends, so a rank issues its own unit as
-  soon as its pipeline finished it, and the others' units are already
-  queued (asynchronously) behind: the exchange runs while the ranks still
-  read (NCCL and gloo both queue asynchronous work in issue order).
+  one pipeline item of its reader;
+- the bytes each rank reads for others, in its reading order, are cut into
+  buckets of at most ``BUCKET_BYTES`` (``HOST_BUCKET_BYTES`` for a load
+  to the CPU; ``bucket_exchanges()``; a unit may
+  straddle two): a bucket is one exchange, a ``broadcast`` from its reader
+  (the ranks that want none of its bytes drop them), so a load makes at
+  most ``ceil(bytes / BUCKET_BYTES) + world`` collectives however many
+  tensors it holds (one per tensor made a fine-grained MoE checkpoint's
+  exchange a launch and a round trip per tensor on NCCL);
+- every rank issues the buckets in one global order, sorted by how far
+  into its reader's share each bucket's last unit ends, so a rank issues
+  its own bucket as soon as its pipeline finished it, and the others'
+  are already queued (asynchronously) behind: the exchange runs while the
+  ranks still read (NCCL and gloo both queue asynchronous work in issue
+  order);
+- a bucket passes through one of a rank's ``BUCKET_SLOTS`` buffers on its
+  device (``_Ring``): its reader packs its bytes there from its tensors, a
+  receiver copies out the bytes it wants into its own; a rank reuses the
+  oldest slot once its exchange finished, so the exchange holds at most
+  ``BUCKET_SLOTS * BUCKET_BYTES`` of device memory beyond the tensors.
+  On gloo finishing means waiting on the host, and meanwhile watching the
+  store: a rank that stopped exchanging (it posted its failure at
+  agreement 3 without issuing every bucket) is an error on the others at
+  once; on NCCL it only orders the device stream.
 
 Failure on one rank is an error on every rank, never a hang: the ranks
 agree three times through the group's key-value store (the one
@@ -76,31 +93,29 @@ import hashlib
 import logging
 import os
 import pickle
+import time
 import traceback
-from typing import NamedTuple
 
 from .. import envs
-from ..defaults import DISTRIBUTED_TIMEOUT
+from ..defaults import DISTRIBUTED_TIMEOUT, GROUP_BUCKET_BYTES, GROUP_BUCKET_SLOTS, GROUP_HOST_BUCKET_BYTES
 from . import _progress, _run
 from ._errors import LoadError
 from ._options import for_cache
 from ._run import LoadIterator
+from ._share_plan import Wanted, bucket_exchanges, cut_segments, share_reads
 
 log = logging.getLogger("instant_staging")
 
-# Largest unit of exchange: a unit is sent once its reader has it, so the
-# exchange of the last unit is what stays exposed after the reads (a
-# fraction of a millisecond over NVLink; docs/design.md, "Measured: reading
-# and exchanging across GPUs").
-UNIT_BYTES = 64 << 20
-# Cuts inside a tensor fall on this boundary (relative to the tensor).
-CUT_ALIGN = 4096
-# A cut moves to the nearest tensor boundary when that unbalances the
-# ranks by less than this fraction of one rank's share.
-SNAP_FRACTION = 1 / 64
 # A file's identity samples this many pages of its data (_contents).
 IDENTITY_PAGES = 8
 _PAGE = 4096
+# The buckets of the exchange (defaults.py says why); a test sets smaller ones.
+BUCKET_BYTES = GROUP_BUCKET_BYTES
+HOST_BUCKET_BYTES = GROUP_HOST_BUCKET_BYTES      # a load to the CPU
+BUCKET_SLOTS = GROUP_BUCKET_SLOTS
+# While a gloo exchange waits, the store is asked this often whether a rank
+# stopped exchanging.
+_STORE_POLL_SECONDS = 0.05
 
 
 class DistributedLoadError(LoadError):
@@ -157,146 +172,6 @@ class DistributedLoadIterator(LoadIterator):
         return self._shared.read_bytes
 
 
-# -- the plan ------------------------------------------------------------------
-
-class Unit:
-    """Bytes ``[begin, end)`` of tensor ``entry``, read by ``src`` and sent
-    to ``dsts`` (ranks of the group; empty for a tensor only src wants)."""
-
-    __slots__ = ("begin", "dsts", "end", "entry", "item", "key", "src")
-
-    def __init__(self, entry, begin, end, src, dsts):
-        self.entry, self.begin, self.end, self.src, self.dsts = entry, begin, end, src, dsts
-        self.item = -1      # index among src's read items
-        self.key = None     # position in the global issue order
-
-    def __repr__(self):
-        return f"Unit({self.entry}, {self.begin}, {self.end}, src={self.src}, dsts={self.dsts})"
-
-
-def plan(sizes, wanted, world, unit_bytes=UNIT_BYTES):
-    """Who reads what, and the exchanges, the same on every rank.
-
-    ``sizes[i]``: bytes of tensor i (tensors in reading order); ``wanted[i]``:
-    the ranks that want it.  Returns ``(reads, exchanges)``: ``reads[r]`` the
-    units rank r reads, in file order (unit.item is the index there), and
-    ``exchanges`` the units with receivers, in the global issue order.
-    """
-    loads = [0] * world
-    reads = [[] for _ in range(world)]
-    groups = {}
-    for i, (n, ranks) in enumerate(zip(sizes, wanted)):
-        ranks = tuple(sorted(set(ranks)))
-        if n == 0 or not ranks:
-            continue
-        if len(ranks) == 1:
-            reads[ranks[0]].append(Unit(i, 0, n, ranks[0], ()))
-            loads[ranks[0]] += n
-        else:
-            groups.setdefault(ranks, []).append(i)
-    for members, entries in groups.items():
-        shares = _water_fill([loads[r] for r in members], sum(sizes[i] for i in entries))
-        parts = _cut(entries, sizes, shares)
-        for r, part in zip(members, parts):
-            dsts = tuple(m for m in members if m != r)
-            for i, b, e in part:
-                for ub in range(b, e, unit_bytes):
-                    reads[r].append(Unit(i, ub, min(e, ub + unit_bytes), r, dsts))
-                loads[r] += e - b
-    exchanges = []
-    for r in range(world):
-        reads[r].sort(key=lambda u: (u.entry, u.begin))
-        position = 0
-        for item, u in enumerate(reads[r]):
-            u.item = item
-            position += u.end - u.begin
-            u.key = (position, r)
-            if u.dsts:
-                exchanges.append(u)
-    exchanges.sort(key=lambda u: u.key)
-    return reads, exchanges
-
-
-class Segment(NamedTuple):
-    """Bytes ``[begin, end)`` of the planned tensor ``index`` that the same
-    ``ranks`` want: a tensor is one segment, unless some rank wants only
-    rows of it (``plan=``), when it is cut where any rank's rows begin or
-    end."""
-
-    index: int
-    begin: int
-    end: int
-    ranks: list
-
-
-def _segments(union, everything, wanted_sets, wanted):
-    """The segments ``plan()`` cuts (its "tensors"), in reading order."""
-    out = []
-    for k, (p, (_, t)) in enumerate(zip(union, everything)):
-        spans = {r: w.span(p, t.nbytes) for r, (w, places) in enumerate(zip(wanted, wanted_sets))
-                 if p in places}
-        if len(set(spans.values())) == 1:      # (the usual: every rank the same bytes)
-            b, e = next(iter(spans.values()))
-            out.append(Segment(k, b, e, sorted(spans)))
-            continue
-        cuts = sorted({x for span in spans.values() for x in span})
-        for b, e in zip(cuts, cuts[1:]):
-            ranks = [r for r, (lo, hi) in spans.items() if lo <= b and e <= hi]
-            if ranks:
-                out.append(Segment(k, b, e, ranks))
-    return out
-
-
-def _water_fill(loads, total):
-    """Shares of ``total`` that bring ``loads`` as close to level as possible."""
-    order = sorted(range(len(loads)), key=lambda k: loads[k])
-    level, left = 0, total
-    for j, k in enumerate(order):       # raise the lowest j+1 together
-        nxt = loads[order[j + 1]] if j + 1 < len(order) else None
-        width = j + 1
-        if nxt is None or (nxt - loads[k]) * width >= left:
-            level = loads[k] + left / width
-            break
-        left -= (nxt - loads[k]) * width
-    return [max(0.0, level - x) for x in loads]
-
-
-def _cut(entries, sizes, shares):
-    """Cuts the byte stream of ``entries`` into contiguous parts of about
-    ``shares`` bytes: a list of ``(entry, begin, end)`` per part."""
-    starts, pos = [], 0
-    for i in entries:
-        starts.append(pos)
-        pos += sizes[i]
-    total = pos
-    tolerance = max(CUT_ALIGN, int(total / max(1, len(shares)) * SNAP_FRACTION))
-    bounds, acc = [0], 0.0
-    for s in shares[:-1]:
-        acc += s
-        bounds.append(max(bounds[-1], _snap(round(acc), entries, sizes, starts, tolerance)))
-    bounds.append(total)
-    parts = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        part = []
-        for i, start in zip(entries, starts):
-            b, e = max(lo, start), min(hi, start + sizes[i])
-            if b < e:
-                part.append((i, b - start, e - start))
-        parts.append(part)
-    return parts
-
-
-def _snap(p, entries, sizes, starts, tolerance):
-    for i, start in zip(entries, starts):
-        end = start + sizes[i]
-        if start <= p < end:
-            if p - start <= tolerance or end - p <= tolerance:
-                return start if p - start <= end - p else end
-            inside = (p - start) // CUT_ALIGN * CUT_ALIGN
-            return start + inside if inside > 0 else end
-    return p
-
-
 # -- agreement through the store ----------------------------------------------
 
 _sequence = {}
@@ -351,6 +226,18 @@ class _Group:
 
     def global_rank(self, r):
         return self.globals[r]
+
+    def stopped(self, phase):
+        """{rank: message} of the other ranks that posted failure at
+        ``phase`` without issuing every exchange (agreement 3's posts)."""
+        out = {}
+        for r in range(self.size):
+            key = self.prefix + f"{phase}/{r}"
+            if r != self.rank and _check(self.store, key):
+                ok, message, issued_all = pickle.loads(self.store.get(key))
+                if not ok and not issued_all:
+                    out[r] = message
+        return out
 
 
 def _check(store, key):
@@ -557,18 +444,6 @@ def _wanted(checkpoint):
     return bytes(bits), rows
 
 
-class Wanted(NamedTuple):
-    """One rank's selection: the places of its tensors in ``all_entries``,
-    in order, and the bytes it wants of those it wants only rows of."""
-
-    places: list
-    rows: dict
-
-    def span(self, place, nbytes):
-        """The bytes ``[begin, end)`` of the tensor at ``place`` it wants."""
-        return self.rows.get(place, (0, nbytes))
-
-
 def _places(mask):
     """The places a mask of ``_wanted`` sets, in order."""
     return [8 * i + b for i, byte in enumerate(mask) if byte for b in range(8) if byte >> b & 1]
@@ -579,7 +454,7 @@ def _places(mask):
 class _Shared:
     """One rank's part of a process group's load: the strategy ``_run.run``
     runs it with (``_run._Solo`` is a load of one process's).  It reads its
-    share of the bytes (``plan``) into tensors of their own, agrees with the
+    share of the bytes (``share_reads``) into tensors of their own, agrees with the
     other ranks that every rank is ready, exchanges the parts as its reads
     finish, agrees that every rank succeeded, and only then hands out its
     tensors."""
@@ -590,27 +465,30 @@ class _Shared:
         self.kinds = None           # every rank's staging Kind, once all are ready
         self.read_bytes = None      # this rank's share, once planned
         self.whole = 0
-        self.everything = self.mine = self.items = self.exchanges = self.read_plan = None
+        self.everything = self.mine = self.items = self.buckets = self.read_plan = None
         self.union = self.segments = None
+        self.slots = []             # this rank's bucket buffers (BUCKET_SLOTS at most)
 
     def plan_reads(self, state, chunk_size, faults):
-        """Step 1: every rank's share of the bytes (``plan``, the same on
+        """Step 1: every rank's share of the bytes (``share_reads``, the same on
         every rank), and the Plan of this rank's (None: it reads nothing).
         The tensors planned (``everything``) are those some rank wants, in
         reading order: a load as long as the ranks' selections."""
         from ._pipeline import Plan
         group, checkpoint = self.group, state.checkpoint
-        wanted = [set(w.places) for w in self.wanted]
-        union = self.union = sorted(set().union(*wanted))
+        union = self.union = sorted(set().union(*(w.places for w in self.wanted)))
         everything = self.everything = [checkpoint.all_entries[k] for k in union]
         places = checkpoint.name_places()
         # This rank's own entries (rows where plan= asked for rows), by
         # place, with their dtypes.
         self.mine = {places[t.name]: (i, t, dtype)
                      for (i, t), dtype in zip(checkpoint.entries, state.dtypes)}
-        segments = self.segments = _segments(union, everything, wanted, self.wanted)
-        reads, self.exchanges = plan([g.end - g.begin for g in segments],
-                                     [g.ranks for g in segments], group.size)
+        segments = self.segments = cut_segments(union, [t.nbytes for _, t in everything],
+                                                self.wanted)
+        reads, _ = share_reads([g.end - g.begin for g in segments], [g.ranks for g in segments],
+                               group.size)
+        self.buckets = bucket_exchanges(reads, HOST_BUCKET_BYTES if state.target.device.type == "cpu"
+                                        else BUCKET_BYTES)
         self.started = True
         items = self.items = reads[group.rank]
         self.read_bytes = sum(u.end - u.begin for u in items)
@@ -627,8 +505,9 @@ class _Shared:
         pass                        # its buffer is made at once; torch's CUDA waits for step 5
 
     def provide_destinations(self, state):
-        """Step 3: this rank's tensors, each its own allocation (a part
-        exchanged is one tensor's bytes), all before any read."""
+        """Step 3: this rank's tensors, each its own allocation, all before
+        any read, and the buffers its buckets pass through (at most
+        ``BUCKET_SLOTS`` of at most ``BUCKET_BYTES``, on its device)."""
         target, mine, union = state.target, self.mine, self.union
         target.reserve([mine[p][1] for p in union if p in mine])
         state.handles[:] = [None] * len(union)
@@ -636,6 +515,10 @@ class _Shared:
             if p in mine:
                 _, t, dtype = mine[p]
                 state.handles[k] = target.allocate(t, dtype)[0]
+        if self.buckets:
+            size = max(k.nbytes for k in self.buckets)
+            self.slots = [target.torch.empty(size, dtype=target.torch.uint8, device=target.device)
+                          for _ in range(min(BUCKET_SLOTS, len(self.buckets)))]
 
     def ready(self, state, error):
         """Step 4, the second agreement: every rank made its staging buffer
@@ -649,6 +532,7 @@ class _Shared:
         values = self.group.agree("ready", post)
         failed = _failed(values)
         if failed:
+            self.slots = []
             _raise_others(self.group, failed, error, "making the staging buffer and the tensors")
         from .._types import Kind
         self.kinds = tuple(Kind[v[2]] if v[2] is not None else None for v in values)
@@ -666,19 +550,20 @@ class _Shared:
         target.before_copies()
         flat = {k: t.reshape(-1).view(target.torch.uint8) for k, t in enumerate(handles)
                 if t is not None}
-        segments, at = self.segments, self._at
+        segments = self.segments
         if pipe is not None:
-            pipe.start([flat[segments[u.entry].index].data_ptr() + at(u) for u in items])
-        works, issued_all, error = [], False, None
+            pipe.start([flat[segments[u.entry].index].data_ptr() + self._at(u) for u in items])
+        ring, issued_all, error = _Ring(group, self.slots, self._pieces(flat)), False, None
         waiter = _Waiter(pipe, len(items), self.read_bytes, progress)
         try:
-            for u in self.exchanges:
-                if u.src == me:
-                    waiter.until(u.item)
-                if u.src == me or me in u.dsts:
-                    where = at(u)
-                    works.extend(_exchange(group, u, flat[segments[u.entry].index]
-                                           [where:where + u.end - u.begin]))
+            for k in self.buckets:
+                slot = ring.take()
+                view = slot[:k.nbytes]
+                if k.src == me:
+                    for u in dict.fromkeys(u for u, *_ in k.pieces):
+                        waiter.until(u.item)
+                    ring.pack(k, view)
+                ring.issue(k, slot, view, _exchange(group, k, view))
             issued_all = True
             waiter.until_all()
             # Read before close(): closing a pipeline cancels it, and reports so.
@@ -686,7 +571,13 @@ class _Shared:
         except BaseException as e:
             # Interrupted here (Ctrl-C, a cancel, a broken group): tell the
             # others at once instead of letting them wait for the timeout.
-            group.post("done", (False, f"interrupted while exchanging: {_describe(e)}", False))
+            # Stopped by another rank that stopped (``_Ring``): that one's
+            # post names it; this rank's says only that it issued no more.
+            if isinstance(e, DistributedLoadError) and e.ranks:
+                group.post("done", (True, "", False))
+            else:
+                group.post("done", (False, f"interrupted while exchanging: {_describe(e)}", False))
+            ring.drop()
             raise
         finally:
             if pipe is not None:
@@ -703,9 +594,9 @@ class _Shared:
         values = group.agree("done", post)
         failed = _failed(values)
         if all(v[2] for v in values):
-            for w in works:            # every rank issued every exchange: they all finish
-                w.wait()
-        works.clear()
+            ring.finish()              # every rank issued every exchange: they all finish
+        ring.drop()
+        self.slots = []
         if failed:
             _raise_others(group, failed, local, "reading and exchanging")
         if target.device.type != "cpu":
@@ -723,6 +614,22 @@ class _Shared:
                 if verify:
                     _run.verify_tensor(checkpoint, (i, t), target, handle)
                 yield t.name, target.result(handle)
+
+    def _pieces(self, flat):
+        """``pieces(bucket)``: the bytes of ``bucket`` this rank holds (its
+        reader) or wants (a receiver), as ``(tensor view, bucket offset)``
+        (a function: each bucket's views are made as it comes)."""
+        me, segments, at = self.group.rank, self.segments, self._at
+
+        def pieces(bucket):
+            mine = bucket.src == me
+            out = []
+            for u, b, e, offset in bucket.pieces:
+                if mine or me in u.dsts:
+                    where = at(u) + b - u.begin
+                    out.append((flat[segments[u.entry].index][where:where + e - b], offset))
+            return out
+        return pieces
 
     def _at(self, unit):
         """Where ``unit``'s bytes lie in this rank's tensor: its segment's
@@ -766,16 +673,104 @@ class _Waiter:
             self._poll(_run.POLL_SECONDS)
 
 
-def _exchange(group, unit, view):
-    """Issues the exchange of one unit (asynchronously); returns its works."""
-    dist, pg, me = group.dist, group.pg, group.rank
-    if len(unit.dsts) == group.size - 1:
-        return [dist.broadcast(view, src=group.global_rank(unit.src), group=pg, async_op=True)]
-    if me == unit.src:
-        ops = [dist.P2POp(dist.isend, view, group.global_rank(d), pg) for d in unit.dsts]
+def _exchange(group, bucket, view):
+    """Issues the exchange of one bucket (asynchronously); returns its work:
+    a ``broadcast`` from its reader to the whole group, also where only some
+    ranks want its bytes (the others drop them): a gloo ``isend``/``irecv``
+    cannot be polled (its work says it completed only once waited for, and
+    a wait that timed out cannot be waited for again), so a rank waiting
+    for one could not watch the store for a rank that stopped."""
+    return group.dist.broadcast(view, src=group.global_rank(bucket.src), group=group.pg,
+                                async_op=True)
+
+
+class _Ring:
+    """This rank's bucket buffers (``slots``), each sending or receiving one
+    bucket at a time: a bucket takes a free one, or the oldest in flight
+    once that one finished (a received bucket is then copied out into its
+    tensors).  On NCCL, finishing orders the device stream (``wait()``
+    blocks no host thread); on gloo it waits for the transfer, watching the
+    store meanwhile: a rank that stopped exchanging (it posted its failure
+    at agreement 3 without issuing every exchange) is an error here at
+    once, not a wait for the group's timeout."""
+
+    def __init__(self, group, slots, pieces):
+        self.group, self.pieces = group, pieces
+        self.free = list(slots)
+        self.flying = []            # (work, slot, bucket received or None, view), oldest first
+
+    def take(self):
+        """A free slot (the oldest in flight retired first, where none is)."""
+        if not self.free:
+            self._retire(self.flying.pop(0))
+        return self.free.pop()
+
+    def pack(self, bucket, view):
+        """Copies this rank's bytes of ``bucket`` into ``view`` (its pieces
+        lie back to back there: one ``cat``)."""
+        import torch
+        torch.cat([t for t, _ in self.pieces(bucket)], out=view)
+
+    def issue(self, bucket, slot, view, work):
+        """Keeps ``slot`` busy until ``work`` (``bucket``'s exchange through
+        ``view``) finished."""
+        received = bucket if bucket.src != self.group.rank else None
+        self.flying.append((work, slot, received, view))
+
+    def finish(self):
+        while self.flying:
+            self._retire(self.flying.pop(0))
+
+    def drop(self):
+        """Forgets what is in flight (the load failed): nothing is copied out."""
+        self.flying.clear()
+        self.free.clear()
+
+    def _retire(self, flight):
+        work, slot, received, view = flight
+        if self.group.backend != "nccl":
+            self._settle(work)
+        work.wait()
+        if received is not None:
+            views = self.pieces(received)
+            _copy([t for t, _ in views], [view[o:o + t.numel()] for t, o in views])
+        self.free.append(slot)
+
+    def _settle(self, work):
+        """Waits until ``work`` completed, or raises when a rank it may wait
+        for gave up exchanging, or after the group's timeout."""
+        group, pause = self.group, 1e-4
+        began = check = time.monotonic()
+        while not work.is_completed():
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+            now = time.monotonic()
+            if now - check >= _STORE_POLL_SECONDS:
+                check = now
+                gone = group.stopped("done")
+                if gone:
+                    text = "; ".join(f"rank {r}: {m}" for r, m in sorted(gone.items()))
+                    raise DistributedLoadError(f"the load failed on another rank of the process "
+                                               f"group (reading and exchanging): {text}", gone)
+                if now - began > group.timeout:
+                    raise DistributedLoadError(
+                        f"an exchange of the load did not finish within {group.timeout:g} s "
+                        f"(INSTANT_STAGING_DIST_TIMEOUT sets this timeout)")
+
+
+def _copy(dsts, srcs):
+    """Copies each of ``srcs`` into the tensor of ``dsts`` at its place: on
+    a GPU in as few launches as torch batches them into (a launch per piece
+    would cost a fine-grained checkpoint milliseconds); on the CPU one by
+    one (``_foreach_copy_`` there copied several times slower than a loop)."""
+    if not dsts:
+        return
+    if dsts[0].is_cuda:
+        import torch
+        torch._foreach_copy_(dsts, srcs)
     else:
-        ops = [dist.P2POp(dist.irecv, view, group.global_rank(unit.src), pg)]
-    return dist.batch_isend_irecv(ops)
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
 
 
 def _report_kinds(kinds):

@@ -38,6 +38,9 @@ def main(spec_path, rank):
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     pg = dist.new_group(list(range(world)), backend="gloo")
     sub = dist.new_group(list(range(1, world)), backend="gloo")   # every rank but 0
+    # A group of its own for the load a rank leaves mid-exchange: the others'
+    # broadcasts it never matched stay queued there, out of every later load's way.
+    mid = dist.new_group(list(range(world)), backend="gloo")
     chunk = 2 * 4096
 
     warnings = []
@@ -93,7 +96,7 @@ def main(spec_path, rank):
                 pass
         return n
 
-    def probe(paths, patches=(), fail_allocate=None, faults=None, take=None, **kw):
+    def probe(paths, patches=(), fail_allocate=None, faults=None, take=None, group=pg, **kw):
         """A load through iter_load with a simulated staging buffer, with
         ``patches`` ((object, name, value)) and, where set, the
         ``fail_allocate``-th tensor's allocation failing and ``faults``
@@ -121,7 +124,8 @@ def main(spec_path, rank):
         try:
             for obj, name, value in patches:
                 setattr(obj, name, value)
-            with iter_load(paths, "cpu", process_group=pg, chunk_size=chunk, staging=buf, **kw) as it:
+            with iter_load(paths, "cpu", process_group=group, chunk_size=chunk, staging=buf,
+                           **kw) as it:
                 for item in it:
                     got.append(item)
                     if take is not None and len(got) == take:
@@ -154,8 +158,47 @@ def main(spec_path, rank):
 
     from instant_staging.loader import _distributed, _pipeline, _run
 
+    # Buckets far smaller than the default, so that a load of these small
+    # files passes many through each rank's slots (and reuses them).
+    _distributed.BUCKET_BYTES = _distributed.HOST_BUCKET_BYTES = spec["bucket"]
+
     from support.calls import raise_on_call as on_call
     from support.calls import raising
+
+    def count_collectives(*paths):
+        """Per load of each path, the collectives this rank called at
+        torch.distributed (every function that moves tensors between
+        ranks, wrapped), and whether the load equals safetensors'."""
+        import functools
+        names = ["broadcast", "all_gather", "all_gather_into_tensor", "all_reduce", "reduce",
+                 "reduce_scatter", "reduce_scatter_tensor", "scatter", "gather", "all_to_all",
+                 "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+                 "barrier", "broadcast_object_list", "all_gather_object"]
+        calls = []
+
+        def counted(name, real):
+            @functools.wraps(real)
+            def f(*args, **kwargs):
+                calls.append(name)
+                return real(*args, **kwargs)
+            return f
+        saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+        rec = dict(ok=True, counts=[], equal=[], bucket=spec["count_bucket"])
+        bucket = _distributed.HOST_BUCKET_BYTES
+        _distributed.HOST_BUCKET_BYTES = spec["count_bucket"]       # (the loads are to the CPU)
+        try:
+            for n, real in saved.items():
+                setattr(dist, n, counted(n, real))
+            for path in paths:
+                del calls[:]
+                got = load_file(path, process_group=pg, chunk_size=chunk)
+                rec["counts"].append(len(calls))
+                rec["equal"].append(equal(got, reference([path])))
+        finally:
+            for n, real in saved.items():
+                setattr(dist, n, real)
+            _distributed.HOST_BUCKET_BYTES = bucket
+        return rec
 
     shards = files["shards"]
     everything = reference(shards)
@@ -333,7 +376,8 @@ def main(spec_path, rank):
             else:
                 out[name] = run(shards)
         elif name == "leak_plan":      # step 1: rank 1's share of the reads
-            out[name] = probe(shards, [(_distributed, "plan", raising(RuntimeError("injected: plan")))])
+            out[name] = probe(shards, [(_distributed, "share_reads",
+                                        raising(RuntimeError("injected: plan")))])
         elif name == "leak_pipeline":  # step 2: rank 1's reader pipeline
             out[name] = probe(shards, [(_pipeline, "Pipeline",
                                         raising(RuntimeError("injected: pipeline")))])
@@ -343,6 +387,12 @@ def main(spec_path, rank):
             out[name] = probe(shards, faults="read#2=EIO")
         elif name == "leak_exchange":  # step 5: Ctrl-C on rank 1 once every exchange is issued
             out[name] = probe(shards, [(_distributed._Waiter, "until_all", raising(KeyboardInterrupt()))])
+        elif name == "leak_midway":    # step 5: Ctrl-C on rank 1 before its second bucket
+            out[name] = probe(shards, [(_distributed._Waiter, "until",
+                                        on_call(2, KeyboardInterrupt(), _distributed._Waiter.until))],
+                              group=mid)
+        elif name == "collectives":    # the same bytes as 100 tensors and as 4,000
+            out[name] = count_collectives(files["few"], files["many"])
         elif name == "leak_verify":    # step 5: rank 1's third tensor handed out fails verify=
             from instant_staging.loader import VerifyError
             out[name] = probe(shards, [(_run, "verify_tensor",

@@ -1,7 +1,6 @@
 """Loading under a process group (loader/_distributed.py) on the CPU with gloo.
 
-The plan is checked directly (every wanted byte read exactly once, by a
-rank that wants it; shares balanced; one issue order).  The load itself
+The share plan is checked alone (tests/loader/test_share_plan.py).  The load itself
 runs in 2 and 3 real processes (tests/loader/_dist_worker.py, a gloo group over
 a free port), each world running every scenario in one group so that the
 processes start once: replicated loads, per-rank ``names=``, uneven
@@ -37,78 +36,7 @@ TESTS = os.path.dirname(os.path.dirname(WORKER))       # the worker imports supp
 TIMEOUT = 5       # INSTANT_STAGING_DIST_TIMEOUT of the workers: the "timeout" scenario waits this
 
 
-# -- the plan ------------------------------------------------------------------
-
-def check_plan(sizes, wanted, world, unit):
-    reads, exchanges = D.plan(sizes, wanted, world, unit)
-    got = {}
-    for r, units in enumerate(reads):
-        for item, u in enumerate(units):
-            assert u.item == item and u.src == r and r in wanted[u.entry]
-            assert set(u.dsts) == set(wanted[u.entry]) - {r}
-            assert 0 < u.end - u.begin <= (unit if u.dsts else sizes[u.entry])
-            got.setdefault(u.entry, []).append((u.begin, u.end))
-        assert [(u.entry, u.begin) for u in units] == sorted((u.entry, u.begin) for u in units)
-    for i, n in enumerate(sizes):        # each wanted byte exactly once
-        ranges = sorted(got.get(i, []))
-        if not wanted[i] or n == 0:
-            assert not ranges
-            continue
-        assert ranges[0][0] == 0 and ranges[-1][1] == n
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-    assert exchanges == sorted(exchanges, key=lambda u: u.key)
-    assert {id(u) for u in exchanges} == {id(u) for units in reads for u in units if u.dsts}
-    return [sum(u.end - u.begin for u in units) for units in reads]
-
-
-def test_plan_replicated_balanced():
-    sizes = [1 << 30] + [112 << 20] * 96 + [8192] * 65 + [1 << 30]
-    loads = check_plan(sizes, [range(2)] * len(sizes), 2, 64 << 20)
-    assert abs(loads[0] - loads[1]) <= max(sizes) / 64 * 2
-    loads = check_plan(sizes, [range(3)] * len(sizes), 3, 64 << 20)
-    assert max(loads) - min(loads) <= sum(sizes) / 3 / 64 * 2 + 4096
-
-
-def test_plan_contiguous_in_file_order():
-    sizes = [1000] * 30
-    reads, _ = D.plan(sizes, [range(3)] * 30, 3, 1 << 20)
-    firsts = [(units[0].entry, units[-1].entry) for units in reads]
-    assert firsts[0][0] == 0 and firsts[-1][1] == 29
-    assert firsts[0][1] <= firsts[1][0] and firsts[1][1] <= firsts[2][0]
-
-
-def test_plan_private_tensors_stay_home_and_shares_even_out():
-    # rank 0 alone wants a big tensor; the shared ones go mostly to rank 1
-    sizes = [600, 100, 100, 100, 100]
-    wanted = [[0], [0, 1], [0, 1], [0, 1], [0, 1]]
-    reads, exchanges = D.plan(sizes, wanted, 2, 1 << 20)
-    assert [(u.entry, u.begin, u.end) for u in reads[0]] == [(0, 0, 600)]
-    assert all(u.src == 1 and u.dsts == (0,) for u in exchanges)
-    check_plan(sizes, wanted, 2, 1 << 20)
-
-
-@pytest.mark.parametrize("world", [2, 3, 5])
-def test_plan_many_shapes(world):
-    import random
-    rng = random.Random(world)
-    for _ in range(50):
-        n = rng.randint(1, 40)
-        sizes = [rng.choice([0, 1, 3, 4096, 10000, 1 << 20]) for _ in range(n)]
-        wanted = [rng.sample(range(world), rng.randint(0, world)) for _ in range(n)]
-        check_plan(sizes, wanted, world, rng.choice([4096, 1 << 20]))
-
-
-def test_more_ranks_than_bytes():
-    loads = check_plan([3], [range(4)], 4, 1 << 20)
-    assert sorted(loads) == [0, 0, 0, 3]
-
-
-def test_cut_inside_a_tensor_is_aligned():
-    reads, _ = D.plan([1 << 24], [range(2)], 2, 1 << 30)
-    assert [(u.begin, u.end) for u in reads[0]] == [(0, 1 << 23)]
-    reads, _ = D.plan([(1 << 24) + 5], [range(3)], 3, 1 << 30)
-    assert all(u.begin % D.CUT_ALIGN == 0 for units in reads for u in units)
-
+# -- a rank's selection -------------------------------------------------------
 
 @pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 64, 1000])
 def test_a_ranks_selection_travels_as_a_mask_of_its_places(tmp_path, count):
@@ -239,6 +167,11 @@ def make_files(d):
     for key, note in (("meta_a", "a"), ("meta_b", "b")):
         files[key] = os.path.join(d, f"{key}.safetensors")
         st.save_file(single, files[key], metadata={"note": note})
+    # The same bytes (512,000) as 100 tensors and as 4,000.
+    for key, count in (("few", 100), ("many", 4000)):
+        files[key] = os.path.join(d, f"{key}.safetensors")
+        st.save_file({f"t{k:04d}": rand(torch.float32, (128000 // count,), 100 + k)
+                      for k in range(count)}, files[key])
     files["bad"] = os.path.join(d, "bad.safetensors")
     with open(files["single"], "rb") as src, open(files["bad"], "wb") as dst:
         data = bytearray(src.read())
@@ -259,12 +192,15 @@ SCENARIOS = ["replicated", "load_file", "progress_true", "dtype_and_directory", 
              "other_header", "other_dtype", "unsampled_change", "unknown_name", "plan_rows",
              "truncated", "read_fault", "kinds", "staging_unusable", "subgroup", "not_a_group",
              "dropped", "leak_plan", "leak_pipeline", "leak_allocate", "leak_read", "leak_exchange",
-             "leak_verify", "leak_close", "after_failures", "timeout"]
+             "leak_verify", "leak_close", "after_failures", "collectives", "leak_midway", "timeout"]
+BUCKET = 16 << 10           # the workers' bucket size (their files are ~100 KiB)
+COUNT_BUCKET = 64 << 10     # and the collectives scenario's
 
 
 def run_world(tmp, world):
     files = make_files(tmp)
-    spec = dict(world=world, port=free_port(), out=tmp, files=files, scenarios=SCENARIOS)
+    spec = dict(world=world, port=free_port(), out=tmp, files=files, scenarios=SCENARIOS,
+                bucket=BUCKET, count_bucket=COUNT_BUCKET)
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -569,6 +505,32 @@ def test_a_group_load_ended_while_handing_out_leaves_nothing(world):
         assert_left_nothing(rec, r)
 
 
+def test_a_rank_that_stops_mid_exchange_is_an_error_on_every_rank_at_once(world):
+    # Rank 1 is interrupted before its second bucket; the others, waiting
+    # for a bucket it will never send (their slots full), see its post and
+    # raise at once, naming it, instead of waiting for the timeout.
+    recs = scenario(world, "leak_midway")
+    assert recs[1]["error"] == "KeyboardInterrupt", recs[1]
+    for r, rec in enumerate(recs):
+        if r != 1:
+            assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1], f"rank {r}: {rec}"
+            assert "interrupted while exchanging: KeyboardInterrupt" in rec["message"], rec
+        assert rec["seconds"] < TIMEOUT, f"rank {r} waited for the timeout: {rec}"
+        assert_left_nothing(rec, r)
+
+
+def test_collectives_follow_the_bytes_not_the_tensors(world):
+    # 100 tensors or 4,000 of the same 512,000 bytes: the same collectives,
+    # at most one per bucket of each rank's share (ceil(bytes / bucket) + world),
+    # where there had been one per tensor.
+    n = world[0]
+    for r, rec in enumerate(scenario(world, "collectives")):
+        assert rec["equal"] == [True, True], f"rank {r}: {rec}"
+        few, many = rec["counts"]
+        assert few == many <= -(-512000 // COUNT_BUCKET) + n, f"rank {r}: {rec}"
+        assert few > 0
+
+
 def test_group_usable_after_failures(world):
     assert_all_equal(scenario(world, "after_failures"))
 
@@ -580,3 +542,23 @@ def test_rank_that_never_comes_is_named(world):
         assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [n - 1]
         assert f"rank {n - 1}" in rec["message"] and "did not reach" in rec["message"]
         assert TIMEOUT - 0.5 <= rec["seconds"] <= TIMEOUT + 30
+
+
+def test_the_group_benchmark_runs_on_cpu_ranks(tmp_path):
+    # benchmarks/group_load.py, the one command the GPU runs take: its CPU
+    # mode end to end (2 ranks, small tensors), every load bit-exact
+    # against a solo load, both faults failing on every rank.
+    script = os.path.join(os.path.dirname(TESTS), "benchmarks", "group_load.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_PARENT,
+                                                                    os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, script, "--modes", "cpu", "--ranks", "2", "--tensor-bytes",
+                           "4KiB", "--repeat", "1", "--dir", str(tmp_path), "--bucket", "1MiB"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()
+            if line.startswith("cpu ") and not line.endswith("done")]
+    loads = [r for r in rows if r[2] in ("dense", "finemoe")]
+    assert [r[2] for r in loads] == ["dense", "finemoe"] and all(r[-1] == "yes" for r in loads), rows
+    assert loads[0][-2] == loads[1][-2]              # the same collectives for 291 tensors and 4,680
+    faults = [r for r in rows if r not in loads]
+    assert len(faults) == 2 and all("yes" in r for r in faults), rows
