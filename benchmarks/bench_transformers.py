@@ -60,8 +60,7 @@ import transformers
 from safetensors import safe_open as st_safe_open
 from safetensors.torch import save_file
 
-from instant_staging.integrations.transformers import _background
-from instant_staging.integrations.transformers import from_pretrained
+from instant_staging.integrations.transformers import _background, from_pretrained
 from instant_staging.loader import load_file, safe_open
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

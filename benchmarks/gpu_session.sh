@@ -14,7 +14,7 @@
 #   cold      bench_load.py cold only, on $COLD (default moe,dense)
 #   profile   profile_load.py's timeline on $PROFILE_LAYOUTS (default finemoe,dense)
 #   first     bench_first_load.py --modes cuda on $FIRST_LAYOUTS (a server's first load)
-#   group     group_one_gpu.py (several gloo ranks on one GPU), where it exists
+#   group     group_load.py (several gloo ranks on one GPU; NCCL where there are two GPUs)
 #   reload    bench_reload.py (load_into), where it exists
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -60,7 +60,7 @@ for step in ${STEPS:-env gpu bench}; do
         first) timeout ${FIRST_T:-300} python3 benchmarks/bench_first_load.py --dir "$D" --modes cuda \
                    --layouts "${FIRST_LAYOUTS:-dense,moe,awq,finemoe,fp8}" --methods instant_staging --cold '' \
                    --runs ${FIRST_RUNS:-2} --json "$OUT/first.json" 2>&1 | tee "$OUT/first.log" | tail -30 ;;
-        group) [ -f benchmarks/group_one_gpu.py ] && timeout ${GROUP_T:-240} python3 benchmarks/group_one_gpu.py \
+        group) timeout ${GROUP_T:-240} python3 benchmarks/group_load.py \
                    $GROUP_ARGS --json "$OUT/group.json" 2>&1 | tee "$OUT/group.log" | tail -30 ;;
         reload) [ -f benchmarks/bench_reload.py ] && timeout ${RELOAD_T:-240} python3 benchmarks/bench_reload.py \
                     --dir "$D" $RELOAD_ARGS --json "$OUT/reload.json" 2>&1 | tee "$OUT/reload.log" | tail -30 ;;

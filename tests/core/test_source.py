@@ -252,11 +252,16 @@ def _loader_imports(module):
 
 
 def test_the_loaders_paths_import_one_way():
-    # _load plans and hands the plan to _run or _distributed; they never
-    # reach back (issue 21, 6: the two paths had imported each other).
-    assert not {"_load", "_distributed"} & _loader_imports("_run")
-    assert "_load" not in _loader_imports("_distributed")
-    assert {"_run", "_distributed"} <= _loader_imports("_load")
+    # The doors (_load, _checkpoint) prepare (_prepare) and hand the
+    # Prepared to _run or _distributed; those never reach back (issue 21,
+    # 6: the two paths had imported each other), and preparing knows
+    # neither of them.
+    doors = {"_load", "_checkpoint"}
+    assert not (doors | {"_distributed"}) & _loader_imports("_run")
+    assert not doors & _loader_imports("_distributed")
+    assert not (doors | {"_run", "_distributed"}) & _loader_imports("_prepare")
+    assert {"_run", "_distributed", "_prepare"} <= _loader_imports("_checkpoint")
+    assert "_checkpoint" in _loader_imports("_load")
 
 
 # -- the tests themselves -----------------------------------------------------------------

@@ -348,8 +348,8 @@ def test_sources_that_are_a_prefix_of_rank_0s_are_refused_on_every_rank(world):
 
 
 def test_the_content_check_compares_the_file_counts():
-    one = [("a.safetensors", 10, "h", "p")]
-    two = one + [("b.safetensors", 20, "h2", "p2")]
+    one = [("a.safetensors", 10, "h", "p", None)]      # (None: a file, no URL's ETag)
+    two = one + [("b.safetensors", 20, "h2", "p2", None)]
     assert D._differences([two, one], ["x", "x"]) == {1: "1 file(s) where rank 0 has 2"}
     assert D._differences([one, two], ["x", "x"]) == {1: "2 file(s) where rank 0 has 1"}
     assert D._differences([two, two], ["x", "x"]) == {}

@@ -147,7 +147,8 @@ def test_no_module_outside_the_loader_imports_an_underscored_loader_module():
     bad, read = scan(os.path.dirname(PACKAGE_DIR))
     # not a pass by finding nothing: the neighbours and a Cython file were read
     for rel in ("cli/load.py", "cli/main.py", "integrations/transformers/__init__.py",
-                "integrations/transformers/_background.py", "integrations/vllm/_weights.py", "integrations/vllm/_loader.py", "_staging.pyx"):
+                "integrations/transformers/_background.py", "integrations/vllm/_weights.py",
+                "integrations/vllm/_loader.py", "_staging.pyx"):
         assert os.path.join(PACKAGE, *rel.split("/")) in read, read
     assert not any(r.startswith(os.path.join(PACKAGE, "loader") + os.sep) for r in read)
     assert not bad, "\n".join(f"{path}:{line}" for path, lines in bad.items() for line in lines)
