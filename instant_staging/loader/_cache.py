@@ -165,6 +165,10 @@ class Cache:
         self._hits = {}         # object index -> (entry path, descriptor)
         self._fills = {}        # object index -> _Fill
         self._lock = threading.Lock()
+        # One fill starts at a time here: a fill's room-making removes the
+        # partial files no filler has locked, and another object's partial
+        # file is unlocked between its creation and its lock.
+        self._starting = threading.Lock()
         self._off = False
         self.local = None       # the CachedShards made from it (closed with it until handed on)
 
@@ -228,7 +232,8 @@ class Cache:
         if fill.state != _FILLING:
             with fill.lock:
                 if fill.state == _PENDING:
-                    self._start(fill)
+                    with self._starting:
+                        self._start(fill)
             if fill.state != _FILLING:
                 return
         if self._off:
@@ -283,14 +288,22 @@ class Cache:
         locked, taken = None, False
         try:
             os.makedirs(self.directory, exist_ok=True)
-            fd = open_recorded(self._fds, partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return          # another process fills it: this load goes without
+            for _ in range(2):
+                fd = open_recorded(self._fds, partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return      # another process fills it: this load goes without
+                if os.path.exists(fill.base + ENTRY_SUFFIX):
+                    _unlock(fd)
+                    return      # filled meanwhile
+                if _names(fd, partial):
+                    break
+                _unlock(fd)     # renamed or removed (as stale, by another process's
+                fd = None       # eviction) between our open and our lock: once more
+            if fd is None:
+                return
             locked = fd
-            if not _names(fd, partial) or os.path.exists(fill.base + ENTRY_SUFFIX):
-                return          # filled meanwhile
             if not self._room(fill.size, partial):
                 _unlink(partial)
                 if fill.size > self.bound:
