@@ -3,14 +3,12 @@ bandwidth cap (``max_bytes_per_second=``, loader/_throttle.py), against a
 real S3 server (moto's, on 127.0.0.1; ``support/remote_servers.py``): each
 rule of docs/design.md's cache with the case that would break it."""
 
-import json
 import logging
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -22,6 +20,10 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from instant_staging.loader import Checkpoint, _cache, iter_load, load_file, safe_open
 
 from support import TESTS, child_env
+from support.remote_checkpoints import fds as _fds
+from support.remote_checkpoints import put_in, same, upload
+from support.remote_checkpoints import settled as _settled
+from support.remote_checkpoints import threads as _threads
 from support.remote_servers import (  # noqa: F401
     ACCESS_KEY,
     REGION,
@@ -40,56 +42,11 @@ def options(endpoint):
             "region": REGION, "retry_config": fast_retry_config()}
 
 
-def upload(server, bucket, prefix, files, tmp_path):
-    """Writes ``files`` to tmp_path/prefix and to bucket/prefix (an index
-    for several); returns the local directory."""
-    local = tmp_path / prefix
-    local.mkdir(parents=True, exist_ok=True)
-    weight_map = {}
-    for fname, tensors in files:
-        path = local / fname
-        safetensors_torch.save_file(tensors, str(path), metadata={"format": "pt"})
-        server.put(bucket, f"{prefix}/{fname}", path.read_bytes())
-        weight_map.update({n: fname for n in tensors})
-    if len(files) > 1:
-        raw = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
-        (local / "model.safetensors.index.json").write_bytes(raw)
-        server.put(bucket, f"{prefix}/model.safetensors.index.json", raw)
-    return local
-
-
-def same(got, want):
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        g = got[name]
-        assert g.dtype == t.dtype and g.shape == t.shape, name
-        assert torch.equal(g.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
-
-
-def _fds():
-    return set(os.listdir("/proc/self/fd"))
-
-
 def _link(fd):
     try:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return None
-
-
-def _threads():
-    return {t.ident for t in threading.enumerate()}
-
-
-def _settled(before_threads, before_fds, timeout=5.0):
-    """Threads and descriptors (sockets: the client closes a dropped pool's
-    connections a moment after) back to what they were before."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _threads() <= before_threads and _fds() <= before_fds:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _two_shards(seed):
@@ -132,7 +89,7 @@ def _cache_warnings(caplog):
 
 def test_fill_then_hit_is_bit_exact_and_reads_no_data(s3_server, s3_bucket, tmp_path, fault_proxy):
     files = _two_shards(0)
-    local = upload(s3_server, s3_bucket, "m", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "m", files, tmp_path)
     want = load_file(local)
     url, cache = f"s3://{s3_bucket}/m/", tmp_path / "cache"
     opts = options(fault_proxy.url)
@@ -167,7 +124,7 @@ def test_fill_then_hit_is_bit_exact_and_reads_no_data(s3_server, s3_bucket, tmp_
 
 def test_iter_load_and_safe_open_take_the_cache(s3_server, s3_bucket, tmp_path, monkeypatch):
     files = [("model.safetensors", _big(1))]
-    local = upload(s3_server, s3_bucket, "s", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "s", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/s/model.safetensors", tmp_path / "cache"
     opts = options(s3_server.url)
     want = load_file(local)
@@ -198,7 +155,7 @@ def test_iter_load_and_safe_open_take_the_cache(s3_server, s3_bucket, tmp_path, 
 def test_a_partial_load_leaves_nothing_and_batches_of_one_checkpoint_fill_it(s3_server, s3_bucket,
                                                                                tmp_path):
     files = [("model.safetensors", _big(2))]
-    local = upload(s3_server, s3_bucket, "p", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "p", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/p/model.safetensors", tmp_path / "cache"
     opts = options(s3_server.url)
     names = sorted(files[0][1])
@@ -242,7 +199,7 @@ def _wait_for(predicate, timeout=30.0):
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
 def test_a_crash_mid_fill_leaves_nothing_trusted(s3_server, s3_bucket, tmp_path, how):
     files = [("model.safetensors", _big(3, n=8))]         # 2 MiB: 32 ranges of 64 KiB
-    local = upload(s3_server, s3_bucket, "k", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "k", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/k/model.safetensors", tmp_path / "cache"
     code = _SLOW_CHILD.format(tests=TESTS, endpoint=s3_server.url, url=url, cache=str(cache),
                               delay=0.1)
@@ -274,7 +231,7 @@ def test_a_crash_mid_fill_leaves_nothing_trusted(s3_server, s3_bucket, tmp_path,
 
 def test_two_processes_fill_one_entry_at_once(s3_server, s3_bucket, tmp_path):
     files = [("model.safetensors", _big(4, n=8))]
-    local = upload(s3_server, s3_bucket, "t", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "t", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/t/model.safetensors", tmp_path / "cache"
     code = _SLOW_CHILD.format(tests=TESTS, endpoint=s3_server.url, url=url, cache=str(cache),
                               delay=0.02)
@@ -300,7 +257,7 @@ def test_a_second_filler_finds_the_lock_and_loads_without_filling(s3_server, s3_
     """Two fills in one process: the second finds the partial file locked
     and streams without writing it; the first's entry is whole."""
     files = [("model.safetensors", _big(5))]
-    local = upload(s3_server, s3_bucket, "l", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "l", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/l/model.safetensors", tmp_path / "cache"
     opts = options(s3_server.url)
     want = load_file(local)
@@ -320,7 +277,7 @@ def test_a_second_filler_finds_the_lock_and_loads_without_filling(s3_server, s3_
 
 def test_an_object_replaced_between_loads_is_fetched_again(s3_server, s3_bucket, tmp_path):
     files = [("model-00001-of-00002.safetensors", _big(6)), ("model-00002-of-00002.safetensors", _big(7))]
-    local = upload(s3_server, s3_bucket, "r", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "r", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/r/", tmp_path / "cache"
     opts = options(s3_server.url)
     load_file(url, storage_options=opts, cache_dir=cache)
@@ -347,7 +304,7 @@ def test_an_object_replaced_between_loads_is_fetched_again(s3_server, s3_bucket,
 
 def test_a_damaged_entry_is_not_trusted(s3_server, s3_bucket, tmp_path):
     files = [("model.safetensors", _big(8))]
-    local = upload(s3_server, s3_bucket, "d", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "d", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/d/model.safetensors", tmp_path / "cache"
     opts = options(s3_server.url)
     load_file(url, storage_options=opts, cache_dir=cache)
@@ -363,7 +320,7 @@ def test_a_damaged_entry_is_not_trusted(s3_server, s3_bucket, tmp_path):
 
 def test_an_unwritable_directory_is_one_warning(s3_server, s3_bucket, tmp_path, caplog):
     files = _two_shards(0)                 # two objects: still one warning
-    local = upload(s3_server, s3_bucket, "u", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "u", files, tmp_path)
     blocker = tmp_path / "file"
     blocker.write_bytes(b"x")
     load_file(f"s3://{s3_bucket}/u/", storage_options=options(s3_server.url))   # (the runtime)
@@ -387,7 +344,7 @@ def test_an_unwritable_directory_is_one_warning(s3_server, s3_bucket, tmp_path, 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes a read-only directory")
 def test_a_read_only_directory_is_one_warning(s3_server, s3_bucket, tmp_path, caplog):
     files = [("model.safetensors", _big(9))]
-    local = upload(s3_server, s3_bucket, "ro", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "ro", files, tmp_path)
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o500)
     with caplog.at_level(logging.WARNING, logger="instant_staging"):
@@ -419,7 +376,7 @@ def test_a_full_disk_mid_fill_is_one_warning(s3_server, s3_bucket, tmp_path):
     EFBIG, as a full disk's ENOSPC; the load finishes from the bucket."""
     import hashlib
     files = [("model.safetensors", _big(10))]
-    local = upload(s3_server, s3_bucket, "f", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "f", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/f/model.safetensors", tmp_path / "cache"
     code = _LIMITED_CHILD.format(tests=TESTS, endpoint=s3_server.url, url=url, cache=str(cache),
                                  limit=300_000)
@@ -447,7 +404,7 @@ def test_a_full_tmpfs_mid_fill_is_one_warning(s3_server, s3_bucket, tmp_path, fa
                                               monkeypatch, caplog):
     """A real ENOSPC: a 2 MiB tmpfs filled by someone else once the fill began."""
     files = [("model.safetensors", _big(11, n=6))]      # 1.5 MiB
-    local = upload(s3_server, s3_bucket, "full", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "full", files, tmp_path)
     cache = tmp_path / "small"
     _tmpfs(cache, "2m")
     try:
@@ -479,7 +436,7 @@ def test_a_full_tmpfs_mid_fill_is_one_warning(s3_server, s3_bucket, tmp_path, fa
 def test_the_least_recently_used_entries_go_first(s3_server, s3_bucket, tmp_path, monkeypatch):
     shards = {k: [("model.safetensors", _big(20 + i))] for i, k in enumerate("abc")}
     for k, files in shards.items():
-        upload(s3_server, s3_bucket, k, files, tmp_path)
+        upload(put_in(s3_server, s3_bucket), k, files, tmp_path)
     size = len((tmp_path / "a" / "model.safetensors").read_bytes())
     monkeypatch.setenv("INSTANT_STAGING_CACHE_MAX_BYTES", str(2 * size + size // 2))    # two fit
     cache = tmp_path / "cache"
@@ -507,7 +464,7 @@ def test_the_least_recently_used_entries_go_first(s3_server, s3_bucket, tmp_path
 def test_an_object_larger_than_the_bound_is_not_cached(s3_server, s3_bucket, tmp_path, monkeypatch,
                                                        caplog):
     files = [("model.safetensors", _big(30))]
-    upload(s3_server, s3_bucket, "big", files, tmp_path)
+    upload(put_in(s3_server, s3_bucket), "big", files, tmp_path)
     monkeypatch.setenv("INSTANT_STAGING_CACHE_MAX_BYTES", "64KiB")
     cache = tmp_path / "cache"
     with caplog.at_level(logging.WARNING, logger="instant_staging"):
@@ -523,7 +480,7 @@ def test_an_object_larger_than_the_bound_is_not_cached(s3_server, s3_bucket, tmp
 
 def test_a_load_under_a_cap_takes_its_time(s3_server, s3_bucket, tmp_path, monkeypatch):
     files = [("model.safetensors", _big(40, n=8))]      # 2 MiB
-    local = upload(s3_server, s3_bucket, "cap", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "cap", files, tmp_path)
     url = f"s3://{s3_bucket}/cap/model.safetensors"
     opts = options(s3_server.url)
     size, cap = _nbytes(files), 4 << 20                   # 0.5 s at the cap
@@ -554,7 +511,7 @@ def test_the_cli_takes_a_cache_dir_and_a_cap(s3_server, s3_bucket, tmp_path):
     from support.cli import cli, cli_json
     from support.remote_servers import s3_env
     files = [("model.safetensors", _big(50))]
-    local = upload(s3_server, s3_bucket, "cli", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "cli", files, tmp_path)
     url, cache, env = f"s3://{s3_bucket}/cli/", str(tmp_path / "cache"), s3_env(s3_server.url)
     first = cli_json("load", url, "--device", "cpu", "--cache-dir", cache, env=env)
     assert (first["cache_hit_bytes"], first["fetched_bytes"]) == (0, _nbytes(files))
@@ -576,7 +533,7 @@ def test_vllm_weights_fill_the_cache_batch_by_batch(s3_server, s3_bucket, tmp_pa
 
     from support.remote_servers import s3_env
     files = _two_shards(1)
-    local = upload(s3_server, s3_bucket, "vl", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "vl", files, tmp_path)
     for k, v in s3_env(s3_server.url).items():
         monkeypatch.setenv(k, v)
     cache = tmp_path / "cache"
@@ -638,7 +595,7 @@ def test_a_group_load_where_one_rank_has_the_cache(s3_server, s3_bucket, tmp_pat
     import hashlib
     import socket
     files = _two_shards(2)
-    local = upload(s3_server, s3_bucket, "g", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "g", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/g/", tmp_path / "cache"
     load_file(url, storage_options=options(s3_server.url), cache_dir=cache)       # rank 0's cache
     assert len(_entries(cache)) == 2
