@@ -57,7 +57,7 @@ SIZE = 10 * PAGE + 100          # three segments of SEG, the last one short
 SLOW_MODULES = {
     "core/test_fault_campaign.py", "core/test_threads.py", "core/test_interrupts.py", "core/test_soak.py",
     "core/test_typing.py", "core/test_source.py", "core/test_cython_caller.py",
-    "loader/test_harden_loader.py", "loader/test_distributed.py", "loader/test_speed.py",
+    "loader/test_load_ownership.py", "loader/test_distributed.py", "loader/test_speed.py",
     "sources/test_remote_servers.py",
     "cli/test_cli_errors.py", "cli/test_cli_load.py", "cli/test_cli_load_sources.py",
     "integrations/test_transformers.py", "integrations/test_transformers_generate.py",

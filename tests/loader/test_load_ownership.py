@@ -1,4 +1,4 @@
-"""A load owns what it uses until its threads are joined (issue 10).
+"""A load owns what it uses until its threads are joined.
 
 Every case that used to crash runs in a child process (``support.run_child``), a
 few times over, with a timeout: a crash or a hang is the failure.  Leaks
