@@ -448,7 +448,9 @@ def check_cpu_load(load=_small_cpu_load):
     try:
         load()
     except ImportError as e:
-        return _check("error", False, f"no: {e}".splitlines()[0],
+        # The loader is an extra: without it the package (the staging
+        # buffer, probe) still works, and nothing that was installed fails.
+        return _check("info", None, f"not installed: {e}".splitlines()[0],
                       "loads need torch: pip install 'instant_staging[torch]'")
     except Exception as e:  # whatever failed is the finding
         return _check("error", False, f"no: {type(e).__name__}: {e}".splitlines()[0],
@@ -475,9 +477,14 @@ def gpus_on_pci(pci_devices):
 def _no_gpu(checks):
     """Information in place of the driver's and devices' warnings (and
     RLIMIT_MEMLOCK's: nothing is pinned) where there is no GPU driver at all
-    and loads to the CPU work: such a host is fine for what it can do."""
-    line = ("no GPU here: loads to the CPU work (device='cpu', the default where torch sees "
-            "no GPU); probe runs on the SimulatedRuntime")
+    and loads to the CPU work (or the loader is not installed): such a host
+    is fine for what it can do."""
+    if checks["cpu_load"]["status"] == "ok":
+        line = ("no GPU here: loads to the CPU work (device='cpu', the default where torch sees "
+                "no GPU); probe runs on the SimulatedRuntime")
+    else:
+        line = ("no GPU here: probe runs on the SimulatedRuntime; with the torch extra, loads "
+                "go to the CPU")
     for name in ("driver", "devices"):
         checks[name] = dict(checks[name], status="info", verdict=line)
     if checks["memlock"]["status"] == "warn":
@@ -536,7 +543,8 @@ def diagnose(*, runtime=None, memlock=None, nvidia_version=PATHS["nvidia_version
     # where loads to the CPU work; a GPU without its driver is.
     no_driver = rt is not None and not checks["driver"]["value"]
     if (no_driver and not checks["nvidia_module"]["value"]["present"]
-            and checks["devices"]["status"] == "warn" and checks["cpu_load"]["status"] == "ok"):
+            and checks["devices"]["status"] == "warn"
+            and checks["cpu_load"]["status"] in ("ok", "info")):
         gpus = gpus_on_pci(pci_devices)
         if gpus:
             checks["driver"] = dict(checks["driver"], verdict=(
