@@ -16,6 +16,9 @@
 #   first     bench_first_load.py --modes cuda on $FIRST_LAYOUTS (a server's first load)
 #   group     group_load.py (several gloo ranks on one GPU; NCCL where there are two GPUs)
 #   reload    bench_reload.py (load_into), where it exists
+#   tf        bench_transformers.py $TF_ARGS (from_pretrained against transformers' own)
+#   why1st    profile_load.py --sections first on $WHY1ST_LAYOUT (default moe): a
+#             server's first load, step by step
 set -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -64,6 +67,11 @@ for step in ${STEPS:-env gpu bench}; do
                    $GROUP_ARGS --json "$OUT/group.json" 2>&1 | tee "$OUT/group.log" | tail -30 ;;
         reload) [ -f benchmarks/bench_reload.py ] && timeout ${RELOAD_T:-240} python3 benchmarks/bench_reload.py \
                     --dir "$D" $RELOAD_ARGS --json "$OUT/reload.json" 2>&1 | tee "$OUT/reload.log" | tail -30 ;;
+        tf) timeout ${TF_T:-300} python3 benchmarks/bench_transformers.py --dir "$D" $TF_ARGS \
+                --json "$OUT/transformers.json" 2>&1 | tee "$OUT/transformers.log" | tail -30 ;;
+        why1st) timeout ${WHY1ST_T:-120} python3 benchmarks/profile_load.py --dir "$D" \
+                    --layouts "${WHY1ST_LAYOUT:-moe}" --sections first --json "$OUT/why1st.json" 2>&1 \
+                    | tee "$OUT/why1st.log" | tail -20 ;;
     esac
     echo "rc=$?"
 done
