@@ -265,9 +265,10 @@ def write(prepared, began=None, opened=0.0):
 
 def _name_written(error, written, names):
     done = set(written)
+    written = [n for n in names if n in done]           # (finished in any order: reading order)
     unwritten = [n for n in names if n not in done]
     try:
-        error.written, error.unwritten = list(written), unwritten
+        error.written, error.unwritten = written, unwritten
     except AttributeError:          # (an exception type without a __dict__)
         return
     said = (f"{len(written)} of {len(names)} tensor(s) written before the failure"
