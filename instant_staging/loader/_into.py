@@ -27,9 +27,10 @@ Everything is checked before any byte is written, each mismatch a
 A failure part-way (a read or copy error, a remote object that changed,
 ``verify=``'s difference, Ctrl-C) raises its own error (the same type, so
 that ``except LoadError`` / ``RemoteChangedError`` still catch it) with
-``written``: the names whose bytes are all written, in reading order, and
-``unwritten``: the others, which may hold some of the new bytes and some
-of the old.  A LoadError's message says so too.  The load's teardown is
+``written``: the names whose bytes are all written, in reading order
+(those the load handed out before the failure: one finished just as it
+came is counted with the others), and ``unwritten``: the others, which
+may hold some of the new bytes and some of the old.  A LoadError's message says so too.  The load's teardown is
 any load's: readers joined, staging buffer and files given back.
 
 Not under a process group: every rank loads its own part itself (a row
