@@ -124,6 +124,7 @@ from ._arguments import (
 )
 from ._background import assemble_while_reading, no_allocator_warmup
 from ._placement import Spread, offloading_a_state_dict, parallel_device, target_device
+from ._reload import reload_weights
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin, PreTrainedModel
@@ -326,4 +327,4 @@ def _set_name_or_path(model, model_dir):
             config.name_or_path = model_dir
 
 
-__all__ = ["from_pretrained"]
+__all__ = ["from_pretrained", "reload_weights"]

@@ -1,0 +1,95 @@
+"""``reload_weights`` (issue 42): a checkpoint B written into a model built
+from checkpoint A, in place: every parameter and buffer equal to a fresh
+``from_pretrained`` of B bit for bit, every ``data_ptr`` unchanged, tied
+weights written once, names mapped as transformers maps them (the MoE
+experts fused by transformers 5 included)."""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+st = pytest.importorskip("safetensors.torch")
+
+from instant_staging.integrations.transformers import reload_weights
+from instant_staging.loader import LoadError
+
+from support.models import bits, save
+
+
+def assert_same_weights(ours, ref):
+    """Every parameter and buffer bit for bit, the tying, the logits (the
+    configs differ in name_or_path alone)."""
+    ours_p = dict(ours.named_parameters(remove_duplicate=False))
+    ref_p = dict(ref.named_parameters(remove_duplicate=False))
+    assert list(ours_p) == list(ref_p)
+    for name, p in ref_p.items():
+        assert ours_p[name].dtype == p.dtype and torch.equal(bits(ours_p[name]), bits(p)), name
+    ours_b, ref_b = dict(ours.named_buffers()), dict(ref.named_buffers())
+    assert list(ours_b) == list(ref_b)
+    for name, b in ref_b.items():
+        assert torch.equal(bits(ours_b[name]), bits(b)), name
+    tied = [n for n, p in ref_p.items() if any(q is p for m, q in ref_p.items() if m != n)]
+    assert tied == [n for n, p in ours_p.items() if any(q is p for m, q in ours_p.items() if m != n)]
+    ids = torch.tensor([[3, 17, 42, 5, 90, 1]])
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, ref(ids).logits)
+
+
+def _ptrs(model):
+    return {**{n: p.data_ptr() for n, p in model.named_parameters(remove_duplicate=False)},
+            **{n: b.data_ptr() for n, b in model.named_buffers()}}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_reload_equals_a_fresh_load_in_place(tmp_path, arch, sharded):
+    a, cls = save(tmp_path, arch, sharded, seed=1, name="a")
+    b, _ = save(tmp_path, arch, sharded, seed=2, name="b")
+    model = cls.from_pretrained(a).eval()
+    before = _ptrs(model)
+    fresh = cls.from_pretrained(b).eval()
+    differs = [n for n, p in fresh.named_parameters() if not torch.equal(bits(p), bits(dict(
+        model.named_parameters())[n]))]
+    assert differs                         # A and B are different checkpoints
+    reports = reload_weights(model, b, chunk_size=4096)
+    assert len(reports) == 1 and reports[0].device == "cpu"
+    assert _ptrs(model) == before
+    assert_same_weights(model, fresh)
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_before_any_write(tmp_path):
+    a, cls = save(tmp_path, "llama", False, seed=1, name="a")
+    other, _ = save(tmp_path, "qwen2", False, seed=2, name="b")
+    model = cls.from_pretrained(a).eval()
+    copy = {n: bits(p).clone() for n, p in model.named_parameters()}
+    with pytest.raises((ValueError, TypeError)):
+        reload_weights(model, other)
+    assert all(torch.equal(bits(p), copy[n]) for n, p in model.named_parameters())
+
+
+def test_a_missing_weight_is_named_and_strict_false_leaves_it(tmp_path):
+    a, cls = save(tmp_path, "llama", False, seed=1, name="a")
+    b, _ = save(tmp_path, "llama", False, seed=2, name="b")
+    path = os.path.join(b, "model.safetensors")
+    state = st.load_file(path)
+    dropped = state.pop("lm_head.weight")
+    st.save_file(state, path, metadata={"format": "pt"})
+    model = cls.from_pretrained(a).eval()
+    kept = model.lm_head.weight.detach().clone()
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        reload_weights(model, b)
+    reload_weights(model, b, strict=False)
+    assert torch.equal(model.lm_head.weight, kept) and not torch.equal(kept, dropped)
+    assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+
+
+def test_a_failure_part_way_names_the_written_weights(tmp_path, monkeypatch):
+    a, cls = save(tmp_path, "llama", False, seed=1, name="a")
+    b, _ = save(tmp_path, "llama", False, seed=2, name="b")
+    model = cls.from_pretrained(a).eval()
+    monkeypatch.setenv("INSTANT_STAGING_FAULTS", "read#6=EIO")
+    with pytest.raises(LoadError) as e:
+        reload_weights(model, b, chunk_size=4096, threads=1)
+    assert e.value.unwritten
