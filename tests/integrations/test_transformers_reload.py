@@ -93,3 +93,18 @@ def test_a_failure_part_way_names_the_written_weights(tmp_path, monkeypatch):
     with pytest.raises(LoadError) as e:
         reload_weights(model, b, chunk_size=4096, threads=1)
     assert e.value.unwritten
+
+
+def test_bench_reload_quick(tmp_path):
+    import json
+
+    from support import ROOT, run_script
+    out = tmp_path / "reload.json"
+    r = run_script(os.path.join(ROOT, "benchmarks", "bench_reload.py"), "--quick", "--dir",
+                   str(tmp_path), "--json", str(out), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [(x["layout"], x["method"]) for x in rows] == [
+        ("dense", "load_file"), ("dense", "load_into"), ("dense-model", "load_state_dict"),
+        ("dense-model", "reload_weights"), ("finemoe", "load_file"), ("finemoe", "load_into")]
+    assert all(x["bit_exact"] is True and x["best"] > 0 for x in rows)
