@@ -94,6 +94,10 @@ for weights this loader does not read (``use_safetensors=False``,
    devices are checked before anything is read (an absent ``cuda:1`` is a
    ValueError naming it).
 
+``reload_weights(model, source)`` (``_reload.py``) writes a checkpoint of
+the same architecture into an existing model in place (``Checkpoint.load_into``),
+its names mapped by transformers' own renaming.
+
 transformers is an optional dependency: ``pip install
 'instant_staging[transformers]'`` (with accelerate, which transformers
 needs for a GPU ``device_map``).
