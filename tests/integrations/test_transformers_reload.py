@@ -108,3 +108,24 @@ def test_bench_reload_quick(tmp_path):
         ("dense", "load_file"), ("dense", "load_into"), ("dense-model", "load_state_dict"),
         ("dense-model", "reload_weights"), ("finemoe", "load_file"), ("finemoe", "load_into")]
     assert all(x["bit_exact"] is True and x["best"] > 0 for x in rows)
+
+
+def test_the_base_model_prefix_is_added_and_stripped_as_from_pretrained_does(tmp_path):
+    a, cls = save(tmp_path, "llama", False, seed=1, name="a")
+    b, _ = save(tmp_path, "llama", False, seed=2, name="b")
+    task = cls.from_pretrained(a).eval()
+    base_b = transformers.LlamaModel.from_pretrained(b).eval()       # its keys lack "model."
+    base_dir = tmp_path / "base-b"
+    base_b.save_pretrained(base_dir)
+    reload_weights(task, base_dir, strict=False)                      # lm_head: not in it
+    for name, p in base_b.named_parameters():
+        assert torch.equal(bits(dict(task.model.named_parameters())[name]), bits(p)), name
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        reload_weights(task, base_dir)
+    base = transformers.LlamaModel.from_pretrained(a).eval()
+    ptrs = {n: p.data_ptr() for n, p in base.named_parameters()}
+    reload_weights(base, b, strict=False)                             # "model." stripped; lm_head unused
+    fresh = cls.from_pretrained(b).eval()
+    for name, p in fresh.model.named_parameters():
+        got = dict(base.named_parameters())[name]
+        assert torch.equal(bits(got), bits(p)) and got.data_ptr() == ptrs[name], name

@@ -22,10 +22,11 @@ functions where it has them:
   ``_checkpoint_conversion_mapping``, the base model prefix).
 
 Tied weights are written once (two checkpoint names of one storage: the
-first in reading order; the other must then be one the model ties, else
-it is an error).  Buffers are written where the checkpoint has them.  A
-parameter the checkpoint lacks, or a checkpoint tensor the model lacks, is
-an error before anything is written (``strict=False``: both skipped).  A
+first in reading order).  Buffers are written where the checkpoint has
+them.  A parameter the checkpoint lacks, or a checkpoint tensor the model
+lacks, is an error before anything is written (``strict=False``: both
+skipped; the class's ``_keys_to_ignore_on_load_*`` patterns are ignored,
+as ``from_pretrained`` ignores them).  A
 model spread over several devices (``device_map``) gets one load per
 device, of the one open checkpoint.
 """
@@ -104,6 +105,9 @@ def destinations(torch, model, checkpoint, key_mapping=None, strict=True):
         used.add(key)
         by_device.setdefault(dest.device, {})[name] = dest
     if strict:
+        # (the class's own patterns, as from_pretrained ignores them: an old
+        # checkpoint's rotary inv_freq, a head the class does not have)
+        unexpected = _not_ignored(unexpected, getattr(model, "_keys_to_ignore_on_load_unexpected", None))
         if unexpected:
             raise ValueError(f"{len(unexpected)} checkpoint tensor(s) have no counterpart in "
                              f"{type(model).__name__} (nothing written; strict=False skips them): "
@@ -111,11 +115,18 @@ def destinations(torch, model, checkpoint, key_mapping=None, strict=True):
         shared = _aliases(state)
         missing = [k for k in state if k in params and k not in used
                    and not (shared.get(k, set()) & used)]
+        missing = _not_ignored(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
         if missing:
             raise ValueError(f"{len(missing)} parameter(s) of {type(model).__name__} are not in "
                              f"the checkpoint (nothing written; strict=False leaves them): "
                              + _listed(missing))
     return by_device
+
+
+def _not_ignored(names, patterns):
+    if not patterns:
+        return names
+    return [n for n in names if not any(re.search(p, n) for p in patterns)]
 
 
 def _aliases(state):
