@@ -129,3 +129,22 @@ def test_the_base_model_prefix_is_added_and_stripped_as_from_pretrained_does(tmp
     for name, p in fresh.model.named_parameters():
         got = dict(base.named_parameters())[name]
         assert torch.equal(bits(got), bits(p)) and got.data_ptr() == ptrs[name], name
+
+
+@pytest.mark.gpu
+def test_a_model_over_two_devices_is_reloaded_on_each(tmp_path):
+    a, cls = save(tmp_path, "llama", False, seed=1, name="a")
+    b, _ = save(tmp_path, "llama", False, seed=2, name="b")
+    where = {"model.embed_tokens": "cpu", "model.layers.0": 0, "model.layers.1": "cpu",
+             "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
+    model = cls.from_pretrained(a, device_map=where).eval()
+    devices = {p.device.type for p in model.parameters()}
+    assert devices == {"cpu", "cuda"}, devices
+    before = _ptrs(model)
+    reports = reload_weights(model, b)
+    assert sorted(r.device for r in reports) == ["cpu", "cuda:0"]
+    assert _ptrs(model) == before
+    fresh = cls.from_pretrained(b).eval()
+    ours = dict(model.named_parameters())
+    for name, p in fresh.named_parameters():
+        assert torch.equal(bits(ours[name].cpu()), bits(p)), name
