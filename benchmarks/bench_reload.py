@@ -113,9 +113,7 @@ def bench_layout(torch, device, name, paths, repeat):
         t.zero_()
     load_into(paths, dests)
     rows.append(record(name, "load_into", nbytes, m, same(torch, dests, reference), staging_bytes()))
-    del dests, reference
-    gc.collect()
-    return rows
+    return rows         # (the tensors go with the frame)
 
 
 def bench_model(torch, device, paths, scale, repeat):
@@ -123,6 +121,7 @@ def bench_model(torch, device, paths, scale, repeat):
     try:
         import safetensors.torch as st
         import transformers
+
         from instant_staging.integrations.transformers import reload_weights
     except ImportError as e:
         print(f"transformers rows skipped: {e}")
@@ -157,8 +156,6 @@ def bench_model(torch, device, paths, scale, repeat):
     exact = (same(torch, dict(model.state_dict()), reference)
              and ptrs == {k: v.data_ptr() for k, v in model.state_dict().items()})
     rows.append(record("dense-model", "reload_weights", nbytes, m, exact, staging_bytes()))
-    del model, reference
-    gc.collect()
     return rows
 
 

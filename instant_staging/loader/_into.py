@@ -30,8 +30,9 @@ that ``except LoadError`` / ``RemoteChangedError`` still catch it) with
 ``written``: the names whose bytes are all written, in reading order
 (those the load handed out before the failure: one finished just as it
 came is counted with the others), and ``unwritten``: the others, which
-may hold some of the new bytes and some of the old.  A LoadError's message says so too.  The load's teardown is
-any load's: readers joined, staging buffer and files given back.
+may hold some of the new bytes and some of the old.  A LoadError's
+message says so too.  The load's teardown is any load's: readers joined,
+staging buffer and files given back.
 
 Not under a process group: every rank loads its own part itself (a row
 ``plan`` writes a rank's rows into its shard).

@@ -17,11 +17,13 @@ from instant_staging.loader import (
     Checkpoint,
     LoadError,
     MissingNameError,
-    VerifyError,
+    _into,
+    _options,
+    _prepare,
+    _shards,
     empty_cache,
     load_into,
 )
-from instant_staging.loader import _into, _options, _prepare, _shards
 from instant_staging.testing import FaultPlan, SimulatedRuntime
 
 from support import run_child
@@ -171,7 +173,7 @@ def test_every_mismatch_is_refused_before_any_byte_is_written(model, door):
 
 
 def test_a_missing_name_is_a_key_error_and_a_value_error(model):
-    path, tensors = model
+    path, _ = model
     with pytest.raises(MissingNameError) as e:
         load_into(path, {"nope": torch.zeros(1)})
     assert isinstance(e.value, KeyError) and isinstance(e.value, ValueError)
@@ -317,6 +319,7 @@ def test_an_interrupt_part_way_names_the_written_tensors_and_leaks_nothing(tmp_p
 def test_a_remote_object_that_changed_names_the_written_tensors(tmp_path):
     pytest.importorskip("obstore")
     from instant_staging.loader import RemoteChangedError
+
     from support.remote_servers import RangeHTTPServer
 
     def model(value):

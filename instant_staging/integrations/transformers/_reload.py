@@ -70,7 +70,7 @@ def reload_weights(model: Any, source: Any, *, strict: bool = True, key_mapping:
     with Checkpoint.open(source, storage_options=storage_options) as checkpoint:
         plan = destinations(torch, model, checkpoint, key_mapping, strict)
         reports = []
-        for device, dests in plan.items():
+        for dests in plan.values():        # one load per device
             reports.append(checkpoint.load_into(dests, strict=False, **options))
         return reports
 
