@@ -177,3 +177,10 @@ REMOTE_THREADS = 16
 
 # safe_open's prefetch(threads=None): safetensors 0.9's default.
 PREFETCH_THREADS = 8
+
+# The local cache of URL sources (``cache_dir=``, loader/_cache.py): its
+# entries take at most this many bytes, the least recently used evicted
+# first (INSTANT_STAGING_CACHE_MAX_BYTES chooses otherwise); a fill also
+# leaves CACHE_KEEP_FREE of its file system free for everything else there.
+CACHE_MAX_BYTES = 512 << 30
+CACHE_KEEP_FREE = 1 << 30

@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ._types import parse_size
-from .defaults import MAX_PREFAULT_THREADS
+from ._types import format_size, parse_size
+from .defaults import CACHE_KEEP_FREE, CACHE_MAX_BYTES, MAX_PREFAULT_THREADS
 
 __all__ = ["VARIABLES", "Variable", "get", "markdown_table", "parse_text", "raw", "variable"]
 
@@ -123,6 +123,12 @@ def _seconds(name: str, text: str) -> float:
     return seconds
 
 
+def _directory(name: str, text: str) -> str:
+    if "://" in text:
+        raise ValueError(f"{name}={text!r}: must be a local directory, not a URL")
+    return os.path.expanduser(text)
+
+
 def _fault_plan(name: str, text: str):
     from .faults import FaultPlan  # imports the compiled runtime table: only when set
     try:
@@ -185,6 +191,22 @@ VARIABLES: tuple[Variable, ...] = (
          "`1`: a load keeps the staging buffer it made for the next load to the same device",
          "the loader's own staging buffer; `0` releases it when each load ends",
          _keep_or_release),
+    _row("INSTANT_STAGING_CACHE_DIR", "directory",
+         "no cache",
+         "`cache_dir=None` of `load_file`, `iter_load`, `safe_open`, `Checkpoint.open`, and "
+         "`load` without `--cache-dir`: a local cache of URL sources' objects, filled as they "
+         "load (docs/design.md, \"Object storage\"); files are never cached",
+         _directory),
+    _row("INSTANT_STAGING_CACHE_MAX_BYTES", "size",
+         format_size(CACHE_MAX_BYTES),
+         "the cache's bound: the least recently used entries are removed to keep its files "
+         f"under it (and {format_size(CACHE_KEEP_FREE)} of its disk free); a size such as `100GiB`",
+         _size),
+    _row("INSTANT_STAGING_MAX_BYTES_PER_SECOND", "size",
+         "no cap",
+         "`max_bytes_per_second=None` of `load_file`, `iter_load`, `Checkpoint.load`: the most "
+         "bytes a load fetches from object storage per second; a size such as `200MiB`",
+         _size),
     _row("INSTANT_STAGING_DIST_TIMEOUT", "seconds in (0, 604800]",
          "600 (seconds)",
          "`process_group=` loads: how long a rank waits for the others at each agreement before "

@@ -172,14 +172,14 @@ def sources(args, revision=None):
     return shards
 
 
-def open_checkpoint(source):
-    """``Checkpoint.open(source)``: every header parsed, once.  Raises
+def open_checkpoint(source, cache_dir=None):
+    """``Checkpoint.open(source, cache_dir=cache_dir)``: every header parsed, once.  Raises
     ``UsageError`` for a SOURCE named wrongly (a file, a shard or an object
     that is not there, a source of the wrong form, a URL without the
     client its extra installs), else what the loader raised (a bad file: a
     SafetensorsError; a read that failed: an OSError)."""
     try:
-        return Checkpoint.open(source)
+        return Checkpoint.open(source, cache_dir=cache_dir)
     except SafetensorsError:
         raise
     except ImportError as e:
@@ -205,7 +205,7 @@ def knobs(checkpoint, options):
 
 def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
          io_depth=defaults.IO_DEPTH, threads=None, verify=False, staging_bytes=None,
-         allow_pageable=False, runtime=None, progress=None):
+         allow_pageable=False, runtime=None, progress=None, max_bytes_per_second=None):
     """Loads ``source``: a ``Checkpoint`` (left open), or ``load_file``'s
     source (opened here, and closed); returns the result dict (each tensor
     is dropped as it arrives) with the figures of the load's
@@ -217,7 +217,7 @@ def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
     RuntimeError, for a failed read or copy).
     """
     args = (device, dtype, chunk_size, io_depth, threads, verify, staging_bytes, allow_pageable,
-            runtime, progress)
+            runtime, progress, max_bytes_per_second)
     if isinstance(source, Checkpoint):
         return _load(source, *args)
     if not isinstance(source, (str, bytes, os.PathLike)):
@@ -227,7 +227,7 @@ def load(source, *, device="cuda:0", dtype=None, chunk_size=defaults.CHUNK_SIZE,
 
 
 def _load(checkpoint, device, dtype, chunk_size, io_depth, threads, verify, staging_bytes,
-          allow_pageable, runtime, progress):
+          allow_pageable, runtime, progress, max_bytes_per_second=None):
     files = checkpoint.files
     data_bytes = checkpoint.nbytes
     io_depth = defaults.io_depth_for(io_depth, threads)     # as the loader
@@ -245,7 +245,8 @@ def _load(checkpoint, device, dtype, chunk_size, io_depth, threads, verify, stag
     try:
         with checkpoint.iter_load(device, dtype=dtype, chunk_size=chunk_size, io_depth=io_depth,
                                   threads=threads, staging=buf, verify=verify,
-                                  progress=progress) as it:
+                                  progress=progress,
+                                  max_bytes_per_second=max_bytes_per_second) as it:
             for _ in it:
                 pass
         report = it.report
@@ -275,6 +276,7 @@ def _load(checkpoint, device, dtype, chunk_size, io_depth, threads, verify, stag
             "device": report.device or str(device), "dtype": None if dtype is None else str(dtype),
             "tensors": report.tensors, "bytes": report.bytes,
             "seconds": report.seconds, "gbps": report.gbps, "phases": dict(report.phases),
+            "cache_hit_bytes": report.cache_hit_bytes, "fetched_bytes": report.fetched_bytes,
             "chunk_size": report.chunk_size or chunk_size, "io_depth": io_depth,
             "threads": threads,
             # the reader threads that ran (no more than the load has chunks)

@@ -242,6 +242,12 @@ def build_parser():
     ld.add_argument("--allow-pageable", action="store_true",
                     help="accept unpinned staging memory when nothing can be pinned")
     ld.add_argument("--verify", action="store_true", help="check every tensor after loading")
+    ld.add_argument("--cache-dir", default=None, metavar="DIR",
+                    help="a URL source: a local cache of its objects, filled as they load and "
+                    "read by later loads (default $INSTANT_STAGING_CACHE_DIR, else none)")
+    ld.add_argument("--max-bytes-per-second", type=size_arg, default=None, metavar="SIZE",
+                    help="a URL source: fetch at most this many bytes per second "
+                    "(default $INSTANT_STAGING_MAX_BYTES_PER_SECOND, else no cap)")
     ld.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -282,7 +288,8 @@ def run_load(args, parser):
             source, failed = None, e
         # the flags, else the variables, else the defaults: checked as the loader checks them
         options = LoadOptions.build(chunk_size=args.chunk_size, io_depth=args.io_depth,
-                                    threads=args.threads)
+                                    threads=args.threads,
+                                    max_bytes_per_second=args.max_bytes_per_second)
         probe.env_plan()                # a bad INSTANT_STAGING_FAULTS: as probe, a usage error
     except (OSError, ValueError, TypeError) as e:
         # a missing file or directory, a FIFO, a file named twice, a bad
@@ -308,7 +315,7 @@ def run_load(args, parser):
         # Opened once: the shards resolved, every header parsed; the load,
         # its knobs and its report all come from this one.
         try:
-            checkpoint = load_cmd.open_checkpoint(source)
+            checkpoint = load_cmd.open_checkpoint(source, cache_dir=args.cache_dir)
         except load_cmd.UsageError as e:    # a missing file, shard or object; no client for a URL
             parser.error(str(e))
         except (OSError, ValueError, RuntimeError) as e:
@@ -331,7 +338,8 @@ def run_load(args, parser):
             result = load_cmd.load(checkpoint, device=args.device, dtype=args.dtype,
                                    chunk_size=chunk_size, io_depth=io_depth, threads=threads,
                                    verify=args.verify, staging_bytes=args.staging_size,
-                                   allow_pageable=args.allow_pageable, progress=progress)
+                                   allow_pageable=args.allow_pageable, progress=progress,
+                                   max_bytes_per_second=options.max_bytes_per_second)
         except (ImportError, StagingError, OSError, ValueError, RuntimeError) as e:
             # ImportError: no torch; ValueError: a bad file (SafetensorsError);
             # RuntimeError: a failed read or copy (LoadError), or torch's own

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from . import _entries, _gc
+from ._cache import Cache, cached
+from ._cache import directory as cache_directory
 from ._options import LoadOptions
 from ._prepare import (
     check_selection,
@@ -31,7 +33,7 @@ from ._remote import resolve as resolve_url
 from ._run import LoadIterator, LoadReport
 from ._shards import Shards
 from ._source import resolve
-from ._typing import Device, DType, Names, Source
+from ._typing import CacheDir, Device, DType, Names, Source
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +83,8 @@ class Checkpoint:
         return self._info_table
 
     @classmethod
-    def open(cls, source: Source, *, storage_options: Optional[Mapping] = None) -> "Checkpoint":
+    def open(cls, source: Source, *, storage_options: Optional[Mapping] = None,
+             cache_dir: CacheDir = None) -> "Checkpoint":
         """Opens ``source``: resolves its shards and parses every header.
 
         A URL's objects are resolved through the object store.
@@ -90,6 +93,8 @@ class Checkpoint:
             source: as ``load_file``'s.
             storage_options: for a URL source, passed to the object store
                 (as ``load_file``'s); default None.
+            cache_dir: for a URL source, the local cache (as ``load_file``'s);
+                its loads read the objects it holds and fill it with the rest.
 
         Returns:
             The open ``Checkpoint`` (a context manager).
@@ -103,10 +108,11 @@ class Checkpoint:
         """
         t0 = time.perf_counter()
         try:
-            shards, src = _shards(source, storage_options)     # nothing opened yet
+            shards, src = _shards(source, storage_options, cache_dir)     # nothing opened yet
             try:
                 shards.open(src.paths)
                 src.check(shards)
+                shards = cached(shards)     # the cache's entries, where it holds every object
                 # Made here, not by the caller: a Ctrl-C as a call returns
                 # would drop the open shards out of anyone's reach.  Once
                 # made, the Checkpoint closes them when it is collected.
@@ -188,7 +194,8 @@ class Checkpoint:
                 step-1 slice of its first dimension (a tensor-parallel
                 rank's share); only those bytes are read and copied.
             **options: ``chunk_size``, ``io_depth``, ``threads``, ``staging``,
-                ``verify``, ``progress``, ``views``, ``backend`` (``LoadOptions``).
+                ``verify``, ``progress``, ``views``, ``backend``,
+                ``max_bytes_per_second`` (``LoadOptions``).
 
         Returns:
             The tensors; the load's ``LoadReport`` is ``self.last_report``.
@@ -341,15 +348,22 @@ class Checkpoint:
         return f"<instant_staging Checkpoint of {len(self._shards.paths)} file(s), {state}>"
 
 
-def _shards(source, storage_options):
+def _shards(source, storage_options, cache_dir=None):
     """``(shards, Source)``: the files, or objects, of ``source``, resolved;
     none opened yet (``Shards.open``)."""
     if is_url(source):
+        directory = cache_directory(cache_dir)
+        cache = Cache(directory) if directory is not None else None
         src, objects = resolve_url(source, _Stores(storage_options))
-        return RemoteShards(objects), src
+        shards = RemoteShards(objects)
+        shards.cache = cache
+        return shards, src
     if storage_options is not None:
         raise ValueError("storage_options apply to a URL source (s3://, gs://, az://, "
                          "https://), not to files")
+    if cache_dir is not None and cache_dir is not False:
+        raise ValueError("cache_dir applies to a URL source (s3://, gs://, az://, https://), "
+                         "not to files")
     return Shards(), resolve(source)
 
 

@@ -382,7 +382,7 @@ def _contents(checkpoint):
     for i, h in enumerate(checkpoint.headers):
         header = hashlib.sha256(checkpoint.read_bytes(i, 0, h.data_start)).hexdigest()
         pages = origin = None
-        if checkpoint.fetch is not None:
+        if checkpoint.from_url:             # (fetched, or read from the local cache: the same)
             origin = checkpoint.origin(i)
         else:                               # files
             data = h.file_size - h.data_start

@@ -49,7 +49,8 @@ from ._target import _import_torch, _TorchTarget, parse_device
 
 # The options a load into given tensors takes (LoadOptions' less views=,
 # which is False here: a destination is one tensor).
-OPTIONS = ("chunk_size", "io_depth", "threads", "staging", "verify", "progress", "backend")
+OPTIONS = ("chunk_size", "io_depth", "threads", "staging", "verify", "progress", "backend",
+           "max_bytes_per_second")
 
 
 class MissingNameError(KeyError, ValueError):

@@ -13,7 +13,7 @@ from ._checkpoint import Checkpoint, load_shared
 from ._options import LoadOptions
 from ._prepare import checked_target, parse_target, usable_target
 from ._run import LoadIterator, LoadReport
-from ._typing import Device, DType, Names, ProgressArg, Source
+from ._typing import CacheDir, Device, DType, Names, ProgressArg, Source
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +29,9 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
               io_depth: Optional[int] = None, threads: Optional[int] = None,
               staging: Optional["StagingBuffer"] = None, verify: bool = False,
               progress: ProgressArg = None, views: bool = True,
-              backend: str = "mmap", storage_options: Optional[Mapping] = None) -> "LoadIterator":
+              backend: str = "mmap", storage_options: Optional[Mapping] = None,
+              cache_dir: CacheDir = None,
+              max_bytes_per_second: Optional[int] = None) -> "LoadIterator":
     """Loads safetensors file(s), yielding ``(name, tensor)`` as each finishes.
 
     Headers are parsed and validated when this is called; the load runs
@@ -49,14 +51,15 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     began = time.perf_counter()
     build = functools.partial(LoadOptions.build, chunk_size=chunk_size, io_depth=io_depth,
                               threads=threads, staging=staging, verify=verify, progress=progress,
-                              views=views, backend=backend)
+                              views=views, backend=backend,
+                              max_bytes_per_second=max_bytes_per_second)
     if process_group is not None:
         # Every step, opening included, inside the group's first agreement:
         # a rank whose file is bad (or device unusable) tells the others.
         def parts():
             options = build()
             target = checked_target(device, dtype)
-            with Checkpoint.open(source, storage_options=storage_options) as checkpoint:
+            with Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir) as checkpoint:
                 return options, target, checkpoint._hold()
         return load_shared(parts, names, None, process_group, began)
     opts = build()
@@ -66,7 +69,7 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     # beside it), and an unusable one is still the first error.
     parsed = parse_target(device, dtype)
     try:
-        checkpoint = Checkpoint.open(source, storage_options=storage_options)
+        checkpoint = Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir)
     except Exception:
         usable_target(parsed)
         raise
@@ -80,7 +83,8 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
               io_depth: Optional[int] = None, threads: Optional[int] = None,
               staging: Optional["StagingBuffer"] = None, verify: bool = False,
               progress: ProgressArg = None, views: bool = True,
-              backend: str = "mmap", storage_options: Optional[Mapping] = None
+              backend: str = "mmap", storage_options: Optional[Mapping] = None,
+              cache_dir: CacheDir = None, max_bytes_per_second: Optional[int] = None
               ) -> dict[str, "torch.Tensor"]:
     """Loads safetensors file(s) into ``{name: tensor}`` on ``device``.
 
@@ -142,6 +146,17 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
             config (keys client_options and retry_config: to those);
             credentials and endpoints otherwise come from the client's
             standard chain.
+        cache_dir: for a URL source: a local directory that caches its
+            objects (loader/_cache.py): a load fills it in the same pass
+            that streams the objects to the device, and a later load of the
+            same objects (same ETag and size) reads them from it as local
+            files.  None: $INSTANT_STAGING_CACHE_DIR, else no cache; False:
+            no cache.  A cache that cannot be written is left out with one
+            warning, never a failed load.  The report's cache_hit_bytes and
+            fetched_bytes say which bytes came from where.
+        max_bytes_per_second: for a URL source: the most bytes per second
+            its data is fetched at (None: $INSTANT_STAGING_MAX_BYTES_PER_SECOND,
+            else no cap).
 
     Returns:
         ``{name: tensor}`` on ``device``, in reading order.
@@ -160,7 +175,8 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     with iter_load(source, device, dtype=dtype, names=names, process_group=process_group,
                    chunk_size=chunk_size, io_depth=io_depth, threads=threads, staging=staging,
                    verify=verify, progress=progress, views=views, backend=backend,
-                   storage_options=storage_options) as it:
+                   storage_options=storage_options, cache_dir=cache_dir,
+                   max_bytes_per_second=max_bytes_per_second) as it:
         # No caller code runs between the tensors here (iter_load's caller
         # does): the collector stays paused over the whole loop.
         with _gc.paused():
@@ -170,14 +186,15 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
 
 def load_into(source: Source, tensors: Mapping[str, "torch.Tensor"], *, names: Names = None,
               plan: Optional[dict] = None, strict: bool = True,
-              storage_options: Optional[Mapping] = None, **options) -> "LoadReport":
+              storage_options: Optional[Mapping] = None, cache_dir: CacheDir = None,
+              **options) -> "LoadReport":
     """Writes the tensors of ``source`` into ``tensors``, in place.
 
     ``Checkpoint.open(source).load_into(tensors, ...)``, the destinations
     checked before the checkpoint is opened.
 
     Args:
-        source, storage_options: as ``load_file``'s.
+        source, storage_options, cache_dir: as ``load_file``'s.
         tensors, names, plan, strict, **options: as ``Checkpoint.load_into``'s.
 
     Returns:
@@ -190,5 +207,5 @@ def load_into(source: Source, tensors: Mapping[str, "torch.Tensor"], *, names: N
     from ._into import load_into as into
     began = time.perf_counter()
     args = checked(tensors, strict, options)
-    with Checkpoint.open(source, storage_options=storage_options) as checkpoint:
+    with Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir) as checkpoint:
         return into(checkpoint, args, names, plan, strict, began, checkpoint.open_seconds)

@@ -54,6 +54,7 @@ ENV_CHUNK_SIZE = "INSTANT_STAGING_CHUNK_SIZE"
 ENV_IO_DEPTH = "INSTANT_STAGING_IO_DEPTH"
 ENV_THREADS = "INSTANT_STAGING_THREADS"
 ENV_KEEP_STAGING = "INSTANT_STAGING_KEEP_STAGING"
+ENV_MAX_BYTES_PER_SECOND = "INSTANT_STAGING_MAX_BYTES_PER_SECOND"
 
 # Short names people type for the common floating dtypes (CLI --dtype too).
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
@@ -130,6 +131,19 @@ def for_cache(resident) -> dict:
              "INSTANT_STAGING_* choose otherwise)", 100 * resident, format_size(COLD_CHUNK_SIZE),
              threads)
     return {"chunk_size": COLD_CHUNK_SIZE, "io_depth": None, "threads": threads}
+
+
+def bandwidth_cap(value):
+    """A load's ``max_bytes_per_second``: ``value`` (an int >= 1) where given,
+    else ``INSTANT_STAGING_MAX_BYTES_PER_SECOND`` (a size, per second), else
+    None (no cap).  Only a URL source's fetches are capped (``_throttle.py``)."""
+    if value is None:
+        return envs.get(ENV_MAX_BYTES_PER_SECOND)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"max_bytes_per_second must be an int or None, not {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"max_bytes_per_second must be >= 1, got {value}")
+    return value
 
 
 def keep_staging() -> bool:
@@ -249,10 +263,13 @@ class LoadOptions:
     verify: bool = False
     progress: Optional[Callable[[int, int], object]] = None
     views: bool = True
+    # bytes per second a URL source's data is fetched at, at most (None: no cap)
+    max_bytes_per_second: Optional[int] = None
 
     @classmethod
     def build(cls, *, chunk_size=None, io_depth=None, threads=None, staging=None, verify=False,
-              progress=None, views=True, backend="mmap") -> "LoadOptions":
+              progress=None, views=True, backend="mmap",
+              max_bytes_per_second=None) -> "LoadOptions":
         if not isinstance(views, bool):
             raise TypeError(f"views must be a bool, not {type(views).__name__}")
         check_backend(backend)
@@ -260,8 +277,10 @@ class LoadOptions:
         _check_args(*resolved)
         if staging is not None:
             _check_staging(staging)
+        cap = bandwidth_cap(max_bytes_per_second)
         return cls(*resolved, tuned=left_unset(chunk_size, io_depth, threads), staging=staging,
-                   verify=verify, progress=_progress_callback(progress), views=views)
+                   verify=verify, progress=_progress_callback(progress), views=views,
+                   max_bytes_per_second=cap)
 
     def for_checkpoint(self, checkpoint) -> "LoadOptions":
         """These options with the checkpoint's own knobs where the caller set none."""

@@ -40,6 +40,7 @@ from . import _blocks, _entries, _gc, _staging_pool
 from ._errors import LoadError
 from ._options import LoadOptions, torch_dtype
 from ._target import _import_torch, _TorchTarget, parse_device
+from ._throttle import Throttle
 
 if TYPE_CHECKING:
     import torch
@@ -113,6 +114,12 @@ def select(shards, names, plan):
             shards.select_rows(plan)
         else:
             shards.select(names)
+
+
+def throttled(shards, options: LoadOptions):
+    """Gives this load's share of a URL source its bandwidth cap (``_throttle.py``)."""
+    if options.max_bytes_per_second is not None:
+        shards.throttle = Throttle(options.max_bytes_per_second)
 
 
 # -- the staging buffer, started while the load goes on -----------------------------
@@ -360,6 +367,7 @@ def prepare_solo(shards, target, options: LoadOptions, names=None, plan=None) ->
     its staging buffer started."""
     try:
         select(shards, names, plan)
+        throttled(shards, options)
         with _gc.paused():
             options = options.for_checkpoint(shards)
             dtypes = target.dtypes(shards.entries, shards.paths)
@@ -376,6 +384,7 @@ def prepare_share(shards, target, options: LoadOptions, names=None, plan=None) -
     which the ranks agree on; the reads are the group's."""
     try:
         select(shards, names, plan)
+        throttled(shards, options)
         with _gc.paused():
             resident = shards.resident() if options.tuned else False
             dtypes = target.dtypes(shards.entries, shards.paths)

@@ -564,6 +564,12 @@ class RemoteShards(Shards):
     takes.  It owns no descriptor and no socket (the client's connection
     pool is the store's, dropped with it)."""
 
+    from_url = True
+    # The local cache of the objects (``_cache.Cache``), where the open has one.
+    cache = None
+    # A load's bandwidth cap (``_throttle.Throttle``), set on its share.
+    throttle = None
+
     def __init__(self, objects):
         self._objects = list(objects)
         self._error = None
@@ -659,6 +665,8 @@ class RemoteShards(Shards):
             raw = first[8:] + self.read_bytes(index, len(first), 8 + length - len(first),
                                               what="reading its header")
         self.headers.append(parse_header(raw, url, obj.size))
+        if self.cache is not None:
+            self.cache.opened(index, obj, first[:8] + raw)
 
     def origin(self, index):
         """``(url, ETag, version)`` of object ``index`` as it was opened
@@ -677,7 +685,15 @@ class RemoteShards(Shards):
 
     def _fetch(self, index, offset, length):
         try:
-            return self._get(index, offset, length, "loading")
+            cache = self.cache
+            data = None if cache is None else cache.read(index, offset, length)
+            if data is None:
+                if self.throttle is not None:
+                    self._stop.wait(self.throttle.take(length))     # (a cancel ends it)
+                data = self._get(index, offset, length, "loading")
+                if cache is not None:
+                    cache.write(index, offset, data)
+            return data
         except BaseException as e:
             with self._error_lock:
                 if self._error is None:
@@ -694,6 +710,11 @@ class RemoteShards(Shards):
 
     def current_size(self, index):
         return self._objects[index].size
+
+    def byte_sources(self):
+        if self.cache is None:
+            return 0, self.total_bytes
+        return self.cache.sources(self.entries)
 
     def _get(self, index, offset, length, what):
         obstore = self._obstore
@@ -754,6 +775,8 @@ class RemoteShards(Shards):
         self.fds = []
         for obj in self._objects:
             obj.store = None
+        if self.cache is not None:
+            self.cache.close()      # (its partial files, after the readers were joined)
 
 
 # Objects asked for their first bytes at once when a checkpoint opens.

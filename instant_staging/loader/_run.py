@@ -108,7 +108,10 @@ class LoadReport(NamedTuple):
     the call (``load_file``, ``Checkpoint.load``) to the last tensor;
     ``phases`` splits it: ``open`` (sources resolved, headers parsed: 0 for
     a checkpoint opened before), ``prepare`` (arguments, device, plan) and
-    ``load`` (bytes read and copied).
+    ``load`` (bytes read and copied).  ``cache_hit_bytes`` and
+    ``fetched_bytes``: of ``bytes``, those read from a URL source's local
+    cache (``cache_dir=``) and those fetched from its object store (the
+    rest, from files).
     """
 
     tensors: int
@@ -120,6 +123,8 @@ class LoadReport(NamedTuple):
     threads: Optional[int]
     chunk_size: int
     phases: dict
+    cache_hit_bytes: int = 0
+    fetched_bytes: int = 0
 
 
 class _LoadState:
@@ -252,6 +257,7 @@ class LoadIterator:
         self._generator = self._generate(self._state)
         self.names = _entries.names(prepared.shards.entries)
         self.total_bytes = prepared.shards.total_bytes
+        self._sources = prepared.shards.byte_sources()
 
     def _generate(self, state):
         """The generator of the load: ``run`` with this iterator's strategy
@@ -281,7 +287,8 @@ class LoadIterator:
                           staging_kind=kind.name if kind is not None else None,
                           threads=self.threads, chunk_size=self._chunk_size,
                           phases={"open": opened, "prepare": max(made - began - opened, 0.0),
-                                  "load": ended - made})
+                                  "load": ended - made},
+                          cache_hit_bytes=self._sources[0], fetched_bytes=self._sources[1])
 
     @property
     def staging_kind(self):

@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..defaults import PREFETCH_THREADS, default_threads, io_depth_for
 from . import _staging_pool
+from ._cache import Cache, cached
+from ._cache import directory as cache_directory
 from ._errors import MissingTensorError
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
 from ._options import LoadOptions, _check_args, check_backend, knobs, left_unset
@@ -55,7 +57,7 @@ from ._remote import RemoteShards, is_url
 from ._run import LoadIterator
 from ._shards import Shards
 from ._target import _import_torch, _TorchTarget, parse_device
-from ._typing import Device, PathLike
+from ._typing import CacheDir, Device, PathLike
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +81,11 @@ class _View:
         read = checkpoint.share(lambda: None)
         self.fetch, self.fetch_error = read.fetch, read.fetch_error
         self.read_bytes, self.current_size = checkpoint.read_bytes, checkpoint.current_size
+        read.entries, read.total_bytes = self.entries, self.total_bytes
+        self._sources = read.byte_sources()
+
+    def byte_sources(self):
+        return self._sources
 
     def stop_warming(self):
         pass        # (a read of a safe_open's is never warmed: _prepare.usable_target)
@@ -232,6 +239,9 @@ class safe_open:
             torch.device or an int.
         backend: "mmap" (the default) or "pread", as ``load_file``'s.
         storage_options: for a URL only, as ``load_file``'s; default None.
+        cache_dir: for a URL only, as ``load_file``'s (the object's bytes
+            are read from the cache where it holds them, else fill it once
+            every byte was read through this handle); default None.
 
     Raises:
         TypeError, ValueError: a framework other than "pt", a bad backend or
@@ -242,7 +252,8 @@ class safe_open:
     """
 
     def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu", *,
-                 backend: str = "mmap", storage_options: Mapping[str, Any] | None = None):
+                 backend: str = "mmap", storage_options: Mapping[str, Any] | None = None,
+                 cache_dir: CacheDir = None):
         check_backend(backend)
         if not isinstance(framework, str):
             raise TypeError(f"framework must be a string such as 'pt', not {type(framework).__name__}")
@@ -254,15 +265,21 @@ class safe_open:
         chunk_size, io_depth, threads = knobs(None, None, None)
         _check_args(chunk_size, io_depth, threads)
         if is_url(filename):        # one object: s3://bucket/key.safetensors, https://...
+            directory = cache_directory(cache_dir)
+            cache = Cache(directory) if directory is not None else None
             checkpoint = RemoteShards(RemoteShards.one(filename, storage_options))
+            checkpoint.cache = cache
         elif storage_options is not None:
             raise ValueError("storage_options apply to a URL (s3://, gs://, az://, https://), not a file")
+        elif cache_dir is not None and cache_dir is not False:
+            raise ValueError("cache_dir applies to a URL (s3://, gs://, az://, https://), not a file")
         else:
             checkpoint = Shards()
         # Until the handle's _File holds it, the file is closed here on any
         # exception (a Ctrl-C too): nothing else could reach it.
         try:
             checkpoint.open([filename])
+            checkpoint = cached(checkpoint)     # the cache's entry, where it holds the object
             if left_unset(None, None, None):     # load_file's rule: a file the page cache lacks, a URL
                 cold = checkpoint.default_knobs()
                 if cold:

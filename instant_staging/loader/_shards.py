@@ -229,6 +229,9 @@ class Shards:
     # The reader threads pread the descriptors (a remote checkpoint's
     # readers call its fetch instead: ``_remote.py``).
     fetch = None
+    # Whether the shards are a URL source's objects (fetched, or read from
+    # the local cache's entries: ``_cache.py``); such have ``origin(i)``.
+    from_url = False
 
     def default_knobs(self):
         """The knobs for this checkpoint where the caller set none: the cold
@@ -247,6 +250,12 @@ class Shards:
 
     def fetch_error(self):
         return None
+
+    def byte_sources(self):
+        """``(cache_bytes, fetched_bytes)``: how many of the selected tensors'
+        bytes a load reads from a URL source's local cache and fetches from
+        its object store (files: neither)."""
+        return 0, 0
 
     def close(self):
         """Closes the descriptors (idempotent; again after an interrupt,

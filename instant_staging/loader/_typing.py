@@ -14,3 +14,5 @@ Device = Union[str, int, "torch.device"]
 DType = Union[None, str, "torch.dtype"]
 Names = Union[None, Iterable[str], Callable[[str], bool]]
 ProgressArg = Union[None, bool, Callable[[int, int], object]]
+# cache_dir=: a directory, None (the environment's, else none) or False (none).
+CacheDir = Union[None, bool, PathLike]

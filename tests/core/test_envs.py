@@ -129,6 +129,9 @@ BAD = {
     "INSTANT_STAGING_THREADS": ["-3", "four", "0", "1e3"],
     "INSTANT_STAGING_KEEP_STAGING": ["2", "yes", "true", "off"],
     "INSTANT_STAGING_DIST_TIMEOUT": ["0", "-1", "soon", "nan", "inf", "1e400", "1e15", "604801"],
+    "INSTANT_STAGING_CACHE_DIR": ["s3://bucket/cache"],
+    "INSTANT_STAGING_CACHE_MAX_BYTES": ["0", "lots", "-1GiB"],
+    "INSTANT_STAGING_MAX_BYTES_PER_SECOND": ["0", "fast", "-1MiB"],
 }
 
 GOOD = {
@@ -139,6 +142,10 @@ GOOD = {
     "INSTANT_STAGING_THREADS": [("3", 3)],
     "INSTANT_STAGING_KEEP_STAGING": [("1", True), ("0", False)],
     "INSTANT_STAGING_DIST_TIMEOUT": [("2.5", 2.5), ("600", 600.0), ("604800", 604800.0)],
+    "INSTANT_STAGING_CACHE_DIR": [("/nvme/cache", "/nvme/cache"), ("rel/dir", "rel/dir"),
+                                  ("~/c", os.path.expanduser("~/c"))],
+    "INSTANT_STAGING_CACHE_MAX_BYTES": [("100GiB", 100 << 30)],
+    "INSTANT_STAGING_MAX_BYTES_PER_SECOND": [("200MiB", 200 << 20), ("1000", 1000)],
 }
 
 RUN_TIME = [v.name for v in envs.VARIABLES if v.parse is not None]

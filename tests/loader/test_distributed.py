@@ -14,7 +14,6 @@ compared with safetensors' own.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -27,7 +26,7 @@ dist = pytest.importorskip("torch.distributed")
 from instant_staging.loader import DistributedLoadError, load_file
 from instant_staging.loader import _distributed as D
 
-from support import PACKAGE_PARENT
+from support.ranks import free_port, rank_env, run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -180,12 +179,6 @@ def make_files(d):
     return files
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 SCENARIOS = ["replicated", "load_file", "progress_true", "dtype_and_directory", "names", "predicate",
              "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "prefix_sources",
              "own_copies", "other_data", "other_last_page",
@@ -204,24 +197,8 @@ def run_world(tmp, world):
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = dict(os.environ, INSTANT_STAGING_DIST_TIMEOUT=str(TIMEOUT), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_PARENT, TESTS, os.environ.get("PYTHONPATH"))
-                                          if p))
-    env.pop("INSTANT_STAGING_FAULTS", None)
-    procs = [subprocess.Popen([sys.executable, WORKER, spec_path, str(r)], cwd=tmp, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{text[-4000:]}"
+    run_ranks(lambda r: [sys.executable, WORKER, spec_path, str(r)], world,
+              rank_env(INSTANT_STAGING_DIST_TIMEOUT=str(TIMEOUT)), cwd=tmp)
     results = []
     for r in range(world):
         with open(os.path.join(tmp, f"rank{r}.json")) as f:
@@ -549,8 +526,7 @@ def test_the_group_benchmark_runs_on_cpu_ranks(tmp_path):
     # mode end to end (2 ranks, small tensors), every load bit-exact
     # against a solo load, both faults failing on every rank.
     script = os.path.join(os.path.dirname(TESTS), "benchmarks", "group_load.py")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_PARENT,
-                                                                    os.environ.get("PYTHONPATH")) if p))
+    env = rank_env()
     done = subprocess.run([sys.executable, script, "--modes", "cpu", "--ranks", "2", "--tensor-bytes",
                            "4KiB", "--repeat", "1", "--dir", str(tmp_path), "--bucket", "1MiB"],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -11,8 +11,6 @@ is left open.
 import dataclasses
 import json
 import os
-import socket
-import subprocess
 import sys
 import textwrap
 
@@ -23,7 +21,7 @@ dist = pytest.importorskip("torch.distributed")
 
 from instant_staging.loader import LoadOptions, _prepare, _shards
 
-from support import PACKAGE_PARENT
+from support.ranks import free_port, rank_env, run_ranks
 from support.tensors import CHUNK, SimTarget, save
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,35 +126,15 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("bad", ["device", "options"])
 @pytest.mark.parametrize("entry", ["module", "checkpoint"])
 def test_a_bad_rank_raises_on_every_rank_within_seconds(tmp_path, entry, bad):
     path = save(tmp_path, {f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(6)})
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_PARENT, TESTS,
-                                                      os.environ.get("PYTHONPATH")) if p))
-    env.pop("INSTANT_STAGING_DIST_TIMEOUT", None)      # the default: 600 s
-    env.pop("INSTANT_STAGING_FAULTS", None)
+    env = rank_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="",
+                   INSTANT_STAGING_DIST_TIMEOUT=None)      # the default: 600 s
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, path, str(r), entry, bad, outs[r]],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    try:
-        texts = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, text) in enumerate(zip(procs, texts)):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{text[-3000:]}"
+    run_ranks(lambda r: [sys.executable, "-c", WORKER, path, str(r), entry, bad, outs[r]], 2, env,
+              timeout=120)
     got = []
     for o in outs:
         with open(o) as f:

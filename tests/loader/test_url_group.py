@@ -10,7 +10,6 @@ on every rank before any data is fetched."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,7 +21,7 @@ pytest.importorskip("obstore")
 
 from instant_staging.loader import _remote
 
-from support import PACKAGE_PARENT
+from support.ranks import free_port, rank_env, run_ranks
 from support.remote_servers import (  # noqa: F401 (the *_fixture: fixtures, found by their names)
     ACCESS_KEY,
     REGION,
@@ -40,13 +39,6 @@ TESTS = os.path.dirname(os.path.dirname(WORKER))
 MIB_PER_RANK, ROWS, COLS = 32, 512, 1024          # a tensor: 1 MiB of float16
 
 
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _options(endpoint):
     return {"endpoint": endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
             "region": REGION, "client_options": {"allow_http": True}}
@@ -57,24 +49,8 @@ def run_world(tmp, world, proxy, scenarios):
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = dict(os.environ, INSTANT_STAGING_DIST_TIMEOUT="30", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (PACKAGE_PARENT, TESTS, os.environ.get("PYTHONPATH"))
-                                          if p))
-    env.pop("INSTANT_STAGING_FAULTS", None)
-    procs = [subprocess.Popen([sys.executable, WORKER, spec_path, str(r)], cwd=tmp, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{text[-4000:]}"
+    run_ranks(lambda r: [sys.executable, WORKER, spec_path, str(r)], world,
+              rank_env(INSTANT_STAGING_DIST_TIMEOUT="30"), cwd=tmp)
     out = []
     for r in range(world):
         with open(os.path.join(tmp, f"rank{r}.json")) as f:

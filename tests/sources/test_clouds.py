@@ -8,9 +8,7 @@ documented variables, and nothing leaked (threads, sockets, secrets in a
 message).  docs/object-storage-emulators.md says where each server
 differs from its cloud."""
 
-import json
 import os
-import threading
 import time
 
 import pytest
@@ -27,6 +25,10 @@ from support.cloud_servers import (  # noqa: F401 (the *_fixture: fixtures, foun
     cloud_fixture,
     gcs_server_fixture,
 )
+from support.remote_checkpoints import fds as _fds
+from support.remote_checkpoints import same, upload
+from support.remote_checkpoints import settled as _settled
+from support.remote_checkpoints import threads as _threads
 from support.remote_servers import SECRET_KEY, s3_server_fixture  # noqa: F401
 
 
@@ -54,49 +56,6 @@ def moe():
                                    for i in range(2) for e in range(24) for w in ("gate", "up", "down")})]
 
 
-def upload(cloud, prefix, files, tmp_path, index=True):
-    """Writes ``files`` to tmp_path/prefix and to the bucket under prefix;
-    the local directory."""
-    local = tmp_path / prefix
-    local.mkdir(parents=True, exist_ok=True)
-    weight_map = {}
-    for fname, tensors in files:
-        path = local / fname
-        safetensors_torch.save_file(tensors, str(path), metadata={"format": "pt"})
-        cloud.put(f"{prefix}/{fname}", path.read_bytes())
-        weight_map.update({n: fname for n in tensors})
-    if index and len(files) > 1:
-        raw = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
-        (local / "model.safetensors.index.json").write_bytes(raw)
-        cloud.put(f"{prefix}/model.safetensors.index.json", raw)
-    return local
-
-
-def same(got, want):
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        g = got[name]
-        assert g.dtype == t.dtype and g.shape == t.shape, name
-        assert torch.equal(g.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
-
-
-def _fds():
-    return set(os.listdir("/proc/self/fd"))
-
-
-def _threads():
-    return {t.ident for t in threading.enumerate()}
-
-
-def _settled(before_threads, before_fds, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _threads() <= before_threads and _fds() <= before_fds:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def secrets(cloud):
     """What no message may show."""
     return [SECRET_KEY if cloud.scheme == "s3" else AZURE_KEY, AZURE_KEY[:20]] + \
@@ -107,8 +66,8 @@ def secrets(cloud):
 
 def test_every_source_form(cloud, tmp_path):
     files = sharded()
-    local = upload(cloud, "m", files, tmp_path)
-    upload(cloud, "noindex", files, tmp_path / "x", index=False)
+    local = upload(cloud.put, "m", files, tmp_path)
+    upload(cloud.put, "noindex", files, tmp_path / "x", index=False)
     want = load_file(local)
     opts = cloud.storage_options()
     urls = [cloud.url(f"m/{f}") for f, _ in files]
@@ -126,7 +85,7 @@ def test_every_source_form(cloud, tmp_path):
 def test_credentials_and_endpoint_from_the_environment(cloud, tmp_path, monkeypatch):
     """No storage_options: the documented variables alone (AWS_*;
     GOOGLE_SERVICE_ACCOUNT; AZURE_STORAGE_* with the emulator switch)."""
-    local = upload(cloud, "env", moe(), tmp_path)
+    local = upload(cloud.put, "env", moe(), tmp_path)
     for k, v in cloud.env.items():
         monkeypatch.setenv(k, v)
     cloud.proxy.reset_counts()
@@ -140,7 +99,7 @@ def test_credentials_and_endpoint_from_the_environment(cloud, tmp_path, monkeypa
 
 @pytest.mark.parametrize("fault", ["503", "500", "reset", "truncate"])
 def test_transient_failures_are_retried(cloud, tmp_path, fault):
-    local = upload(cloud, "t", moe(), tmp_path)
+    local = upload(cloud.put, "t", moe(), tmp_path)
     want = load_file(local)
     proxy = cloud.proxy
     with Checkpoint.open(cloud.url("t/"), storage_options=cloud.storage_options()) as ck:
@@ -160,7 +119,7 @@ def test_transient_failures_are_retried(cloud, tmp_path, fault):
 def test_a_failure_that_persists_is_one_error_and_leaks_nothing(cloud, tmp_path, monkeypatch):
     from instant_staging.loader import _remote
     monkeypatch.setattr(_remote, "RETRY_SECONDS", 2.0)
-    upload(cloud, "bad", moe(), tmp_path)
+    upload(cloud.put, "bad", moe(), tmp_path)
     url = cloud.url("bad/")
     fds, threads = _fds(), _threads()
     with Checkpoint.open(url, storage_options=cloud.storage_options()) as ck:
@@ -179,7 +138,7 @@ def test_object_replaced_during_the_load(cloud, tmp_path):
     answered 412; fake-gcs-server ignores If-Match, and the old
     generation the GET asks for is gone: 404, "no such object")."""
     files = sharded()
-    upload(cloud, "r", files, tmp_path)
+    upload(cloud.put, "r", files, tmp_path)
     url = cloud.url(f"r/{files[1][0]}")
     with Checkpoint.open(cloud.url("r/"), storage_options=cloud.storage_options()) as ck:
         changed = {n: t.clone() for n, t in files[1][1].items()}
@@ -200,7 +159,7 @@ def test_object_replaced_between_retries_of_a_range(cloud, tmp_path):
     """A body cut short, then the object replaced before the range is asked
     again: the resumed or retried GET is refused, not mixed."""
     files = moe()
-    local = upload(cloud, "rr", files, tmp_path)
+    local = upload(cloud.put, "rr", files, tmp_path)
     raw = (local / files[0][0]).read_bytes()
     proxy = cloud.proxy
     with Checkpoint.open(cloud.url("rr/"), storage_options=cloud.storage_options()) as ck:
@@ -216,7 +175,7 @@ def test_object_replaced_between_retries_of_a_range(cloud, tmp_path):
     (404, FileNotFoundError, "no such object"),
 ])
 def test_refused_or_missing_object_is_one_error_before_loading(cloud, tmp_path, status, error, words):
-    upload(cloud, "e", moe(), tmp_path)
+    upload(cloud.put, "e", moe(), tmp_path)
     url = cloud.url("e/model.safetensors")
     cloud.proxy.fail(status, n=100)
     fds = _fds()
@@ -248,7 +207,7 @@ def test_azure_account_key_and_sas(cloud, tmp_path, monkeypatch):
     import datetime
 
     from support.cloud_servers import AZURE_ACCOUNT, azure_sas
-    local = upload(cloud, "k", moe(), tmp_path)
+    local = upload(cloud.put, "k", moe(), tmp_path)
     want = load_file(local)
     url = cloud.url("k/")
     server = cloud.server
@@ -297,7 +256,7 @@ def test_gcs_service_account_file(cloud, tmp_path, monkeypatch):
     or by GOOGLE_SERVICE_ACCOUNT (the environment test above): its
     gcs_base_url reaches the server.  fake-gcs-server checks no token,
     so what the file signs is not tested (docs/object-storage-emulators.md)."""
-    local = upload(cloud, "sa", moe(), tmp_path)
+    local = upload(cloud.put, "sa", moe(), tmp_path)
     cloud.proxy.reset_counts()
     same(load_file(cloud.url("sa/"), storage_options={"service_account_path": cloud.sa_path}),
          load_file(local))

@@ -28,6 +28,10 @@ from instant_staging.loader import (
 )
 
 from support import TESTS, child_env
+from support.remote_checkpoints import fds as _fds
+from support.remote_checkpoints import put_in, same, upload
+from support.remote_checkpoints import settled as _settled
+from support.remote_checkpoints import threads as _threads
 from support.remote_servers import (  # noqa: F401
     ACCESS_KEY,
     REGION,
@@ -87,57 +91,12 @@ def layouts():
             "mixed": [("model.safetensors", mixed)]}
 
 
-def upload(server, bucket, prefix, files, tmp_path, index=True):
-    """Writes ``files`` to tmp_path/prefix and to bucket/prefix; returns the local directory."""
-    local = tmp_path / prefix
-    local.mkdir(parents=True, exist_ok=True)
-    weight_map = {}
-    for fname, tensors in files:
-        path = local / fname
-        safetensors_torch.save_file(tensors, str(path), metadata={"format": "pt"})
-        server.put(bucket, f"{prefix}/{fname}", path.read_bytes())
-        weight_map.update({n: fname for n in tensors})
-    if index and len(files) > 1:
-        raw = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
-        (local / "model.safetensors.index.json").write_bytes(raw)
-        server.put(bucket, f"{prefix}/model.safetensors.index.json", raw)
-    return local
-
-
-def same(got, want):
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        g = got[name]
-        assert g.dtype == t.dtype and g.shape == t.shape, name
-        assert torch.equal(g.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
-
-
-def _fds():
-    return set(os.listdir("/proc/self/fd"))
-
-
-def _threads():
-    return {t.ident for t in threading.enumerate()}
-
-
-def _settled(before_threads, before_fds=None, timeout=5.0):
-    """Threads (and descriptors: sockets) return to what they were before:
-    the client closes a dropped pool's connections on its own runtime's
-    threads, a moment after the last reference goes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _threads() <= before_threads and (before_fds is None or _fds() <= before_fds):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 # -- every layout and every source form, bit for bit ------------------------------------
 
 @pytest.mark.parametrize("layout", ["dense", "moe", "fp8", "awq", "mixed"])
 def test_layout_from_s3_equals_disk(s3_server, s3_bucket, tmp_path, layout):
     files = layouts()[layout]
-    local = upload(s3_server, s3_bucket, layout, files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), layout, files, tmp_path)
     want = load_file(local)
     got = load_file(f"s3://{s3_bucket}/{layout}/", storage_options=options(s3_server.url),
                     chunk_size=4096)               # many chunks: every range path
@@ -149,8 +108,8 @@ def test_layout_from_s3_equals_disk(s3_server, s3_bucket, tmp_path, layout):
 
 def test_every_s3_source_form(s3_server, s3_bucket, tmp_path):
     files = layouts()["dense"]
-    local = upload(s3_server, s3_bucket, "m", files, tmp_path)
-    upload(s3_server, s3_bucket, "noindex", files, tmp_path / "x", index=False)
+    local = upload(put_in(s3_server, s3_bucket), "m", files, tmp_path)
+    upload(put_in(s3_server, s3_bucket), "noindex", files, tmp_path / "x", index=False)
     want = load_file(local)
     base = f"s3://{s3_bucket}"
     opts = options(s3_server.url)
@@ -168,7 +127,7 @@ def test_every_s3_source_form(s3_server, s3_bucket, tmp_path):
 def test_credentials_and_endpoint_from_the_environment(s3_server, s3_bucket, tmp_path, monkeypatch):
     """No storage_options: the client's standard chain (AWS_* variables,
     AWS_ENDPOINT_URL for an S3-compatible server) finds everything."""
-    local = upload(s3_server, s3_bucket, "env", layouts()["mixed"], tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "env", layouts()["mixed"], tmp_path)
     for k, v in s3_env(s3_server.url).items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_ALLOW_HTTP")          # an http:// endpoint is allowed by itself
@@ -177,7 +136,7 @@ def test_credentials_and_endpoint_from_the_environment(s3_server, s3_bucket, tmp
 
 def test_inspect_fetches_headers_only(s3_server, s3_bucket, tmp_path, fault_proxy):
     files = layouts()["dense"]
-    upload(s3_server, s3_bucket, "h", files, tmp_path)
+    upload(put_in(s3_server, s3_bucket), "h", files, tmp_path)
     fault_proxy.reset_counts()
     with Checkpoint.open(f"s3://{s3_bucket}/h/", storage_options=options(fault_proxy.url)) as ck:
         names, nbytes = ck.names(), ck.nbytes
@@ -203,7 +162,7 @@ def test_open_asks_every_object_at_once(s3_server, s3_bucket, tmp_path, fault_pr
     # Each waits at the proxy until all are there (a barrier, not a clock):
     # one after the other, the first would wait alone and break it.
     files = _four_shards()
-    local = upload(s3_server, s3_bucket, "together", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "together", files, tmp_path)
     barrier, broken = threading.Barrier(len(files)), []
 
     def together(seen):
@@ -223,7 +182,7 @@ def test_open_asks_every_object_at_once(s3_server, s3_bucket, tmp_path, fault_pr
 def test_open_names_the_first_missing_object_and_leaves_no_thread(s3_server, s3_bucket, tmp_path,
                                                                    fault_proxy):
     files = _four_shards()
-    upload(s3_server, s3_bucket, "gone", files, tmp_path)
+    upload(put_in(s3_server, s3_bucket), "gone", files, tmp_path)
     for fname, _ in files[1:3]:
         s3_server.delete(s3_bucket, f"gone/{fname}")
     with pytest.raises(FileNotFoundError, match=files[1][0]):
@@ -236,7 +195,7 @@ def test_a_header_get_that_fails_is_asked_again(s3_server, s3_bucket, tmp_path, 
     # Past the client's own retries (503), or a body cut short: the HEAD
     # and a GET with If-Match, as before the first GET carried the size.
     files = _four_shards()
-    local = upload(s3_server, s3_bucket, f"again{fault[:3]}", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), f"again{fault[:3]}", files, tmp_path)
     if fault == "503":
         fault_proxy.fail(503, n=4, method="GET", path=files[2][0], ranged=True)
     else:
@@ -261,7 +220,7 @@ def test_an_empty_object_is_too_short(s3_server, s3_bucket):
 
 def test_names_fetch_only_their_ranges(s3_server, s3_bucket, tmp_path, fault_proxy):
     files = layouts()["moe"]
-    upload(s3_server, s3_bucket, "sel", files, tmp_path)
+    upload(put_in(s3_server, s3_bucket), "sel", files, tmp_path)
     tensors = files[0][1]
     pick = sorted(tensors)[:5]
     with Checkpoint.open(f"s3://{s3_bucket}/sel/", storage_options=options(fault_proxy.url)) as ck:
@@ -282,7 +241,7 @@ def test_https_source_is_plain_ranged_gets(range_http_server, tmp_path):
 
 def test_safe_open_and_plan_on_a_url(s3_server, s3_bucket, tmp_path):
     files = layouts()["dense"]
-    local = upload(s3_server, s3_bucket, "p", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "p", files, tmp_path)
     with Checkpoint.open(f"s3://{s3_bucket}/p/", storage_options=options(s3_server.url)) as ck:
         got = ck.load("cpu", plan={"lm_head.weight": slice(100, 200), "model.layers.0.norm.weight": None})
     want = load_file(local)
@@ -291,7 +250,7 @@ def test_safe_open_and_plan_on_a_url(s3_server, s3_bucket, tmp_path):
 
 
 def test_verify_rereads_the_object(s3_server, s3_bucket, tmp_path):
-    local = upload(s3_server, s3_bucket, "v", layouts()["awq"], tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "v", layouts()["awq"], tmp_path)
     same(load_file(f"s3://{s3_bucket}/v/", storage_options=options(s3_server.url), verify=True),
          load_file(local))
 
@@ -300,7 +259,7 @@ def test_verify_rereads_the_object(s3_server, s3_bucket, tmp_path):
 
 @pytest.mark.parametrize("fault", ["slowdown", "500", "reset", "truncate"])
 def test_transient_failures_are_retried(s3_server, s3_bucket, tmp_path, fault_proxy, fault):
-    local = upload(s3_server, s3_bucket, "t", layouts()["moe"], tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "t", layouts()["moe"], tmp_path)
     want = load_file(local)
     with Checkpoint.open(f"s3://{s3_bucket}/t/", storage_options=options(fault_proxy.url)) as ck:
         if fault == "slowdown":
@@ -321,7 +280,7 @@ def test_a_failure_that_persists_is_one_error_and_leaks_nothing(s3_server, s3_bu
                                                                  fault_proxy, monkeypatch):
     from instant_staging.loader import _remote
     monkeypatch.setattr(_remote, "RETRY_SECONDS", 2.0)
-    upload(s3_server, s3_bucket, "bad", layouts()["moe"], tmp_path)
+    upload(put_in(s3_server, s3_bucket), "bad", layouts()["moe"], tmp_path)
     url = f"s3://{s3_bucket}/bad/"
     fds, threads = _fds(), _threads()
     with Checkpoint.open(url, storage_options=options(fault_proxy.url)) as ck:
@@ -335,7 +294,7 @@ def test_a_failure_that_persists_is_one_error_and_leaks_nothing(s3_server, s3_bu
 
 def test_object_replaced_during_the_load(s3_server, s3_bucket, tmp_path):
     files = layouts()["dense"]
-    upload(s3_server, s3_bucket, "r", files, tmp_path)
+    upload(put_in(s3_server, s3_bucket), "r", files, tmp_path)
     url = f"s3://{s3_bucket}/r/{files[1][0]}"
     with Checkpoint.open(f"s3://{s3_bucket}/r/", storage_options=options(s3_server.url)) as ck:
         # a new version of one shard between its header and its data
@@ -356,7 +315,7 @@ def test_object_replaced_during_the_load(s3_server, s3_bucket, tmp_path):
 ])
 def test_refused_or_missing_object_is_one_error_before_loading(s3_server, s3_bucket, tmp_path,
                                                                fault_proxy, status, code, error, words):
-    upload(s3_server, s3_bucket, "e", layouts()["mixed"], tmp_path)
+    upload(put_in(s3_server, s3_bucket), "e", layouts()["mixed"], tmp_path)
     url = f"s3://{s3_bucket}/e/model.safetensors"
     fault_proxy.fail(status, n=100, code=code)
     fds = _fds()
@@ -396,7 +355,7 @@ def test_invalid_header_is_safetensors_error(s3_server, s3_bucket):
 def test_close_mid_load_stops_the_requests(s3_server, s3_bucket, tmp_path, fault_proxy):
     """close() from another thread while GETs are slow: the load ends with
     LoadError (cancelled), no thread, descriptor or connection is left."""
-    upload(s3_server, s3_bucket, "c", layouts()["moe"], tmp_path)
+    upload(put_in(s3_server, s3_bucket), "c", layouts()["moe"], tmp_path)
     fds, threads = _fds(), _threads()
     fault_proxy.delay(0.3, n=10_000, method="GET", ranged=True)
     it = iter_load(f"s3://{s3_bucket}/c/", "cpu", storage_options=options(fault_proxy.url),
@@ -421,7 +380,7 @@ def test_ctrl_c_mid_load_in_a_subprocess(s3_server, s3_bucket, tmp_path):
     the held GET never completes).  KeyboardInterrupt, no reader thread
     left, and the process exits 0 within seconds (not the client's
     timeout)."""
-    upload(s3_server, s3_bucket, "k", layouts()["moe"], tmp_path)
+    upload(put_in(s3_server, s3_bucket), "k", layouts()["moe"], tmp_path)
     code = f"""
 import os, signal, sys, threading, time
 sys.path.insert(0, {TESTS!r})
@@ -499,13 +458,15 @@ def test_from_pretrained_from_a_bucket(s3_server, s3_bucket, tmp_path, sharded):
     assert ours.config._name_or_path == f"s3://{s3_bucket}/llama"     # as the user named it
     ref.config._name_or_path = ours.config._name_or_path
     assert_same_model(ours, ref)
-    cached = os.listdir(next((tmp_path / "cache").iterdir()))
+    # the config files in a directory of the URL's; the weights, in the
+    # cache_dir's own entries beside it (loader/_cache.py), not among them
+    cached = os.listdir(next(p for p in (tmp_path / "cache").iterdir() if p.is_dir()))
     assert "config.json" in cached and not any(n.endswith(".safetensors") for n in cached)
 
 
 def test_safe_open_of_an_object_reads_only_what_is_asked(s3_server, s3_bucket, tmp_path, fault_proxy):
     files = layouts()["moe"]
-    local = upload(s3_server, s3_bucket, "so", files, tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "so", files, tmp_path)
     url = f"s3://{s3_bucket}/so/model.safetensors"
     want = load_file(local)
     with safe_open(url, framework="pt", storage_options=options(fault_proxy.url)) as f:
@@ -528,7 +489,7 @@ def test_vllm_weights_from_a_bucket(s3_server, s3_bucket, tmp_path, monkeypatch)
     iter_load over the objects), and its extra config's ``weights`` key."""
     from instant_staging.integrations.vllm._options import parse
     from instant_staging.integrations.vllm._weights import Options, iter_weights
-    local = upload(s3_server, s3_bucket, "vl", layouts()["dense"], tmp_path)
+    local = upload(put_in(s3_server, s3_bucket), "vl", layouts()["dense"], tmp_path)
     for k, v in s3_env(s3_server.url).items():
         monkeypatch.setenv(k, v)
     with Checkpoint.open(f"s3://{s3_bucket}/vl/") as ck:
@@ -566,7 +527,7 @@ def test_close_ends_the_range_retries(s3_server, s3_bucket, tmp_path, fault_prox
     thread ends those waits at once instead of after every retry."""
     from instant_staging.loader import _remote
     monkeypatch.setattr(_remote, "_BACKOFF", 5.0)           # tries 5, 10, 20 s apart
-    upload(s3_server, s3_bucket, "cr", layouts()["moe"], tmp_path)
+    upload(put_in(s3_server, s3_bucket), "cr", layouts()["moe"], tmp_path)
     threads = _threads()
     with Checkpoint.open(f"s3://{s3_bucket}/cr/", storage_options=options(fault_proxy.url)) as ck:
         fault_proxy.fail(500, n=10**6, method="GET", ranged=True)
@@ -590,7 +551,7 @@ def test_a_listing_without_an_answer_ends_within_the_budget(s3_server, s3_bucket
     within RETRY_SECONDS is an OSError naming the URL, not a wait as long
     as the server's (and a Ctrl-C there ends it: the same requests)."""
     from instant_staging.loader import _remote
-    upload(s3_server, s3_bucket, "l", layouts()["moe"], tmp_path)
+    upload(put_in(s3_server, s3_bucket), "l", layouts()["moe"], tmp_path)
     monkeypatch.setattr(_remote, "RETRY_SECONDS", 1.0)
     fault_proxy.delay(6.0, n=1, method="GET", ranged=False)
     t0 = time.monotonic()

@@ -71,6 +71,11 @@ SLOW_TESTS = {
     "loader/test_blocks.py::test_fork_while_the_staging_buffer_is_made",
     "loader/test_blocks.py::test_ctrl_c_while_next_waits_for_the_buffer_keeps_the_making_thread_waited_for",
     "loader/test_blocks.py::test_interpreter_exit_while_the_staging_buffer_is_made",
+    # (each starts Python processes that import torch: tens of seconds on 2 cores)
+    "sources/test_cache.py::test_the_cli_takes_a_cache_dir_and_a_cap",
+    "sources/test_cache.py::test_two_processes_fill_one_entry_at_once",
+    "sources/test_cache.py::test_from_pretrained_caches_a_bucket_models_weights",
+    "sources/test_cache.py::test_a_group_load_where_one_rank_has_the_cache",
 }
 
 

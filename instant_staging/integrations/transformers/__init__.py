@@ -207,7 +207,12 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
             one.
         revision, subfolder, variant, trust_remote_code, cache_dir, token,
             local_files_only, force_download, use_safetensors (None or True):
-            as transformers' (the hub ones matter for a hub id).
+            as transformers' (the hub ones matter for a hub id).  For a URL
+            prefix, ``cache_dir`` holds its config files and is the
+            loader's cache of its weights (``load_file``'s ``cache_dir``:
+            a later call reads them from there); None: the config files
+            under ~/.cache/instant_staging/remote, the weights cached only
+            where ``INSTANT_STAGING_CACHE_DIR`` is set.
         output_loading_info: True: ``(model, info)``, info as transformers'
             (its missing, unexpected and mismatched keys; a missing weight is
             then no error).
@@ -254,7 +259,8 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
     else:
         model_dir = _hub.local_dir(model_dir, revision=revision, cache_dir=cache_dir, subfolder=subfolder,
                                    variant=variant, needs_config=not given_config, **hub)
-    weights = Weights(model_dir, weights_from, storage_options, variant)
+    weights = Weights(model_dir, weights_from, storage_options, variant,
+                      cache_dir=cache_dir if weights_from is not None else None)
     parallel = any(kwargs.get(name) is not None for name in TENSOR_PARALLEL)
     if parallel:
         device = parallel_device(torch, device, device_map)
@@ -300,7 +306,7 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
         # Quantizers read tensors in ways of their own: hand them real ones.
         # (over several devices: on the CPU, transformers places them)
         state = load_file(weights.source, "cpu" if spread else device,
-                          storage_options=weights.storage_options)
+                          storage_options=weights.storage_options, cache_dir=weights.cache_dir)
         try:
             with no_allocator_warmup(transformers), offloading_a_state_dict(transformers, cls, spread):
                 model, info = cls.from_pretrained(None, state_dict=state, **kwargs)

@@ -90,8 +90,9 @@ class Weights:
     local one; for a URL one the same rule over the names its prefix holds
     (``fetch_side_files`` fetched the index and config beside them)."""
 
-    def __init__(self, model_dir, remote, storage_options, variant=None):
+    def __init__(self, model_dir, remote, storage_options, variant=None, cache_dir=None):
         self.storage_options = storage_options
+        self.cache_dir = cache_dir      # a URL's weights: the loader's cache (its objects)
         if remote is None:
             self.source = _hub.weights(model_dir, variant)
             return

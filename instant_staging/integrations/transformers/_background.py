@@ -22,7 +22,8 @@ def assemble_while_reading(transformers, cls, weights, device, kwargs):
     Over several devices (``Spread``) the load starts once transformers has
     resolved the map (``reading_where_mapped``), one load per device."""
     spread = isinstance(device, Spread)
-    load = BackgroundLoad(weights.source, None if spread else device, weights.storage_options)
+    load = BackgroundLoad(weights.source, None if spread else device, weights.storage_options,
+                          weights.cache_dir)
     model = info = None
     try:
         state = {name: Arriving(load, name, shape, dtype) for name, (shape, dtype) in load.layout.items()}
@@ -53,7 +54,7 @@ class BackgroundLoad:
     device, the one load starts at once; else at ``start`` (a device_map
     transformers resolves first)."""
 
-    def __init__(self, source, device=None, storage_options=None):
+    def __init__(self, source, device=None, storage_options=None, cache_dir=None):
         self.error = None
         self._tensors = {}
         # Handed out once (wait() drops ours): where transformers converts a
@@ -68,7 +69,8 @@ class BackgroundLoad:
         self._rest = []
         # (where each tensor goes is the map's, known at start())
         self.placed = device is None
-        self._checkpoint = Checkpoint.open(source, storage_options=storage_options)
+        self._checkpoint = Checkpoint.open(source, storage_options=storage_options,
+                                           cache_dir=cache_dir)
         try:
             self.layout = layout_of(self._checkpoint)
             if device is not None:

@@ -58,6 +58,8 @@ class Options(NamedTuple):
     shared_read: bool | None = None       # process_group= over vLLM's world group (None: one node)
     enable_weights_track: bool | None = None   # vLLM's DefaultModelLoader key, passed on
     weights: str | None = None            # a URL the weights come from (config files local)
+    cache_dir: str | None = None          # a local cache of a URL source's objects (None: the variable's)
+    max_bytes_per_second: int | None = None   # a URL source's fetches, at most (None: the variable's)
 
 
 # key: (what it is, in the error message)
@@ -71,6 +73,8 @@ KEYS = {
     "shared_read": "each rank reads 1/N of the bytes and the ranks exchange them: true or false",
     "enable_weights_track": "vLLM's check that every parameter was loaded: true or false",
     "weights": "where the weights are, config files local: a URL such as \"s3://bucket/model/\"",
+    "cache_dir": "a local cache of a URL source's objects, filled as they load: a directory",
+    "max_bytes_per_second": "the most bytes a URL source is fetched at per second: an int or a size",
 }
 
 
@@ -91,12 +95,16 @@ def parse(extra: Any) -> Options:
     for key, value in extra.items():
         if value is None:
             continue
-        if key in ("chunk_size", "batch_bytes"):
+        if key in ("chunk_size", "batch_bytes", "max_bytes_per_second"):
             values[key] = _size(key, value)
         elif key in ("io_depth", "threads"):
             values[key] = _count(key, value)
         elif key == "weights":
             values[key] = _url(key, value)
+        elif key == "cache_dir":
+            if not isinstance(value, str) or not value:
+                raise _bad(key, value)
+            values[key] = value
         else:
             values[key] = _flag(key, value)
     return Options(**values)

@@ -51,7 +51,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
-from ...loader import Checkpoint
+from ...loader import Checkpoint, is_url
 from ._options import WHOLE_BATCH_MEAN_BYTES, Options
 
 
@@ -143,7 +143,9 @@ def iter_weights(files: list[str], device: Any, options: Options | None = None, 
     tensor is allocated; ``stats`` is filled when the iteration ends."""
     options = options if options is not None else Options()
     stats = stats if stats is not None else Stats()
-    with Checkpoint.open(file_order(list(files), shuffle_seed)) as checkpoint:
+    files = file_order(list(files), shuffle_seed)
+    cache_dir = options.cache_dir if files and is_url(files[0]) else None
+    with Checkpoint.open(files, cache_dir=cache_dir) as checkpoint:
         yield from _iter_batches(checkpoint, device, options, keep, on_cpu, process_group,
                                  progress, stats)
 
@@ -168,7 +170,7 @@ def _iter_batches(checkpoint: Checkpoint, device: Any, options: Options,
     loads += [(batch, "cpu", None, True) for batch in plan(host, options.batch_bytes)]
     total = sum(load[0].nbytes for load in loads)
     knobs = {"chunk_size": options.chunk_size, "io_depth": options.io_depth, "threads": options.threads,
-             "verify": options.verify}
+             "verify": options.verify, "max_bytes_per_second": options.max_bytes_per_second}
     start = time.perf_counter()
     done = 0
     kinds: set[str] = set()
