@@ -148,3 +148,29 @@ def test_a_model_over_two_devices_is_reloaded_on_each(tmp_path):
     ours = dict(model.named_parameters())
     for name, p in fresh.named_parameters():
         assert torch.equal(bits(ours[name].cpu()), bits(p)), name
+
+
+@pytest.mark.gpu
+def test_fp8_block_quantized_weights_and_scales_bit_exact(tmp_path):
+    """transformers builds an FP8 block-quantized model only on a GPU."""
+    pytest.importorskip("accelerate")
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      tie_word_embeddings=False)
+    quant = transformers.FineGrainedFP8Config(weight_block_size=(128, 128))
+    dirs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        plain = tmp_path / f"plain-{seed}"
+        transformers.LlamaForCausalLM(config).save_pretrained(plain)
+        q = transformers.LlamaForCausalLM.from_pretrained(plain, quantization_config=quant,
+                                                          device_map={"": 0})
+        q.save_pretrained(tmp_path / f"fp8-{seed}")
+        dirs.append(tmp_path / f"fp8-{seed}")
+    model = transformers.LlamaForCausalLM.from_pretrained(dirs[0], device_map={"": 0}).eval()
+    assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
+    before = _ptrs(model)
+    reload_weights(model, dirs[1])
+    assert _ptrs(model) == before
+    fresh = transformers.LlamaForCausalLM.from_pretrained(dirs[1], device_map={"": 0}).eval()
+    assert_same_weights(model, fresh)
