@@ -278,7 +278,8 @@ class Checkpoint:
                 False: those without one are skipped.  A name of
                 ``tensors`` the load does not write is an error either way.
             **options: ``chunk_size``, ``io_depth``, ``threads``, ``staging``,
-                ``verify``, ``progress``, ``backend`` (as ``load_file``'s).
+                ``verify``, ``progress``, ``backend``, ``max_bytes_per_second``
+                (as ``load_file``'s).
 
         Returns:
             The load's ``LoadReport`` (also ``self.last_report``).
