@@ -208,9 +208,10 @@ def _expert_index(name, pattern):
 def _mapping_4(model, names, state, key_mapping):
     """transformers 4.56-4.57: its ``_get_key_renaming_mapping`` (legacy
     renames, key_mapping or ``_checkpoint_conversion_mapping``, prefix)."""
+    # (as its _load_pretrained_model works them out)
     prefix = getattr(model, "base_model_prefix", "")
-    has_prefix = bool(prefix) and any(n.startswith(prefix + ".") for n in names)
-    expects_prefix = bool(prefix) and any(k.startswith(prefix + ".") for k in state)
+    has_prefix = bool(prefix) and any(n.startswith(prefix) for n in names)
+    expects_prefix = bool(prefix) and hasattr(model, prefix)
     loading_base = not expects_prefix and has_prefix
     loading_task = expects_prefix and not has_prefix
     if key_mapping is None:
