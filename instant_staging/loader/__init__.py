@@ -42,8 +42,9 @@ benchmarks), who import nothing from an underscored module of it
 - ``Checkpoint`` (opened once, headers parsed once), ``LoadOptions``,
   ``TensorInfo``, ``LoadIterator`` and its ``LoadReport``;
 - ``load_file``, ``iter_load``, ``load``, ``safe_open``, ``empty_cache``;
+  ``load_into`` (and ``Checkpoint.load_into``: a reload in place, ``_into.py``);
 - the errors: ``SafetensorsError``, ``LoadError``, ``VerifyError``,
-  ``DistributedLoadError``, ``RemoteChangedError``;
+  ``DistributedLoadError``, ``RemoteChangedError``, ``MissingNameError``;
 - ``DEFAULT_CHUNK_SIZE``, ``DEFAULT_IO_DEPTH``; the variables' names
   ``ENV_CHUNK_SIZE``, ``ENV_IO_DEPTH``, ``ENV_THREADS``, ``ENV_KEEP_STAGING``;
 - ``redact_url(url)``, ``redact_text(text)``: a URL (every URL in a text)
@@ -72,7 +73,8 @@ from ._checkpoint import Checkpoint, TensorInfo
 from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
 from ._header import DTYPE_BITS, TORCH_DTYPES, SafetensorsError
-from ._load import iter_load, load_file
+from ._into import MissingNameError
+from ._load import iter_load, load_file, load_into
 from ._options import (
     DTYPE_ALIASES,
     ENV_CHUNK_SIZE,
@@ -112,6 +114,7 @@ __all__ = [
     "LoadIterator",
     "LoadOptions",
     "LoadReport",
+    "MissingNameError",
     "Names",
     "PathLike",
     "PrefetchLoader",
@@ -130,6 +133,7 @@ __all__ = [
     "iter_load",
     "load",
     "load_file",
+    "load_into",
     "parse_device",
     "redact_text",
     "redact_url",

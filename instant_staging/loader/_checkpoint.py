@@ -30,7 +30,7 @@ from ._prepare import (
 )
 from ._remote import RemoteShards, _Stores, is_url
 from ._remote import resolve as resolve_url
-from ._run import LoadIterator
+from ._run import LoadIterator, LoadReport
 from ._shards import Shards
 from ._source import resolve
 from ._typing import CacheDir, Device, DType, Names, Source
@@ -257,6 +257,50 @@ class Checkpoint:
             raise
         it.timed(began, opened)
         return it
+
+    def load_into(self, tensors: Mapping[str, "torch.Tensor"], *, names: Names = None,
+                  plan: Optional[dict] = None, strict: bool = True, **options) -> LoadReport:
+        """Writes the checkpoint's tensors into ``tensors``, in place (``_into.py``).
+
+        Each tensor's bytes go straight into the destination given for its
+        name: its storage and ``data_ptr`` stay, nothing of its size is
+        allocated (the staging buffer is the load's only memory).
+
+        Args:
+            tensors: ``{name: tensor}``: dense contiguous tensors, all on
+                one device (the CPU, pinned or not, or one GPU), of the
+                checkpoint's dtypes and shapes, none sharing memory.
+            names: None (the whole checkpoint), an iterable of names or a
+                callable ``name -> bool``: the tensors to write.
+            plan: as ``load``'s (``names`` must then be None): a slice
+                writes those rows into a destination of the rows' shape.
+            strict: True (default): every tensor selected has a destination;
+                False: those without one are skipped.  A name of
+                ``tensors`` the load does not write is an error either way.
+            **options: ``chunk_size``, ``io_depth``, ``threads``, ``staging``,
+                ``verify``, ``progress``, ``backend``, ``max_bytes_per_second``
+                (as ``load_file``'s).
+
+        Returns:
+            The load's ``LoadReport`` (also ``self.last_report``).
+
+        Raises:
+            TypeError, ValueError: naming the tensor, before any byte is
+                written: a missing or (with ``strict``) unexpected name, a
+                dtype or shape that differs, a destination that is not
+                contiguous, on another device than the others, or sharing
+                memory with another; an option ``load_into`` does not take
+                (``process_group``, ``dtype``, ...).
+            LoadError, VerifyError, RemoteChangedError, KeyboardInterrupt:
+                a failure part-way, with ``written`` (the names fully
+                written) and ``unwritten`` (the others, which may hold part
+                of the new bytes) set on it.
+        """
+        from ._into import checked, load_into
+        began = time.perf_counter()
+        report = load_into(self, checked(tensors, strict, options), names, plan, strict, began)
+        self.last_report = report
+        return report
 
     # A hold is a token in ``_holds``, released once (the load's owners may
     # each release it, and one whose release a Ctrl-C cut short may release

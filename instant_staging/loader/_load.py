@@ -12,7 +12,7 @@ from . import _gc
 from ._checkpoint import Checkpoint, load_shared
 from ._options import LoadOptions
 from ._prepare import checked_target, parse_target, usable_target
-from ._run import LoadIterator
+from ._run import LoadIterator, LoadReport
 from ._typing import CacheDir, Device, DType, Names, ProgressArg, Source
 
 if TYPE_CHECKING:
@@ -182,3 +182,30 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
         with _gc.paused():
             loaded = dict(it)
         return {name: loaded[name] for name in it.names}
+
+
+def load_into(source: Source, tensors: Mapping[str, "torch.Tensor"], *, names: Names = None,
+              plan: Optional[dict] = None, strict: bool = True,
+              storage_options: Optional[Mapping] = None, cache_dir: CacheDir = None,
+              **options) -> "LoadReport":
+    """Writes the tensors of ``source`` into ``tensors``, in place.
+
+    ``Checkpoint.open(source).load_into(tensors, ...)``, the destinations
+    checked before the checkpoint is opened.
+
+    Args:
+        source, storage_options, cache_dir: as ``load_file``'s.
+        tensors, names, plan, strict, **options: as ``Checkpoint.load_into``'s.
+
+    Returns:
+        The load's ``LoadReport``.
+
+    Raises:
+        as ``Checkpoint.open`` and ``Checkpoint.load_into``.
+    """
+    from ._into import checked
+    from ._into import load_into as into
+    began = time.perf_counter()
+    args = checked(tensors, strict, options)
+    with Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir) as checkpoint:
+        return into(checkpoint, args, names, plan, strict, began, checkpoint.open_seconds)

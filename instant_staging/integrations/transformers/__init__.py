@@ -94,6 +94,10 @@ for weights this loader does not read (``use_safetensors=False``,
    devices are checked before anything is read (an absent ``cuda:1`` is a
    ValueError naming it).
 
+``reload_weights(model, source)`` (``_reload.py``) writes a checkpoint of
+the same architecture into an existing model in place (``Checkpoint.load_into``),
+its names mapped by transformers' own renaming.
+
 transformers is an optional dependency: ``pip install
 'instant_staging[transformers]'`` (with accelerate, which transformers
 needs for a GPU ``device_map``).
@@ -124,6 +128,7 @@ from ._arguments import (
 )
 from ._background import assemble_while_reading, no_allocator_warmup
 from ._placement import Spread, offloading_a_state_dict, parallel_device, target_device
+from ._reload import reload_weights
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin, PreTrainedModel
@@ -332,4 +337,4 @@ def _set_name_or_path(model, model_dir):
             config.name_or_path = model_dir
 
 
-__all__ = ["from_pretrained"]
+__all__ = ["from_pretrained", "reload_weights"]

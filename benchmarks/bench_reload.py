@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Reload in place (issue 42): a checkpoint written into tensors already on
+the device (``instant_staging.loader.load_into``) against loading it afresh
+(``load_file``), and transformers' ``reload_weights`` against
+``model.load_state_dict(safetensors.torch.load_file(...))``.
+
+One process, one run, the same files for everyone (bench_load.py's layouts,
+generated there once, random bytes: --dir, --layouts; default dense (16 GB
+Llama-3-8B) and finemoe (4,680 tensors)).  For each layout:
+
+  load_file      instant_staging.loader.load_file(files, device): new tensors
+  load_into      the same bytes written into tensors already on the device
+                 (made once by a load_file with views=False, zeroed before the
+                 checked run)
+
+and, on the dense layout, a LlamaForCausalLM of its names and shapes (built
+on the device, no init):
+
+  load_state_dict  model.load_state_dict(safetensors.torch.load_file(f, device) for each shard)
+  reload_weights   instant_staging.integrations.transformers.reload_weights(model, dir)
+
+Each is timed --repeat times with the page cache hot (best and median).
+"device alloc" is torch's allocator peak during the call minus what was
+allocated before it (``allocated_bytes.all.peak`` after
+``reset_peak_memory_stats``); "staging" is the load's slots
+(io_depth x chunk_size, pinned host memory), which a reload should not
+exceed on the device.  "exact" compares every tensor's bytes with a
+load_file of the checkpoint (the model's parameters likewise).
+
+    python benchmarks/bench_reload.py --json reload.json
+    python benchmarks/bench_reload.py --quick          # CPU smoke test, layouts 64x smaller
+
+The goals (issue 42): load_into >= 0.95x load_file's speed, device alloc <=
+staging, exact; reload_weights >= 5x load_state_dict, exact.
+"""
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C
+import bench_load as BL
+
+from instant_staging import defaults
+from instant_staging.loader import load_file, load_into
+
+
+def sync(torch, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_alloc(torch, device, call):
+    """``(seconds, bytes allocated on the device at the peak of call())``."""
+    gc.collect()
+    sync(torch, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_stats(device)["allocated_bytes.all.current"]
+    t0 = time.perf_counter()
+    out = call()
+    sync(torch, device)
+    seconds = time.perf_counter() - t0
+    peak = None
+    if device.type == "cuda":
+        peak = torch.cuda.memory_stats(device)["allocated_bytes.all.peak"] - before
+    return seconds, peak, out
+
+
+def timed(torch, device, call, repeat, keep=False):
+    """``{seconds: [...], alloc: max bytes}`` of ``repeat`` calls."""
+    times, allocs = [], []
+    for _ in range(repeat):
+        seconds, peak, out = device_alloc(torch, device, call)
+        times.append(seconds)
+        allocs.append(peak)
+        if not keep:
+            del out
+    return {"seconds": times, "alloc": None if allocs[0] is None else max(allocs)}
+
+
+def staging_bytes(chunk_size=None, threads=None):
+    """The slots a load's own staging buffer holds with the defaults."""
+    threads = defaults.reader_threads(threads)
+    return defaults.io_depth_for(None, threads) * (chunk_size or defaults.CHUNK_SIZE)
+
+
+def same(torch, got, want):
+    return all(torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8))
+               for k in want) and set(got) == set(want)
+
+
+def record(layout, method, nbytes, m, exact, staging):
+    best, median = min(m["seconds"]), statistics.median(m["seconds"])
+    return {"layout": layout, "method": method, "bytes": nbytes, "seconds": m["seconds"],
+            "best": best, "median": median, "gbps_best": nbytes / best / 1e9,
+            "device_alloc": m["alloc"], "staging": staging, "bit_exact": exact}
+
+
+def bench_layout(torch, device, name, paths, repeat):
+    reference = load_file(paths, device, views=False)
+    nbytes = sum(t.nbytes for t in reference.values())
+    rows = []
+    m = timed(torch, device, lambda: load_file(paths, device), repeat)
+    rows.append(record(name, "load_file", nbytes, m, True, staging_bytes()))
+    dests = {k: torch.empty_like(v) for k, v in reference.items()}
+    m = timed(torch, device, lambda: load_into(paths, dests), repeat)
+    for t in dests.values():
+        t.zero_()
+    load_into(paths, dests)
+    rows.append(record(name, "load_into", nbytes, m, same(torch, dests, reference), staging_bytes()))
+    return rows         # (the tensors go with the frame)
+
+
+def bench_model(torch, device, paths, scale, repeat):
+    """transformers: a LlamaForCausalLM of the dense layout's shapes."""
+    try:
+        import safetensors.torch as st
+        import transformers
+
+        from instant_staging.integrations.transformers import reload_weights
+    except ImportError as e:
+        print(f"transformers rows skipped: {e}")
+        return []
+    V, H, I, KV = 128256 // scale, 4096 // scale, 14336 // scale, 1024 // scale
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=I,
+                                      num_hidden_layers=32, num_attention_heads=32,
+                                      num_key_value_heads=KV // (H // 32), tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = model.to_empty(device=device).eval()
+    nbytes = sum(p.nbytes for p in model.parameters())
+    # (the model's weights and the checkpoint must be the same files: the
+    # dense layout's, whose names and shapes are this model's)
+    reference = load_file(paths, device, views=False)
+
+    def baseline():
+        state = {}
+        for path in paths:
+            state.update(st.load_file(path, device=str(device)))
+        model.load_state_dict(state)
+        return None
+    rows = []
+    m = timed(torch, device, baseline, repeat)
+    exact = same(torch, dict(model.state_dict()), reference)
+    rows.append(record("dense-model", "load_state_dict", nbytes, m, exact, None))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    m = timed(torch, device, lambda: reload_weights(model, paths), repeat)
+    exact = (same(torch, dict(model.state_dict()), reference)
+             and ptrs == {k: v.data_ptr() for k, v in model.state_dict().items()})
+    rows.append(record("dense-model", "reload_weights", nbytes, m, exact, staging_bytes()))
+    return rows
+
+
+def print_table(rows):
+    def size(n):
+        return "-" if n is None else C.fmt_size(n)
+    base = {r["layout"]: r["best"] for r in rows if r["method"] in ("load_file", "load_state_dict")}
+    print()
+    print(C.table(["layout", "method", "best s", "median s", "GB/s", "vs base", "device alloc",
+                   "staging", "exact"],
+                  [[r["layout"], r["method"], f"{r['best']:.3f}", f"{r['median']:.3f}",
+                    f"{r['gbps_best']:.2f}", f"{base[r['layout']] / r['best']:.2f}x",
+                    size(r["device_alloc"]), size(r["staging"]), r["bit_exact"]] for r in rows]))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", default="dense,finemoe", help="bench_load.py's: dense, moe, finemoe, ...")
+    ap.add_argument("--dir", default=BL.DEFAULT_DIR, help="where checkpoints live (local disk)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--device", default=None, help="default: cuda if torch sees one, else cpu")
+    ap.add_argument("--no-model", action="store_true", help="skip the transformers rows")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: layouts 64x smaller per dimension, one repeat")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    C.quiet_logging(args.verbose)
+    import torch
+    device, why_cpu = BL.pick_device(torch, args.device)
+    scale = 64 if args.quick else 1
+    repeat = 1 if args.quick else args.repeat
+    print("=" * 78)
+    print(f"bench_reload -- device {device}" + (f" (NO GPU: {why_cpu})" if why_cpu else ""))
+    print("=" * 78, flush=True)
+    os.makedirs(args.dir, exist_ok=True)
+    rows, layouts = [], {}
+    for name, files in BL.layouts(args.layouts.split(","), scale, 4 << 30):
+        paths = BL.generate(args.dir, files)     # (bench_load.py's files, shared)
+        BL.warm(paths)
+        layouts[name] = {"files": len(paths), "tensors": sum(len(t) for _, t in files),
+                         "bytes": sum(os.path.getsize(p) for p in paths)}
+        print(f"{name}: {layouts[name]['tensors']} tensors, {C.fmt_size(layouts[name]['bytes'])}",
+              flush=True)
+        rows += bench_layout(torch, device, name, paths, repeat)
+        if name == "dense" and not args.no_model:
+            rows += bench_model(torch, device, paths, scale, repeat)
+    print_table(rows)
+    C.write_json(args.json, {"environment": BL.environment(torch, device), "layouts": layouts,
+                             "results": rows})
+    return 0 if all(r["bit_exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
