@@ -133,8 +133,9 @@ def test_a_bad_rank_raises_on_every_rank_within_seconds(tmp_path, entry, bad):
     env = rank_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="",
                    INSTANT_STAGING_DIST_TIMEOUT=None)      # the default: 600 s
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
+    # (cwd: not the checkout, whose unbuilt source tree `python -c` would import)
     run_ranks(lambda r: [sys.executable, "-c", WORKER, path, str(r), entry, bad, outs[r]], 2, env,
-              timeout=120)
+              cwd=str(tmp_path), timeout=120)
     got = []
     for o in outs:
         with open(o) as f:

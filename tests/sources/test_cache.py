@@ -178,7 +178,8 @@ sys.path.insert(0, {tests!r})
 from support.remote_servers import FaultProxy, fast_retry_config
 from instant_staging.loader import load_file
 with FaultProxy({endpoint!r}) as proxy:
-    proxy.delay({delay}, n=10_000, method="GET", ranged=True)
+    proxy.delay({delay}, n={quick}, method="GET", ranged=True)
+    proxy.delay({stall}, n=10_000, method="GET", ranged=True)   # then held: a signal lands mid-fill
     opts = {{"endpoint": proxy.url, "access_key_id": "testing", "secret_access_key": "testing",
             "region": "us-east-1", "retry_config": fast_retry_config()}}
     it = load_file({url!r}, storage_options=opts, cache_dir={cache!r}, chunk_size=64 << 10,
@@ -201,8 +202,10 @@ def test_a_crash_mid_fill_leaves_nothing_trusted(s3_server, s3_bucket, tmp_path,
     files = [("model.safetensors", _big(3, n=8))]         # 2 MiB: 32 ranges of 64 KiB
     local = upload(put_in(s3_server, s3_bucket), "k", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/k/model.safetensors", tmp_path / "cache"
+    # The header and 7 ranges of 64 KiB at 0.1 s each, then every range held
+    # for a minute: the signal lands mid-fill however slow this host is.
     code = _SLOW_CHILD.format(tests=TESTS, endpoint=s3_server.url, url=url, cache=str(cache),
-                              delay=0.1)
+                              delay=0.1, quick=8, stall=60)
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path)
     try:
@@ -234,7 +237,7 @@ def test_two_processes_fill_one_entry_at_once(s3_server, s3_bucket, tmp_path):
     local = upload(put_in(s3_server, s3_bucket), "t", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/t/model.safetensors", tmp_path / "cache"
     code = _SLOW_CHILD.format(tests=TESTS, endpoint=s3_server.url, url=url, cache=str(cache),
-                              delay=0.02)
+                              delay=0.02, quick=10_000, stall=0)
     children = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path)
                 for _ in range(2)]
