@@ -27,7 +27,7 @@ from instant_staging.integrations import transformers as integration
 from instant_staging.integrations.transformers import _background, _placement, from_pretrained
 from instant_staging.loader import _run
 
-from support import ROOT, record_reads
+from support import ROOT, record_reads, run_script
 from support.models import AUTO, assert_same_model, configs, save
 
 # transformers 5 fuses per-expert MoE tensors and loads dtype="auto" by
@@ -1009,6 +1009,24 @@ def test_each_group_of_a_map_gets_its_own_mode_and_whole_tensors_are_freed_as_ha
     finally:
         load.close()
     assert modes == [True, False]
+
+
+def test_bench_transformers_quick(tmp_path):
+    # The benchmark's smoke mode: both models (the fine-grained MoE written
+    # by save_pretrained, one tensor per expert matrix), each loaded by
+    # transformers and by ours, bit-equal, in one table with the versions.
+    out = tmp_path / "bench.json"
+    r = run_script(os.path.join(ROOT, "benchmarks", "bench_transformers.py"), "--quick", "--repeat", "1",
+                   "--skip-slices", "--dir", str(tmp_path), "--json", str(out),
+                   env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["versions"]["transformers"] == transformers.__version__
+    models = doc["models"]
+    assert list(models) == ["dense", "finemoe"]
+    assert all(m["parameters_and_buffers_equal"] and m["speedup_best"] > 0 for m in models.values())
+    assert any(".experts.0." in n for n in checkpoint_names(tmp_path / "qwen3-moe-fine-small"))
+    assert "| finemoe | 69 |" in r.stderr and "transformers " + transformers.__version__ in r.stderr
 
 
 # -- the arguments transformers users pass (issue 29, item 3) ---------------------------
