@@ -45,6 +45,16 @@ def checkpoint_names(path):
     return names
 
 
+@pytest.fixture(params=["whole", "streamed"])
+def handover(request, monkeypatch):
+    """Each load handed to transformers whole, or streamed (the tiny test
+    models' tensors are all small: whole unless the threshold is 0)."""
+    from instant_staging.integrations import _whole
+    if request.param == "streamed":
+        monkeypatch.setattr(_whole, "WHOLE_BATCH_MEAN_BYTES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "mistral", "mixtral", "qwen2_moe"])
 def test_same_model_as_transformers(tmp_path, arch, sharded):
@@ -57,7 +67,7 @@ def test_same_model_as_transformers(tmp_path, arch, sharded):
 
 @pytest.mark.skipif(MAJOR < 5, reason="transformers 4 keeps the per-expert tensors as they are")
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-def test_moe_experts_are_fused_from_per_expert_tensors(tmp_path, arch):
+def test_moe_experts_are_fused_from_per_expert_tensors(tmp_path, arch, handover):
     # The case the re-implementation failed on: the checkpoint has one tensor
     # per expert, the model one fused tensor per layer.
     path, _ = save(tmp_path, arch, sharded=True)
@@ -80,7 +90,7 @@ def test_same_model_with_dtype(tmp_path, arch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_converted_weights_do_not_outlive_their_conversion(tmp_path, monkeypatch, dtype):
+def test_converted_weights_do_not_outlive_their_conversion(tmp_path, monkeypatch, dtype, handover):
     # transformers keeps only its converted copy; the loaded tensor must not
     # stay alive beside the model until from_pretrained returns (2x the
     # checkpoint on the device for fp16 loaded as bf16).
@@ -336,7 +346,7 @@ def test_device_map_as_transformers_places_it(tmp_path, monkeypatch, kwargs):
     ("mixtral", {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu",
                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}),
 ], ids=["gpt2-tied", "mixtral-fused-experts"])
-def test_disk_offload_of_tied_and_fused_weights(tmp_path, arch, device_map):
+def test_disk_offload_of_tied_and_fused_weights(tmp_path, arch, device_map, handover):
     # a tied model (its prefix "transformer"), and experts transformers 5
     # fuses before it writes them to the offload folder
     pytest.importorskip("accelerate")
@@ -389,7 +399,7 @@ def test_one_load_per_device(tmp_path, monkeypatch):
     assert len(opened) == 1 and loads == [("cpu", split[0][half:]), ("cpu", split[0][:half])]
 
 
-def test_each_tensor_is_read_to_the_device_its_module_is_mapped_to(tmp_path, monkeypatch):
+def test_each_tensor_is_read_to_the_device_its_module_is_mapped_to(tmp_path, monkeypatch, handover):
     # (the GPU devices only named: which tensor goes to which load)
     monkeypatch.setattr(_placement, "resolve_device",
                         lambda torch_, d: torch.device(f"cuda:{d}" if isinstance(d, int) else d))
@@ -698,7 +708,7 @@ def test_auto_device_map_is_what_transformers_resolves(tmp_path, monkeypatch):
     assert_same_placed_model(ours, ref)
 
 
-def test_failed_read_frees_everything(tmp_path, monkeypatch):
+def test_failed_read_frees_everything(tmp_path, monkeypatch, handover):
     import gc
     import weakref
 
@@ -780,7 +790,7 @@ def test_gpu_without_accelerate_is_an_error_before_reading(tmp_path, monkeypatch
         from_pretrained(path, device="cuda:0")
 
 
-def test_transformers_error_while_reading_is_that_error(tmp_path, monkeypatch):
+def test_transformers_error_while_reading_is_that_error(tmp_path, monkeypatch, handover):
     # transformers fails while the read still runs: its error comes out (not
     # the cancel of the read that follows it), and the read is stopped.
     import threading
