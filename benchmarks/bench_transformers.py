@@ -5,7 +5,7 @@ tensor-parallel slices through safe_open.
 
     python benchmarks/bench_transformers.py [--dir DIR] [--device cuda:0]
         [--models dense,finemoe] [--repeat 2] [--json PATH] [--quick] [--layers N]
-        [--skip-phases] [--skip-slices] [--vllm-batches]
+        [--skip-phases] [--skip-slices] [--handovers] [--vllm-batches]
 
 1. Each model of --models is written to DIR/<its folder> once (reused when
    .complete exists there) and read once so the page cache is hot:
@@ -46,6 +46,10 @@ tensor-parallel slices through safe_open.
    device=DEVICE).get_slice(name)[...]``, compared with
    ``safetensors.safe_open``'s on the same device (values, shape, dtype,
    strides of the dimensions longer than 1); total time of each.
+
+3b. With --handovers: ours again with every load handed to transformers
+   whole, then streamed, whatever the rule says (its threshold set past
+   every tensor's size, then to 0): what the rule chose against the other.
 
 4. With --vllm-batches: the (name, tensor) pairs the vLLM load format
    feeds ``model.load_weights`` (``integrations.vllm._weights.iter_weights``,
@@ -386,6 +390,8 @@ def bench_model(name, path, cls, device, args):
         "parameters_and_buffers_equal": not bad, "mismatches": bad[:20],
     }
     result["instant_staging_gbps"] = round(result["bytes"] / min(ours_times) / 1e9, 2)
+    if args.handovers:
+        result["handovers"] = handovers(ours, device, args.repeat)
     if not args.skip_phases:
         result["phases"] = phases(path, cls, device, args.repeat)
     if args.vllm_batches:
@@ -393,6 +399,24 @@ def bench_model(name, path, cls, device, args):
     if name == "dense" and not args.skip_slices:
         result["tp2_slices"] = tp2_slices(path, device)
     return result
+
+
+def handovers(ours, device, repeat):
+    """Ours with every load handed over whole, then streamed, whatever the
+    rule says (integrations/_whole.py's threshold set past every tensor's
+    size, then to 0): seconds, best of ``repeat``."""
+    from instant_staging.integrations import _whole
+    rule = _whole.WHOLE_BATCH_MEAN_BYTES
+    out = {}
+    try:
+        for mode, threshold in (("whole", 1 << 62), ("streamed", 0)):
+            _whole.WHOLE_BATCH_MEAN_BYTES = threshold
+            times, _ = timed(ours, device, repeat)
+            out[mode + "_s"] = [round(t, 4) for t in times]
+    finally:
+        _whole.WHOLE_BATCH_MEAN_BYTES = rule
+    release(device)
+    return out
 
 
 def versions(device):
@@ -427,6 +451,10 @@ def table(result):
                      f"{r['instant_staging_gbps']} | {r['speedup_best']}x ({r['goal']}x: "
                      f"{'met' if r['goal_met'] else 'NOT met'}) | "
                      f"{'yes' if r['parameters_and_buffers_equal'] else 'NO'} |")
+    both = {n: r["handovers"] for n, r in result["models"].items() if "handovers" in r}
+    if both:
+        lines += ["", "| model | ours, handed over whole s | ours, streamed s |", "| --- | --- | --- |"]
+        lines += [f"| {n} | {min(h['whole_s']):.3f} | {min(h['streamed_s']):.3f} |" for n, h in both.items()]
     return "\n".join(lines)
 
 
@@ -443,6 +471,8 @@ def main(argv=None):
                         help="decoder layers of each model (default: dense 32, finemoe 24)")
     parser.add_argument("--skip-slices", action="store_true")
     parser.add_argument("--skip-phases", action="store_true", help="do not time read and assembly alone")
+    parser.add_argument("--handovers", action="store_true",
+                        help="time ours handing every load over whole, then streamed, whatever the rule")
     parser.add_argument("--vllm-batches", action="store_true",
                         help="time the vLLM load format's pairs at three batch sizes (no vLLM needed)")
     args = parser.parse_args(argv)

@@ -1027,7 +1027,7 @@ def test_bench_transformers_quick(tmp_path):
     # transformers and by ours, bit-equal, in one table with the versions.
     out = tmp_path / "bench.json"
     r = run_script(os.path.join(ROOT, "benchmarks", "bench_transformers.py"), "--quick", "--repeat", "1",
-                   "--skip-slices", "--dir", str(tmp_path), "--json", str(out),
+                   "--skip-slices", "--handovers", "--dir", str(tmp_path), "--json", str(out),
                    env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())
@@ -1035,6 +1035,7 @@ def test_bench_transformers_quick(tmp_path):
     models = doc["models"]
     assert list(models) == ["dense", "finemoe"]
     assert all(m["parameters_and_buffers_equal"] and m["speedup_best"] > 0 for m in models.values())
+    assert all(set(m["handovers"]) == {"whole_s", "streamed_s"} for m in models.values())
     assert any(".experts.0." in n for n in checkpoint_names(tmp_path / "qwen3-moe-fine-small"))
     assert "| finemoe | 69 |" in r.stderr and "transformers " + transformers.__version__ in r.stderr
 
