@@ -35,11 +35,12 @@ import _common as C
 import bench_load as B
 
 from instant_staging import loader
-from instant_staging.integrations.vllm import _weights
-from instant_staging.integrations.vllm._options import BATCH_BYTES, WHOLE_BATCH_MEAN_BYTES, Options
+from instant_staging.defaults import WHOLE_BATCH_MEAN_BYTES
+from instant_staging.integrations import _whole
+from instant_staging.integrations.vllm._options import BATCH_BYTES, Options
 from instant_staging.integrations.vllm._weights import iter_weights
 
-# --modes: the rule's threshold (_options.WHOLE_BATCH_MEAN_BYTES) each row runs with
+# --modes: the rule's threshold (integrations/_whole.py's WHOLE_BATCH_MEAN_BYTES) each row runs with
 MODES = {"rule": WHOLE_BATCH_MEAN_BYTES, "streamed": 0, "whole": 1 << 62}
 
 
@@ -77,7 +78,7 @@ def run_iter_load(torch, paths, device):
 
 
 def run_vllm(torch, paths, device, batch_bytes, mode="rule"):
-    _weights.WHOLE_BATCH_MEAN_BYTES = MODES[mode]
+    _whole.WHOLE_BATCH_MEAN_BYTES = MODES[mode]
     params = {}
     for path in paths:
         with loader.Checkpoint.open(path) as ck:

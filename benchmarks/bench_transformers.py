@@ -1,22 +1,36 @@
 #!/usr/bin/env python3
 """A ready transformers model: instant_staging's from_pretrained against
-transformers' own, and tensor-parallel slices through safe_open.
+transformers' own, on a dense and a fine-grained MoE model, and
+tensor-parallel slices through safe_open.
 
     python benchmarks/bench_transformers.py [--dir DIR] [--device cuda:0]
-        [--repeat 2] [--json PATH] [--small] [--layers N] [--skip-phases] [--skip-slices]
-        [--vllm-batches]
+        [--models dense,finemoe] [--repeat 2] [--json PATH] [--quick] [--layers N]
+        [--skip-phases] [--skip-slices] [--handovers] [--vllm-batches]
 
-1. A Llama-3-8B-shaped checkpoint (hidden 4096, intermediate 14336, 32
-   layers, 32 heads, 8 kv heads, vocab 128256, untied, bf16: 291 tensors,
-   16.06 GB) in 4 shards with model.safetensors.index.json and config.json,
-   random weights generated on the device, is written to DIR once (reused
-   when DIR/.complete exists) and read once so the page cache is hot.
+1. Each model of --models is written to DIR/<its folder> once (reused when
+   .complete exists there) and read once so the page cache is hot:
+   ``dense``, a Llama-3-8B-shaped checkpoint (hidden 4096, intermediate
+   14336, 32 layers, 32 heads, 8 kv heads, vocab 128256, untied, bf16: 291
+   tensors, 16.06 GB) in 4 shards with model.safetensors.index.json and
+   config.json, random weights generated on the device (DIR/llama3-8b);
+   ``finemoe``, a fine-grained MoE (Qwen3-MoE: hidden 1024, 24 layers of 64
+   experts of moe_intermediate 512, 8 active, 16 heads of 64, 4 kv heads,
+   vocab 32000, untied, bf16), built by transformers from its config on the
+   device with its own random initialization and written by
+   ``save_pretrained`` in shards of 2 GB: one tensor per expert matrix as
+   such checkpoints cut them, 4,827 tensors of which 4,608 are 1 MiB, 5.09
+   GB (DIR/qwen3-moe-fine).
 2. transformers' ``from_pretrained(DIR, dtype=bfloat16, device_map=DEVICE)``
-   and ``instant_staging.integrations.transformers.from_pretrained(DIR,
+   (its fastest setting for one device: the model placed there as it is
+   read, its own safetensors loading with its default thread pool) and
+   ``instant_staging.integrations.transformers.from_pretrained(DIR,
    device=DEVICE, dtype=bfloat16)`` each build a ready model --repeat
    times (synchronized; best reported; on a GPU also the peak of memory
    reserved over what was reserved before the call); then every parameter and buffer of the two models is
-   compared bit for bit.  The speedup must be >= 5x (issue 20).
+   compared bit for bit.  The speedup must be >= 5x on the dense model
+   (issue 20), >= 3x on the fine-grained MoE (issue 45).  ``handover``
+   says how ours hands the tensors to transformers (whole or streamed,
+   integrations/_whole.py's rule).
 2b. The two phases of ours, each timed alone (best of --repeat): ``read``,
    ``load_file(DIR, DEVICE)``; ``assemble``, transformers'
    ``from_pretrained(None, config=..., state_dict=<those tensors>,
@@ -27,22 +41,28 @@ transformers' own, and tensor-parallel slices through safe_open.
    arrive), so its total is below their sum by about the meta build;
    ``sequential``, the two one after the other in one timing, is the
    route without that overlap.
-3. TP=2: for every 2-D tensor, each rank's half along dimension 0 and
-   along dimension 1 through ``instant_staging.loader.safe_open(...,
+3. TP=2, on the dense model: for every 2-D tensor, each rank's half along
+   dimension 0 and along dimension 1 through ``instant_staging.loader.safe_open(...,
    device=DEVICE).get_slice(name)[...]``, compared with
    ``safetensors.safe_open``'s on the same device (values, shape, dtype,
    strides of the dimensions longer than 1); total time of each.
 
+3b. With --handovers: ours again with every load handed to transformers
+   whole, then streamed, whatever the rule says (its threshold set past
+   every tensor's size, then to 0): what the rule chose against the other.
+
 4. With --vllm-batches: the (name, tensor) pairs the vLLM load format
    feeds ``model.load_weights`` (``integrations.vllm._weights.iter_weights``,
-   no vLLM needed), each dropped as it comes as vLLM does, over the same
-   checkpoint with batch_bytes of 1 TiB (one load), 4 GiB (the default) and
-   1 GiB: seconds, GB/s, batches, staging kinds, and the peak of memory
+   no vLLM needed), each dropped as it comes as vLLM does, over each
+   checkpoint with batch_bytes of 1 TiB (one load), 4 GiB and
+   1 GiB (the default): seconds, GB/s, batches, staging kinds, and the peak of memory
    allocated on the GPU (what a batch holds beside the model).
 
-Prints one JSON object (also written to --json).  ``--small`` uses a tiny
-config (a smoke test that runs on the CPU in seconds).  Takes under 3
-minutes on an H200 host with 16 cores when DIR must be generated.
+Prints one JSON object (also written to --json), then one table of both
+models with the versions (on stderr).  ``--quick`` (or ``--small``) uses
+tiny configs of both models (a smoke test that runs on the CPU in
+seconds).  Takes under 5 minutes on an H200 host with 16 cores when DIR
+must be generated.
 """
 
 import argparse
@@ -50,6 +70,7 @@ import contextlib
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -63,9 +84,11 @@ from safetensors.torch import save_file
 from instant_staging.integrations.transformers import _background, from_pretrained
 from instant_staging.loader import load_file, safe_open
 
-DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           ".bench", "llama3-8b")
+DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".bench")
 SHARDS = 4
+# The speedup over transformers' own each model must reach.
+GOALS = {"dense": 5.0, "finemoe": 3.0}
+FOLDERS = {"dense": "llama3-8b", "finemoe": "qwen3-moe-fine"}
 
 
 def llama_config(small, layers=None):
@@ -80,6 +103,40 @@ def llama_config(small, layers=None):
     return transformers.LlamaConfig(max_position_embeddings=8192, rope_theta=500000.0,
                                     rms_norm_eps=1e-5, tie_word_embeddings=False,
                                     architectures=["LlamaForCausalLM"], dtype="bfloat16", **sizes)
+
+
+def finemoe_config(small, layers=None):
+    """A fine-grained MoE: every expert matrix 1 MiB in bf16 (1024 x 512)."""
+    if small:
+        sizes = {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                 "vocab_size": 512}
+    else:
+        sizes = {"hidden_size": 1024, "moe_intermediate_size": 512, "num_experts": 64,
+                 "num_experts_per_tok": 8, "num_hidden_layers": 24, "num_attention_heads": 16,
+                 "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000}
+    if layers is not None:
+        sizes["num_hidden_layers"] = layers
+    return transformers.Qwen3MoeConfig(intermediate_size=4 * sizes["hidden_size"], decoder_sparse_step=1,
+                                       mlp_only_layers=[], max_position_embeddings=8192, rms_norm_eps=1e-6,
+                                       tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"],
+                                       dtype="bfloat16", **sizes)
+
+
+def generate_with_transformers(path, config, cls, device, small):
+    """The checkpoint as transformers writes it: the model built from its
+    config on the device (transformers' own random initialization) and
+    saved by save_pretrained (one tensor per expert matrix)."""
+    done = os.path.join(path, ".complete")
+    if os.path.exists(done):
+        return False
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path, max_shard_size="24KB" if small else "2GB")
+    del model
+    open(done, "w").close()
+    return True
 
 
 def generate(path, config, device):
@@ -160,7 +217,7 @@ def timed(make, device, repeat, peaks=None):
     return times, model
 
 
-def phases(path, device, repeat):
+def phases(path, cls, device, repeat):
     """Ours in its two phases, each timed alone (see the docstring, 2b)."""
     config = transformers.AutoConfig.from_pretrained(path)
     dmap = {"": device} if device.type == "cuda" else None
@@ -169,7 +226,7 @@ def phases(path, device, repeat):
     def assemble(state, warmup):
         context = contextlib.nullcontext() if warmup else _background.no_allocator_warmup(transformers)
         with context:
-            return transformers.LlamaForCausalLM.from_pretrained(
+            return cls.from_pretrained(
                 None, config=config, state_dict=state, dtype=torch.bfloat16, device_map=dmap)
     read_times, state = timed(lambda: load_file(path, device), device, repeat)
     result["read_s"] = [round(t, 4) for t in read_times]
@@ -281,42 +338,37 @@ def tp2_slices(path, device):
             "equal": not bad}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--device", default=None, help="default cuda:0, else cpu")
-    parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--small", action="store_true", help="a tiny config: a smoke test")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="decoder layers of the Llama-3-8B layout (default 32; fewer fit a CPU host)")
-    parser.add_argument("--skip-slices", action="store_true")
-    parser.add_argument("--skip-phases", action="store_true", help="do not time read and assembly alone")
-    parser.add_argument("--vllm-batches", action="store_true",
-                        help="time the vLLM load format's pairs at three batch sizes (no vLLM needed)")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
-    path = args.dir or (DEFAULT_DIR + ("-small" if args.small else "")
-                        + (f"-{args.layers}layers" if args.layers else ""))
-    if device.type == "cuda":
-        torch.zeros(1, device=device)      # the CUDA context, outside every timing
+def model_of(name, small, layers):
+    """(class, generate(path, device)) of a model of --models."""
+    if name == "dense":
+        config = llama_config(small, layers)
+        return transformers.LlamaForCausalLM, lambda path, device: generate(path, config, device)
+    config = finemoe_config(small, layers)
+    cls = transformers.Qwen3MoeForCausalLM
+    return cls, lambda path, device: generate_with_transformers(path, config, cls, device, small)
 
-    t0 = time.perf_counter()
-    generated = generate(path, llama_config(args.small, args.layers), device)
-    generate_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+
+def layout(path):
+    """Tensors, bytes and how ours hands them to transformers."""
+    from instant_staging.loader import Checkpoint
+    with Checkpoint.open(path) as checkpoint:
+        names = checkpoint.names()
+        nbytes = sum(checkpoint.info(n).nbytes for n in names)
+        whole = _background.loads_whole(checkpoint)
+    return {"tensors": len(names), "bytes": nbytes,
+            "mean_tensor_mib": round(nbytes / len(names) / 2**20, 2),
+            "handover": "whole" if whole else "streamed"}
+
+
+def bench_model(name, path, cls, device, args):
+    """One model: transformers' own against ours, state compared."""
     warm(path)
-    warm_s = time.perf_counter() - t0
-    nbytes = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
-                 if n.endswith(".safetensors"))
-
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
     dmap = str(device) if device.type == "cuda" else None
 
     def theirs():
-        return transformers.LlamaForCausalLM.from_pretrained(
-            path, **{dtype_kw: torch.bfloat16}, device_map=dmap)
+        return cls.from_pretrained(path, **{dtype_kw: torch.bfloat16}, device_map=dmap)
 
     def ours():
         return from_pretrained(path, device=device, dtype=torch.bfloat16)
@@ -327,31 +379,130 @@ def main(argv=None):
     bad = compare_models(mine, ref)
     del mine, ref
     release(device)
+    speedup = min(ref_times) / min(ours_times)
     result = {
-        "device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,
-        "checkpoint": path, "bytes": nbytes, "generated": generated,
-        "generate_s": round(generate_s, 2), "warm_read_s": round(warm_s, 2),
+        "checkpoint": path, **layout(path),
         "transformers_s": [round(t, 4) for t in ref_times],
         "instant_staging_s": [round(t, 4) for t in ours_times],
-        "speedup_best": round(min(ref_times) / min(ours_times), 2),
-        "speedup_at_least_5x": min(ref_times) / min(ours_times) >= 5,
+        "speedup_best": round(speedup, 2), "goal": GOALS[name], "goal_met": speedup >= GOALS[name],
         "peak_reserved_gb": {"transformers": round(max(ref_peaks) / 1e9, 2) if ref_peaks else None,
                              "instant_staging": round(max(ours_peaks) / 1e9, 2) if ours_peaks else None},
-        "instant_staging_gbps": round(nbytes / min(ours_times) / 1e9, 2),
         "parameters_and_buffers_equal": not bad, "mismatches": bad[:20],
     }
+    result["instant_staging_gbps"] = round(result["bytes"] / min(ours_times) / 1e9, 2)
+    if args.handovers:
+        result["handovers"] = handovers(ours, device, args.repeat)
     if not args.skip_phases:
-        result["phases"] = phases(path, device, args.repeat)
+        result["phases"] = phases(path, cls, device, args.repeat)
     if args.vllm_batches:
         result["vllm_batches"] = vllm_batches(path, device, args.repeat)
-    if not args.skip_slices:
+    if name == "dense" and not args.skip_slices:
         result["tp2_slices"] = tp2_slices(path, device)
+    return result
+
+
+def handovers(ours, device, repeat):
+    """Ours with every load handed over whole, then streamed, whatever the
+    rule says (integrations/_whole.py's threshold set past every tensor's
+    size, then to 0): seconds, best of ``repeat``."""
+    from instant_staging.integrations import _whole
+    rule = _whole.WHOLE_BATCH_MEAN_BYTES
+    out = {}
+    try:
+        for mode, threshold in (("whole", 1 << 62), ("streamed", 0)):
+            _whole.WHOLE_BATCH_MEAN_BYTES = threshold
+            times, _ = timed(ours, device, repeat)
+            out[mode + "_s"] = [round(t, 4) for t in times]
+    finally:
+        _whole.WHOLE_BATCH_MEAN_BYTES = rule
+    release(device)
+    return out
+
+
+def versions(device):
+    import instant_staging
+    out = {"device": str(device), "torch": torch.__version__, "transformers": transformers.__version__,
+           "instant_staging": getattr(instant_staging, "__version__", "?")}
+    try:
+        import safetensors
+        out["safetensors"] = safetensors.__version__
+    except (ImportError, AttributeError):
+        pass
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+        out["cuda"] = torch.version.cuda
+        try:
+            smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            out["driver"] = subprocess.run(smi, capture_output=True, text=True, timeout=30).stdout.split()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            pass
+    return out
+
+
+def table(result):
+    """The models side by side, as markdown, with the versions."""
+    lines = [", ".join(f"{k} {v}" for k, v in result["versions"].items()), "",
+             "| model | tensors | GB | handover | transformers s | ours s | ours GB/s | speedup (goal) "
+             "| equal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in result["models"].items():
+        lines.append(f"| {name} | {r['tensors']} | {r['bytes'] / 1e9:.2f} | {r['handover']} | "
+                     f"{min(r['transformers_s']):.3f} | {min(r['instant_staging_s']):.3f} | "
+                     f"{r['instant_staging_gbps']} | {r['speedup_best']}x ({r['goal']}x: "
+                     f"{'met' if r['goal_met'] else 'NOT met'}) | "
+                     f"{'yes' if r['parameters_and_buffers_equal'] else 'NO'} |")
+    both = {n: r["handovers"] for n, r in result["models"].items() if "handovers" in r}
+    if both:
+        lines += ["", "| model | ours, handed over whole s | ours, streamed s |", "| --- | --- | --- |"]
+        lines += [f"| {n} | {min(h['whole_s']):.3f} | {min(h['streamed_s']):.3f} |" for n, h in both.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", default=None, help="where each model's folder is (default .bench/)")
+    parser.add_argument("--device", default=None, help="default cuda:0, else cpu")
+    parser.add_argument("--models", default="dense,finemoe", help="dense, finemoe (comma-separated)")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--quick", "--small", dest="small", action="store_true",
+                        help="tiny configs: a smoke test that runs on the CPU")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers of each model (default: dense 32, finemoe 24)")
+    parser.add_argument("--skip-slices", action="store_true")
+    parser.add_argument("--skip-phases", action="store_true", help="do not time read and assembly alone")
+    parser.add_argument("--handovers", action="store_true",
+                        help="time ours handing every load over whole, then streamed, whatever the rule")
+    parser.add_argument("--vllm-batches", action="store_true",
+                        help="time the vLLM load format's pairs at three batch sizes (no vLLM needed)")
+    args = parser.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(models) - set(GOALS))
+    if unknown or not models:
+        parser.error(f"--models: unknown {', '.join(unknown) or '(none given)'} (dense, finemoe)")
+    device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.zeros(1, device=device)      # the CUDA context, outside every timing
+
+    result = {"versions": versions(device), "models": {}}
+    for name in models:
+        cls, make = model_of(name, args.small, args.layers)
+        path = os.path.join(args.dir or DEFAULT_DIR, FOLDERS[name] + ("-small" if args.small else "")
+                            + (f"-{args.layers}layers" if args.layers else ""))
+        t0 = time.perf_counter()
+        generated = make(path, device)
+        generate_s = time.perf_counter() - t0
+        release(device)
+        result["models"][name] = {"generated": generated, "generate_s": round(generate_s, 2),
+                                  **bench_model(name, path, cls, device, args)}
     text = json.dumps(result, indent=2)
     print(text)
+    print(table(result), file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    ok = result["parameters_and_buffers_equal"] and result.get("tp2_slices", {"equal": True})["equal"]
+    ok = all(r["parameters_and_buffers_equal"] and r.get("tp2_slices", {"equal": True})["equal"]
+             for r in result["models"].values())
     return 0 if ok else 1
 
 

@@ -184,3 +184,15 @@ PREFETCH_THREADS = 8
 # leaves CACHE_KEEP_FREE of its file system free for everything else there.
 CACHE_MAX_BYTES = 512 << 30
 CACHE_KEEP_FREE = 1 << 30
+
+# A load whose tensors average fewer bytes than this is handed over whole,
+# once every tensor of it is read; one of larger tensors, as each tensor
+# finishes (integrations/_whole.py, the rule both integrations apply: a
+# vLLM batch, transformers' background load).  The consumer (vLLM's copy of
+# each tensor into its parameter, transformers' conversions) calls into
+# the device once a tensor; made while the reader threads copy, those calls
+# cost it several times what they cost alone and slow the readers too: on
+# small tensors streaming loses to loading first; on large ones it wins,
+# the consumer's work overlapping the load (docs/design.md, "Measured: the
+# vLLM path's batches, streamed or whole").
+WHOLE_BATCH_MEAN_BYTES = 4 << 20

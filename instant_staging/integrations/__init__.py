@@ -1,4 +1,5 @@
 """Glue between instant_staging's loader and the libraries that consume
-weights: transformers (``transformers.py``) and vLLM (``vllm/``, a load
-format).  Each integration is its own module and imports its library only
-when used."""
+weights: transformers (``transformers/``) and vLLM (``vllm/``, a load
+format).  Each integration is its own package and imports its library only
+when used; ``_whole.py`` is the rule both apply to hand a load's tensors
+over whole or streamed."""

@@ -27,7 +27,7 @@ from instant_staging.integrations import transformers as integration
 from instant_staging.integrations.transformers import _background, _placement, from_pretrained
 from instant_staging.loader import _run
 
-from support import ROOT, record_reads
+from support import ROOT, record_reads, run_script
 from support.models import AUTO, assert_same_model, configs, save
 
 # transformers 5 fuses per-expert MoE tensors and loads dtype="auto" by
@@ -45,6 +45,16 @@ def checkpoint_names(path):
     return names
 
 
+@pytest.fixture(params=["whole", "streamed"])
+def handover(request, monkeypatch):
+    """Each load handed to transformers whole, or streamed (the tiny test
+    models' tensors are all small: whole unless the threshold is 0)."""
+    from instant_staging.integrations import _whole
+    if request.param == "streamed":
+        monkeypatch.setattr(_whole, "WHOLE_BATCH_MEAN_BYTES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "mistral", "mixtral", "qwen2_moe"])
 def test_same_model_as_transformers(tmp_path, arch, sharded):
@@ -57,7 +67,7 @@ def test_same_model_as_transformers(tmp_path, arch, sharded):
 
 @pytest.mark.skipif(MAJOR < 5, reason="transformers 4 keeps the per-expert tensors as they are")
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-def test_moe_experts_are_fused_from_per_expert_tensors(tmp_path, arch):
+def test_moe_experts_are_fused_from_per_expert_tensors(tmp_path, arch, handover):
     # The case the re-implementation failed on: the checkpoint has one tensor
     # per expert, the model one fused tensor per layer.
     path, _ = save(tmp_path, arch, sharded=True)
@@ -80,7 +90,7 @@ def test_same_model_with_dtype(tmp_path, arch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_converted_weights_do_not_outlive_their_conversion(tmp_path, monkeypatch, dtype):
+def test_converted_weights_do_not_outlive_their_conversion(tmp_path, monkeypatch, dtype, handover):
     # transformers keeps only its converted copy; the loaded tensor must not
     # stay alive beside the model until from_pretrained returns (2x the
     # checkpoint on the device for fp16 loaded as bf16).
@@ -336,7 +346,7 @@ def test_device_map_as_transformers_places_it(tmp_path, monkeypatch, kwargs):
     ("mixtral", {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu",
                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk"}),
 ], ids=["gpt2-tied", "mixtral-fused-experts"])
-def test_disk_offload_of_tied_and_fused_weights(tmp_path, arch, device_map):
+def test_disk_offload_of_tied_and_fused_weights(tmp_path, arch, device_map, handover):
     # a tied model (its prefix "transformer"), and experts transformers 5
     # fuses before it writes them to the offload folder
     pytest.importorskip("accelerate")
@@ -389,7 +399,7 @@ def test_one_load_per_device(tmp_path, monkeypatch):
     assert len(opened) == 1 and loads == [("cpu", split[0][half:]), ("cpu", split[0][:half])]
 
 
-def test_each_tensor_is_read_to_the_device_its_module_is_mapped_to(tmp_path, monkeypatch):
+def test_each_tensor_is_read_to_the_device_its_module_is_mapped_to(tmp_path, monkeypatch, handover):
     # (the GPU devices only named: which tensor goes to which load)
     monkeypatch.setattr(_placement, "resolve_device",
                         lambda torch_, d: torch.device(f"cuda:{d}" if isinstance(d, int) else d))
@@ -698,7 +708,7 @@ def test_auto_device_map_is_what_transformers_resolves(tmp_path, monkeypatch):
     assert_same_placed_model(ours, ref)
 
 
-def test_failed_read_frees_everything(tmp_path, monkeypatch):
+def test_failed_read_frees_everything(tmp_path, monkeypatch, handover):
     import gc
     import weakref
 
@@ -780,7 +790,7 @@ def test_gpu_without_accelerate_is_an_error_before_reading(tmp_path, monkeypatch
         from_pretrained(path, device="cuda:0")
 
 
-def test_transformers_error_while_reading_is_that_error(tmp_path, monkeypatch):
+def test_transformers_error_while_reading_is_that_error(tmp_path, monkeypatch, handover):
     # transformers fails while the read still runs: its error comes out (not
     # the cancel of the read that follows it), and the read is stopped.
     import threading
@@ -850,6 +860,184 @@ def test_an_arriving_tensor_is_what_each_transformers_asks_of_a_state_dict_value
         load.finish()
     finally:
         load.close()
+
+
+# -- small tensors handed over whole (issue 45, item 5) -----------------------------------
+
+def test_which_loads_are_handed_over_whole():
+    """The vLLM path's rule, on each load: whole where its tensors average
+    under WHOLE_BATCH_MEAN_BYTES (a fine-grained MoE checkpoint, a map's
+    group of experts), streamed where they do not (a dense one, the
+    embedding alone)."""
+    from types import SimpleNamespace
+
+    from instant_staging import defaults
+    from instant_staging.integrations import _whole
+    assert _whole.WHOLE_BATCH_MEAN_BYTES is defaults.WHOLE_BATCH_MEAN_BYTES == 4 << 20
+
+    class Layout:
+        def __init__(self, sizes):
+            self.sizes = sizes
+
+        def names(self):
+            return list(self.sizes)
+
+        def info(self, name):
+            return SimpleNamespace(nbytes=self.sizes[name])
+    mib = 1 << 20
+    fine = Layout({"embed": 256 * mib, "lm_head": 256 * mib,
+                   **{f"layers.{i}.experts.{e}.{w}": mib
+                      for i in range(12) for e in range(128) for w in ("gate", "up", "down")}})
+    dense = Layout({"embed": 1002 * mib, **{f"layers.{i}.{w}": 32 * mib for i in range(32)
+                                            for w in ("q", "k", "v", "o", "gate", "up", "down")},
+                    **{f"layers.{i}.norm": 8192 for i in range(64)}})
+    assert _background.loads_whole(fine)
+    assert not _background.loads_whole(dense)
+    experts = [n for n in fine.sizes if ".experts." in n]
+    assert _background.loads_whole(fine, experts)
+    assert not _background.loads_whole(fine, ["embed", "lm_head"])
+    # the boundary: a mean of exactly 4 MiB streams, a byte under is whole
+    assert not _background.loads_whole(Layout({"a": 4 * mib, "b": 4 * mib}))
+    assert _background.loads_whole(Layout({"a": 4 * mib, "b": 4 * mib - 1}))
+
+
+def small_and_large(path):
+    """small.* (256 B each) and large.* (16 KiB each) tensors in one file."""
+    from safetensors.torch import save_file as st_save
+    tensors = {f"small.{i}": torch.full((64,), float(i)) for i in range(6)}
+    tensors.update({f"large.{i}": torch.full((4096,), float(i)) for i in range(3)})
+    path.mkdir(exist_ok=True)
+    st_save(tensors, str(path / "model.safetensors"))
+    return str(path / "model.safetensors"), tensors
+
+
+class Logged:
+    """A load's iterator that logs each pair as the loader hands it over
+    and, before the second, waits (at most ``patience`` s) for ``gate``."""
+
+    def __init__(self, it, log, gate, patience):
+        self.it, self.log, self.gate, self.patience, self.pulled = it, log, gate, patience, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pulled == 1 and self.gate is not None:
+            self.gate.wait(self.patience)
+        name, tensor = next(self.it)
+        self.pulled += 1
+        self.log.append(("loaded", name))
+        return name, tensor
+
+    def close(self):
+        self.it.close()
+
+
+def logged_loads(monkeypatch, log, gates, patience=1.0):
+    """Every Checkpoint.iter_load from now on is ``Logged``, the k-th one
+    gated by ``gates[k]`` (None: not gated)."""
+    from instant_staging.loader import Checkpoint
+    real = Checkpoint.iter_load
+    made = []
+
+    def iter_load(self, device="cpu", **kwargs):
+        gate = gates[len(made)] if len(made) < len(gates) else None
+        made.append(Logged(real(self, device, **kwargs), log, gate, patience))
+        return made[-1]
+    monkeypatch.setattr(Checkpoint, "iter_load", iter_load)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "streamed"])
+def test_a_whole_load_is_handed_over_once_read(tmp_path, monkeypatch, whole):
+    # Above every tensor's size, the load is whole; at 0, streamed.  The
+    # loader's iterator waits before its second tensor until the first is
+    # handed out: a streamed load hands it out then, a whole one only once
+    # every tensor is read (the wait times out).
+    from instant_staging.integrations import _whole
+    monkeypatch.setattr(_whole, "WHOLE_BATCH_MEAN_BYTES", 1 << 40 if whole else 0)
+    import threading
+    file, tensors = small_and_large(tmp_path)
+    log, gate = [], threading.Event()
+    logged_loads(monkeypatch, log, [gate])
+    load = _background.BackgroundLoad(file, torch.device("cpu"))
+    try:
+        first = next(iter(load.layout))
+        assert torch.equal(load.wait(first), tensors[first])
+        log.append(("handed", first))
+        gate.set()
+        for name in list(load.layout)[1:]:
+            assert torch.equal(load.wait(name), tensors[name])
+        load.finish()
+    finally:
+        load.close()
+    loaded = [n for what, n in log if what == "loaded"]
+    assert sorted(loaded) == sorted(tensors)
+    handed_at = log.index(("handed", first))
+    assert handed_at == (len(tensors) if whole else 1), log
+
+
+def test_each_group_of_a_map_gets_its_own_mode_and_whole_tensors_are_freed_as_handed_out(
+        tmp_path, monkeypatch):
+    # Two loads (a device_map's groups): the small tensors whole, the large
+    # ones streamed.  A tensor of the whole load handed out and dropped is
+    # freed while the next load runs: the load keeps none it handed out.
+    import threading
+    import time
+    import weakref
+
+    from instant_staging.integrations import _whole
+    monkeypatch.setattr(_whole, "WHOLE_BATCH_MEAN_BYTES", 1024)
+    file, tensors = small_and_large(tmp_path)
+    small = [n for n in tensors if n.startswith("small.")]
+    large = [n for n in tensors if n.startswith("large.")]
+    with _background.Checkpoint.open(file) as checkpoint:
+        assert not _background.loads_whole(checkpoint)      # mean 5.6 KiB: the file alone streams
+    modes = []
+    real_whole = _background.loads_whole
+    monkeypatch.setattr(_background, "loads_whole",
+                        lambda c, names=None: modes.append(real_whole(c, names)) or modes[-1])
+    log, gate = [], threading.Event()
+    logged_loads(monkeypatch, log, [None, gate], patience=10.0)
+    load = _background.BackgroundLoad(file)
+    try:
+        load.start([(torch.device("cpu"), small), (torch.device("cpu"), large)])
+        tensor = load.wait(small[0])
+        assert torch.equal(tensor, tensors[small[0]])
+        gone = weakref.ref(tensor)
+        del tensor
+        gc.collect()
+        # the large load has handed its first tensor to the consumer thread
+        # and waits for the gate: the whole load's dict is gone by then
+        deadline = time.monotonic() + 10
+        while ("loaded", large[0]) not in log and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gone() is None
+        gate.set()
+        for name in small[1:] + large:
+            assert torch.equal(load.wait(name), tensors[name])
+        load.finish()
+    finally:
+        load.close()
+    assert modes == [True, False]
+
+
+def test_bench_transformers_quick(tmp_path):
+    # The benchmark's smoke mode: both models (the fine-grained MoE written
+    # by save_pretrained, one tensor per expert matrix), each loaded by
+    # transformers and by ours, bit-equal, in one table with the versions.
+    out = tmp_path / "bench.json"
+    r = run_script(os.path.join(ROOT, "benchmarks", "bench_transformers.py"), "--quick", "--repeat", "1",
+                   "--skip-slices", "--handovers", "--dir", str(tmp_path), "--json", str(out),
+                   env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["versions"]["transformers"] == transformers.__version__
+    models = doc["models"]
+    assert list(models) == ["dense", "finemoe"]
+    assert all(m["parameters_and_buffers_equal"] and m["speedup_best"] > 0 for m in models.values())
+    assert all(set(m["handovers"]) == {"whole_s", "streamed_s"} for m in models.values())
+    assert any(".experts.0." in n for n in checkpoint_names(tmp_path / "qwen3-moe-fine-small"))
+    assert "| finemoe | 69 |" in r.stderr and "transformers " + transformers.__version__ in r.stderr
 
 
 # -- the arguments transformers users pass (issue 29, item 3) ---------------------------

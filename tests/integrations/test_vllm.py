@@ -31,6 +31,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file as st_load_file
 
+from instant_staging import defaults
+from instant_staging.integrations import _whole
 from instant_staging.integrations.vllm import LOAD_FORMAT, _options, _weights
 from instant_staging.integrations.vllm._options import Options, parse
 from instant_staging.loader import Checkpoint
@@ -251,8 +253,9 @@ def test_batches_bound_what_is_allocated_at_once(tmp_path, monkeypatch, batch_by
 
 
 def test_small_tensors_loaded_whole_large_ones_streamed():
-    assert _options.WHOLE_BATCH_MEAN_BYTES == 4 << 20        # the figure design.md measured
-    m = _options.WHOLE_BATCH_MEAN_BYTES
+    assert defaults.WHOLE_BATCH_MEAN_BYTES == 4 << 20        # the figure design.md measured
+    assert not hasattr(_options, "WHOLE_BATCH_MEAN_BYTES")  # one definition, shared with transformers
+    m = defaults.WHOLE_BATCH_MEAN_BYTES
     assert _weights.whole(_weights.Batch(("f",), ("a", "b"), 2 * m - 1))
     assert not _weights.whole(_weights.Batch(("f",), ("a", "b"), 2 * m))
     assert _weights.whole(_weights.Batch(("f",), ("empty",), 0))
@@ -288,7 +291,7 @@ class _Pulls:
 def test_a_whole_batch_is_yielded_once_loaded(tmp_path, monkeypatch, whole):
     # WHOLE_BATCH_MEAN_BYTES: above every tensor's size, each batch is loaded
     # whole; at 0, streamed
-    monkeypatch.setattr(_weights, "WHOLE_BATCH_MEAN_BYTES", 1 << 40 if whole else 0)
+    monkeypatch.setattr(_whole, "WHOLE_BATCH_MEAN_BYTES", 1 << 40 if whole else 0)
     files = shards(save(tmp_path, "llama", sharded=True))
     log, batches = [], []
     real = Checkpoint.iter_load

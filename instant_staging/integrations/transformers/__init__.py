@@ -49,7 +49,11 @@ everything else is transformers' own machinery:
    given a state dict, asks ``t.to(device)`` instead): each waits for its
    tensor, so building the model on the meta device overlaps the read
    instead of following it (docs/design.md, "Measured: building the model
-   while reading").  A tensor already on its device in its dtype is assigned,
+   while reading").  A load of small tensors (a fine-grained MoE's expert
+   matrices) is handed over whole, once all of it is read, so transformers'
+   per-tensor calls into the device do not run while the readers copy
+   (``_background.BackgroundLoad``, the vLLM path's rule, design.md
+   "Measured: transformers on fine-grained MoE").  A tensor already on its device in its dtype is assigned,
    not copied (``core_model_loading._materialize_copy``: ``t[...]`` and a
    ``.to()`` that is a no-op).  Its allocator warm-up is skipped for this
    call (``_background.no_allocator_warmup``): every tensor gets its own allocation

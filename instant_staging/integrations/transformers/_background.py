@@ -11,6 +11,7 @@ import traceback
 import weakref
 
 from ...loader import TORCH_DTYPES, Checkpoint, import_torch
+from .._whole import whole
 from ._placement import Spread, offloading_a_state_dict, reading_where_mapped
 
 
@@ -52,7 +53,15 @@ class BackgroundLoad:
     The headers are read (and checked) in the caller's thread, at once, and
     once: the layout and the loads come from one ``Checkpoint``.  Given a
     device, the one load starts at once; else at ``start`` (a device_map
-    transformers resolves first)."""
+    transformers resolves first).
+
+    A load of small tensors (``integrations/_whole.py``'s rule, the vLLM
+    path's) is handed over whole, once every tensor of it is read; one of
+    larger tensors, as each finishes.  transformers' main thread and its
+    loading threads call into the device for each tensor they take
+    (converting, fusing experts, assigning): made while the reader threads
+    copy, those calls would slow both, and a fine-grained MoE checkpoint
+    has thousands of them."""
 
     def __init__(self, source, device=None, storage_options=None, cache_dir=None):
         self.error = None
@@ -66,6 +75,7 @@ class BackgroundLoad:
         self._cancelled = False
         self._cond = threading.Condition()
         self._it = self._thread = None
+        self._whole = False
         self._rest = []
         # (where each tensor goes is the map's, known at start())
         self.placed = device is None
@@ -97,11 +107,18 @@ class BackgroundLoad:
     def _run(self):
         try:
             while True:
-                for name, tensor in self._it:
+                if self._whole:
+                    loaded = dict(self._it)
                     with self._cond:
-                        self._tensors[name] = tensor
+                        self._tensors.update(loaded)
                         self._cond.notify_all()
-                    tensor = None
+                    loaded = None            # wait() hands each out as the only reference
+                else:
+                    for name, tensor in self._it:
+                        with self._cond:
+                            self._tensors[name] = tensor
+                            self._cond.notify_all()
+                        tensor = None
                 with self._cond:
                     if self._cancelled or not self._rest:
                         break
@@ -119,6 +136,7 @@ class BackgroundLoad:
         last one (closing it leaves the files to the load, which holds them)."""
         device, names = self._rest.pop(0)
         try:
+            self._whole = loads_whole(self._checkpoint, names)
             self._it = self._checkpoint.iter_load(device, names=names)
         finally:
             if not self._rest:
@@ -231,6 +249,14 @@ def is_device(value):
     torch = import_torch()
     return (isinstance(value, (str, torch.device)) or
             (isinstance(value, int) and not isinstance(value, bool)))
+
+
+def loads_whole(checkpoint, names=None):
+    """Whether the load of ``names`` (None: every tensor) of an open
+    ``checkpoint`` is handed over whole (``integrations/_whole.py``'s rule),
+    from the headers alone."""
+    infos = [checkpoint.info(name) for name in (checkpoint.names() if names is None else names)]
+    return whole(sum(t.nbytes for t in infos), len(infos))
 
 
 def layout_of(checkpoint):

@@ -35,16 +35,6 @@ from ..._types import parse_size
 # larger than this is a batch of its own.
 BATCH_BYTES = 1 << 30
 
-# A batch whose tensors average fewer bytes than this is loaded whole before
-# its first tensor is yielded; a batch of larger ones is yielded as each
-# tensor finishes.  vLLM copies every tensor into its parameter as it comes,
-# and those calls, made while the reader threads copy, cost the consumer
-# several times what they cost alone and slow the readers too: on small
-# tensors streaming loses to loading first; on large ones it wins, its
-# copies overlapping the load (docs/design.md, "Measured: the vLLM path's
-# batches, streamed or whole").
-WHOLE_BATCH_MEAN_BYTES = 4 << 20
-
 
 class Options(NamedTuple):
     """The validated extra config (None: the loader's default)."""

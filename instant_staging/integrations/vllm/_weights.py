@@ -22,7 +22,7 @@ batch of checkpoint tensors sits on the device beside the model at any
 time (a load allocates all its tensors when it starts).  The staging
 buffer is the one the loader keeps between loads, so batches pin nothing
 anew.  A batch of large tensors is yielded as each tensor finishes; one of
-small tensors (on average under ``_options.WHOLE_BATCH_MEAN_BYTES``) once
+small tensors (on average under ``defaults.WHOLE_BATCH_MEAN_BYTES``) once
 all of it is loaded, so that vLLM's copy of each tensor into its parameter
 does not run while the readers copy (``whole()``).
 
@@ -52,7 +52,8 @@ from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
 from ...loader import Checkpoint, is_url
-from ._options import WHOLE_BATCH_MEAN_BYTES, Options
+from .. import _whole
+from ._options import Options
 
 
 class Batch(NamedTuple):
@@ -127,10 +128,9 @@ def plan(sizes: list[tuple[str, list[tuple[str, int]]]], batch_bytes: int) -> li
 
 
 def whole(batch: Batch) -> bool:
-    """Whether ``batch`` is loaded whole before its first tensor is yielded:
-    its tensors average fewer than ``WHOLE_BATCH_MEAN_BYTES`` (the consumer's
-    per-tensor calls, made while the readers copy, would slow both)."""
-    return batch.nbytes < WHOLE_BATCH_MEAN_BYTES * len(batch.names)
+    """Whether ``batch`` is loaded whole before its first tensor is yielded
+    (``integrations/_whole.py``'s rule, shared with transformers' path)."""
+    return _whole.whole(batch.nbytes, len(batch.names))
 
 
 def iter_weights(files: list[str], device: Any, options: Options | None = None, *,
