@@ -283,26 +283,28 @@ def test_the_device_path_writes_into_the_given_addresses(model, faults):
 # -- a remote object that changed, Ctrl-C -----------------------------------------
 
 def test_an_interrupt_part_way_names_the_written_tensors_and_leaks_nothing(tmp_path):
-    tensors = {f"t{i}": torch.full((64 * 1024,), float(i)) for i in range(16)}
+    tensors = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(16)}
     path = save(tmp_path, tensors)
     child = run_child(f"""
         import os, signal, threading, torch
         from instant_staging.loader import Checkpoint
         names = [f"t{{i}}" for i in range(16)]
-        dests = {{n: torch.zeros(64 * 1024) for n in names}}
+        dests = {{n: torch.zeros(1 << 20) for n in names}}
         fds = sorted(os.listdir("/proc/self/fd"))
         threads = threading.active_count()
         seen = []
         def progress(done, total):
+            # A Ctrl-C in the consumer's thread, raised where the handler
+            # would raise it (a signal sent here landed after the load's end
+            # on a loaded 2-core host): at the first report part-way.
             seen.append(done)
-            if done >= total // 4 and len(seen) < 1000:
-                seen.extend([0] * 1000)         # once
-                os.kill(os.getpid(), signal.SIGINT)
+            if 0 < done < total:
+                raise KeyboardInterrupt
         try:
             with Checkpoint.open({path!r}) as ck:
                 ck.load_into(dests, chunk_size=64 * 1024, threads=1, progress=progress)
         except KeyboardInterrupt as e:
-            ok = all(torch.equal(dests[n], torch.full((64 * 1024,), float(n[1:]))) for n in e.written)
+            ok = all(torch.equal(dests[n], torch.full((1 << 20,), float(n[1:]))) for n in e.written)
             print("interrupted", len(e.written), len(e.unwritten), ok,
                   sorted(os.listdir("/proc/self/fd")) == fds, threading.active_count() == threads)
         else:
