@@ -173,7 +173,11 @@ def test_a_partial_load_leaves_nothing_and_batches_of_one_checkpoint_fill_it(s3_
 # -- a crash mid-fill ----------------------------------------------------------------------
 
 _SLOW_CHILD = """
-import sys
+import faulthandler, signal, sys
+faulthandler.dump_traceback_later(45, exit=True)    # a hang shows where it is
+# Python's Ctrl-C handler, whatever this child inherited: a shell starts
+# background jobs with SIGINT ignored, and Python then installs none.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 from support.remote_servers import FaultProxy, fast_retry_config
 from instant_staging.loader import load_file
