@@ -539,18 +539,20 @@ def diagnose(*, runtime=None, memlock=None, nvidia_version=PATHS["nvidia_version
     checks["cpu_load"] = check_cpu_load(cpu_load)
     checks["packages"] = check_packages(version)
     checks["extras"] = check_extras(requires, version)
-    # No GPU at all (no driver, no module, none on the bus) is not a problem
-    # where loads to the CPU work; a GPU without its driver is.
+    # No GPU at all (no device, no NVIDIA module, none on the bus) is not a
+    # problem where loads to the CPU work, whether or not a runtime library
+    # answers with a driver version (a ROCm build's HIP does without a GPU);
+    # a GPU on the bus that no driver serves is.
     no_driver = rt is not None and not checks["driver"]["value"]
-    if (no_driver and not checks["nvidia_module"]["value"]["present"]
+    if (rt is not None and not checks["nvidia_module"]["value"]["present"]
             and checks["devices"]["status"] == "warn"
             and checks["cpu_load"]["status"] in ("ok", "info")):
         gpus = gpus_on_pci(pci_devices)
-        if gpus:
+        if gpus and no_driver:
             checks["driver"] = dict(checks["driver"], verdict=(
                 f"{', '.join(sorted(set(gpus)))} GPU on the PCI bus ({len(gpus)}), but no driver "
                 "answers: install or load the driver (loads go to the CPU meanwhile)"))
-        else:
+        elif not gpus:
             _no_gpu(checks)
     # A warning or an error is a problem, its verdict the line to act on (an
     # error without one, a runtime that answers nothing, still counts).

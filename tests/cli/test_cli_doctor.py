@@ -283,6 +283,22 @@ def no_driver():
     return NoDriver()
 
 
+class NoDevice(NoDriver):
+    """A ROCm build's HIP on a host without a GPU: the runtime library gives
+    a driver version, device calls fail."""
+
+    def driver_version(self):
+        return 60342134, 0
+
+
+def test_doctor_runtime_with_a_driver_version_but_no_gpu_is_fine(host):
+    # (the rocm env's CI host: its HIP answers hipDriverGetVersion without a GPU)
+    r = host(runtime=NoDevice())
+    c = r["checks"]
+    assert c["devices"]["status"] == "info" and "loads to the CPU work" in c["devices"]["verdict"]
+    assert r["problems"] == [] and doctor.exit_code(r) == 0
+
+
 def test_doctor_host_without_a_gpu_where_cpu_loads_work_is_fine(host):
     """It said "3 problem(s) found" and exited 1 on a working CPU host."""
     r = host(runtime=no_driver(), memlock=(8 << 20, 8 << 20))
@@ -366,12 +382,15 @@ def test_doctor_package_versions_import_nothing():
 
 
 def test_doctor_runtime_without_devices(host):
-    kw = {}
-    r = doctor.diagnose(runtime=SimulatedRuntime(device_count=0), memlock=(-1, -1),
-                        nvidia_version="/nonexistent", **kw)
+    # A runtime that answers but sees no device: information on a host with
+    # no GPU on the bus (loads go to the CPU), a problem beside a GPU there.
+    c = host(runtime=SimulatedRuntime(device_count=0))["checks"]["devices"]
+    assert c["status"] == "info" and c["value"]["error"] == error_name(100)
+    assert "SimulatedRuntime" in c["verdict"]
+    r = host(runtime=SimulatedRuntime(device_count=0), pci_devices=[("0x10de", "0x030200")])
     c = r["checks"]["devices"]
     assert c["status"] == "warn" and c["value"]["error"] == error_name(100)
-    assert "SimulatedRuntime" in c["verdict"]
+    assert "SimulatedRuntime" in c["verdict"] and doctor.exit_code(r) == 1
 
 
 def test_version_text():
