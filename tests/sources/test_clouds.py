@@ -26,18 +26,11 @@ from support.cloud_servers import (  # noqa: F401 (the *_fixture: fixtures, foun
     gcs_server_fixture,
 )
 from support.remote_checkpoints import fds as _fds
+from support.remote_checkpoints import random_tensor as _random
 from support.remote_checkpoints import same, upload
 from support.remote_checkpoints import settled as _settled
 from support.remote_checkpoints import threads as _threads
 from support.remote_servers import SECRET_KEY, s3_server_fixture  # noqa: F401
-
-
-def _random(shape, dtype, g):
-    n = 1
-    for d in shape:
-        n *= d
-    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(shape)
 
 
 def sharded():

@@ -30,6 +30,7 @@ from instant_staging.loader import (
 from support import TESTS, child_env
 from support.remote_checkpoints import fds as _fds
 from support.remote_checkpoints import put_in, same, upload
+from support.remote_checkpoints import random_tensor as _random
 from support.remote_checkpoints import settled as _settled
 from support.remote_checkpoints import threads as _threads
 from support.remote_servers import (  # noqa: F401
@@ -48,14 +49,6 @@ from support.remote_servers import (  # noqa: F401
 def options(endpoint, **extra):
     return {"endpoint": endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
             "region": REGION, "retry_config": fast_retry_config(), **extra}
-
-
-def _random(shape, dtype, g):
-    n = 1
-    for d in shape:
-        n *= d
-    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(shape)
 
 
 def layouts():

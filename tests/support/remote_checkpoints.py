@@ -32,6 +32,16 @@ def upload(put, prefix, files, tmp_path, index=True):
     return local
 
 
+def random_tensor(shape, dtype, g):
+    """A tensor of ``shape`` and ``dtype`` made of random bytes from ``g``
+    (any bit pattern: NaNs, subnormals, every float8 value)."""
+    n = 1
+    for d in shape:
+        n *= d
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
 def same(got, want):
     """``got`` holds ``want``'s tensors, bit for bit (as raw bytes)."""
     assert sorted(got) == sorted(want)
