@@ -250,12 +250,14 @@ class _StampedPipeline:
 
 
 def _stamped(stamps, module, name, label):
-    """Wraps ``module.name`` so that its return is stamped as ``label``."""
+    """Wraps ``module.name`` so that its return is stamped as ``label``
+    (an ``early_staging`` only where it began one)."""
     real = getattr(module, name)
 
     def wrapper(*args, **kwargs):
         out = real(*args, **kwargs)
-        stamps.mark(label, first=True)
+        if out is not None or name != "early_staging":
+            stamps.mark(label, first=True)
         return out
     setattr(module, name, wrapper)
     return real
@@ -287,7 +289,7 @@ class _Stamping:
     def __enter__(self):
         import gc
 
-        from instant_staging.loader import _checkpoint, _pipeline, _prepare, _shards, _target
+        from instant_staging.loader import _checkpoint, _load, _pipeline, _prepare, _shards, _target
         stamps = self.stamps
         self._gc_start = None
         gc.callbacks.append(self._collected)
@@ -296,6 +298,8 @@ class _Stamping:
         steps = [(_shards.Shards, "open", "headers parsed"),
                  (_shards.Shards, "warm_if_cold", "warming asked"),
                  (_shards.Shards, "stop_warming", "warming joined"),
+                 (_load, "early_staging", "staging begun at the door"),
+                 (_checkpoint, "early_staging", "staging begun at the door"),
                  (_checkpoint, "usable_target", "device usable"),
                  (_prepare, "plan_chunks", "planned"),
                  (_prepare, "begin_staging", "staging begun"),
@@ -360,12 +364,28 @@ def section_first(torch, name, paths, device, out, cold=False):
                 paths, str(device), progress=sampled)))
             del result
             marks = dict(stamping.stamps.marks)
+            steps = _staging_steps(device) if call == "first" else []
             out.append(dict(section="first", layout=name, call=call, cold=cold_call,
-                            gbps=nbytes / marks["returned"] / 1e9, samples=samples, **marks))
+                            gbps=nbytes / marks["returned"] / 1e9, samples=samples,
+                            staging_steps=steps, **marks))
             C.progress(f"  {name} {call} call{' (cold)' if cold_call else ''} "
                        f"(ms from the call), {_timeline_line(marks, nbytes)}")
             if samples:
                 C.progress(f"  {name} bytes copied: " + _rates(samples, marks["returned"]))
+
+
+def _staging_steps(device):
+    """The steps that made the staging buffer the first call kept
+    (``StagingBuffer.attempts``: step, bytes, seconds), printed: where its
+    wait before the first read went."""
+    from instant_staging.loader import _staging_pool
+    buf = _staging_pool.kept().get(device.index or 0)
+    if buf is None:
+        return []
+    steps = [(a.step, a.size, a.seconds) for a in buf.attempts]
+    C.progress("  staging buffer made: " + ", ".join(
+        f"{step} {size >> 20} MiB {seconds * 1e3:.2f} ms" for step, size, seconds in steps))
+    return steps
 
 
 def _rates(samples, seconds, parts=10):

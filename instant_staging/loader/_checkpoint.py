@@ -21,6 +21,7 @@ from ._cache import directory as cache_directory
 from ._options import LoadOptions
 from ._prepare import (
     check_selection,
+    early_staging,
     parse_target,
     prepare_share,
     prepare_solo,
@@ -234,26 +235,41 @@ class Checkpoint:
                 return options_, target, self._hold()
             return load_shared(parts, names, plan, process_group, began)
         opts = LoadOptions.build(**options)
-        return self._iter_load(parse_target(device, dtype), opts, names, plan, began)
-
-    def _iter_load(self, parsed, opts, names, plan, began, opened=0.0):
-        """The load of one process of ``names`` or ``plan`` to ``parsed``
-        (``parse_target``'s): the device is found usable here."""
+        parsed = parse_target(device, dtype)
         check_selection(names, plan)
-        shards = self._hold()
+        # (its staging buffer begun now, beside the selection and the plan)
+        early = None if self._closed else early_staging(parsed, opts, self._remote)
+        return self._iter_load(parsed, opts, names, plan, began, early=early)
+
+    @property
+    def _remote(self):
+        return isinstance(self._shards, RemoteShards)
+
+    def _iter_load(self, parsed, opts, names, plan, began, opened=0.0, early=None):
+        """The load of one process of ``names`` or ``plan`` to ``parsed``
+        (``parse_target``'s): the device is found usable here.  ``early``:
+        its staging buffer begun at the door (``early_staging``), which the
+        load owns from here, discarded here if preparing it fails."""
         try:
-            # The selection before the device check, so that a cold
-            # selection's bytes are read while CUDA starts; an unusable
-            # device is still the first error.
+            check_selection(names, plan)
+            shards = self._hold()
             try:
-                select(shards, names, plan)
-            except Exception:
-                usable_target(parsed)
+                # The selection before the device check, so that a cold
+                # selection's bytes are read while CUDA starts; an unusable
+                # device is still the first error.
+                try:
+                    select(shards, names, plan)
+                except Exception:
+                    usable_target(parsed)
+                    raise
+                target = usable_target(parsed, shards, opts.tuned)
+                it = LoadIterator(prepare_solo(shards, target, opts, early=early))
+            except BaseException:
+                shards.close()
                 raise
-            target = usable_target(parsed, shards, opts.tuned)
-            it = LoadIterator(prepare_solo(shards, target, opts))
         except BaseException:
-            shards.close()
+            if early is not None:
+                early.discard()     # (a no-op where the load gave it back already)
             raise
         it.timed(began, opened)
         return it

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Optional
 from . import _gc
 from ._checkpoint import Checkpoint, load_shared
 from ._options import LoadOptions
-from ._prepare import checked_target, parse_target, usable_target
+from ._prepare import checked_target, early_staging, parse_target, usable_target
+from ._remote import is_url
 from ._run import LoadIterator, LoadReport
 from ._typing import CacheDir, Device, DType, Names, ProgressArg, Source
 
@@ -68,14 +69,24 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     # fresh process that is CUDA's start: a cold checkpoint's reads begin
     # beside it), and an unusable one is still the first error.
     parsed = parse_target(device, dtype)
+    # A server's first load begins its staging buffer now, beside opening
+    # the checkpoint and planning the load (``early_staging``); the load
+    # owns it from _iter_load on, this door until then.
+    early = early_staging(parsed, opts, is_url(source))
     try:
-        checkpoint = Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir)
-    except Exception:
-        usable_target(parsed)
+        try:
+            checkpoint = Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir)
+        except Exception:
+            usable_target(parsed)
+            raise
+        with checkpoint:
+            # (closing the handle here leaves the files to the load, which holds them)
+            return checkpoint._iter_load(parsed, opts, names, None, began, checkpoint.open_seconds,
+                                         early=early)
+    except BaseException:
+        if early is not None:
+            early.discard()     # (a no-op where the load gave it back already)
         raise
-    with checkpoint:
-        # (closing the handle here leaves the files to the load, which holds them)
-        return checkpoint._iter_load(parsed, opts, names, None, began, checkpoint.open_seconds)
 
 
 def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, names: Names = None,

@@ -337,7 +337,8 @@ cdef Py_ssize_t _next_copy(Shared* sh, Chunk* ch, Py_ssize_t i, size_t* src, cha
     length; returns the piece after it.  Pieces tile their chunk in order,
     so the slot side is always contiguous.  Only a piece the plan says
     joins (``Plan(joins=)``: its tensor continues the block of the one
-    before) extends a copy: two allocations that merely happen to be
+    before, or the given destination of the one before inside one
+    allocation) extends a copy: two allocations that merely happen to be
     adjacent are two copies (a copy spanning two allocations is no valid
     range for the driver, as one spanning two registrations is not).  A
     piece with a copy fault ends the copy before it (the caller fails that
@@ -486,6 +487,26 @@ cdef bint _has_copy_entries(RuntimeTable* t) noexcept:
 
 # -- the plan ----------------------------------------------------------------
 
+def _group_bytes(list ranges, list joins):
+    """Per tensor: the bytes of its group where it starts one (itself and
+    the tensors after it that join it, lying back to back in one file),
+    else its own."""
+    cdef Py_ssize_t n = len(ranges), i, j
+    out = [0] * n
+    i = 0
+    while i < n:
+        fd, b, e = ranges[i]
+        j = i + 1
+        while j < n and joins[j] and ranges[j][0] == fd and ranges[j][1] == e:
+            e = ranges[j][2]
+            j += 1
+        out[i] = e - b
+        for k in range(i + 1, j):
+            out[k] = ranges[k][2] - ranges[k][1]
+        i = j
+    return out
+
+
 cdef class Plan:
     """Plan(tensors, chunk_size, *, faults=None, packed=False, joins=None):
     chunks and pieces of a load.
@@ -498,9 +519,12 @@ cdef class Plan:
     tensor that fits in one chunk starts a new chunk rather than being
     split (one copy per tensor).
     ``joins[i]`` (None: none): tensor i's destination continues tensor
-    i - 1's, in one allocation (a view of the same block), so a chunk
-    holding both copies them as one; pieces of other tensors are copied
-    one by one, wherever their destinations lie.
+    i - 1's, in one allocation (a view of the same block; in a load into
+    given tensors, ``_into.joins``: destinations back to back in one
+    allocation), so a chunk holding both copies them as one (and, not
+    packed, such a group that fits in one chunk is cut into one); pieces
+    of other tensors are copied one by one, wherever their destinations
+    lie.
     ``faults`` is a ``FaultPlan`` (or None) whose ``read`` and ``copy``
     rules are resolved here, by position (see the module docstring).
     Allocates nothing but its own tables; no file is read.
@@ -544,14 +568,20 @@ cdef class Plan:
 
         Consecutive tensors of one file share a chunk while they fit whole
         (packed: while the chunk has room); a larger tensor fills whole
-        chunks, and its tail may share the next."""
+        chunks, and its tail may share the next.  Not packed, a *group*
+        (a tensor and those after it that join it: one copy wherever a
+        chunk holds them together) is kept whole as a tensor is: one that
+        fits in a chunk but not in what is left of the open one starts the
+        next; a tensor that joins the one before never starts a chunk for
+        want of room (its piece is part of the same copy)."""
         cdef Py_ssize_t n = len(ranges), i, bound = 0, nc = 0, np_ = 0
         cdef int64_t b, e, pos, start = 0
-        cdef size_t length = 0, take
+        cdef size_t length = 0, take, need
         cdef int fd, cur_fd = -1
         cdef bint open_ = False
         for _, b, e in ranges:
             bound += (e - b) // <int64_t>chunk_size + 2
+        groups = _group_bytes(ranges, joins)
         self.n_tensors = n
         self.chunks = <Chunk*>calloc(max(bound, 1), sizeof(Chunk))
         self.pieces = <Piece*>calloc(max(bound, 1), sizeof(Piece))
@@ -562,7 +592,8 @@ cdef class Plan:
             fd, b, e = ranges[i]
             self.sizes[i] = <size_t>(e - b)
             pos = b
-            if not packed and open_ and <size_t>(e - b) > chunk_size - length:
+            need = <size_t>groups[i] if <size_t>groups[i] <= chunk_size else <size_t>(e - b)
+            if not packed and open_ and not joins[i] and need > chunk_size - length:
                 # A tensor that does not fit in what is left of the open chunk
                 # starts the next one: a tensor of at most chunk_size is then
                 # one piece, one copy (a MoE shard's experts, many cut in two
@@ -633,6 +664,13 @@ cdef class Plan:
             if ch.offset + <int64_t>(p.offset + p.nbytes) > offset:
                 return p.tensor
         return self.pieces[ch.first_piece].tensor
+
+    def chunk(self, Py_ssize_t chunk):
+        """``(file, offset, length)`` of ``chunk``: what a reader reads (or a
+        remote source fetches: ``_remote.RemoteShards.prefetch``) for it."""
+        if chunk < 0 or chunk >= self.n_chunks:
+            raise IndexError(f"chunk {chunk} of {self.n_chunks}")
+        return (self.chunks[chunk].fd, self.chunks[chunk].offset, self.chunks[chunk].length)
 
     def __dealloc__(self):
         free(self.chunks)

@@ -30,12 +30,20 @@ until the load takes it, and ``ReadPlan.abandon()`` gives it back to
 """
 
 import dataclasses
+import logging
 import os
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
 
-from ..defaults import COLD_CHUNK_SIZE, WARM_THREADS, io_depth_for, reader_threads
+from ..defaults import (
+    COLD_CHUNK_SIZE,
+    KEEP_STAGING_MAX,
+    WARM_THREADS,
+    io_depth_for,
+    reader_threads,
+    staging_segment_size,
+)
 from . import _blocks, _entries, _gc, _staging_pool
 from ._errors import LoadError
 from ._options import LoadOptions, torch_dtype
@@ -141,11 +149,14 @@ class PendingStaging:
     while it runs (bpo-45274's handling), and the exit then no longer waits
     for it, finalizing the interpreter inside its registration."""
 
-    def __init__(self, device, size, slot_bytes):
+    def __init__(self, device, size, slot_bytes, early=False):
         self._device, self._pid = device, os.getpid()
+        self.size, self.segment_size = size, staging_segment_size(slot_bytes)
         self._error = None
         self._abandoned = False
         self._made = threading.Event()
+        # An early one's log records, held until a load takes it (``_Held``).
+        self._records = [] if early else None
         # A buffer an earlier load kept is taken here, with no thread: starting
         # one and setting its device cost about a percent of a MoE load, for
         # a take of microseconds (docs/design.md, "Measured: making a load's
@@ -164,6 +175,10 @@ class PendingStaging:
             self._thread.start()
         except RuntimeError:            # no thread to be had: make it here
             self._thread = None
+            if early:                   # (at the door, nothing: the load makes its own)
+                self.size = 0
+                self._made.set()
+                return
             self._make(device, size, slot_bytes)
             self._made.set()
             error = self._error
@@ -181,10 +196,17 @@ class PendingStaging:
                 self._give_back()
 
     def _make(self, device, size, slot_bytes):
+        held = _Held(threading.get_ident()) if self._records is not None else None
+        if held is not None:
+            _log.addFilter(held)
         try:
             self._buf = _staging_pool.own(device, size, slot_bytes)
         except BaseException as e:      # raised by take(), in the load's thread
             self._error = e
+        finally:
+            if held is not None:
+                _log.removeFilter(held)
+                self._records = held.records
 
     def _wait(self):
         # In a forked child the thread is not there (and the event may never
@@ -196,9 +218,28 @@ class PendingStaging:
         """Whether ``take()`` would return at once."""
         return self._made.is_set() or os.getpid() != self._pid
 
+    def fits(self, device, size, slot_bytes):
+        """Whether this one (begun at the door, ``early_staging``) serves a
+        load to ``device`` whose own buffer would be ``staging_size``'s
+        ``(size, slot_bytes)``: as many bytes and registrations of at least
+        its segment, as a kept buffer must (``_staging_pool``); and, while
+        it is still being made, at most twice what that load needs (a small
+        checkpoint's few slots are made sooner than the default buffer).
+        One that failed fits only a load that asks exactly its size."""
+        segment = staging_segment_size(slot_bytes)
+        if self.ready() and self._error is not None:
+            # Its error is the load's only where the load would ask the same;
+            # else the load makes its own (and this one's warnings are dropped).
+            return device == self._device and (size, segment) == (self.size, self.segment_size)
+        return (device == self._device and self.size >= size and self.segment_size >= segment
+                and (self.ready() or self.size <= 2 * size))
+
     def take(self):
         self._wait()
         buf, error, self._buf, self._error = self._buf, self._error, None, None
+        records, self._records = self._records, None
+        for record in records or ():
+            _log.handle(record)     # an early one's warnings, now that a load uses it
         if error is not None:
             raise error
         if buf is None:
@@ -218,8 +259,17 @@ class PendingStaging:
         self._wait()
         self._give_back()
 
+    def discard(self):
+        """For a load that failed before it was prepared (at its door): waits
+        for the making and closes the buffer, so that the failed call leaves
+        nothing pinned; its log records go with it."""
+        self._wait()
+        buf, self._buf, self._error, self._records = self._buf, None, None, None
+        if buf is not None and os.getpid() == self._pid:
+            _staging_pool.discard(buf)
+
     def _give_back(self):
-        buf, self._buf, self._error = self._buf, None, None
+        buf, self._buf, self._error, self._records = self._buf, None, None, None
         if buf is not None and os.getpid() == self._pid:
             _staging_pool.give(self._device, buf)
         # (a forked child's copy goes with the object: StagingBuffer's
@@ -243,6 +293,61 @@ def _use_device(device):
         pass
 
 
+_log = logging.getLogger("instant_staging")
+
+
+class _Held(logging.Filter):
+    """Holds back the records one thread logs on the ``instant_staging``
+    logger (an early staging buffer's fallback warnings): logged when a load
+    takes that buffer, dropped where none does, so that a buffer begun at
+    the door and not used never adds a warning to those of the buffer the
+    load makes instead."""
+
+    def __init__(self, ident):
+        super().__init__()
+        self.ident, self.records = ident, []
+
+    def filter(self, record):
+        if record.thread != self.ident:
+            return True
+        self.records.append(record)
+        return False
+
+
+def early_staging(parsed: Parsed, options: LoadOptions, remote=False) -> Optional[PendingStaging]:
+    """The staging buffer of a server's first load, begun at its door.
+
+    A load to a GPU that was given no staging buffer and finds none kept
+    (``_staging_pool``) makes its own, and waited for it (docs/design.md,
+    "Measured: a server's first load"); begun here, before its checkpoint
+    is opened and planned, the making runs beside that.  Only where the
+    device's CUDA is started already (a server: no context is created
+    beside torch's start, and the device's index is known), for local
+    files (a URL's load chooses larger chunks), and the size the load would
+    ask with these options (``begin_staging``) where it stays keepable
+    (``KEEP_STAGING_MAX``).  ``begin_staging`` uses it where it fits the
+    plan; else the load keeps it aside (``ReadPlan.spare``) and gives it to
+    the pool at its end.  A door whose load fails before it is prepared
+    calls ``discard()``.  Called once the arguments are checked."""
+    torch, device, _ = parsed
+    if options.staging is not None or device.type == "cpu" or remote or not _started(torch):
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _staging_pool.kept():
+        return None         # (begin_staging takes it at once, where it fits)
+    slot = options.chunk_size
+    size = io_depth_for(options.io_depth, reader_threads(options.threads)) * slot
+    if size > KEEP_STAGING_MAX:
+        return None
+    pending = PendingStaging(index, size, slot, early=True)
+    return pending if pending.size else None
+
+
+def _started(torch):
+    """Whether torch's CUDA is started in this process (a server's)."""
+    return torch.cuda.is_initialized()
+
+
 def fault_plan(staging):
     """The plan whose ``read`` and ``copy`` rules this load obeys: that of the
     staging buffer's runtime if it has one, else INSTANT_STAGING_FAULTS."""
@@ -258,21 +363,29 @@ class ReadPlan:
     or None).  The load takes the buffer from it (``_run``), or ``abandon()``
     gives it back."""
 
-    __slots__ = ("plan", "runs", "staging")
+    __slots__ = ("plan", "runs", "spare", "staging")
 
     def __init__(self, plan, run_list):
         self.plan, self.runs, self.staging = plan, run_list, None
+        self.spare = None   # one begun at the door that did not fit: given back at the end
 
     def abandon(self):
         """Gives back the staging buffer being made, if the load has not
-        taken it."""
+        taken it, and the spare one."""
         staging, self.staging = self.staging, None
-        if staging is not None:
-            staging.abandon()
+        try:
+            if staging is not None:
+                staging.abandon()
+        finally:
+            spare, self.spare = self.spare, None
+            if spare is not None:
+                spare.abandon()
 
 
-def plan_chunks(checkpoint, target, dtypes, chunk_size, faults, views):
-    """The load's ``ReadPlan``: which tensors share a block, and the chunks."""
+def plan_chunks(checkpoint, target, dtypes, chunk_size, faults, views, joins=None):
+    """The load's ``ReadPlan``: which tensors share a block, and the chunks.
+    ``joins``: ``Plan(joins=)`` where the destinations are given (a load
+    into tensors: ``_into.joins``); None: the blocks'."""
     from ._pipeline import Plan
     entries = checkpoint.entries
     # (the rule asked once per dtype: per tensor it showed in a MoE shard's
@@ -280,7 +393,8 @@ def plan_chunks(checkpoint, target, dtypes, chunk_size, faults, views):
     viewable = {d: target.joins(d, views) for d in set(dtypes)}
     run_list = _blocks.runs(entries, [viewable[d] for d in dtypes])
     plan = Plan(_entries.ranges(entries, checkpoint.fds), chunk_size,
-                faults=faults, packed=_blocks.packed(run_list), joins=_blocks.joined(run_list))
+                faults=faults, packed=_blocks.packed(run_list),
+                joins=_blocks.joined(run_list) if joins is None else joins)
     return ReadPlan(plan, run_list)
 
 
@@ -297,14 +411,18 @@ def staging_size(plan, depth):
     return depth * slot, slot
 
 
-def begin_staging(target, plan, options):
+def begin_staging(target, plan, options, early=None):
     """Starts making the load's own staging buffer (a GPU load given none):
-    a ``PendingStaging``, or None."""
+    a ``PendingStaging``, or None.  ``early``: one begun at the door
+    (``early_staging``), returned where it fits."""
     from ._pipeline import DEVICE
     if options.staging is not None or target.mode != DEVICE:
         return None
     depth = slot_count(plan, options.io_depth, reader_threads(options.threads))
-    return PendingStaging(target.index, *staging_size(plan, depth))
+    size, slot = staging_size(plan, depth)
+    if early is not None and early.fits(target.index, size, slot):
+        return early
+    return PendingStaging(target.index, size, slot)
 
 
 # -- the prepared load ----------------------------------------------------------------
@@ -345,33 +463,42 @@ class Prepared:
             self.reads.abandon()
 
 
-def planned(shards, target, dtypes, options: LoadOptions, faults=None) -> Prepared:
+def planned(shards, target, dtypes, options: LoadOptions, faults=None, joins=None,
+            early=None) -> Prepared:
     """A solo load of ``shards`` as they are (selected, dtypes known): its
-    chunks planned and its own staging buffer started.  On any exception
-    the buffer being made is given back."""
+    chunks planned (``joins``: ``plan_chunks``'s) and its own staging buffer
+    started (``early``, begun at the door, where it fits; else kept aside
+    until the load ends).  On any exception the buffer being made is given
+    back (``early`` stays the door's to discard)."""
     if faults is None:
         faults = fault_plan(options.staging)
-    reads = plan_chunks(shards, target, dtypes, options.chunk_size, faults, options.views)
+    reads = plan_chunks(shards, target, dtypes, options.chunk_size, faults, options.views, joins)
     try:
-        reads.staging = begin_staging(target, reads.plan, options)
+        reads.staging = begin_staging(target, reads.plan, options, early)
+        if early is not None and reads.staging is not early:
+            reads.spare = early
+        prefetch = getattr(shards, "prefetch", None)
+        if prefetch is not None:    # a URL source: its readers' chunks, from now on (the buffer is made)
+            prefetch(reads.plan, reader_threads(options.threads))
         return Prepared(shards, target, dtypes, options, faults, reads)
     except BaseException:
         reads.abandon()
         raise
 
 
-def prepare_solo(shards, target, options: LoadOptions, names=None, plan=None) -> Prepared:
+def prepare_solo(shards, target, options: LoadOptions, names=None, plan=None,
+                 early=None) -> Prepared:
     """Prepares a load of one process of ``shards`` (a held share: this
     load's, closed here if this raises): its selection, its knobs for the
     checkpoint where the caller set none, its dtypes, its reads planned and
-    its staging buffer started."""
+    its staging buffer started (``early``: as ``planned``'s)."""
     try:
         select(shards, names, plan)
         throttled(shards, options)
         with _gc.paused():
             options = options.for_checkpoint(shards)
             dtypes = target.dtypes(shards.entries, shards.paths)
-            return planned(shards, target, dtypes, options)
+            return planned(shards, target, dtypes, options, early=early)
     except BaseException:
         shards.close()
         raise

@@ -128,6 +128,13 @@ def give(device, buf):
         _close(buf)
 
 
+def discard(buf):
+    """Closes a buffer made for a load that failed before it could use it
+    (one begun at the load's door, ``_prepare.early_staging``): the failed
+    call leaves nothing pinned."""
+    _close(buf)
+
+
 def empty_cache() -> None:
     """Closes the staging buffers kept for later loads.
 

@@ -523,6 +523,16 @@ def test_one_load_at_a_time_per_buffer(tmp_path):
     buf.close()
 
 
+def test_plan_names_each_chunk_as_its_reader_reads_it():
+    # (a remote load fetches its readers' first chunks ahead by these)
+    from instant_staging.loader._pipeline import Plan
+    plan = Plan([(3, 8, 100), (3, 100, 300), (5, 8, 40)], 128)
+    assert [plan.chunk(c) for c in range(plan.n_chunks)] == [
+        (3, 8, 92), (3, 100, 128), (3, 228, 72), (5, 8, 32)]
+    with pytest.raises(IndexError):
+        plan.chunk(plan.n_chunks)
+
+
 def test_segments_not_multiple_of_chunk(tmp_path):
     # A caller's buffer whose 3-page segments hold one 2-page chunk each:
     # only whole chunks inside one registration become slots.

@@ -111,8 +111,11 @@ def test_a_stopped_warmer_ends_after_its_reads_in_flight(tmp_path):
     try:
         warmer = _pagecache.Warmer([(fd, 0, 32 * MiB)], MiB, 2)
         warmer.stop()
+        # The threads read from construction: what they read before stop()
+        # depends on the scheduler; after it, one piece a thread at most.
+        at_stop = warmer.bytes_read
         warmer.close()
-        assert warmer.bytes_read <= 2 * MiB     # one piece per thread at most
+        assert warmer.bytes_read <= at_stop + 2 * MiB
     finally:
         os.close(fd)
 
