@@ -9,9 +9,24 @@ generated there once, random bytes: --dir, --layouts; default dense (16 GB
 Llama-3-8B) and finemoe (4,680 tensors)).  For each layout:
 
   load_file      instant_staging.loader.load_file(files, device): new tensors
-  load_into      the same bytes written into tensors already on the device
-                 (made once by a load_file with views=False, zeroed before the
-                 checked run)
+  load_into      the same bytes written into tensors already on the device,
+                 one torch allocation per tensor made in reading order
+                 (torch.empty_like, as transformers' from_pretrained leaves a
+                 model's parameters: the caching allocator cuts tensors of at
+                 most 1 MiB two to a 2 MiB segment and those up to 10 MiB
+                 from 20 MiB segments, so some lie back to back in one
+                 segment and the loader copies those as one where a chunk
+                 holds them; which ones depends on the allocator's state)
+  load_into-flat the same into views of one flat tensor per file laid out
+                 in reading order (packed parameters, a model loaded with
+                 views): every destination back to back, the best case
+
+Before each layout's rows it prints "back to back": of the tensors (in
+reading order) that follow the one before in the file, how many have a
+destination right after that one's (per-tensor destinations; the flat
+ones all do).  Only those inside one device allocation are copied as one
+(a copy spanning two allocations is no valid range for the driver), so it
+is an upper bound on the merges.
 
 and, on the dense layout, a LlamaForCausalLM of its names and shapes (built
 on the device, no init):
@@ -101,19 +116,68 @@ def record(layout, method, nbytes, m, exact, staging):
             "device_alloc": m["alloc"], "staging": staging, "bit_exact": exact}
 
 
+def reading_order(paths):
+    """``[(file, name), ...]`` in the order the loader reads them."""
+    from instant_staging.loader import Checkpoint
+    out = []
+    for i, path in enumerate(paths):
+        with Checkpoint.open(path) as ck:
+            out += [(i, n) for n in ck.names()]
+    return out
+
+
+def back_to_back(order, dests):
+    """``(tensors whose destination follows the one before's, candidates)``:
+    candidates are the tensors of ``order`` after another of the same file."""
+    follow = candidates = 0
+    for (fa, a), (fb, b) in zip(order, order[1:]):
+        if fa != fb or not dests[a].nbytes or not dests[b].nbytes:
+            continue
+        candidates += 1
+        follow += dests[b].data_ptr() == dests[a].data_ptr() + dests[a].nbytes
+    return follow, candidates
+
+
+def flat_destinations(torch, device, order, reference):
+    """Views of one flat tensor per file, in reading order."""
+    dests = {}
+    for i in sorted({f for f, _ in order}):
+        names = [n for f, n in order if f == i]
+        flat = torch.empty(sum(reference[n].nbytes for n in names), dtype=torch.uint8, device=device)
+        at = 0
+        for n in names:
+            t = reference[n]
+            dests[n] = flat[at:at + t.nbytes].view(t.dtype).view(t.shape)
+            at += t.nbytes
+    return dests
+
+
 def bench_layout(torch, device, name, paths, repeat):
     reference = load_file(paths, device, views=False)
     nbytes = sum(t.nbytes for t in reference.values())
+    order = reading_order(paths)
     rows = []
     m = timed(torch, device, lambda: load_file(paths, device), repeat)
     rows.append(record(name, "load_file", nbytes, m, True, staging_bytes()))
-    dests = {k: torch.empty_like(v) for k, v in reference.items()}
+    for method, make in (("load_into", lambda: {n: torch.empty_like(reference[n]) for _, n in order}),
+                         ("load_into-flat", lambda: flat_destinations(torch, device, order, reference))):
+        rows.append(bench_into(torch, device, name, method, paths, order, make(), reference,
+                               repeat))
+    return rows         # (the tensors go with the frame)
+
+
+def bench_into(torch, device, name, method, paths, order, dests, reference, repeat):
+    follow, candidates = back_to_back(order, dests)
+    print(f"  {method}: {follow} of {candidates} tensors back to back in memory after the "
+          f"one before in the file", flush=True)
+    nbytes = sum(t.nbytes for t in reference.values())
     m = timed(torch, device, lambda: load_into(paths, dests), repeat)
     for t in dests.values():
         t.zero_()
     load_into(paths, dests)
-    rows.append(record(name, "load_into", nbytes, m, same(torch, dests, reference), staging_bytes()))
-    return rows         # (the tensors go with the frame)
+    row = record(name, method, nbytes, m, same(torch, dests, reference), staging_bytes())
+    row["back_to_back"] = [follow, candidates]
+    return row
 
 
 def bench_model(torch, device, paths, scale, repeat):

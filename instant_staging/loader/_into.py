@@ -36,8 +36,19 @@ staging buffer and files given back.
 
 Not under a process group: every rank loads its own part itself (a row
 ``plan`` writes a rank's rows into its shard).
+
+Copies: where tensors lying back to back in a file have destinations
+lying back to back in one allocation (views of one flat tensor, or
+parameters torch's caching allocator cut from one segment in reading
+order), the chunks are cut so that such a group lies in one chunk where it
+fits, and the readers copy each chunk's share of it as one copy, as a
+``load_file`` copies into its blocks (``joins``): each copy has a fixed
+cost, and a shard of 1 MiB experts otherwise takes twice the copies of a
+``load_file``.  Never across two allocations (no valid range for the
+driver) nor across two chunks.
 """
 
+import ctypes
 from collections.abc import Mapping
 
 from ._errors import LoadError
@@ -94,22 +105,26 @@ def check_destinations(tensors):
     dests = dict(tensors)
     device = None
     first = None
+    strided = torch.strided
     for name, t in dests.items():
         if not isinstance(name, str):
             raise TypeError(f"tensors: names must be str, not {type(name).__name__} {name!r}")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, not {type(t).__name__}")
-        if t.layout != torch.strided:
+        # (Each attribute read once: these checks run per tensor before the
+        # load starts, thousands of them for a fine-grained MoE.)
+        at = t.device
+        if at != device:
+            if device is not None:
+                raise ValueError(f"tensors[{name!r}] is on {at}, tensors[{first!r}] on {device}: "
+                                 "one load writes to one device (a load per device for the others)")
+            if at.type not in ("cpu", "cuda"):
+                raise ValueError(f"tensors[{name!r}] is on {at}: the loader writes to the CPU or "
+                                 "a CUDA/ROCm device")
+            device, first = at, name
+        if t.layout != strided:
             raise ValueError(f"tensors[{name!r}] is a {t.layout} tensor: only dense (strided) "
                              "tensors are written in place")
-        if t.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"tensors[{name!r}] is on {t.device}: the loader writes to the CPU or "
-                             "a CUDA/ROCm device")
-        if device is None:
-            device, first = t.device, name
-        elif t.device != device:
-            raise ValueError(f"tensors[{name!r}] is on {t.device}, tensors[{first!r}] on {device}: "
-                             "one load writes to one device (a load per device for the others)")
         if not t.is_contiguous():
             raise ValueError(f"tensors[{name!r}] ({_describe(t)}, strides {t.stride()}) is not "
                              "contiguous: its bytes could not be written as the file lays them out")
@@ -125,8 +140,13 @@ def check_destinations(tensors):
 
 
 def _check_overlaps(dests):
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
-                   for name, t in dests.items() if t.numel())
+    spans = []
+    for name, t in dests.items():
+        n = t.nbytes
+        if n:
+            begin = t.data_ptr()
+            spans.append((begin, begin + n, name))
+    spans.sort()
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
         if begin < end:
             raise ValueError(f"tensors[{a!r}] and tensors[{b!r}] share memory: each byte is "
@@ -199,6 +219,75 @@ def check_entries(shards, dtypes, dests, rows=False):
                              f"({shards.paths[i]})")
 
 
+def joins(entries, address, allocation):
+    """``Plan(joins=)`` of a load into given destinations: per entry of
+    ``entries`` (``[(file index, TensorEntry), ...]``, reading order),
+    whether its destination continues the one before's, so that a chunk
+    holding both copies them as one: their bytes back to back in one file,
+    their destinations back to back (``address(name)``) inside one
+    allocation (``allocation(name)``: ``(base, size)`` of one holding the
+    destination, None where unknown: then no join)."""
+    out = [False] * len(entries)
+    file = end = dst = before = None
+    span = None         # (base, end) of an allocation holding the destination before
+    for k, (i, entry) in enumerate(entries):
+        n = entry.nbytes
+        if not n:
+            file = span = None
+            continue
+        ptr = address(entry.name)
+        if file == i and entry.begin == end and ptr == dst:
+            if span is None:
+                found = allocation(before)
+                span = (found[0], found[0] + found[1]) if found is not None else None
+            if span is not None and span[0] <= ptr and ptr + n <= span[1]:
+                out[k] = True
+            else:
+                span = None
+        else:
+            span = None
+        file, end, dst, before = i, entry.end, ptr + n, entry.name
+    return out
+
+
+# The driver's cuMemGetAddressRange / HIP's hipMemGetAddressRange (ctypes,
+# looked up once): the allocation holding a device pointer, whichever
+# allocator made it (torch's caching allocator cuts many tensors from one).
+_address_range = None
+
+
+def _range_function(torch):
+    global _address_range
+    if _address_range is None:
+        _address_range = False
+        try:
+            if getattr(torch.version, "hip", None):
+                fn = ctypes.CDLL("libamdhip64.so").hipMemGetAddressRange
+                base = ctypes.c_void_p
+            else:
+                fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+                base = ctypes.c_uint64
+            fn.argtypes = [ctypes.POINTER(base), ctypes.POINTER(ctypes.c_size_t), base]
+            fn.restype = ctypes.c_int
+            _address_range = fn, base
+        except (OSError, AttributeError):
+            pass
+    return _address_range
+
+
+def device_allocation(torch, ptr):
+    """``(base, size)`` of the device allocation holding ``ptr``, from the
+    driver; None where it cannot say."""
+    found = _range_function(torch)
+    if not found:
+        return None
+    fn, base = found[0], found[1]()
+    size = ctypes.c_size_t()
+    if fn(ctypes.byref(base), ctypes.byref(size), ptr) != 0:
+        return None
+    return base.value or 0, size.value
+
+
 class InPlace(_TorchTarget):
     """A target whose destinations are given: ``allocate`` hands the
     readers the address of ``dests[name]`` and allocates nothing; no
@@ -207,6 +296,23 @@ class InPlace(_TorchTarget):
     def __init__(self, torch, device, dests):
         super().__init__(torch, device)
         self.dests = dests
+        self._driver = self.device.type != "cpu"    # until it fails to answer
+
+    def address(self, name):
+        return self.dests[name].data_ptr()
+
+    def allocation(self, name):
+        """``(base, size)`` of an allocation holding ``dests[name]``: on a GPU
+        the driver's (one segment of torch's caching allocator holds many
+        tensors); else, or where the driver cannot say, its storage's."""
+        t = self.dests[name]
+        if self._driver:
+            found = device_allocation(self.torch, t.data_ptr())
+            if found is not None:
+                return found
+            self._driver = False        # (no context on this thread, no driver library)
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
 
     def allocate(self, entry, dtype):
         t = self.dests[entry.name]
@@ -242,7 +348,8 @@ def prepare(checkpoint, dests, torch, device, names, plan, strict, opts):
         target = InPlace(torch, device, dests)
         dtypes = target.dtypes(shards.entries, shards.paths)
         check_entries(shards, dtypes, dests, rows=selected_plan is not None)
-        return planned(shards, target, dtypes, opts.for_checkpoint(shards))
+        return planned(shards, target, dtypes, opts.for_checkpoint(shards),
+                       joins=joins(shards.entries, target.address, target.allocation))
     except BaseException:
         shards.close()
         raise

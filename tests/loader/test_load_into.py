@@ -27,7 +27,16 @@ from instant_staging.loader import (
 from instant_staging.testing import FaultPlan, SimulatedRuntime
 
 from support import run_child
-from support.tensors import CHUNK, SimBlock, SimTarget, mixed_tensors, raw_bytes, save, sim_staging
+from support.tensors import (
+    CHUNK,
+    SimBlock,
+    SimTarget,
+    mixed_tensors,
+    random_tensor,
+    raw_bytes,
+    save,
+    sim_staging,
+)
 
 
 def _zeros_like(tensors):
@@ -278,6 +287,186 @@ def test_the_device_path_writes_into_the_given_addresses(model, faults):
     staging.close()
     assert rt.live_registrations == 0 and rt.live_host_allocs == 0
     assert shards.fds == []
+
+
+# -- one copy for destinations back to back in one allocation -------------------
+
+def _fine_moe(experts=12):
+    """A fine-grained MoE layer: experts of half a chunk each (two fill one),
+    a norm before them that shifts every pair by its bytes."""
+    tensors = {"a.norm": random_tensor(torch.bfloat16, [64], 0)}
+    for e in range(experts):
+        tensors[f"b.expert.{e:02d}"] = random_tensor(torch.bfloat16, [CHUNK // 4], e + 1)
+    tensors["c.router"] = random_tensor(torch.bfloat16, [3, 40], 99)
+    return tensors
+
+
+def _sim_destinations(rt, shards, how):
+    """``({name: ptr}, [SimBlock, ...])`` of the destinations of ``shards``'
+    tensors: ``flat``, one allocation holding them all back to back in
+    reading order (views of one flat tensor); ``pairs``, as torch's caching
+    allocator cuts tensors of 1 MiB two to a segment of 2 MiB in allocation
+    order; ``separate``, an allocation each."""
+    entries = [t for _, t in shards.entries]
+    if how == "flat":
+        block = SimBlock(rt, sum(t.nbytes for t in entries))
+        ptrs, at = {}, block.ptr
+        for t in entries:
+            ptrs[t.name], at = at, at + t.nbytes
+        return ptrs, [block]
+    blocks, ptrs = [], {}
+    if how == "pairs":      # (the experts two to an allocation, the others one each)
+        halves = [t for t in entries if t.nbytes == CHUNK // 2]
+        groups = [halves[k:k + 2] for k in range(0, len(halves), 2)]
+        groups += [[t] for t in entries if t.nbytes != CHUNK // 2]
+        for group in groups:
+            blocks.append(SimBlock(rt, sum(t.nbytes for t in group)))
+            at = blocks[-1].ptr
+            for t in group:
+                ptrs[t.name], at = at, at + t.nbytes
+        return ptrs, blocks
+    for t in entries:
+        blocks.append(SimBlock(rt, t.nbytes))
+        ptrs[t.name] = blocks[-1].ptr
+    return ptrs, blocks
+
+
+def _sim_allocation(rt, ptrs):
+    def allocation(name):
+        return next(((p, n) for p, n in rt.device_allocations() if p <= ptrs[name] < p + n), None)
+    return allocation
+
+
+class SimAt(SimTarget):
+    """The device path writing to given simulated addresses."""
+
+    def __init__(self, rt, ptrs):
+        super().__init__(rt)
+        self.ptrs = ptrs
+
+    def allocate(self, entry, dtype):
+        return entry.name, self.ptrs[entry.name]
+
+    def joins(self, dtype, views):
+        return False
+
+    def result(self, handle):
+        return handle
+
+
+def _sim_write(tmp_path, tensors, how, faults=None, merge=True):
+    """Writes ``tensors``' file into simulated destinations laid out as
+    ``how`` says; ``(runtime, plan, copies, bytes per name, error)``."""
+    path = save(tmp_path, tensors)
+    rt = SimulatedRuntime()
+    staging = ist.StagingBuffer(8 * CHUNK, runtime=rt, segment_size=2 * CHUNK, copy_unit=CHUNK,
+                                prefault_threads=0)
+    shards = _shards.Shards().open([path])
+    ptrs, blocks = _sim_destinations(rt, shards, how)
+    target = SimAt(rt, ptrs)
+    dtypes = target.dtypes(shards.entries, shards.paths)
+    joins = _into.joins(shards.entries, ptrs.__getitem__, _sim_allocation(rt, ptrs)) if merge else None
+    options = _options.LoadOptions(CHUNK, 4, 2, tuned=False, staging=staging, views=False)
+    prepared = _prepare.planned(shards, target, dtypes, options, faults and FaultPlan.parse(faults),
+                                joins=joins)
+    plan = prepared.reads.plan
+    allocs, error = rt.live_device_allocs, None
+    rt.clear_log()
+    try:
+        _into.write(prepared)
+    except LoadError as e:
+        error = e
+    assert rt.live_device_allocs == allocs          # nothing allocated on the "device"
+    copies = [c for c in rt.calls if c[0] == "memcpy_async" and c[4] == 1]
+    got = {n: _device_copy(rt, _At(p), tensors[n].nbytes) for n, p in ptrs.items()}
+    staging.close()
+    assert rt.live_registrations == 0 and rt.live_host_allocs == 0 and shards.fds == []
+    del blocks
+    return rt, plan, copies, got, error
+
+
+class _At:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+@pytest.mark.parametrize("how", ["flat", "pairs", "separate"])
+def test_destinations_back_to_back_in_one_allocation_take_one_copy(tmp_path, how):
+    tensors = _fine_moe()
+    _, plan, copies, got, error = _sim_write(tmp_path, tensors, how)
+    assert error is None
+    for name, ref in tensors.items():
+        assert torch.equal(got[name], raw_bytes(ref)), name
+    if how == "flat":           # one copy a chunk, as a load_file into its blocks
+        assert len(copies) == plan.n_chunks
+    elif how == "pairs":        # each pair of experts in one chunk, one copy; the norm, the router
+        assert plan.n_chunks == 1 + 6 + 1 and len(copies) == 1 + 6 + 1
+    else:                       # an allocation each: a copy each
+        assert len(copies) == plan.n_pieces == len(tensors)
+    _, _, unmerged, _, _ = _sim_write(tmp_path, tensors, how, merge=False)
+    assert len(unmerged) == len(tensors) and len(copies) <= len(unmerged)
+
+
+def test_a_failure_part_way_through_merged_copies_names_the_written_tensors(tmp_path):
+    # Chunks 1-2 written (the norm, experts 0-1 in one copy), chunk 3 (experts
+    # 2-3, one copy) fails to read: both its tensors unwritten, as all after.
+    tensors = _fine_moe()
+    names = list(tensors)
+    _, plan, _, got, error = _sim_write(tmp_path, tensors, "pairs", faults="read#3=EIO")
+    assert isinstance(error, LoadError) and plan.n_chunks == 8
+    assert set(error.written) <= set(names[:3]) and "b.expert.02" in error.unwritten
+    assert error.written + error.unwritten == [n for n in names if n in error.written] + [
+        n for n in names if n in error.unwritten]
+    assert set(error.written) | set(error.unwritten) == set(names)
+    for name in error.written:
+        assert torch.equal(got[name], raw_bytes(tensors[name])), name
+
+
+def test_a_copy_fault_in_a_merged_group_fails_its_chunk(tmp_path):
+    # copy#3 is expert 1's piece: the copy of expert 0 stops before it, and
+    # neither is written (their chunk never completed).
+    tensors = _fine_moe()
+    _, _, _, got, error = _sim_write(tmp_path, tensors, "flat", faults="copy#3=invalid_value")
+    assert isinstance(error, LoadError) and "memcpy_async" in str(error)
+    assert {"b.expert.00", "b.expert.01"} <= set(error.unwritten)
+    for name in error.written:
+        assert torch.equal(got[name], raw_bytes(tensors[name])), name
+
+
+def test_joins_need_both_file_and_allocation_back_to_back():
+    flat = torch.zeros(64, dtype=torch.uint8)
+    other = torch.zeros(16, dtype=torch.uint8)
+
+    class E:
+        def __init__(self, name, begin, end):
+            self.name, self.begin, self.end, self.nbytes = name, begin, end, end - begin
+    dests = {"a": flat[:16], "b": flat[16:32], "c": flat[32:48], "d": other, "e": flat[48:64],
+             "z": flat[48:48]}
+    entries = [(0, E("a", 0, 16)), (0, E("b", 16, 32)), (0, E("z", 32, 32)), (0, E("c", 32, 48)),
+               (1, E("e", 48, 64)), (1, E("d", 64, 80))]
+    target = _into.InPlace(torch, torch.device("cpu"), dests)
+    # b follows a; c follows b in memory and file, but the empty z between
+    # them ends the group; e is in another file; d in another allocation.
+    assert _into.joins(entries, target.address, target.allocation) == [
+        False, True, False, False, False, False]
+    entries = [(0, E("a", 0, 16)), (0, E("b", 16, 32)), (0, E("c", 32, 48)), (0, E("e", 48, 64))]
+    assert _into.joins(entries, target.address, target.allocation) == [False, True, True, True]
+    entries[2] = (0, E("c", 33, 49))    # a gap in the file
+    assert _into.joins(entries, target.address, target.allocation)[2:] == [False, False]
+
+
+def test_a_load_into_views_of_one_flat_tensor_is_exact(model):
+    path, tensors = model
+    flat = torch.zeros(sum(t.nbytes for t in tensors.values()), dtype=torch.uint8)
+    dests, at = {}, 0
+    with Checkpoint.open(path) as ck:
+        for name in ck.names():     # (reading order)
+            t = tensors[name]
+            dests[name] = flat[at:at + t.nbytes].view(t.dtype).view(t.shape)
+            at += t.nbytes
+        ck.load_into(dests, chunk_size=CHUNK, threads=2)
+    for name, t in tensors.items():
+        assert torch.equal(raw_bytes(dests[name]), raw_bytes(t)), name
 
 
 # -- a remote object that changed, Ctrl-C -----------------------------------------
