@@ -98,7 +98,7 @@ import traceback
 
 from .. import envs
 from ..defaults import DISTRIBUTED_TIMEOUT, GROUP_BUCKET_BYTES, GROUP_BUCKET_SLOTS, GROUP_HOST_BUCKET_BYTES
-from . import _progress, _run
+from . import _gc, _progress, _run
 from ._errors import LoadError
 from ._options import for_cache
 from ._run import LoadIterator
@@ -357,10 +357,10 @@ def _for_cache(residents):
 def _layout(checkpoint):
     """A digest of every tensor's name, dtype, shape and place: equal on
     every rank exactly when they read the same layout."""
-    h = hashlib.sha256()
-    for i, t in checkpoint.all_entries:
-        h.update(repr((i, t.name, t.dtype, t.shape, t.begin, t.end)).encode())
-    return h.hexdigest()
+    # (one repr of them all: an update per tensor cost a fine-grained
+    # checkpoint's group load a call per tensor for no better digest)
+    return hashlib.sha256(repr([(i, t.name, t.dtype, t.shape, t.begin, t.end)
+                                for i, t in checkpoint.all_entries]).encode()).hexdigest()
 
 
 def _contents(checkpoint):
@@ -466,7 +466,7 @@ class _Shared:
         self.read_bytes = None      # this rank's share, once planned
         self.whole = 0
         self.everything = self.mine = self.items = self.buckets = self.read_plan = None
-        self.union = self.segments = None
+        self.union = self.segments = self.shift = self.held = None
         self.slots = []             # this rank's bucket buffers (BUCKET_SLOTS at most)
 
     def plan_reads(self, state, chunk_size, faults):
@@ -474,6 +474,10 @@ class _Shared:
         every rank), and the Plan of this rank's (None: it reads nothing).
         The tensors planned (``everything``) are those some rank wants, in
         reading order: a load as long as the ranks' selections."""
+        with _gc.paused():          # a unit, a segment per tensor, no cycles
+            return self._plan_reads(state, chunk_size, faults)
+
+    def _plan_reads(self, state, chunk_size, faults):
         from ._pipeline import Plan
         group, checkpoint = self.group, state.checkpoint
         union = self.union = sorted(set().union(*(w.places for w in self.wanted)))
@@ -483,8 +487,19 @@ class _Shared:
         # place, with their dtypes.
         self.mine = {places[t.name]: (i, t, dtype)
                      for (i, t), dtype in zip(checkpoint.entries, state.dtypes)}
-        segments = self.segments = cut_segments(union, [t.nbytes for _, t in everything],
-                                                self.wanted)
+        sizes = [t.nbytes for _, t in everything]
+        segments = self.segments = cut_segments(union, sizes, self.wanted)
+        # Where each segment's bytes lie in this rank's tensor (its place in
+        # the tensor, less where the bytes this rank wants begin), and the
+        # bytes that tensor holds: worked out once per segment, not once per
+        # piece of every bucket.
+        if any(w.rows for w in self.wanted):
+            me = self.wanted[group.rank]
+            spans = [me.span(union[g.index], sizes[g.index]) for g in segments]
+            self.shift = [g.begin - b for g, (b, _) in zip(segments, spans)]
+            self.held = [e - b for b, e in spans]
+        else:                       # (the usual: a segment is a whole tensor)
+            self.shift, self.held = [0] * len(segments), sizes
         reads, _ = share_reads([g.end - g.begin for g in segments], [g.ranks for g in segments],
                                group.size)
         self.buckets = bucket_exchanges(reads, HOST_BUCKET_BYTES if state.target.device.type == "cpu"
@@ -494,10 +509,12 @@ class _Shared:
         self.read_bytes = sum(u.end - u.begin for u in items)
         self.whole = sum(u.end - u.begin for r in reads for u in r)
         ranges = []
+        fds = checkpoint.fds
         for u in items:
             g = segments[u.entry]
             i, t = everything[g.index]
-            ranges.append((checkpoint.fds[i], t.begin + g.begin + u.begin, t.begin + g.begin + u.end))
+            at = t.begin + g.begin
+            ranges.append((fds[i], at + u.begin, at + u.end))
         self.read_plan = Plan(ranges, chunk_size, faults=faults)
         return self.read_plan if self.read_plan.n_chunks else None
 
@@ -511,10 +528,11 @@ class _Shared:
         target, mine, union = state.target, self.mine, self.union
         target.reserve([mine[p][1] for p in union if p in mine])
         state.handles[:] = [None] * len(union)
-        for k, p in enumerate(union):
-            if p in mine:
-                _, t, dtype = mine[p]
-                state.handles[k] = target.allocate(t, dtype)[0]
+        with _gc.paused():          # a tensor per tensor, no cycles
+            for k, p in enumerate(union):
+                if p in mine:
+                    _, t, dtype = mine[p]
+                    state.handles[k] = target.allocate(t, dtype)[0]
         if self.buckets:
             size = max(k.nbytes for k in self.buckets)
             self.slots = [target.torch.empty(size, dtype=target.torch.uint8, device=target.device)
@@ -548,11 +566,13 @@ class _Shared:
         # Each rank reports its own share; our printers say so, and the whole.
         progress = _progress.for_rank(progress, me, group.size, self.whole)
         target.before_copies()
-        flat = {k: t.reshape(-1).view(target.torch.uint8) for k, t in enumerate(handles)
-                if t is not None}
-        segments = self.segments
+        # Each segment's tensor (None: not this rank's), as bytes.
+        uint8, shift, segments = target.torch.uint8, self.shift, self.segments
+        with _gc.paused():          # a view per tensor, no cycles
+            flat = [t.reshape(-1).view(uint8) if t is not None else None for t in handles]
+            flat = [flat[g.index] for g in segments]
         if pipe is not None:
-            pipe.start([flat[segments[u.entry].index].data_ptr() + self._at(u) for u in items])
+            pipe.start([flat[u.entry].data_ptr() + shift[u.entry] + u.begin for u in items])
         ring, issued_all, error = _Ring(group, self.slots, self._pieces(flat)), False, None
         waiter = _Waiter(pipe, len(items), self.read_bytes, progress)
         try:
@@ -560,8 +580,7 @@ class _Shared:
                 slot = ring.take()
                 view = slot[:k.nbytes]
                 if k.src == me:
-                    for u in dict.fromkeys(u for u, *_ in k.pieces):
-                        waiter.until(u.item)
+                    waiter.until_each(u.item for u, *_ in k.pieces)
                     ring.pack(k, view)
                 ring.issue(k, slot, view, _exchange(group, k, view))
             issued_all = True
@@ -616,28 +635,27 @@ class _Shared:
                 yield t.name, target.result(handle)
 
     def _pieces(self, flat):
-        """``pieces(bucket)``: the bytes of ``bucket`` this rank holds (its
-        reader) or wants (a receiver), as ``(tensor view, bucket offset)``
-        (a function: each bucket's views are made as it comes)."""
-        me, segments, at = self.group.rank, self.segments, self._at
+        """``pieces(bucket, view=None)``: the bytes of ``bucket`` this rank
+        holds (its reader) or wants (a receiver), as two lists: the views of
+        its tensors (``flat``: each segment's tensor, as bytes) and, where
+        ``view`` (the bucket's buffer) is given, the views of ``view`` they
+        come from, in one ``split`` (its pieces lie back to back there).  A
+        function: each bucket's views are made as it comes; a piece that is
+        a whole tensor is that tensor, not a view of it."""
+        me, shift, held = self.group.rank, self.shift, self.held
 
-        def pieces(bucket):
+        def pieces(bucket, view=None):
             mine = bucket.src == me
-            out = []
-            for u, b, e, offset in bucket.pieces:
+            tensors, parts = [], []
+            splits = view.split([e - b for _, b, e, _ in bucket.pieces]) if view is not None else None
+            for k, (u, b, e, _) in enumerate(bucket.pieces):
                 if mine or me in u.dsts:
-                    where = at(u) + b - u.begin
-                    out.append((flat[segments[u.entry].index][where:where + e - b], offset))
-            return out
+                    t, where = flat[u.entry], shift[u.entry] + b
+                    tensors.append(t if where == 0 and e - b == held[u.entry] else t[where:where + e - b])
+                    if splits is not None:
+                        parts.append(splits[k])
+            return tensors, parts
         return pieces
-
-    def _at(self, unit):
-        """Where ``unit``'s bytes lie in this rank's tensor: its segment's
-        place in the tensor, less where the bytes this rank wants begin."""
-        g = self.segments[unit.entry]
-        return g.begin - self.wanted[self.group.rank].span(self.union[g.index],
-                                                            self.everything[g.index][1].nbytes)[0] \
-            + unit.begin
 
 
 class _Waiter:
@@ -661,6 +679,13 @@ class _Waiter:
             self.reported = nbytes
         if failed or exited:
             self.stopped = True
+
+    def until_each(self, items):
+        """``until(item)`` for each of ``items`` not done yet."""
+        done = self.done
+        for item in items:
+            if not done[item]:
+                self.until(item)
 
     def until(self, item):
         while not self.done[item] and not self.stopped:
@@ -709,7 +734,7 @@ class _Ring:
         """Copies this rank's bytes of ``bucket`` into ``view`` (its pieces
         lie back to back there: one ``cat``)."""
         import torch
-        torch.cat([t for t, _ in self.pieces(bucket)], out=view)
+        torch.cat(self.pieces(bucket)[0], out=view)
 
     def issue(self, bucket, slot, view, work):
         """Keeps ``slot`` busy until ``work`` (``bucket``'s exchange through
@@ -732,8 +757,7 @@ class _Ring:
             self._settle(work)
         work.wait()
         if received is not None:
-            views = self.pieces(received)
-            _copy([t for t, _ in views], [view[o:o + t.numel()] for t, o in views])
+            _copy(*self.pieces(received, view))
         self.free.append(slot)
 
     def _settle(self, work):

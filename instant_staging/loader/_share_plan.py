@@ -16,6 +16,9 @@ way (``distributed_streamer/partition.py``).
 - ``water_fill()``: the shares that level the ranks' reads.
 """
 
+from bisect import bisect_right
+from itertools import repeat
+from operator import attrgetter
 from typing import NamedTuple
 
 # Largest unit of exchange: a unit is sent once its reader has it, so the
@@ -69,27 +72,36 @@ def share_reads(sizes, wanted, world, unit_bytes=UNIT_BYTES):
     loads = [0] * world
     reads = [[] for _ in range(world)]
     groups = {}
+    # (the planned tensors of a load that every rank wants whole share one
+    # list of ranks: sorted once, not once per tensor; a fine-grained
+    # checkpoint holds tens of thousands)
+    last = key = None
     for i, (n, ranks) in enumerate(zip(sizes, wanted)):
-        ranks = tuple(sorted(set(ranks)))
-        if n == 0 or not ranks:
+        if ranks is not last:
+            last, key = ranks, tuple(sorted(set(ranks)))
+        if n == 0 or not key:
             continue
-        if len(ranks) == 1:
-            reads[ranks[0]].append(Unit(i, 0, n, ranks[0], ()))
-            loads[ranks[0]] += n
+        if len(key) == 1:
+            reads[key[0]].append(Unit(i, 0, n, key[0], ()))
+            loads[key[0]] += n
         else:
-            groups.setdefault(ranks, []).append(i)
+            groups.setdefault(key, []).append(i)
     for members, entries in groups.items():
         shares = water_fill([loads[r] for r in members], sum(sizes[i] for i in entries))
         parts = _cut(entries, sizes, shares)
         for r, part in zip(members, parts):
             dsts = tuple(m for m in members if m != r)
+            mine = reads[r]
             for i, b, e in part:
-                for ub in range(b, e, unit_bytes):
-                    reads[r].append(Unit(i, ub, min(e, ub + unit_bytes), r, dsts))
+                if e - b <= unit_bytes:
+                    mine.append(Unit(i, b, e, r, dsts))
+                else:
+                    for ub in range(b, e, unit_bytes):
+                        mine.append(Unit(i, ub, min(e, ub + unit_bytes), r, dsts))
                 loads[r] += e - b
     exchanges = []
     for r in range(world):
-        reads[r].sort(key=lambda u: (u.entry, u.begin))
+        reads[r].sort(key=_unit_order)
         position = 0
         for item, u in enumerate(reads[r]):
             u.item = item
@@ -97,8 +109,12 @@ def share_reads(sizes, wanted, world, unit_bytes=UNIT_BYTES):
             u.key = (position, r)
             if u.dsts:
                 exchanges.append(u)
-    exchanges.sort(key=lambda u: u.key)
+    exchanges.sort(key=_issue_order)
     return reads, exchanges
+
+
+_unit_order = attrgetter("entry", "begin")
+_issue_order = attrgetter("key")
 
 
 class Segment(NamedTuple):
@@ -118,16 +134,14 @@ def cut_segments(places, sizes, wanted):
     order: ``places`` the places (in ``all_entries``) of the tensors some
     rank wants, in reading order, ``sizes`` their bytes, ``wanted`` every
     rank's ``Wanted``."""
-    out = []
     wanted_sets = [set(w.places) for w in wanted]
     everyone = list(range(len(wanted)))
     # (the usual, without a walk of the ranks per tensor: every rank wants
     # every tensor whole; a fine-grained checkpoint holds tens of thousands)
-    whole = all(not w.rows for w in wanted) and all(len(m) == len(places) for m in wanted_sets)
+    if all(not w.rows for w in wanted) and all(len(m) == len(places) for m in wanted_sets):
+        return list(map(Segment, range(len(sizes)), repeat(0), sizes, repeat(everyone)))
+    out = []
     for k, (p, nbytes) in enumerate(zip(places, sizes)):
-        if whole:
-            out.append(Segment(k, 0, nbytes, everyone))
-            continue
         spans = {r: w.span(p, nbytes) for r, (w, mine) in enumerate(zip(wanted, wanted_sets))
                  if p in mine}
         if len(set(spans.values())) == 1:      # (the usual: every rank the same bytes)
@@ -170,10 +184,14 @@ def _cut(entries, sizes, shares):
         acc += s
         bounds.append(max(bounds[-1], _snap(round(acc), entries, sizes, starts, tolerance)))
     bounds.append(total)
+    # (each part walks only its own entries, found by bisection: a walk of
+    # every entry per part, and per cut, was quadratic in the ranks)
     parts = []
     for lo, hi in zip(bounds, bounds[1:]):
+        first, stop = max(0, bisect_right(starts, lo) - 1), bisect_right(starts, hi - 1)
         part = []
-        for i, start in zip(entries, starts):
+        for j in range(first, stop):
+            i, start = entries[j], starts[j]
             b, e = max(lo, start), min(hi, start + sizes[i])
             if b < e:
                 part.append((i, b - start, e - start))
@@ -182,9 +200,13 @@ def _cut(entries, sizes, shares):
 
 
 def _snap(p, entries, sizes, starts, tolerance):
-    for i, start in zip(entries, starts):
-        end = start + sizes[i]
-        if start <= p < end:
+    """Where the cut at ``p`` falls (the entries' sizes are > 0, so one
+    entry at most holds ``p``)."""
+    j = bisect_right(starts, p) - 1
+    if j >= 0:
+        start = starts[j]
+        end = start + sizes[entries[j]]
+        if p < end:
             if p - start <= tolerance or end - p <= tolerance:
                 return start if p - start <= end - p else end
             inside = (p - start) // CUT_ALIGN * CUT_ALIGN
@@ -220,23 +242,25 @@ def bucket_exchanges(reads, bucket_bytes):
         raise ValueError(f"bucket_bytes must be > 0, not {bucket_bytes}")
     out = []
     for r, units in enumerate(reads):
-        streams, filled = [[]], 0       # each bucket's pieces
+        streams, filled = [], bucket_bytes     # each bucket's pieces, and its receivers
         for u in units:
             if not u.dsts:
                 continue
-            b = u.begin
-            while b < u.end:
+            b, end = u.begin, u.end
+            while b < end:
                 if filled == bucket_bytes:
-                    streams.append([])
+                    pieces, dsts, last = [], set(), None
+                    streams.append((pieces, dsts))
                     filled = 0
-                n = min(u.end - b, bucket_bytes - filled)
-                streams[-1].append((u, b, b + n, filled))
+                if u.dsts is not last:          # (units of one part share their receivers)
+                    last = u.dsts
+                    dsts.update(last)
+                n = min(end - b, bucket_bytes - filled)
+                pieces.append((u, b, b + n, filled))
                 filled += n
                 b += n
-        for pieces in streams:
-            if pieces:
-                out.append(Bucket(r, tuple(sorted({d for u, *_ in pieces for d in u.dsts})),
-                                  pieces[-1][3] + pieces[-1][2] - pieces[-1][1], pieces,
-                                  (pieces[-1][0].key[0], r, len(out))))
+        for pieces, dsts in streams:
+            out.append(Bucket(r, tuple(sorted(dsts)), pieces[-1][3] + pieces[-1][2] - pieces[-1][1],
+                              pieces, (pieces[-1][0].key[0], r, len(out))))
     out.sort(key=lambda k: k.key)
     return out

@@ -168,7 +168,8 @@ def main(spec_path, rank):
     def count_collectives(*paths):
         """Per load of each path, the collectives this rank called at
         torch.distributed (every function that moves tensors between
-        ranks, wrapped), and whether the load equals safetensors'."""
+        ranks, wrapped), the tensors it sliced (``Tensor.__getitem__``,
+        wrapped), and whether the load equals safetensors'."""
         import functools
         names = ["broadcast", "all_gather", "all_gather_into_tensor", "all_reduce", "reduce",
                  "reduce_scatter", "reduce_scatter_tensor", "scatter", "gather", "all_to_all",
@@ -183,7 +184,13 @@ def main(spec_path, rank):
                 return real(*args, **kwargs)
             return f
         saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
-        rec = dict(ok=True, counts=[], equal=[], bucket=spec["count_bucket"])
+        rec = dict(ok=True, counts=[], slices=[], equal=[], bucket=spec["count_bucket"])
+        sliced = []
+        real_getitem = torch.Tensor.__getitem__
+
+        def getitem(self, key):
+            sliced.append(1)
+            return real_getitem(self, key)
         bucket = _distributed.HOST_BUCKET_BYTES
         _distributed.HOST_BUCKET_BYTES = spec["count_bucket"]       # (the loads are to the CPU)
         try:
@@ -191,8 +198,14 @@ def main(spec_path, rank):
                 setattr(dist, n, counted(n, real))
             for path in paths:
                 del calls[:]
-                got = load_file(path, process_group=pg, chunk_size=chunk)
+                torch.Tensor.__getitem__ = getitem
+                try:
+                    got = load_file(path, process_group=pg, chunk_size=chunk)
+                finally:
+                    del torch.Tensor.__getitem__        # (TensorBase's again)
                 rec["counts"].append(len(calls))
+                rec["slices"].append(len(sliced))
+                del sliced[:]
                 rec["equal"].append(equal(got, reference([path])))
         finally:
             for n, real in saved.items():
@@ -388,8 +401,8 @@ def main(spec_path, rank):
         elif name == "leak_exchange":  # step 5: Ctrl-C on rank 1 once every exchange is issued
             out[name] = probe(shards, [(_distributed._Waiter, "until_all", raising(KeyboardInterrupt()))])
         elif name == "leak_midway":    # step 5: Ctrl-C on rank 1 before its second bucket
-            out[name] = probe(shards, [(_distributed._Waiter, "until",
-                                        on_call(2, KeyboardInterrupt(), _distributed._Waiter.until))],
+            out[name] = probe(shards, [(_distributed._Waiter, "until_each",
+                                        on_call(2, KeyboardInterrupt(), _distributed._Waiter.until_each))],
                               group=mid)
         elif name == "collectives":    # the same bytes as 100 tensors and as 4,000
             out[name] = count_collectives(files["few"], files["many"])

@@ -506,6 +506,11 @@ def test_collectives_follow_the_bytes_not_the_tensors(world):
         few, many = rec["counts"]
         assert few == many <= -(-512000 // COUNT_BUCKET) + n, f"rank {r}: {rec}"
         assert few > 0
+        # Nor a Python slice per tensor to hand a bucket's pieces out: a
+        # piece that is a whole tensor is that tensor, a received bucket is
+        # cut in one split; a slice per bucket, and one for each tensor that
+        # straddles a bucket's end.
+        assert rec["slices"][1] <= 3 * many, f"rank {r}: {rec}"
 
 
 def test_group_usable_after_failures(world):

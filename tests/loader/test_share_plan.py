@@ -164,3 +164,27 @@ def test_segments_of_every_rank_wanting_everything_whole():
     assert P.cut_segments([3, 5], [10, 8], wanted) == [P.Segment(0, 0, 10, [0, 1]),
                                                       P.Segment(1, 0, 4, [0, 1]),
                                                       P.Segment(1, 4, 8, [0])]
+
+
+class _CountedSizes(list):
+    """A list of sizes that counts its reads."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        type(self).reads += 1
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_plan_reads_each_size_a_bounded_number_of_times(world):
+    # Sharing n tensors among the ranks is linear in n whatever the rank
+    # count: each part and each cut looks only at its own tensors (a walk
+    # of every tensor per part and per cut made a fine-grained checkpoint's
+    # plan grow with tensors x ranks).
+    n = 4000
+    sizes = _CountedSizes([1 << 16] * n)
+    _CountedSizes.reads = 0
+    loads = check_plan(sizes, [range(world)] * n, world, 1 << 20)
+    assert sum(loads) == n << 16
+    assert _CountedSizes.reads <= 8 * n
