@@ -171,7 +171,8 @@ def staging_segment_size(slot_bytes) -> int:
 # the client's own ceiling where 8 MiB fell short of it on the dense layout
 # (benchmarks/RESULTS.md, "Object storage"); 16 requests in
 # flight.  Host memory: the staging buffer plus the client's buffers of the
-# chunks in flight (threads x chunk), whatever the checkpoint's size.
+# chunks in flight and being copied (at most 2 x threads x chunk: the
+# next GETs start while the readers copy), whatever the checkpoint's size.
 REMOTE_CHUNK_SIZE = 16 << 20
 REMOTE_THREADS = 16
 
@@ -184,6 +185,15 @@ PREFETCH_THREADS = 8
 # leaves CACHE_KEEP_FREE of its file system free for everything else there.
 CACHE_MAX_BYTES = 512 << 30
 CACHE_KEEP_FREE = 1 << 30
+
+# A fill's entries are flushed (fsync) and named by a thread of the process
+# after its load returned; the interpreter's exit waits for them at most
+# this many seconds.  Enough for what is left to flush at a local disk's
+# rate (the kernel keeps at most vm.dirty_ratio of memory dirty: tens of
+# GB on a large host, tens of seconds at 1-2 GB/s); bounded, so that a disk
+# that stopped answering (a hung network file system) cannot hold the exit
+# forever.  A fill not finished by then stays a partial file, never trusted.
+CACHE_FINISH_AT_EXIT = 120.0
 
 # A load whose tensors average fewer bytes than this is handed over whole,
 # once every tensor of it is read; one of larger tensors, as each tensor

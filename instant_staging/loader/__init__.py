@@ -42,6 +42,8 @@ benchmarks), who import nothing from an underscored module of it
 - ``Checkpoint`` (opened once, headers parsed once), ``LoadOptions``,
   ``TensorInfo``, ``LoadIterator`` and its ``LoadReport``;
 - ``load_file``, ``iter_load``, ``load``, ``safe_open``, ``empty_cache``;
+  ``wait_for_cache_fills`` (the entries of ``cache_dir=`` loads are made
+  after the load returns: waits for them, ``_cache.py``);
   ``load_into`` (and ``Checkpoint.load_into``: a reload in place, ``_into.py``);
 - the errors: ``SafetensorsError``, ``LoadError``, ``VerifyError``,
   ``DistributedLoadError``, ``RemoteChangedError``, ``MissingNameError``;
@@ -69,6 +71,7 @@ benchmarks), who import nothing from an underscored module of it
 from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
 from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
 from ._bytes import load
+from ._cache import wait_for_cache_fills
 from ._checkpoint import Checkpoint, TensorInfo
 from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
@@ -142,4 +145,5 @@ __all__ = [
     "resolve_source",
     "safe_open",
     "torch_dtype",
+    "wait_for_cache_fills",
 ]

@@ -25,18 +25,35 @@ partial file (``<name>.partial``) from the client's own buffer
 (``os.pwrite``: no second fetch, no copy of ours); its header came with
 the open.  When the checkpoint closes (its loads' readers joined, their
 tensors out), each object of which every byte was written (by one load, or
-by the batches of several loads of one ``Checkpoint``) has its partial file
-flushed (fsync) and renamed to the entry's name: an entry appears whole or
-not at all, and a crash, a SIGKILL or a Ctrl-C leaves at most a partial
+by the batches of several loads of one ``Checkpoint``) is handed to the
+finisher, which makes its entry after the load returned (the flush waits
+for the disk: it is in no load's way): the partial file flushed (fsync),
+renamed to the entry's name while its lock is still held, the directory
+flushed, the lock let go.  An entry appears whole or not at all, and a
+crash, a SIGKILL or a Ctrl-C before the rename leaves at most a partial
 file, which no load trusts (its next filler truncates it, and any filler's
-eviction removes one whose filler is gone).  A checkpoint closed before
-every byte of an object was loaded (``names=``, a ``plan``, a rank's share
-of a group load) removes that object's partial file: the cache holds only
-whole objects.
+eviction removes one whose filler is gone).  A failed flush (a full disk)
+is no entry and one warning, logged by the finisher: the load stands.
+
+The finisher is one daemon thread per process, started when a checkpoint
+hands it entries and gone once none is queued.  ``wait_for_cache_fills``
+waits for it (public: tests and benchmarks time the fill apart).  A later
+load of an object in this process whose entry is still being made waits
+for it at open (a flush of bytes already written; the other way, the
+locked partial file, would fetch the object again).  The interpreter's
+exit waits for the queued entries, for at most CACHE_FINISH_AT_EXIT
+seconds (a disk that stopped answering must not hold the exit forever);
+a Ctrl-C during that wait ends it, and no entry is named after it.  A fork
+child does not finish its parent's fills: it closes its copies of their
+descriptors (the flock is the open file's: the parent keeps it).
+
+A checkpoint closed before every byte of an object was loaded (``names=``,
+a ``plan``, a rank's share of a group load) removes that object's partial
+file: the cache holds only whole objects.
 
 Concurrency.  The partial file is also its fill's lock: its filler holds
-``flock(LOCK_EX)`` on it while it fills (the kernel drops the lock when
-the process ends, however it ends).  Another process, or rank, that finds
+``flock(LOCK_EX)`` on it while it fills and until the finisher renamed it
+(the kernel drops the lock when the process ends, however it ends).  Another process, or rank, that finds
 it locked loads without filling; one that takes the lock first checks
 that the name still names the file it locked (the holder may have renamed
 it to the entry meanwhile).  An entry is never written once it has its
@@ -58,6 +75,8 @@ directory and the error.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import errno
 import fcntl
 import hashlib
@@ -68,7 +87,7 @@ import stat
 import threading
 
 from .. import envs
-from ..defaults import CACHE_KEEP_FREE, CACHE_MAX_BYTES
+from ..defaults import CACHE_FINISH_AT_EXIT, CACHE_KEEP_FREE, CACHE_MAX_BYTES
 from ._fds import close_recorded, open_recorded
 from ._header import read_header
 from ._remote import RemoteShards
@@ -84,8 +103,9 @@ PARTIAL_SUFFIX = ".partial"
 # The cache's own files: nothing else in the directory is ever looked at or removed.
 _OURS = re.compile(r"^[0-9a-f]{64}\.[0-9a-f]{16}\.(?:safetensors|partial)$")
 
-# A fill's states.
-_PENDING, _FILLING, _DONE, _OFF = "pending", "filling", "done", "off"
+# A fill's states.  _FINISHING: whole, handed to the finisher (its
+# descriptor and lock are the finisher's until it is _DONE or _OFF).
+_PENDING, _FILLING, _FINISHING, _DONE, _OFF = "pending", "filling", "finishing", "done", "off"
 
 
 def directory(cache_dir):
@@ -127,14 +147,19 @@ def entry_base(url, etag, version, size):
 class _Fill:
     """One object being written into its partial file."""
 
-    __slots__ = ("base", "covered", "fd", "head", "lock", "size", "state", "whole")
+    __slots__ = ("base", "covered", "fd", "fds", "handed", "head", "lock", "size", "state", "whole")
 
     def __init__(self, base, size, head):
         self.base, self.size, self.head = base, size, head
         self.state = _PENDING
         self.fd = None
+        # Its partial file's descriptors, recorded: closed by the Cache's
+        # close(), or, once handed on, by the finisher (its own, not the
+        # Cache's list: the finisher outlives the checkpoint).
+        self.fds = []
+        self.handed = False     # handed to the finisher: its descriptors are not the Cache's
         self.covered = []       # disjoint [begin, end) ranges written, sorted
-        self.whole = False      # every byte written: made an entry at close()
+        self.whole = False      # every byte written: made an entry after close()
         self.lock = threading.Lock()
 
     def add(self, begin, end) -> bool:
@@ -182,6 +207,10 @@ class Cache:
             return
         base = os.path.join(self.directory, entry_base(obj.url, obj.etag, obj.version, obj.size))
         entry = base + ENTRY_SUFFIX
+        # An earlier checkpoint of this process still finishing this entry:
+        # waited for (a flush of bytes already written, where the other way,
+        # its locked partial file, would fetch the whole object again).
+        _finisher.wait_for(base)
         fd = None
         try:
             fd = open_recorded(self._fds, entry, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -206,6 +235,10 @@ class Cache:
         if len(self._hits) != count:
             return None
         return [self._hits[i][0] for i in range(count)]
+
+    def holds(self, index):
+        """Whether object ``index`` is read from its entry."""
+        return index in self._hits
 
     def read(self, index, offset, length):
         """Object ``index``'s bytes from its entry; None where it has none (fetched)."""
@@ -258,20 +291,39 @@ class Cache:
         return cached, fetched
 
     def close(self):
-        """Makes the entries of the objects written whole, removes the
-        partial files of the others, closes every descriptor (and the
+        """Hands the objects written whole to the finisher (which makes
+        their entries, ``_finish``, after this returns), removes the partial
+        files of the others, closes every other descriptor (and the
         CachedShards made from it, until handed on); idempotent.  Called
-        once the reader threads are joined: a load's flush (fsync) is not
-        in its readers' way, and its tensors are all out before it."""
-        for fill in list(self._fills.values()):
-            with fill.lock:
-                if fill.state == _FILLING and fill.whole and not self._off:
-                    self._commit(fill)
-                self._abandon(fill)
-        close_recorded(self._fds)
-        local, self.local = self.local, None
-        if local is not None:
-            local.close()
+        once the reader threads are joined and the tensors are out: the
+        flush (fsync), which waits for the disk, is in no load's way."""
+        handed = []
+        try:
+            for fill in list(self._fills.values()):
+                if fill.handed:
+                    continue    # (a second close; its lock may be the finisher's, for a while)
+                with fill.lock:
+                    if fill.state == _FILLING and fill.whole and not self._off:
+                        fill.state, fill.handed = _FINISHING, True
+                        handed.append(fill)
+                    else:
+                        self._abandon(fill)
+            if handed and not _finisher.submit(self.directory, handed):
+                _finish(self.directory, handed)     # (no thread to be had: here, now)
+        except BaseException:
+            for fill in handed:         # (an interrupt: the finisher skips what is _OFF)
+                with fill.lock:
+                    self._abandon(fill)
+                    close_recorded(fill.fds)
+            raise
+        finally:
+            for fill in list(self._fills.values()):
+                if not fill.handed:     # (a handed one's: the finisher's, under its lock)
+                    close_recorded(fill.fds)
+            close_recorded(self._fds)
+            local, self.local = self.local, None
+            if local is not None:
+                local.close()
 
     # -- filling ------------------------------------------------------------------
 
@@ -289,12 +341,14 @@ class Cache:
         try:
             os.makedirs(self.directory, exist_ok=True)
             for _ in range(2):
-                fd = open_recorded(self._fds, partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+                fd = open_recorded(fill.fds, partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     return      # another process fills it: this load goes without
                 if os.path.exists(fill.base + ENTRY_SUFFIX):
+                    if _names(fd, partial):
+                        _unlink(partial)    # (made by our open, after the filler's rename)
                     _unlock(fd)
                     return      # filled meanwhile
                 if _names(fd, partial):
@@ -331,34 +385,8 @@ class Cache:
         fill.whole = fill.add(0, len(fill.head))      # (an object of no data: whole now)
         fill.head = b""
 
-    def _commit(self, fill):
-        """Every byte of ``fill`` is written (under ``fill.lock``): flushed,
-        renamed to its entry; the object's older entries removed."""
-        partial, entry = fill.base + PARTIAL_SUFFIX, fill.base + ENTRY_SUFFIX
-        try:
-            if os.fstat(fill.fd).st_size != fill.size:
-                raise OSError(errno.EIO, f"the partial file is not {fill.size} bytes")
-            os.fsync(fill.fd)
-            os.rename(partial, entry)
-            _fsync_directory(self.directory)
-        except OSError as e:
-            self._degrade(e, "writing")
-            self._abandon(fill)
-            return
-        fill.state = _DONE
-        _unlock(fill.fd)
-        key, mine = os.path.basename(fill.base).split(".")[0], os.path.basename(entry)
-        for name in _listing(self.directory):
-            if name.startswith(key + ".") and name.endswith(ENTRY_SUFFIX) and name != mine:
-                _unlink(os.path.join(self.directory, name))     # an older version
-
     def _abandon(self, fill):
-        """Ends ``fill`` (under ``fill.lock``): a partial file of ours is removed."""
-        if fill.state == _FILLING:
-            _unlink(fill.base + PARTIAL_SUFFIX)     # (locked by us: still ours)
-            _unlock(fill.fd)
-        if fill.state != _DONE:
-            fill.state = _OFF
+        _abandon(fill)
 
     def _room(self, size, own):
         """Removes the least recently used entries until ``size`` more bytes
@@ -400,6 +428,185 @@ class Cache:
             reason = (error.strerror if isinstance(error, OSError) else None) or str(error)
             log.warning("the cache in %s failed while %s (%s): loading without it",
                         self.directory, what, reason)
+
+
+# -- the finisher: entries made after the load returned ---------------------------
+
+def wait_for_cache_fills(timeout=None) -> bool:
+    """Waits until every cache entry that this process's loads filled is
+    made (or given up: a failed flush is a warning and no entry); whether
+    none is pending any more.  A load returns once its bytes are out; the
+    entries it filled are flushed to the disk and renamed into place after
+    it, by a thread of this process (a later load of one of them in this
+    process waits for its entry; the interpreter's exit waits too, for at
+    most CACHE_FINISH_AT_EXIT seconds).
+
+    Args:
+        timeout: seconds at most (None: until done).
+    """
+    return _finisher.wait(timeout)
+
+
+class _Finisher:
+    """At most one thread per process (a daemon, started by a checkpoint's
+    close that hands it entries to make, gone once none is queued) that
+    makes them in order: ``_finish`` of each batch ``Cache.close`` hands on."""
+
+    def __init__(self):
+        self.cond = threading.Condition(threading.Lock())
+        self.jobs = collections.deque()     # (directory, [_Fill]): the first one in work
+        self.pending = collections.Counter()    # fill.base -> fills queued or in work
+        self.thread = None
+        self.stopped = False    # Ctrl-C at exit: no entry is named from here on
+
+    def submit(self, directory, fills) -> bool:
+        """Queues ``fills`` (each _FINISHING); False where no thread starts."""
+        with self.cond:
+            if self.thread is None:
+                thread = threading.Thread(target=self._run, name="instant_staging-cache",
+                                          daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:        # (no thread left to this process)
+                    return False
+                self.thread = thread
+            self.jobs.append((directory, fills))
+            self.pending.update(f.base for f in fills)
+            self.cond.notify_all()
+        return True
+
+    def wait(self, timeout=None) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: not self.jobs, timeout)
+
+    def wait_for(self, base):
+        with self.cond:
+            self.cond.wait_for(lambda: not self.pending[base])
+
+    def _run(self):
+        # Ends when nothing is queued (the next submit starts another): a
+        # process that loaded keeps no thread of the cache's.
+        while True:
+            with self.cond:
+                if not self.jobs:
+                    self.thread = None
+                    return
+                directory, fills = self.jobs[0]
+            try:
+                _finish(directory, fills, self)
+            except BaseException:       # (a bug: each fill still ends, no job is left pending)
+                log.exception("the cache in %s: finishing its entries failed", directory)
+                for fill in fills:
+                    with fill.lock:
+                        _abandon(fill)
+                        close_recorded(fill.fds)
+            with self.cond:
+                self.jobs.popleft()
+                self.pending.subtract(f.base for f in fills)
+                self.pending = +self.pending        # (its zeros dropped)
+                self.cond.notify_all()
+
+    def name(self, partial, entry) -> bool:
+        """Renames ``partial`` to ``entry`` unless an exit's Ctrl-C stopped it; whether it did."""
+        with self.cond:
+            if self.stopped:
+                return False
+            os.rename(partial, entry)
+            return True
+
+
+def _finish(directory, fills, finisher=None):
+    """Makes the entries of ``fills`` (each written whole, _FINISHING, its
+    partial file locked): each flushed (fsync), checked, renamed to its
+    entry's name while still locked, the directory flushed, then unlocked;
+    the object's older entries removed.  A fill that fails is removed, with
+    one warning for them all: the load returned already."""
+    failed = None
+    for fill in fills:
+        named = False
+        with fill.lock:
+            if fill.state == _FINISHING:        # (else given up meanwhile: an interrupted close)
+                partial, entry = fill.base + PARTIAL_SUFFIX, fill.base + ENTRY_SUFFIX
+                try:
+                    if os.fstat(fill.fd).st_size != fill.size:
+                        raise OSError(errno.EIO, f"the partial file is not {fill.size} bytes")
+                    _flush(fill.fd)
+                    if finisher is None:
+                        os.rename(partial, entry)
+                        named = True
+                    else:
+                        named = finisher.name(partial, entry)   # (False: an exit's Ctrl-C)
+                except OSError as e:
+                    failed = failed or e
+                if named:
+                    fill.state = _DONE
+                    _unlock(fill.fd)
+                else:
+                    _abandon(fill)
+            close_recorded(fill.fds)
+        if not named:
+            continue
+        try:
+            _fsync_directory(directory)     # (the entry is whole already: its name's durability)
+        except OSError as e:
+            failed = failed or e
+        key, mine = os.path.basename(fill.base).split(".")[0], os.path.basename(entry)
+        for name in _listing(directory):
+            if name.startswith(key + ".") and name.endswith(ENTRY_SUFFIX) and name != mine:
+                _unlink(os.path.join(directory, name))      # an older version
+    if failed is not None:
+        reason = failed.strerror or str(failed)
+        log.warning("the cache in %s failed while finishing its entries (%s): not cached",
+                    directory, reason)
+
+
+def _abandon(fill):
+    """Ends ``fill`` (under ``fill.lock``): a partial file of ours is removed."""
+    if fill.state in (_FILLING, _FINISHING):
+        _unlink(fill.base + PARTIAL_SUFFIX)     # (locked by us: still ours)
+        _unlock(fill.fd)
+    if fill.state != _DONE:
+        fill.state = _OFF
+
+
+def _flush(fd):
+    os.fsync(fd)
+
+
+def _finish_at_exit():
+    # Bounded: a disk that stopped answering (a hung network file system)
+    # must not hold the exit forever; a fill not finished by then stays a
+    # partial file, which no load trusts.  A Ctrl-C here ends the wait and
+    # names no entry from then on (those already named are whole).
+    finisher = _finisher
+    with finisher.cond:
+        if not finisher.jobs:
+            return
+    try:
+        if not finisher.wait(CACHE_FINISH_AT_EXIT):
+            log.warning("the cache: exit did not wait longer than %s s for its entries to be "
+                        "flushed; those not made are not cached", CACHE_FINISH_AT_EXIT)
+    except KeyboardInterrupt:
+        with finisher.cond:
+            finisher.stopped = True     # (quietly: the user asked the exit not to wait)
+
+
+def _forget_in_child():
+    # A fork child does not finish its parent's fills: the parent's thread
+    # does, and this process's copies of their descriptors are closed (not
+    # unlocked: the flock is the open file's, which the parent still holds
+    # and unlocks itself).  The condition may have been copied held by the
+    # parent's thread, which does not exist here.
+    global _finisher
+    old, _finisher = _finisher, _Finisher()
+    for _, fills in old.jobs:
+        for fill in fills:
+            close_recorded(fill.fds)
+
+
+_finisher = _Finisher()
+os.register_at_fork(after_in_child=_forget_in_child)
+atexit.register(_finish_at_exit)
 
 
 class CachedShards(Shards):

@@ -25,8 +25,10 @@ trips, not bytes), whose answer also carries the object's size, ETag and
 version; a second GET only for a longer header (or a HEAD, where that GET
 failed for a reason the HEAD names again, such as an empty object's 416).
 The header is validated exactly as a local file's.  The data ranges are
-then fetched by the loader's reader threads (``Pipeline(fetch=)``): one
-ranged GET per chunk, straight into a staging slot.  Every GET carries
+then fetched for the loader's reader threads (``Pipeline(fetch=)``): one
+ranged GET per chunk, copied into a staging slot, as many in flight as
+there are readers, started ahead of them (``RemoteShards.prefetch``).
+Every GET carries
 ``If-Match`` with the ETag the first GET saw (and the version, where the store
 versions objects), and each answer's ETag (its Last-Modified where the
 server gives no ETag; its size always) is compared with the pinned one (a
@@ -461,10 +463,21 @@ class _Requests:
         ``TimeoutError`` after ``timeout`` s; ``_Cancelled`` once ``stop``
         is set.  The request is cancelled whenever this returns early
         (a KeyboardInterrupt here too)."""
+        return self.wait(self.submit(make, timeout), stop)
+
+    def submit(self, make, timeout):
+        """Starts ``await make()`` on the loop, ending by ``timeout`` s; its
+        future (``wait`` for it, or cancel it)."""
         import asyncio
-        from concurrent.futures import wait
         loop = self._start()
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(make(), timeout), loop)
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(make(), timeout), loop)
+
+    @staticmethod
+    def wait(future, stop):
+        """``future``'s result (``submit``'s), as ``run``: ``_Cancelled``
+        once ``stop`` is set; the request cancelled whenever this returns
+        early."""
+        from concurrent.futures import wait
         try:
             while not future.done():
                 if stop.is_set():
@@ -555,6 +568,26 @@ async def _head_async(obstore, obj):
     return await obstore.head_async(obj.store, obj.key)
 
 
+def _range_options(obj, offset, length):
+    """A ranged GET's options: the range, pinned to the version opened."""
+    options = {"range": (offset, offset + length)}
+    if obj.etag:
+        options["if_match"] = obj.etag
+    if obj.version:
+        options["version"] = obj.version
+    return options
+
+
+def _check_unchanged(obj, meta, url):
+    """Raises ``RemoteChangedError`` where a range's answer (``meta``) is not
+    of the version the object was opened at (a server that ignored
+    ``If-Match``)."""
+    changed = obj.changed(meta)
+    if changed is not None:
+        raise RemoteChangedError(f"{url}: the object changed while it was loaded ({changed}; "
+                                 "the server did not refuse the request): load again", url)
+
+
 # -- the checkpoint ---------------------------------------------------------------
 
 class RemoteShards(Shards):
@@ -572,6 +605,8 @@ class RemoteShards(Shards):
 
     def __init__(self, objects):
         self._objects = list(objects)
+        # The load's read-ahead (``prefetch``), on its share.
+        self._ahead = None
         self._error = None
         self._error_lock = threading.Lock()
         self._stop = threading.Event()
@@ -584,7 +619,61 @@ class RemoteShards(Shards):
         # A load's own error and stop: one load's cancel stops only its fetches.
         view = super().share(release)
         view._error, view._error_lock, view._stop = None, threading.Lock(), threading.Event()
+        view._ahead = None
         return view
+
+    def prefetch(self, plan, window):
+        """Fetches the load's chunks ahead of its readers: ``window`` ranged
+        GETs in flight from now on (``_ReadAhead``), in the order the readers
+        claim ``plan``'s chunks.  The first are asked for while the load
+        makes its staging buffer and device memory (tens of ms on a GPU host:
+        more than a round trip), which the readers wait for; then each range
+        a reader takes puts the next one in flight, so the requests in flight
+        stay ``window`` while the readers copy what arrived into their slots
+        (a reader's own GET, the next one after its copy, would leave a gap
+        per chunk).  Not under a bandwidth cap (its pace is the readers')."""
+        if self.throttle is None and window > 0:
+            self._ahead = _ReadAhead(self, plan, window)
+
+    def _wanted(self, index, length):
+        """Whether a range of object ``index`` is fetched (not one read from
+        the cache's entry, not an empty one)."""
+        return length > 0 and (self.cache is None or not self.cache.holds(index))
+
+    def _submit(self, index, offset, length):
+        """Starts one ranged GET (``_Requests.submit``); its future."""
+        obstore, obj = self._obstore, self._objects[index]
+        options = _range_options(obj, offset, length)
+        return self._requests.submit(lambda: _get_async(obstore, obj, options), RETRY_SECONDS)
+
+    def _take_prefetched(self, got, index, offset, length, what):
+        """The bytes of a range the read-ahead started (``got``: when, and its
+        future), once they arrived; a failed GET counts as ``_get``'s first try."""
+        started, future = got
+        obj = self._objects[index]
+        url = _safe(obj.url)
+        try:
+            with _no_panic(url):
+                try:
+                    meta, data = self._requests.wait(future, self._stop)
+                finally:
+                    self._ahead.answered()
+        except _Cancelled:
+            raise LoadError(f"{url}: the load was cancelled", url) from None
+        except ClientPanic:
+            raise
+        except Exception:       # (its failure is met again, and classified, by the tries below)
+            return self._get(index, offset, length, what, started)
+        _check_unchanged(obj, meta, url)
+        if len(data) != length:
+            return self._get(index, offset, length, what, started)
+        return data
+
+    def _drop_prefetched(self):
+        """Cancels the read-ahead's requests no reader took (a cancel, a close)."""
+        ahead = self._ahead
+        if ahead is not None:
+            ahead.drop()
 
     @property
     def fetch(self):
@@ -687,12 +776,18 @@ class RemoteShards(Shards):
         try:
             cache = self.cache
             data = None if cache is None else cache.read(index, offset, length)
+            if data is not None:
+                return data
+            ahead = self._ahead
+            got = None if ahead is None else ahead.take(index, offset, length)
+            if got is not None:
+                data = self._take_prefetched(got, index, offset, length, "loading")
             if data is None:
                 if self.throttle is not None:
                     self._stop.wait(self.throttle.take(length))     # (a cancel ends it)
                 data = self._get(index, offset, length, "loading")
-                if cache is not None:
-                    cache.write(index, offset, data)
+            if cache is not None:
+                cache.write(index, offset, data)
             return data
         except BaseException as e:
             with self._error_lock:
@@ -716,17 +811,15 @@ class RemoteShards(Shards):
             return 0, self.total_bytes
         return self.cache.sources(self.entries)
 
-    def _get(self, index, offset, length, what):
+    def _get(self, index, offset, length, what, started=None):
+        """The bytes, with retries within RETRY_SECONDS of ``started`` (now,
+        or when a prefetch of the range, which failed, began: its first try)."""
         obstore = self._obstore
         obj = self._objects[index]
-        options = {"range": (offset, offset + length)}
-        if obj.etag:
-            options["if_match"] = obj.etag
-        if obj.version:
-            options["version"] = obj.version
+        options = _range_options(obj, offset, length)
         url = _safe(obj.url)
-        deadline = time.monotonic() + RETRY_SECONDS
-        for attempt in range(RETRIES + 1):
+        deadline = (time.monotonic() if started is None else started) + RETRY_SECONDS
+        for attempt in range(0 if started is None else 1, RETRIES + 1):
             if self._stop.is_set():
                 raise LoadError(f"{url}: the load was cancelled", url)
             # Each try ends by the deadline, however the server answers
@@ -736,11 +829,7 @@ class RemoteShards(Shards):
                 with _no_panic(url):
                     meta, data = self._request(
                         lambda: _get_async(obstore, obj, options), max(left, 0.001))
-                    changed = obj.changed(meta)
-                    if changed is not None:
-                        raise RemoteChangedError(f"{url}: the object changed while it was "
-                                                 f"loaded ({changed}; the server did not refuse "
-                                                 "the request): load again", url)
+                    _check_unchanged(obj, meta, url)
                 if len(data) == length:
                     return data
                 problem = OSError(f"{url}: {what}: got {len(data)} of the {length} bytes at "
@@ -771,6 +860,7 @@ class RemoteShards(Shards):
     def close(self):
         # The stores (their connection pools) go with the last reference:
         # a closed checkpoint keeps no socket.
+        self._drop_prefetched()
         self._requests.close()
         self.fds = []
         for obj in self._objects:
@@ -804,6 +894,61 @@ def _each(call, items, stop):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+class _ReadAhead:
+    """A load's ranged GETs started ahead of its readers (``RemoteShards.prefetch``):
+    ``window`` of ``plan``'s chunks, in the order the readers claim them,
+    are in flight until the last is.  ``take`` hands a reader its range's
+    request; once it is answered, the next starts (``answered``), while
+    the reader copies.  A range a reader asks for before its turn came (the
+    readers race a little) is left to that reader.  Host memory: the
+    client's buffers of ``window`` requests and of the chunks the readers
+    copy (at most one each)."""
+
+    def __init__(self, shards, plan, window):
+        self._shards, self._plan = shards, plan
+        self._next = 0              # the plan's next chunk to request
+        self._pending = {}          # (file, offset, length) -> (when started, future)
+        self._skipped = set()       # ranges a reader asked for first: never requested here
+        self._lock = threading.Lock()
+        with self._lock:
+            for _ in range(window):
+                self._start_next()
+
+    def _start_next(self):
+        """Requests the next chunk to fetch (under the lock)."""
+        while self._next < self._plan.n_chunks:
+            key = self._plan.chunk(self._next)
+            self._next += 1
+            if key not in self._skipped and self._shards._wanted(key[0], key[2]):
+                self._pending[key] = (time.monotonic(), self._shards._submit(*key))
+                return
+
+    def take(self, index, offset, length):
+        """``(when started, future)`` of the range; None where it was not
+        requested (nor will it be).  Its taker calls ``answered`` once the
+        future is done."""
+        key = (index, offset, length)
+        with self._lock:
+            got = self._pending.pop(key, None)
+            if got is None:
+                self._skipped.add(key)
+        return got
+
+    def answered(self):
+        """A taken request was answered: the next one in its place, while
+        its taker copies what arrived."""
+        with self._lock:
+            self._start_next()
+
+    def drop(self):
+        """Requests no more; cancels those no reader took."""
+        with self._lock:
+            self._next = self._plan.n_chunks
+            pending, self._pending = self._pending, {}
+        for _, future in pending.values():
+            future.cancel()
+
+
 class _Fetch:
     """``fetch(file, offset, length)``: ``length`` bytes at ``offset`` of
     object ``file``, as the client's buffer (the reader threads copy it into
@@ -822,6 +967,7 @@ class _Fetch:
 
     def cancel(self):
         self._checkpoint._stop.set()
+        self._checkpoint._drop_prefetched()
 
 
 # -- the files beside the weights (config, tokenizer) --------------------------------

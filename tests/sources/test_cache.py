@@ -17,7 +17,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("obstore")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from instant_staging.loader import Checkpoint, _cache, iter_load, load_file, safe_open
+from instant_staging.loader import (
+    Checkpoint,
+    _cache,
+    iter_load,
+    load_file,
+    safe_open,
+    wait_for_cache_fills,
+)
 
 from support import TESTS, child_env
 from support.remote_checkpoints import fds as _fds
@@ -60,6 +67,9 @@ def _two_shards(seed):
 
 
 def _names(directory):
+    """The cache's files once this process's fills are finished (their
+    entries are made after the load returned)."""
+    assert wait_for_cache_fills(timeout=30)
     return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
 
 
@@ -281,6 +291,242 @@ def test_a_second_filler_finds_the_lock_and_loads_without_filling(s3_server, s3_
     assert (cache / _entries(cache)[0]).read_bytes() == (local / "model.safetensors").read_bytes()
 
 
+def test_an_entry_made_meanwhile_leaves_no_partial_file(s3_server, s3_bucket, tmp_path):
+    """A checkpoint opened before another's fill finished: its first write
+    finds the entry, and the partial file its own open made is removed."""
+    files = [("model.safetensors", _big(12))]
+    local = upload(put_in(s3_server, s3_bucket), "mw", files, tmp_path)
+    url, cache = f"s3://{s3_bucket}/mw/model.safetensors", tmp_path / "cache"
+    opts = options(s3_server.url)
+    with Checkpoint.open(url, storage_options=opts, cache_dir=cache) as late:
+        load_file(url, storage_options=opts, cache_dir=cache)
+        assert len(_entries(cache)) == 1
+        same(late.load("cpu"), load_file(local))
+    assert len(_entries(cache)) == 1 and not _partials(cache)
+
+
+# -- the entries made after the load returned ----------------------------------------------
+
+class _HeldFlush:
+    """``_cache._flush`` held until ``release()``: the finisher's fsync of a slow disk."""
+
+    def __init__(self, monkeypatch):
+        import threading
+        self.release_event, self.entered = threading.Event(), threading.Event()
+        flush = _cache._flush
+
+        def held(fd):
+            self.entered.set()
+            assert self.release_event.wait(60)
+            flush(fd)
+        monkeypatch.setattr(_cache, "_flush", held)
+
+    def release(self):
+        self.release_event.set()
+
+
+def _in_thread(fn):
+    import threading
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:      # (shown by the test's assert)
+            box["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def test_the_load_returns_before_its_entry_is_flushed(s3_server, s3_bucket, tmp_path, fault_proxy,
+                                                     monkeypatch):
+    """The flush (fsync) and the rename come after the load returned; a
+    later load of the object in this process waits for the entry (no second
+    fetch) rather than reading a half-made one; wait_for_cache_fills times it."""
+    files = _two_shards(3)
+    local = upload(put_in(s3_server, s3_bucket), "fl", files, tmp_path)
+    url, cache = f"s3://{s3_bucket}/fl/", tmp_path / "cache"
+    opts = options(fault_proxy.url)
+    want = load_file(local)
+    load_file(url, storage_options=opts)    # (the client's runtime: made once per process)
+    threads, fds = _threads(), _fds()
+    held = _HeldFlush(monkeypatch)
+    try:
+        first, box = _in_thread(lambda: iter_load(url, storage_options=opts, cache_dir=cache))
+        first.join(0)
+
+        def load_all():
+            with iter_load(url, storage_options=opts, cache_dir=cache) as it:
+                got = dict(it)
+            return got, it.report
+        first, box = _in_thread(load_all)
+        first.join(30)
+        assert not first.is_alive() and "error" not in box, box     # returned, its flush held
+        got, report = box["value"]
+        same(got, want)
+        assert (report.cache_hit_bytes, report.fetched_bytes) == (0, _nbytes(files))
+        assert held.entered.wait(10)
+        listing = sorted(os.listdir(cache))
+        assert not _entries_now(cache) and len(listing) == 2 and all(n.endswith(".partial")
+                                                                     for n in listing)
+        assert not wait_for_cache_fills(timeout=0.1)
+        # a later load waits for the entries, then reads them: no data GET
+        fault_proxy.reset_counts()
+        second, box2 = _in_thread(load_all)
+        second.join(0.5)
+        assert second.is_alive()
+        held.release()
+        second.join(30)
+        assert not second.is_alive() and "error" not in box2, box2
+    finally:
+        held.release()
+    got, report = box2["value"]
+    same(got, want)
+    assert (report.cache_hit_bytes, report.fetched_bytes) == (_nbytes(files), 0)
+    assert not [r for r in fault_proxy.requests if r[0] == "GET" and r[2] and not r[2].startswith("bytes=0-")]
+    assert wait_for_cache_fills(timeout=0)
+    assert len(_entries(cache)) == 2 and not _partials(cache)
+    del got, box, box2
+    assert _settled(threads, fds), {fd: _link(fd) for fd in _fds() - fds}   # the finisher gone too
+
+
+def _entries_now(directory):
+    """The entries as they are, not waiting for the fills."""
+    return [n for n in os.listdir(directory) if ENTRY.match(n)] if os.path.isdir(directory) else []
+
+
+def test_a_failed_flush_is_one_warning_and_no_entry(s3_server, s3_bucket, tmp_path, monkeypatch,
+                                                   caplog):
+    """The disk fails the flush (ENOSPC) after the load returned: the load
+    stands, no entry, no partial file, one warning for both objects; the
+    next load fetches and fills them."""
+    import errno
+    files = _two_shards(4)
+    local = upload(put_in(s3_server, s3_bucket), "ff", files, tmp_path)
+    url, cache = f"s3://{s3_bucket}/ff/", tmp_path / "cache"
+    opts = options(s3_server.url)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(_cache, "_flush", full)
+    with caplog.at_level(logging.WARNING, logger="instant_staging"):
+        same(load_file(url, storage_options=opts, cache_dir=cache), load_file(local))
+        assert _names(cache) == []
+    warnings = _cache_warnings(caplog)
+    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage(), warnings
+    assert str(cache) in warnings[0].getMessage()
+    monkeypatch.undo()
+    with iter_load(url, storage_options=opts, cache_dir=cache) as it:
+        same(dict(it), load_file(local))
+    assert it.report.fetched_bytes == _nbytes(files)
+    assert len(_entries(cache)) == 2 and not _partials(cache)
+
+
+def test_a_fork_child_does_not_finish_its_parents_fills(s3_server, s3_bucket, tmp_path, monkeypatch):
+    files = [("model.safetensors", _big(13))]
+    local = upload(put_in(s3_server, s3_bucket), "fk", files, tmp_path)
+    url, cache = f"s3://{s3_bucket}/fk/model.safetensors", tmp_path / "cache"
+    held = _HeldFlush(monkeypatch)
+    try:
+        same(load_file(url, storage_options=options(s3_server.url), cache_dir=cache), load_file(local))
+        assert held.entered.wait(10)
+        (partial,) = os.listdir(cache)
+        fd = _cache._finisher.jobs[0][1][0].fd
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:        # the child: nothing pending, its copy of the descriptor closed
+            import fcntl
+            try:
+                ok = (_cache.wait_for_cache_fills(timeout=0) and not _cache._finisher.jobs
+                      and not os.path.exists(f"/proc/self/fd/{fd}"))
+                probe = os.open(cache / partial, os.O_RDWR)
+                try:
+                    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    ok = False                  # the parent's lock was let go
+                except BlockingIOError:
+                    pass
+                os.write(write, b"1" if ok else b"0")
+            finally:
+                os._exit(0)
+        os.close(write)
+        assert os.read(read, 1) == b"1"
+        os.close(read)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert not _entries_now(cache)
+    finally:
+        held.release()
+    assert len(_entries(cache)) == 1 and not _partials(cache)
+
+
+_EXIT_CHILD = """
+import atexit, os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.path.insert(0, {tests!r})
+from instant_staging.loader import _cache, load_file
+flush = _cache._flush
+def slow(fd):
+    time.sleep({flush_seconds})
+    flush(fd)
+_cache._flush = slow
+_cache.CACHE_FINISH_AT_EXIT = {bound}
+opts = {{"endpoint": {endpoint!r}, "access_key_id": "testing", "secret_access_key": "testing",
+        "region": "us-east-1"}}
+load_file({url!r}, storage_options=opts, cache_dir={cache!r})
+print("loaded", flush=True)
+atexit.register(lambda: print("exiting", flush=True))     # (runs before the cache's own)
+{then}
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "bound", "SIGKILL", "SIGINT"])
+def test_the_entries_at_exit(s3_server, s3_bucket, tmp_path, how):
+    """A short script's exit waits for its entries (bounded: past the bound,
+    or at a Ctrl-C while it waits, the exit goes on and leaves no entry); a
+    kill before the finish leaves a partial file, which no load trusts."""
+    files = [("model.safetensors", _big(14))]
+    local = upload(put_in(s3_server, s3_bucket), f"x{how}", files, tmp_path)
+    url, cache = f"s3://{s3_bucket}/x{how}/model.safetensors", tmp_path / "cache"
+    flush_seconds, bound, then = {"exit": (1, 60, ""), "bound": (30, 1, ""),
+                                  "SIGKILL": (30, 60, "time.sleep(60)"),
+                                  "SIGINT": (30, 60, "")}[how]
+    code = _EXIT_CHILD.format(tests=TESTS, endpoint=s3_server.url, url=url, cache=str(cache),
+                              flush_seconds=flush_seconds, bound=bound, then=then)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=child_env(), cwd=tmp_path)
+    try:
+        assert child.stdout.readline().strip() == "loaded", child.stderr.read()
+        t0 = time.monotonic()
+        if how == "SIGKILL":
+            child.kill()
+        elif how == "SIGINT":
+            assert child.stdout.readline().strip() == "exiting"
+            time.sleep(0.3)         # (in the cache's wait)
+            child.send_signal(signal.SIGINT)
+        _out, err = child.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    names = sorted(os.listdir(cache))
+    if how == "exit":
+        assert child.returncode == 0, err
+        assert len(names) == 1 and ENTRY.match(names[0]), names
+        assert (cache / names[0]).read_bytes() == (local / "model.safetensors").read_bytes()
+        return
+    assert took < 20, (took, err)           # not the 30 s flush
+    assert not [n for n in names if ENTRY.match(n)] and len(names) == 1, names   # a partial file
+    if how == "bound":
+        assert child.returncode == 0 and "exit did not wait" in err, err
+    # the partial file is not trusted: the next load fetches and fills
+    with iter_load(url, storage_options=options(s3_server.url), cache_dir=cache) as it:
+        same(dict(it), load_file(local))
+    assert it.report.fetched_bytes == _nbytes(files)
+    assert len(_entries(cache)) == 1 and not _partials(cache)
+    assert (cache / _entries(cache)[0]).read_bytes() == (local / "model.safetensors").read_bytes()
+
+
 # -- an object that changed ----------------------------------------------------------------
 
 def test_an_object_replaced_between_loads_is_fetched_again(s3_server, s3_bucket, tmp_path):
@@ -321,6 +567,7 @@ def test_a_damaged_entry_is_not_trusted(s3_server, s3_bucket, tmp_path):
     with iter_load(url, storage_options=opts, cache_dir=cache) as it:
         same(dict(it), load_file(local))
     assert it.report.fetched_bytes == _nbytes(files)
+    assert _entries(cache) == [entry.name]
     assert entry.read_bytes() == (local / "model.safetensors").read_bytes()     # filled again
 
 

@@ -552,3 +552,86 @@ def test_a_listing_without_an_answer_ends_within_the_budget(s3_server, s3_bucket
         Checkpoint.open(f"s3://{s3_bucket}/l/", storage_options=options(fault_proxy.url))
     assert time.monotonic() - t0 < 4.0
     assert f"s3://{s3_bucket}/l/" in str(e.value)
+
+
+def _data_gets(proxy):
+    """The ranged GETs of tensor bytes the proxy saw (a header's starts at 0)."""
+    return [(r.path, r.range) for r in list(proxy.requests)
+            if r.method == "GET" and r.range and not r.range.startswith("bytes=0-")]
+
+
+def test_the_first_chunks_are_fetched_while_the_load_starts(s3_server, s3_bucket, tmp_path,
+                                                            fault_proxy, monkeypatch):
+    # The readers start once the staging buffer is made (tens of ms on a
+    # GPU host, more than a round trip): their first chunks are asked for
+    # before it, one GET each, and none is fetched twice.  The pipeline's
+    # start waits here (bounded) until the proxy saw them.
+    from instant_staging.loader import _run
+    local = upload(put_in(s3_server, s3_bucket), "pre", layouts()["moe"], tmp_path)
+    want = load_file(local)
+    threads, before = 3, []
+    real = _run._LoadState.open_pipeline
+
+    def open_pipeline(self, *args, **kwargs):
+        deadline = time.monotonic() + 10
+        while len(_data_gets(fault_proxy)) < threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        before.append(len(_data_gets(fault_proxy)))
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(_run._LoadState, "open_pipeline", open_pipeline)
+    with Checkpoint.open(f"s3://{s3_bucket}/pre/", storage_options=options(fault_proxy.url)) as ck:
+        fault_proxy.reset_counts()
+        got = ck.load("cpu", chunk_size=16 << 10, threads=threads)
+    same(got, want)
+    assert before == [threads]
+    gets = _data_gets(fault_proxy)
+    assert len(gets) == len(set(gets))              # no range fetched twice
+    nbytes = sum(t.numel() * t.element_size() for t in want.values())
+    assert sum(int(b) - int(a) + 1 for _, r in gets for a, b in [r[6:].split("-")]) == nbytes
+
+
+def test_the_next_chunks_are_in_flight_while_the_readers_copy(s3_server, s3_bucket, tmp_path,
+                                                               fault_proxy, monkeypatch):
+    # A reader's chunk answered, the next is requested at once, not after
+    # the reader copied it into its slot (slowed here): the requests in
+    # flight stay as many as the readers, with no range fetched twice.
+    from instant_staging.loader import _remote
+    local = upload(put_in(s3_server, s3_bucket), "ahead", layouts()["moe"], tmp_path)
+    want = load_file(local)
+    seen = []
+    real = _remote.RemoteShards._fetch
+
+    def slow_copy(self, index, offset, length):
+        data = real(self, index, offset, length)
+        time.sleep(0.2)
+        seen.append(len(_data_gets(fault_proxy)))
+        return data
+    monkeypatch.setattr(_remote.RemoteShards, "_fetch", slow_copy)
+    with Checkpoint.open(f"s3://{s3_bucket}/ahead/", storage_options=options(fault_proxy.url)) as ck:
+        fault_proxy.reset_counts()
+        got = ck.load("cpu", chunk_size=8 << 10, threads=2)
+    same(got, want)
+    assert len(seen) > 4 and seen[0] >= 3, seen
+    gets = _data_gets(fault_proxy)
+    assert len(gets) == len(set(gets)) == len(seen)
+
+
+def test_no_first_chunks_fetched_ahead_under_a_bandwidth_cap(s3_server, s3_bucket, tmp_path,
+                                                             fault_proxy, monkeypatch):
+    # A cap paces every fetch: none is started before the readers take it.
+    from instant_staging.loader import _run
+    local = upload(put_in(s3_server, s3_bucket), "capped", layouts()["moe"], tmp_path)
+    want = load_file(local)
+    before = []
+    real = _run._LoadState.open_pipeline
+
+    def open_pipeline(self, *args, **kwargs):
+        time.sleep(0.3)         # (what a fetch started ahead would reach the proxy in)
+        before.append(len(_data_gets(fault_proxy)))
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(_run._LoadState, "open_pipeline", open_pipeline)
+    with Checkpoint.open(f"s3://{s3_bucket}/capped/", storage_options=options(fault_proxy.url)) as ck:
+        fault_proxy.reset_counts()
+        got = ck.load("cpu", chunk_size=16 << 10, threads=3, max_bytes_per_second=1 << 30)
+    same(got, want)
+    assert before == [0]

@@ -481,13 +481,7 @@ class Cloud:
 
     @property
     def env(self):
-        from .remote_servers import s3_env
-        if self.scheme == "s3":
-            return s3_env(self.proxy.url)
-        if self.scheme == "gs":
-            return {"GOOGLE_SERVICE_ACCOUNT": self.sa_path}
-        return {"AZURE_STORAGE_USE_EMULATOR": "true", "AZURITE_BLOB_STORAGE_URL": self.proxy.url,
-                "AZURE_STORAGE_ACCOUNT_NAME": AZURE_ACCOUNT, "AZURE_STORAGE_ACCOUNT_KEY": AZURE_KEY}
+        return cloud_env(self.scheme, self.proxy.url, getattr(self, "sa_path", None))
 
     def storage_options(self, **retry):
         from .remote_servers import fast_retry_config, s3_config
@@ -512,6 +506,20 @@ class Cloud:
         retry_config = options.pop("retry_config")
         return obstore.store.from_url(self.url(), config=options, client_options=client,
                                       retry_config=retry_config)
+
+
+def cloud_env(scheme, url, sa_path=None):
+    """The documented variables that point obstore at the server (or
+    proxy) at ``url`` for ``scheme``; for "gs", ``sa_path`` is the
+    service-account file naming it (``GCSServer.service_account``).
+    benchmarks/bench_remote.py uses it too."""
+    from .remote_servers import s3_env
+    if scheme == "s3":
+        return s3_env(url)
+    if scheme == "gs":
+        return {"GOOGLE_SERVICE_ACCOUNT": sa_path}
+    return {"AZURE_STORAGE_USE_EMULATOR": "true", "AZURITE_BLOB_STORAGE_URL": url,
+            "AZURE_STORAGE_ACCOUNT_NAME": AZURE_ACCOUNT, "AZURE_STORAGE_ACCOUNT_KEY": AZURE_KEY}
 
 
 def require_gcs():
@@ -556,8 +564,8 @@ def cloud_fixture(request, tmp_path):
 
 
 __all__ = ["AZURE_ACCOUNT", "AZURE_KEY", "CLOUDS", "AwsCredentialServer", "AzureBlobServer", "Cloud",
-           "GCSServer", "GCSServerError", "azure_sas", "azure_server_fixture", "cloud_fixture", "gcs_binary",
-           "gcs_server_fixture", "require_gcs"]
+           "GCSServer", "GCSServerError", "azure_sas", "azure_server_fixture", "cloud_env", "cloud_fixture",
+           "gcs_binary", "gcs_server_fixture", "require_gcs"]
 
 
 
