@@ -28,9 +28,14 @@ tensor-parallel slices through safe_open.
    times (synchronized; best reported; on a GPU also the peak of memory
    reserved over what was reserved before the call); then every parameter and buffer of the two models is
    compared bit for bit.  The speedup must be >= 5x on the dense model
-   (issue 20), >= 3x on the fine-grained MoE (issue 45).  ``handover``
-   says how ours hands the tensors to transformers (whole or streamed,
-   integrations/_whole.py's rule).
+   (issue 20), >= 3x on the fine-grained MoE (issue 45).  ``route`` says
+   which route ours took (its log line): "in place" (the checkpoint written
+   into the parameters transformers makes, integrations/transformers/
+   _inplace.py) or "state dict" (transformers handed the tensors);
+   ``instant_staging_state_dict_s``, ours again with the in-place route off
+   (``_inplace.IN_PLACE``), and its state compared too.  ``handover`` says
+   how ours hands the tensors to transformers on the state-dict route
+   (whole or streamed, integrations/_whole.py's rule).
 2b. The two phases of ours, each timed alone (best of --repeat): ``read``,
    ``load_file(DIR, DEVICE)``; ``assemble``, transformers'
    ``from_pretrained(None, config=..., state_dict=<those tensors>,
@@ -47,7 +52,7 @@ tensor-parallel slices through safe_open.
    ``safetensors.safe_open``'s on the same device (values, shape, dtype,
    strides of the dimensions longer than 1); total time of each.
 
-3b. With --handovers: ours again with every load handed to transformers
+3b. With --handovers: ours again on the state-dict route, with every load handed to transformers
    whole, then streamed, whatever the rule says (its threshold set past
    every tensor's size, then to 0): what the rule chose against the other.
 
@@ -69,6 +74,7 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -81,7 +87,7 @@ import transformers
 from safetensors import safe_open as st_safe_open
 from safetensors.torch import save_file
 
-from instant_staging.integrations.transformers import _background, from_pretrained
+from instant_staging.integrations.transformers import _background, _inplace, from_pretrained
 from instant_staging.loader import load_file, safe_open
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".bench")
@@ -375,18 +381,29 @@ def bench_model(name, path, cls, device, args):
 
     ref_peaks, ours_peaks = [], []
     ref_times, ref = timed(theirs, device, args.repeat, ref_peaks)
-    ours_times, mine = timed(ours, device, args.repeat, ours_peaks)
+    with routes() as taken:
+        ours_times, mine = timed(ours, device, args.repeat, ours_peaks)
     bad = compare_models(mine, ref)
+    mine = None
+    release(device)
+    before_peaks = []
+    with state_dict_route(), routes() as taken_before:
+        before_times, mine = timed(ours, device, args.repeat, before_peaks)
+    bad += [f"(state-dict route) {m}" for m in compare_models(mine, ref)]
     del mine, ref
     release(device)
     speedup = min(ref_times) / min(ours_times)
     result = {
-        "checkpoint": path, **layout(path),
+        "checkpoint": path, **layout(path), "route": "/".join(sorted(set(taken))),
+        "instant_staging_state_dict_s": [round(t, 4) for t in before_times],
+        "state_dict_route": "/".join(sorted(set(taken_before))),
         "transformers_s": [round(t, 4) for t in ref_times],
         "instant_staging_s": [round(t, 4) for t in ours_times],
         "speedup_best": round(speedup, 2), "goal": GOALS[name], "goal_met": speedup >= GOALS[name],
         "peak_reserved_gb": {"transformers": round(max(ref_peaks) / 1e9, 2) if ref_peaks else None,
-                             "instant_staging": round(max(ours_peaks) / 1e9, 2) if ours_peaks else None},
+                             "instant_staging": round(max(ours_peaks) / 1e9, 2) if ours_peaks else None,
+                             "instant_staging_state_dict": (round(max(before_peaks) / 1e9, 2)
+                                                            if before_peaks else None)},
         "parameters_and_buffers_equal": not bad, "mismatches": bad[:20],
     }
     result["instant_staging_gbps"] = round(result["bytes"] / min(ours_times) / 1e9, 2)
@@ -401,6 +418,38 @@ def bench_model(name, path, cls, device, args):
     return result
 
 
+@contextlib.contextmanager
+def routes():
+    """The route of each of ours in the block, from its log line ("in place"
+    or "state dict")."""
+    taken = []
+
+    class Route(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith("from_pretrained "):
+                taken.append("in place" if message.endswith("written in place") else "state dict")
+    logger = logging.getLogger("instant_staging")
+    handler, level = Route(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield taken
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def state_dict_route():
+    """Ours with the in-place route off: transformers handed the tensors."""
+    try:
+        _inplace.IN_PLACE = False
+        yield
+    finally:
+        _inplace.IN_PLACE = True
+
+
 def handovers(ours, device, repeat):
     """Ours with every load handed over whole, then streamed, whatever the
     rule says (integrations/_whole.py's threshold set past every tensor's
@@ -411,7 +460,8 @@ def handovers(ours, device, repeat):
     try:
         for mode, threshold in (("whole", 1 << 62), ("streamed", 0)):
             _whole.WHOLE_BATCH_MEAN_BYTES = threshold
-            times, _ = timed(ours, device, repeat)
+            with state_dict_route():             # (the handover is that route's)
+                times, _ = timed(ours, device, repeat)
             out[mode + "_s"] = [round(t, 4) for t in times]
     finally:
         _whole.WHOLE_BATCH_MEAN_BYTES = rule
@@ -442,12 +492,13 @@ def versions(device):
 def table(result):
     """The models side by side, as markdown, with the versions."""
     lines = [", ".join(f"{k} {v}" for k, v in result["versions"].items()), "",
-             "| model | tensors | GB | handover | transformers s | ours s | ours GB/s | speedup (goal) "
-             "| equal |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| model | tensors | GB | route | transformers s | ours s | ours, state-dict route s "
+             "| ours GB/s | speedup (goal) | equal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in result["models"].items():
-        lines.append(f"| {name} | {r['tensors']} | {r['bytes'] / 1e9:.2f} | {r['handover']} | "
+        lines.append(f"| {name} | {r['tensors']} | {r['bytes'] / 1e9:.2f} | {r['route']} | "
                      f"{min(r['transformers_s']):.3f} | {min(r['instant_staging_s']):.3f} | "
+                     f"{min(r['instant_staging_state_dict_s']):.3f} ({r['handover']}) | "
                      f"{r['instant_staging_gbps']} | {r['speedup_best']}x ({r['goal']}x: "
                      f"{'met' if r['goal_met'] else 'NOT met'}) | "
                      f"{'yes' if r['parameters_and_buffers_equal'] else 'NO'} |")

@@ -1,7 +1,7 @@
 """integrations.transformers.from_pretrained against transformers' own.
 
 Tiny models of several architectures (Llama, GPT-2, Qwen2 and Mistral, and
-the MoE models Mixtral and Qwen2-MoE, whose per-expert checkpoint tensors
+the MoE models Mixtral, Qwen2-MoE and Qwen3-MoE, whose per-expert checkpoint tensors
 transformers 5 fuses on load; GPT-2 and Qwen2 with tied embeddings) are
 saved with ``save_pretrained`` (one file, and sharded with an index) and
 loaded on the CPU by both ``AutoModelForCausalLM.from_pretrained`` and
@@ -56,7 +56,7 @@ def handover(request, monkeypatch):
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "mistral", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_same_model_as_transformers(tmp_path, arch, sharded):
     path, cls = save(tmp_path, arch, sharded)
     ref = AUTO.from_pretrained(path)
@@ -66,7 +66,7 @@ def test_same_model_as_transformers(tmp_path, arch, sharded):
 
 
 @pytest.mark.skipif(MAJOR < 5, reason="transformers 4 keeps the per-expert tensors as they are")
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_experts_are_fused_from_per_expert_tensors(tmp_path, arch, handover):
     # The case the re-implementation failed on: the checkpoint has one tensor
     # per expert, the model one fused tensor per layer.
@@ -1035,9 +1035,13 @@ def test_bench_transformers_quick(tmp_path):
     models = doc["models"]
     assert list(models) == ["dense", "finemoe"]
     assert all(m["parameters_and_buffers_equal"] and m["speedup_best"] > 0 for m in models.values())
+    # the route each took: in place (transformers 5), and the state dict when told
+    route = "in place" if MAJOR >= 5 else "state dict"
+    assert all(m["route"] == route and m["state_dict_route"] == "state dict" for m in models.values())
     assert all(set(m["handovers"]) == {"whole_s", "streamed_s"} for m in models.values())
     assert any(".experts.0." in n for n in checkpoint_names(tmp_path / "qwen3-moe-fine-small"))
-    assert "| finemoe | 69 |" in r.stderr and "transformers " + transformers.__version__ in r.stderr
+    assert f"| finemoe | 69 | 0.00 | {route} |" in r.stderr
+    assert "transformers " + transformers.__version__ in r.stderr
 
 
 # -- the arguments transformers users pass (issue 29, item 3) ---------------------------

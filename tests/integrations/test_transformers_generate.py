@@ -21,18 +21,8 @@ PROMPT = [[3, 17, 42, 5, 90, 1], [8, 8, 61, 2, 33, 70]]
 NEW_TOKENS = 6
 
 
-def models():
-    """configs() and a MoE whose experts transformers 5 fuses (qwen3_moe)."""
-    return {**configs(), "qwen3_moe": (
-        transformers.Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                    num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                    vocab_size=96, max_position_embeddings=64),
-        transformers.Qwen3MoeForCausalLM)}
-
-
 def save(tmp_path, arch):
-    config, cls = models()[arch]
+    config, cls = configs()[arch]
     torch.manual_seed(0)
     path = tmp_path / arch
     cls(config).save_pretrained(path, max_shard_size="24KB")

@@ -18,9 +18,9 @@ from instant_staging.loader import LoadError
 from support.models import bits, save
 
 
-def assert_same_weights(ours, ref):
+def assert_same_weights(ours, ref, logits=True):
     """Every parameter and buffer bit for bit, the tying, the logits (the
-    configs differ in name_or_path alone)."""
+    configs differ in name_or_path alone; ``logits=False``: not run)."""
     ours_p = dict(ours.named_parameters(remove_duplicate=False))
     ref_p = dict(ref.named_parameters(remove_duplicate=False))
     assert list(ours_p) == list(ref_p)
@@ -32,6 +32,8 @@ def assert_same_weights(ours, ref):
         assert torch.equal(bits(ours_b[name]), bits(b)), name
     tied = [n for n, p in ref_p.items() if any(q is p for m, q in ref_p.items() if m != n)]
     assert tied == [n for n, p in ours_p.items() if any(q is p for m, q in ours_p.items() if m != n)]
+    if not logits:
+        return
     ids = torch.tensor([[3, 17, 42, 5, 90, 1]])
     with torch.no_grad():       # (each model's input on its own device: a GPU model's too)
         assert torch.equal(ours(ids.to(ours.device)).logits.cpu(), ref(ids.to(ref.device)).logits.cpu())
@@ -105,8 +107,11 @@ def test_bench_reload_quick(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())["results"]
     assert [(x["layout"], x["method"]) for x in rows] == [
-        ("dense", "load_file"), ("dense", "load_into"), ("dense-model", "load_state_dict"),
-        ("dense-model", "reload_weights"), ("finemoe", "load_file"), ("finemoe", "load_into")]
+        ("dense", "load_file"), ("dense", "load_into"), ("dense", "load_into-flat"),
+        ("dense-model", "load_state_dict"), ("dense-model", "reload_weights"),
+        ("finemoe", "load_file"), ("finemoe", "load_into"), ("finemoe", "load_into-flat")]
+    flat = [x for x in rows if x["method"] == "load_into-flat"]
+    assert all(x["back_to_back"][0] == x["back_to_back"][1] > 0 for x in flat)
     assert all(x["bit_exact"] is True and x["best"] > 0 for x in rows)
 
 
@@ -180,4 +185,14 @@ def test_fp8_block_quantized_weights_and_scales_bit_exact(tmp_path):
     reload_weights(model, dirs[1])
     assert _ptrs(model) == before
     fresh = transformers.LlamaForCausalLM.from_pretrained(dirs[1], device_map={"": 0}).eval()
-    assert_same_weights(model, fresh)
+    assert_same_weights(model, fresh, logits=False)
+    # The forward pass needs transformers' FP8 kernel (the `kernels` package,
+    # fetched from the Hub): where it is missing, the weights and scales above
+    # are the proof, and the logits are skipped with the reason.
+    ids = torch.tensor([[3, 17, 42, 5, 90, 1]], device=model.device)
+    try:
+        with torch.no_grad():
+            ours, ref = model(ids).logits, fresh(ids).logits
+    except ImportError as e:
+        pytest.skip(f"weights and scales bit-exact; logits not compared: {e}")
+    assert torch.equal(ours, ref)

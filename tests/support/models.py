@@ -40,6 +40,13 @@ def configs():
                                                   num_experts_per_tok=2, num_hidden_layers=2,
                                                   num_attention_heads=4, num_key_value_heads=2, **SMALL),
                       transformers.Qwen2MoeForCausalLM),
+        # fine-grained: a shared expert neither, the experts' gate and up fused
+        "qwen3_moe": (transformers.Qwen3MoeConfig(hidden_size=32, intermediate_size=64,
+                                                  moe_intermediate_size=16, num_experts=4,
+                                                  num_experts_per_tok=2, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                                  **SMALL),
+                      transformers.Qwen3MoeForCausalLM),
     }
 
 

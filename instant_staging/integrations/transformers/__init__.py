@@ -61,6 +61,19 @@ everything else is transformers' own machinery:
    block on the GPU (2x the peak memory, an OOM for a model over half the
    device).  With a quantization config the whole checkpoint is read first
    and real tensors handed over (quantizers read them in ways of their own).
+
+   In place (transformers 5, one device, no tensor parallelism:
+   ``_inplace.py``): the read waits for the model instead, and where
+   ``_inplace.plan`` proves the result the same as transformers' conversion
+   of the state dict (every weight of the model read, in the dtype it
+   would be cast to, experts fused only by stacking), transformers'
+   per-tensor conversion is replaced for this call by one
+   ``Checkpoint.load_into`` into the parameters made on the device, each
+   expert's matrix into its part of the fused one.  Else transformers
+   takes the state dict as above, its read started then.  The read
+   starting after transformers' allocator warm-up, the warm-up is left on:
+   its block is what the parameters (or the read tensors) are made of.
+   The log line says which route a call took.
 5. A weight the model has and the checkpoint lacks is a ``KeyError`` naming
    it (transformers would initialise it randomly and warn), unless the
    caller asked ``output_loading_info=True``: then, as transformers, the
@@ -116,6 +129,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ... import _hub
 from ...loader import Device, DType, PathLike, import_torch, is_url, load_file
+from . import _inplace
 from ._arguments import (
     HUB_ARGUMENTS,
     QUANTIZING,
@@ -316,8 +330,10 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
                 model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
         finally:
             state.clear()      # the model holds what it took; nothing else outlives the call
+        route = "state dict"
     else:
-        model, info = assemble_while_reading(transformers, cls, weights, device, kwargs)
+        in_place = not parallel and _inplace.available(transformers)
+        model, info, route = assemble_while_reading(transformers, cls, weights, device, kwargs, in_place)
     t1 = time.perf_counter()
     missing = sorted(info.get("missing_keys") or ())
     if missing and not output_loading_info:
@@ -327,7 +343,8 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
     if generation is not None and model.can_generate():
         model.generation_config = generation
     _set_name_or_path(model, os.fsdecode(os.fspath(given)))
-    logger.info("from_pretrained %s: %s in %.3f s", model_dir, type(model).__name__, t1 - t0)
+    logger.info("from_pretrained %s: %s in %.3f s, weights %s", model_dir, type(model).__name__, t1 - t0,
+                "written in place" if route == "in place" else "handed over in a state dict")
     return (model, info) if output_loading_info else model
 
 

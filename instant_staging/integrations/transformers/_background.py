@@ -12,38 +12,68 @@ import weakref
 
 from ...loader import TORCH_DTYPES, Checkpoint, import_torch
 from .._whole import whole
+from . import _inplace
 from ._placement import Spread, offloading_a_state_dict, reading_where_mapped
 
 
-def assemble_while_reading(transformers, cls, weights, device, kwargs):
+def assemble_while_reading(transformers, cls, weights, device, kwargs, in_place=False):
     """transformers' from_pretrained on a state dict whose tensors are still
     being read (``Arriving``): it builds the model on meta while the load
     runs, and takes each tensor as it arrives.  A failed read raises its
     LoadError (transformers would log it as a conversion error and go on).
     Over several devices (``Spread``) the load starts once transformers has
-    resolved the map (``reading_where_mapped``), one load per device."""
+    resolved the map (``reading_where_mapped``), one load per device.
+
+    ``in_place`` (one device, transformers 5): the load waits for the model
+    instead, and is written into its parameters where ``_inplace.plan``
+    proves that the same (``_inplace.py``); else transformers takes the
+    state dict, the load started then.  Returns ``(model, info, route)``,
+    route "in place" or "state dict"."""
+    torch = import_torch()
     spread = isinstance(device, Spread)
+    in_place = in_place and not spread
     load = BackgroundLoad(weights.source, None if spread else device, weights.storage_options,
-                          weights.cache_dir)
+                          weights.cache_dir, deferred=in_place)
     model = info = None
+    route = "state dict"
     try:
+        if in_place and not _inplace.may_apply(torch, kwargs.get("dtype"), load.layout):
+            in_place = False
+            load.begin()
         state = {name: Arriving(load, name, shape, dtype) for name, (shape, dtype) in load.layout.items()}
+
+        def handle(original, model, state_dict, load_config, disk_offload_index):
+            nonlocal route
+            from transformers import core_model_loading as core
+            planned = _inplace.plan(torch, core, model, load.layout, load_config)
+            if planned is None:
+                load.begin()
+                return original(model, state_dict, load_config, disk_offload_index)
+            route = "in place"
+            return _inplace.write(torch, core, original, model, load, load_config, disk_offload_index,
+                                  planned)
         placing = (reading_where_mapped(transformers, load, kwargs.get("offload_folder")) if spread
                    else contextlib.nullcontext())
-        with no_allocator_warmup(transformers), placing, offloading_a_state_dict(transformers, cls, spread):
+        # In place, the read starts after transformers' allocator warm-up: the
+        # warm-up's block is what the model's parameters (or the read tensors)
+        # are made of, not a second model-sized block beside them.
+        warmup = contextlib.nullcontext() if in_place else no_allocator_warmup(transformers)
+        writing = (_inplace.writing_in_place(transformers, state, handle) if in_place
+                   else contextlib.nullcontext())
+        with warmup, placing, writing, offloading_a_state_dict(transformers, cls, spread):
             model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
         state.clear()
         load.finish()
     except BaseException as e:
         failed = load.error            # the read's own failure, not the cancel that close() causes
         load.close()
-        model = info = state = None
+        model = info = state = handle = None
         # The traceback's frames would keep the tensors read so far alive.
         traceback.clear_frames(e.__traceback__)
         if failed is not None and e is not failed and not isinstance(e, KeyboardInterrupt):
             raise failed from None
         raise
-    return model, info
+    return model, info, route
 
 
 class BackgroundLoad:
@@ -63,7 +93,7 @@ class BackgroundLoad:
     copy, those calls would slow both, and a fine-grained MoE checkpoint
     has thousands of them."""
 
-    def __init__(self, source, device=None, storage_options=None, cache_dir=None):
+    def __init__(self, source, device=None, storage_options=None, cache_dir=None, deferred=False):
         self.error = None
         self._tensors = {}
         # Handed out once (wait() drops ours): where transformers converts a
@@ -79,11 +109,12 @@ class BackgroundLoad:
         self._rest = []
         # (where each tensor goes is the map's, known at start())
         self.placed = device is None
+        self._deferred = device if deferred else None
         self._checkpoint = Checkpoint.open(source, storage_options=storage_options,
                                            cache_dir=cache_dir)
         try:
             self.layout = layout_of(self._checkpoint)
-            if device is not None:
+            if device is not None and not deferred:
                 self.start([(device, None)])
         except BaseException:
             self._checkpoint.close()
@@ -103,6 +134,31 @@ class BackgroundLoad:
         self._thread = threading.Thread(target=self._run, name="instant_staging-from_pretrained",
                                         daemon=True)
         self._thread.start()
+
+    def begin(self):
+        """Starts a deferred load (nothing where it has started)."""
+        with self._cond:
+            self._begin()
+
+    def _begin(self):
+        if self._thread is None and self._deferred is not None:
+            try:
+                self.start([(self._deferred, None)])
+            except BaseException as e:
+                self.error, self._done = e, True
+                raise
+
+    def load_into(self, tensors):
+        """A deferred load written into ``tensors`` ({name: tensor}, every
+        checkpoint tensor's) in this thread (``Checkpoint.load_into``),
+        instead of read into tensors of its own; the handle closed after."""
+        if self._thread is not None or self._deferred is None:
+            raise RuntimeError("load_into is for a deferred load that has not started")
+        try:
+            return self._checkpoint.load_into(tensors)
+        finally:
+            self._deferred = None
+            self._checkpoint.close()
 
     def _run(self):
         try:
@@ -155,6 +211,7 @@ class BackgroundLoad:
                     raise self.error
                 if self._done:
                     raise KeyError(f"{name} was not loaded")
+                self._begin()
                 if self._thread is None:
                     raise RuntimeError(f"transformers asked for {name} before it resolved its device_map "
                                        "(modeling_utils._get_device_map), so this loader knows no device "

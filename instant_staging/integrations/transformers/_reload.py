@@ -170,10 +170,11 @@ def _mapping_5(model, names, state, key_mapping, conversion_mapping, core):
     return out
 
 
-def _converted_part(name, pattern, converter, core):
+def _converted_part(name, pattern, converter, core, index=None):
     """The view of the converted parameter that checkpoint tensor ``name``
-    (matched by ``pattern`` of ``converter``) becomes, where it is one
-    contiguous piece of it; else NotImplementedError."""
+    (matched by ``pattern`` of ``converter``; its expert ``index``, None:
+    read from the name) becomes, where it is one contiguous piece of it;
+    else NotImplementedError."""
     ops = list(converter.operations)
     kinds = [type(op).__name__ for op in ops]
     fused = (kinds and isinstance(ops[0], core.MergeModulelist) and ops[0].dim == 0
@@ -183,7 +184,8 @@ def _converted_part(name, pattern, converter, core):
         raise NotImplementedError(
             f"checkpoint tensor {name!r} is converted by transformers ({' then '.join(kinds)}): "
             "reload_weights writes only renamed tensors and fused experts in place")
-    index = _expert_index(name, pattern)
+    if index is None:
+        index = _expert_index(name, pattern)
     sources = list(converter.source_patterns)
     part, parts = sources.index(pattern), len(sources)
 
