@@ -891,11 +891,13 @@ def test_reload_weights_after_a_level_2_sleep(tmp_path, vllm, arch, tp):
     new = save(tmp_path, arch, sharded=True, spread=True, seed=1, name="new")
     tied = arch == "qwen2"
     formats = [LOAD_FORMAT, "safetensors"] if tied else [LOAD_FORMAT]
-    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}         # the child's zero_parameters
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in range(tp))
-    run = subprocess.run([sys.executable, os.path.join(HERE, "_vllm_reload.py"), str(old), str(new), str(tp),
-                          *formats], env=child_env(env), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    args = [str(old), str(new), str(tp), *formats]
+    run = subprocess.run([sys.executable, os.path.join(HERE, "_vllm_reload.py"), *args],
+                         env=child_env(env), cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     r = json.loads(run.stdout.strip().splitlines()[-1])
     ours = {k[len(LOAD_FORMAT) + 1:]: v for k, v in r.items() if k.startswith(LOAD_FORMAT + " ")}
