@@ -44,12 +44,8 @@ KNOBS = {"chunk_size": CHUNK, "io_depth": 4, "threads": 2}
 EARLY = 4 * CHUNK           # what a load with KNOBS asks, and begins at the door
 
 
-@pytest.fixture(autouse=True)
-def empty_pool(monkeypatch):
-    monkeypatch.delenv("INSTANT_STAGING_KEEP_STAGING", raising=False)
-    empty_cache()
-    yield
-    empty_cache()
+# Each test with the staging pool empty (tests/loader/conftest.py).
+pytestmark = pytest.mark.usefixtures("empty_pool")
 
 
 class Sim:

@@ -26,12 +26,8 @@ from support.tensors import CHUNK, SimTarget, assert_same, iterator, mixed_tenso
 SEGMENT = 64 * PAGE
 
 
-@pytest.fixture(autouse=True)
-def empty_pool(monkeypatch):
-    monkeypatch.delenv("INSTANT_STAGING_KEEP_STAGING", raising=False)
-    empty_cache()
-    yield
-    empty_cache()
+# Each test with the staging pool empty (tests/loader/conftest.py).
+pytestmark = pytest.mark.usefixtures("empty_pool")
 
 
 def make_sim(rt, size, made):
