@@ -102,7 +102,24 @@ def is_url(source) -> bool:
         source.split("://", 1)[0].lower() in SCHEMES
 
 
+# The process that made an object-store client.  obstore's requests run on
+# a runtime of Rust threads started by the first of them; a process forked
+# from that one has none of those threads and obstore starts no new ones, so
+# its first request would wait forever (obstore 0.12; "not fork safe"
+# upstream).  A forked child is told so before it asks anything
+# (docs/FORK.md); a process forked before any client was made, or started
+# with spawn or forkserver, reads as any other.
+_client_pid = None
+
+
 def _obstore():
+    """The obstore module, in a process whose requests can be answered."""
+    if _client_pid is not None and _client_pid != os.getpid():
+        raise RuntimeError(
+            f"this process (pid {os.getpid()}) was forked from pid {_client_pid}, which had read "
+            "from object storage: the client's runtime does not survive fork, and a request made "
+            "here would wait forever.  Read object storage in processes started with spawn or "
+            "forkserver (multiprocessing.get_context('spawn')), or before the fork")
     try:
         import obstore
     except ImportError:
@@ -196,7 +213,9 @@ class _Stores:
         return store, key
 
     def _make(self, root, scheme):
+        global _client_pid
         obstore = _obstore()
+        _client_pid = os.getpid()       # (its requests follow: a fork from here is refused them)
         _check_environment(scheme)
         client = dict(self.client_options)
         config = dict(self.config)

@@ -408,6 +408,50 @@ with FaultProxy({s3_server.url!r}) as proxy:
     assert time.monotonic() - t0 < 30
 
 
+def test_a_fork_child_of_a_process_that_read_a_bucket_is_told_not_left_hanging(s3_server, s3_bucket,
+                                                                               tmp_path):
+    """obstore's runtime does not survive fork: a child forked after its
+    parent read a bucket would wait forever on its first request.  It gets
+    one RuntimeError saying why, at once; a child forked before any client
+    was made reads as any process, and so does the parent after the fork."""
+    local = upload(put_in(s3_server, s3_bucket), "fork", layouts()["dense"], tmp_path)
+    code = f"""
+import os, signal, sys, time
+from instant_staging.loader import load_file
+opts = {{"endpoint": {s3_server.url!r}, "access_key_id": "testing", "secret_access_key": "testing",
+         "region": "us-east-1"}}
+url = "s3://{s3_bucket}/fork/"
+
+def child():
+    signal.alarm(30)                    # (a hang ends the child, not the test run)
+    t0 = time.monotonic()
+    try:
+        got = load_file(url, storage_options=opts)
+        os._exit(10 if len(got) == {len(load_file(local))} else 11)
+    except RuntimeError as e:
+        ok = "forked from pid" in str(e) and "spawn" in str(e) and time.monotonic() - t0 < 5
+        os._exit(20 if ok else 21)
+    os._exit(12)
+
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        child()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+print("before", fork())
+print("parent", len(load_file(url, storage_options=opts)))
+print("after", fork())
+print("parent", len(load_file(url, storage_options=opts)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env=child_env())
+    n = len(load_file(local))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["before", "10", "parent", str(n), "after", "20", "parent", str(n)], (
+        out.stdout + out.stderr[-3000:])
+
+
 def test_without_obstore_a_url_names_the_extra(tmp_path):
     code = ("import sys; sys.modules['obstore'] = None\n"
             "from instant_staging.loader import load_file\n"
