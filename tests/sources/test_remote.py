@@ -232,6 +232,47 @@ def test_https_source_is_plain_ranged_gets(range_http_server, tmp_path):
     same(load_file(range_http_server.url_for("model.safetensors")), load_file(path))
 
 
+@pytest.mark.parametrize("status", [302, 307])
+def test_https_source_behind_a_redirect(range_http_server, status):
+    # The hub's resolve URLs answer with a redirect to a signed CDN URL:
+    # every ranged GET follows it, and the report names the URL given, not
+    # the signed one.
+    import http.server
+    files = layouts()["fp8"]
+    path = os.path.join(range_http_server.root, "model.safetensors")
+    safetensors_torch.save_file(files[0][1], path)
+    where = range_http_server.url_for("model.safetensors") + "?X-Amz-Signature=s3cr3t"
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(status)
+            self.send_header("Location", where)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        do_HEAD = do_GET
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/model.safetensors"
+        with iter_load(url) as it:
+            got = dict(it)
+        same(got, load_file(path))
+        ranged = [r for r in range_http_server.requests if r.range]
+        assert ranged and all(r.path.endswith("X-Amz-Signature=s3cr3t") for r in ranged)
+        assert "s3cr3t" not in repr(it.report) and "s3cr3t" not in str(it.report)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
 def test_safe_open_and_plan_on_a_url(s3_server, s3_bucket, tmp_path):
     files = layouts()["dense"]
     local = upload(put_in(s3_server, s3_bucket), "p", files, tmp_path)
