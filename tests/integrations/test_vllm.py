@@ -38,6 +38,7 @@ from instant_staging.integrations.vllm._options import Options, parse
 from instant_staging.loader import Checkpoint
 
 from support import child_env, import_crash, record_reads
+from support.remote_servers import s3_bucket_fixture, s3_env, s3_server_fixture  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -910,14 +911,48 @@ def test_reload_weights_after_a_level_2_sleep(tmp_path, vllm, arch, tp):
         # parameter and buffer equals a fresh engine's, but the packed copy
         # of the tied lm_head (made when the model was first processed) is
         # not remade.  Ours gives what vLLM's own loader gives, step by step.
-        for stage in ("before", "discarded", "reloaded new", "reloaded old"):
+        for stage in ("before", "discarded", "reload 1", "reload 2"):
             assert ours[stage] == r[f"safetensors {stage}"], stage
     else:
-        assert ours["reloaded new"] == r["fresh new"]
-        assert ours["reloaded old"] == r["fresh old"]
+        assert ours["reload 1"] == r["fresh new"]
+        assert ours["reload 2"] == r["fresh old"]
     log = run.stderr + run.stdout
     for rank in range(tp):                              # the start and both reloads read through us
         assert log.count(f"onto cpu, staging none (cpu), rank {rank} of {tp}") == 3, log[-4000:]
+
+
+@pytest.mark.slow
+def test_reload_weights_from_a_bucket(tmp_path, vllm, s3_server, s3_bucket):
+    # An engine whose weights are a URL (the extra config's weights) beside
+    # its local config files, reloaded from other checkpoints: another
+    # local weights_path is read there, not the extra config's URL again;
+    # a URL weights_path is read as a URL source; the engine's own model
+    # path (no weights_path, or its own) is the engine's weights, the URL.
+    reason = cpu_kernels()
+    if reason:
+        pytest.skip(reason)
+    old = save(tmp_path, "llama", sharded=True, spread=True, name="old")
+    again = save(tmp_path, "llama", sharded=True, spread=True, name="old-again")     # old's weights
+    new = save(tmp_path, "llama", sharded=True, spread=True, seed=1, name="new")
+    for d in (old, new):
+        for f in os.listdir(d):
+            s3_server.put(s3_bucket, f"{d.name}/{f}", (d / f).read_bytes())
+    url = f"s3://{s3_bucket}/"
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **s3_env(s3_server.url)}
+    args = [str(old), str(new), "1", LOAD_FORMAT, "--extra", json.dumps({"weights": url + "new/"}),
+            "--reloads", f"{again},{url}new/,{url}old/,{old}"]
+    run = subprocess.run([sys.executable, os.path.join(HERE, "_vllm_reload.py"), *args],
+                         env=child_env(env), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    ours = {k[len(LOAD_FORMAT) + 1:]: v for k, v in r.items() if k.startswith(LOAD_FORMAT + " ")}
+    assert r["fresh old"]["tokens"] != r["fresh new"]["tokens"]
+    assert ours["before"] == r["fresh new"]             # the extra config's URL, not the local files
+    assert ours["reload 1"] == r["fresh old"]           # another local path: its files
+    assert ours["reload 2"] == r["fresh new"]           # URL weights_paths
+    assert ours["reload 3"] == r["fresh old"]
+    assert ours["reload 4"] == r["fresh new"]           # the engine's own model: its weights, the URL
 
 
 def test_world_says_whether_every_rank_runs_on_this_node(vllm, monkeypatch):

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import re
 import time
+import weakref
 
 import torch
 from vllm.model_executor.model_loader import weight_utils
@@ -109,15 +110,23 @@ class InstantStagingModelLoader(DefaultModelLoader):
 
     def _weights_url(self, source):
         """The URL the weights of ``source`` come from, or None for files:
-        the extra config's ``weights``, else the model config's
-        ``model_weights`` where vLLM pulled a URL model's config files."""
+        ``source`` itself where it is a URL (``reload_weights`` given one
+        as its ``weights_path``); for the model the engine started with, the
+        extra config's ``weights``, else the model config's ``model_weights``
+        where vLLM pulled a URL model's config files."""
         if getattr(source, "subfolder", None):
             return None             # a sub-model's own files (vLLM resolves them locally)
-        if self.options.weights is not None:
-            return self.options.weights
+        if is_url(source.model_or_path):
+            return source.model_or_path
         from vllm.config import get_current_vllm_config_or_none
         config = get_current_vllm_config_or_none()
         model_config = getattr(config, "model_config", None)
+        if self.options.weights is not None:
+            # The engine's own weights: not those of another checkpoint that
+            # reload_weights(weights_path=) pointed the model config at.
+            if model_config is None or source.model_or_path == _started_with(config, model_config):
+                return self.options.weights
+            return None
         weights = getattr(model_config, "model_weights", None) or None
         if weights and is_url(weights) and source.model_or_path == model_config.model:
             return weights
@@ -164,6 +173,23 @@ class InstantStagingModelLoader(DefaultModelLoader):
         if config is None:
             return torch.device("cpu")
         return torch.device(config.device_config.device)
+
+
+# The model each engine started with, by its config ({id(VllmConfig):
+# model}, an entry as long as its config lives): vLLM's
+# reload_weights(weights_path=) changes model_config.model in place, and a
+# new loader is made for each load, so the first model is kept here.
+_STARTED_WITH = {}
+
+
+def _started_with(config, model_config):
+    """The model ``config``'s engine loaded first (``model_config.model`` at
+    its first load through this format)."""
+    key = id(config)
+    if key not in _STARTED_WITH:
+        _STARTED_WITH[key] = model_config.model
+        weakref.finalize(config, _STARTED_WITH.pop, key, None)
+    return _STARTED_WITH[key]
 
 
 def _engram_on_cpu():
