@@ -357,11 +357,40 @@ def _describe(exc):
     return redact_text(text[0]) if text else type(exc).__name__
 
 
+# Where a client asks the instance's metadata service for credentials (AWS
+# IMDS, GCP's metadata server, Azure's managed identity), whatever endpoint
+# it is at: asked only when no credentials were given, so a failure there
+# means none were (its own message names only the metadata request).
+_METADATA_PATHS = ("/latest/api/token", "/latest/meta-data/", "/computeMetadata/", "/metadata/identity/")
+_CREDENTIAL_VARIABLES = {"s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+                         "gs": "GOOGLE_APPLICATION_CREDENTIALS",
+                         "az": "AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_KEY"}
+
+
+def _no_credentials(exc, url, what):
+    """A PermissionError saying that no credentials were found, where ``exc``
+    is the client's failure to get them from the metadata service; else None."""
+    text = str(exc)
+    if not any(p in text for p in _METADATA_PATHS):
+        return None
+    scheme = url.split("://", 1)[0].lower()
+    scheme = {"s3a": "s3", "azure": "az", "abfs": "az", "abfss": "az"}.get(scheme, scheme)
+    variables = _CREDENTIAL_VARIABLES.get(scheme, "the store's credential variables")
+    return PermissionError(
+        f"{url}: no credentials while {what}: none in storage_options= or the environment "
+        f"({variables}), and the instance metadata service, asked last, gave none (not a cloud "
+        "instance with a role?); a public bucket reads with storage_options={'skip_signature': True} "
+        f"({_describe(exc)})")
+
+
 def _classify(obstore, exc, url, what):
     """The error a user sees for ``exc`` raised while ``what`` of ``url``."""
     errors = obstore.exceptions
     if isinstance(exc, (FileNotFoundError, errors.NotFoundError)):    # obstore raises the former
         return FileNotFoundError(f"{url}: no such object ({what})")
+    missing = _no_credentials(exc, url, what)
+    if missing is not None:
+        return missing
     if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)):
         return PermissionError(f"{url}: access denied while {what}: check the credentials "
                                f"({_describe(exc)})")

@@ -127,6 +127,32 @@ def test_credentials_and_endpoint_from_the_environment(s3_server, s3_bucket, tmp
     same(load_file(f"s3://{s3_bucket}/env/"), load_file(local))
 
 
+def test_no_credentials_is_said_so(s3_server, s3_bucket, tmp_path, monkeypatch):
+    # Without credentials the client asks the instance metadata service
+    # last; where that gives none, the error says which variables were
+    # missing and how a public bucket is read, not just the metadata
+    # request that failed.  The advice works: skip_signature reads the
+    # bucket (moto serves anyone).
+    import socket
+    local = upload(put_in(s3_server, s3_bucket), "nc", layouts()["dense"], tmp_path)
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]          # nothing listens there once closed
+    bare = {"endpoint": s3_server.url, "region": REGION, "retry_config": fast_retry_config(max_retries=1),
+            "metadata_endpoint": f"http://127.0.0.1:{closed}"}
+    with pytest.raises(PermissionError, match="no credentials") as err:
+        load_file(f"s3://{s3_bucket}/nc/", storage_options=bare)
+    assert "AWS_ACCESS_KEY_ID" in str(err.value) and "skip_signature" in str(err.value)
+    policy = {"Version": "2012-10-17", "Statement": [{
+        "Effect": "Allow", "Principal": "*", "Action": "s3:GetObject",
+        "Resource": f"arn:aws:s3:::{s3_bucket}/*"}]}
+    s3_server.client.put_bucket_policy(Bucket=s3_bucket, Policy=json.dumps(policy))    # public
+    same(load_file(f"s3://{s3_bucket}/nc/model.safetensors.index.json",
+                   storage_options={**bare, "skip_signature": True}), load_file(local))
+
+
 def test_inspect_fetches_headers_only(s3_server, s3_bucket, tmp_path, fault_proxy):
     files = layouts()["dense"]
     upload(put_in(s3_server, s3_bucket), "h", files, tmp_path)
