@@ -56,6 +56,7 @@ from ._prepare import checked_target, fault_plan, planned, prepare_solo
 from ._remote import RemoteShards, is_url
 from ._run import LoadIterator
 from ._shards import Shards
+from ._source import refuse_other_url
 from ._target import _import_torch, _TorchTarget, parse_device
 from ._typing import CacheDir, Device, PathLike
 
@@ -274,6 +275,8 @@ class safe_open:
         elif cache_dir is not None and cache_dir is not False:
             raise ValueError("cache_dir applies to a URL (s3://, gs://, az://, https://), not a file")
         else:
+            if isinstance(filename, str):
+                refuse_other_url(filename)
             checkpoint = Shards()
         # Until the handle's _File holds it, the file is closed here on any
         # exception (a Ctrl-C too): nothing else could reach it.

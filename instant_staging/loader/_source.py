@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 
 from ._header import SafetensorsError
@@ -81,6 +82,22 @@ def _text(p) -> str:
     return os.fsdecode(p) if isinstance(p, bytes) else p
 
 
+# A URL's scheme (RFC 3986): what a path that is meant as a URL starts with.
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def refuse_other_url(path: str) -> None:
+    """A ValueError for ``path`` where it is a URL of a scheme not read here
+    (``ftp://``, ``hf://``, ...) and no file of that name exists: said as
+    such, where opening it would say only that no such file exists."""
+    found = _SCHEME.match(path)
+    if found and not os.path.exists(path):
+        from ._remote import SCHEMES, redact_url
+        raise ValueError(f"{redact_url(path)}: a URL of scheme {found.group(1)!r} is not read here "
+                         f"(the URL sources: {', '.join(s + '://' for s in SCHEMES)}; "
+                         "a file path has no '://')")
+
+
 def resolve(source) -> Source:
     """The shards ``source`` names (see the module docstring).
 
@@ -101,6 +118,7 @@ def resolve(source) -> Source:
     """
     if _is_path(source):
         path = _text(source)
+        refuse_other_url(path)
         if os.path.isdir(path):
             return _directory(path)
         if path.endswith(".json"):
@@ -120,6 +138,7 @@ def resolve(source) -> Source:
         if not _is_path(p):
             raise TypeError(f"source must be a list of paths, got {type(p).__name__} in the list")
         p = _text(p)
+        refuse_other_url(p)
         if os.path.isdir(p):
             raise ValueError(f"{p} is a directory: pass a directory alone, not in a list of shards")
         if p.endswith(".json"):

@@ -307,6 +307,24 @@ def test_bad_arguments(tmp_path):
         load_file(str(tmp_path / "missing.safetensors"), "cpu")
 
 
+def test_a_url_of_another_scheme_is_said_so(tmp_path, monkeypatch):
+    # hf://, ftp://: not "no such file", but the schemes read, secrets hidden
+    from instant_staging.loader import safe_open
+    for load in (lambda s: load_file(s, "cpu"), lambda s: load_file([s], "cpu"),
+                 lambda s: safe_open(s, "pt")):
+        for url in ("hf://org/model/model.safetensors", "ftp://me:pw@host/m.safetensors"):
+            with pytest.raises(ValueError, match="is not read here") as err:
+                load(url)
+            assert "s3://" in str(err.value) and "pw" not in str(err.value)
+    # a file whose name only looks like one is still read
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "odd:").mkdir()
+    (tmp_path / "odd:" / "x").mkdir()
+    path = save(tmp_path / "odd:" / "x", {"x": torch.ones(4)})
+    assert torch.equal(load_file(os.path.relpath(path).replace("odd:/x", "odd://x"), "cpu")["x"],
+                       torch.ones(4))
+
+
 def test_staging_too_small_or_closed(tmp_path):
     path = save(tmp_path, {"x": torch.ones(CHUNK)})     # 4 * CHUNK bytes
     _rt, buf = sim_staging(size=CHUNK)
