@@ -633,6 +633,11 @@ class CachedShards(Shards):
     def byte_sources(self):
         return self.total_bytes, 0
 
+    def changed(self):
+        # Entries are never written once named (a new one replaces an old
+        # by a rename); their times move when a load marks them used.
+        return []
+
     def origin(self, index):
         """As ``RemoteShards.origin``: the object's, as the open found it."""
         return self._origins[index]

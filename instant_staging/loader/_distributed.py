@@ -607,9 +607,10 @@ class _Shared:
                                      [everything[segments[u.entry].index] for u in items])
                      if error is not None else
                      LoadError(f"the load ended with {waiter.left} part(s) unread and no error recorded"))
-            post = (False, str(local), issued_all)
         else:
-            post = (True, "", issued_all)
+            # (this rank's files, before every rank agrees: each rank raises)
+            local = _run.written_while_read(checkpoint)
+        post = (False, str(local), issued_all) if local is not None else (True, "", issued_all)
         values = group.agree("done", post)
         failed = _failed(values)
         if all(v[2] for v in values):

@@ -552,6 +552,24 @@ def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
             break
     if left:
         raise LoadError(f"the load ended with {left} tensor(s) unfinished and no error recorded")
+    changed = written_while_read(checkpoint)
+    if changed is not None:
+        raise changed
+
+
+def written_while_read(checkpoint):
+    """The LoadError for files of ``checkpoint`` written to while they were
+    read (``Shards.changed``), or None: the tensors read may mix two
+    versions of the file (a trainer saving over the checkpoint that a
+    server reloads)."""
+    changed = checkpoint.changed()
+    if not changed:
+        return None
+    return LoadError(f"{changed[0]}{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}: "
+                     "the file was written to while it was loaded (its modification time or size "
+                     "changed since it was opened), so the tensors read may mix two versions of it: "
+                     "load it again once its writer has finished (a writer that saves to a new name "
+                     "and renames it over the old one never mixes)")
 
 
 def load_error(pipe, plan, checkpoint, runtime, entries=None):

@@ -82,6 +82,7 @@ class _View:
         read = checkpoint.share(lambda: None)
         self.fetch, self.fetch_error = read.fetch, read.fetch_error
         self.read_bytes, self.current_size = checkpoint.read_bytes, checkpoint.current_size
+        self.changed = checkpoint.changed      # (the file written to since the handle opened it)
         read.entries, read.total_bytes = self.entries, self.total_bytes
         self._sources = read.byte_sources()
 

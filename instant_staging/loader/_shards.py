@@ -36,6 +36,8 @@ class Shards:
 
     def __init__(self):
         self.paths, self.fds, self.headers = [], [], []
+        # Each file's (modification time, size) as opened: ``changed()``.
+        self.stamps = []
         # The Warmer reading this checkpoint into the page cache from CUDA's
         # start on (warm_if_cold), in a list that every share() has too: the
         # load's teardown joins it, and the owner's close() before it closes
@@ -82,12 +84,13 @@ class Shards:
             fd = open_recorded(self.fds, path, _OPEN_FLAGS)
         except FileNotFoundError:
             raise not_found(os.fsdecode(path)) from None
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise SafetensorsError(f"is {file_kind(mode)}, not a regular file: it cannot be a "
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SafetensorsError(f"is {file_kind(st.st_mode)}, not a regular file: it cannot be a "
                                    "safetensors file", os.fsdecode(path))
         os.set_blocking(fd, True)
         self.paths.append(os.fsdecode(path))     # messages and errors name a str
+        self.stamps.append((st.st_mtime_ns, st.st_size))
         self.headers.append(read_header(fd, path))
 
     def _check_duplicates(self):
@@ -247,6 +250,20 @@ class Shards:
 
     def current_size(self, index):
         return os.fstat(self.fds[index]).st_size
+
+    def changed(self):
+        """The paths of the files written to since they were opened (another
+        modification time or size now), whose bytes a load may have read
+        from two versions.  A file replaced by a rename is not changed: the
+        descriptors still read the one opened.  (A write within the clock
+        tick of the open, at the same size, is not seen: the kernel's file
+        times move a tick at a time.)"""
+        out = []
+        for path, fd, stamp in zip(self.paths, self.fds, self.stamps):
+            st = os.fstat(fd)
+            if (st.st_mtime_ns, st.st_size) != stamp:
+                out.append(path)
+        return out
 
     def fetch_error(self):
         return None

@@ -350,6 +350,23 @@ def main(spec_path, rank):
             except Exception as e:
                 out[name] = dict(ok=False, error=type(e).__name__, message=str(e),
                                  ranks=sorted(getattr(e, "ranks", {}) or {}))
+        elif name == "written":         # rank 1's copy written to (the same bytes) mid-load
+            mine = os.path.join(spec["out"], f"written{rank}.safetensors")
+            shutil.copy(files["single"], mine)
+            try:
+                it = iter_load([mine], "cpu", process_group=pg, chunk_size=chunk)
+                if rank == 1:
+                    time.sleep(0.05)    # (file times move a clock tick at a time)
+                    with open(mine, "r+b") as f:
+                        data = f.read()
+                        f.seek(0)
+                        f.write(data)
+                with it:
+                    dict(it)
+                out[name] = dict(ok=True)
+            except Exception as e:
+                out[name] = dict(ok=False, error=type(e).__name__, message=str(e),
+                                 ranks=sorted(getattr(e, "ranks", {}) or {}))
         elif name == "read_fault":      # the `read` fault rule on rank 1 only
             if rank == 1:
                 os.environ["INSTANT_STAGING_FAULTS"] = "read#1=EIO"

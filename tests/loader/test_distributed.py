@@ -183,7 +183,7 @@ SCENARIOS = ["replicated", "load_file", "progress_true", "dtype_and_directory", 
              "nothing_on_one_rank", "tiny", "bad_file", "other_layout", "prefix_sources",
              "own_copies", "other_data", "other_last_page",
              "other_header", "other_dtype", "unsampled_change", "unknown_name", "plan_rows",
-             "truncated", "read_fault", "kinds", "staging_unusable", "subgroup", "not_a_group",
+             "truncated", "written", "read_fault", "kinds", "staging_unusable", "subgroup", "not_a_group",
              "dropped", "leak_plan", "leak_pipeline", "leak_allocate", "leak_read", "leak_exchange",
              "leak_verify", "leak_close", "after_failures", "collectives", "leak_midway", "timeout"]
 BUCKET = 16 << 10           # the workers' bucket size (their files are ~100 KiB)
@@ -381,6 +381,16 @@ def test_read_fails_on_one_rank(world):
         if r != 1:
             assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1], rec
             assert "truncated" in rec["message"]
+
+
+def test_a_file_written_to_mid_load_on_one_rank_is_an_error_on_every_rank(world):
+    # (the same bytes written back: the load cannot know, so it says so)
+    recs = scenario(world, "written")
+    assert recs[1]["error"] == "LoadError" and "written to while it was loaded" in recs[1]["message"]
+    for r, rec in enumerate(recs):
+        if r != 1:
+            assert rec["error"] == "DistributedLoadError" and rec["ranks"] == [1], rec
+            assert "written to while it was loaded" in rec["message"]
 
 
 def test_staging_kinds_reported(world):

@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import struct
+import time
 
 import pytest
 
@@ -20,6 +21,7 @@ st = pytest.importorskip("safetensors.torch")
 
 import instant_staging as ist
 from instant_staging.loader import (
+    Checkpoint,
     LoadError,
     SafetensorsError,
     VerifyError,
@@ -305,6 +307,43 @@ def test_bad_arguments(tmp_path):
         load_file([], "cpu")
     with pytest.raises(FileNotFoundError):
         load_file(str(tmp_path / "missing.safetensors"), "cpu")
+
+
+def _rewrite_in_place(path):
+    """Writes other bytes over ``path``'s data, same size, same file (as a
+    writer that saves over a checkpoint does), a clock tick after now."""
+    time.sleep(0.05)                # (the kernel moves file times a tick at a time)
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(size // 2)
+        f.write(bytes(size - size // 2))
+
+
+def test_a_file_written_while_it_is_loaded_is_an_error(tmp_path):
+    # A server reloading a checkpoint a trainer is saving over: the tensors
+    # may mix two versions, so the load says so instead of returning them.
+    tensors = {f"t{i}": torch.full((64 << 10,), i, dtype=torch.int32) for i in range(8)}
+    path = save(tmp_path, tensors)
+    it = iter_load(path, "cpu", chunk_size=CHUNK, threads=1)
+    next(it)
+    _rewrite_in_place(path)
+    with pytest.raises(LoadError, match="written to while it was loaded") as err:
+        list(it)
+    assert path in str(err.value)
+    # a checkpoint opened before the write, loaded after it: the same
+    path = save(tmp_path, tensors, name="b.safetensors")
+    with Checkpoint.open(path) as ck:
+        _rewrite_in_place(path)
+        with pytest.raises(LoadError, match="written to while it was loaded"):
+            ck.load("cpu")
+    # replaced by a rename mid-load: the descriptors read the file opened
+    path = save(tmp_path, tensors, name="c.safetensors")
+    it = iter_load(path, "cpu", chunk_size=CHUNK, threads=1)
+    first = dict([next(it)])
+    save(tmp_path, {n: t + 1 for n, t in tensors.items()}, name="new.safetensors")
+    os.replace(tmp_path / "new.safetensors", path)
+    got = {**first, **dict(it)}
+    assert all(torch.equal(got[n], tensors[n]) for n in tensors)
 
 
 def test_a_url_of_another_scheme_is_said_so(tmp_path, monkeypatch):
