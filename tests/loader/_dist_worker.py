@@ -165,6 +165,30 @@ def main(spec_path, rank):
     from support.calls import raise_on_call as on_call
     from support.calls import raising
 
+    def changed_on_rank_1(name, change):
+        """A group load of each rank's own copy of the single file, rank 1's
+        changed by ``change(path)`` once the load is prepared."""
+        mine = os.path.join(spec["out"], f"{name}{rank}.safetensors")
+        shutil.copy(files["single"], mine)
+        try:
+            it = iter_load([mine], "cpu", process_group=pg, chunk_size=chunk)
+            if rank == 1:
+                change(mine)
+            del warnings[:]
+            with it:
+                dict(it)
+            return dict(ok=True)
+        except Exception as e:
+            return dict(ok=False, error=type(e).__name__, message=str(e),
+                        ranks=sorted(getattr(e, "ranks", {}) or {}))
+
+    def write_back(path):
+        time.sleep(0.05)                # (file times move a clock tick at a time)
+        with open(path, "r+b") as f:
+            data = f.read()
+            f.seek(0)
+            f.write(data)
+
     def count_collectives(*paths):
         """Per load of each path, the collectives this rank called at
         torch.distributed (every function that moves tensors between
@@ -337,36 +361,9 @@ def main(spec_path, rank):
                                ranks=sorted(getattr(e, "ranks", {}) or {}))
             out[name] = rec
         elif name == "truncated":       # rank 1's copy shrinks after validation
-            mine = os.path.join(spec["out"], f"trunc{rank}.safetensors")
-            shutil.copy(files["single"], mine)
-            try:
-                it = iter_load([mine], "cpu", process_group=pg, chunk_size=chunk)
-                if rank == 1:
-                    os.truncate(mine, 4096)
-                del warnings[:]
-                with it:
-                    dict(it)
-                out[name] = dict(ok=True)
-            except Exception as e:
-                out[name] = dict(ok=False, error=type(e).__name__, message=str(e),
-                                 ranks=sorted(getattr(e, "ranks", {}) or {}))
+            out[name] = changed_on_rank_1(name, lambda mine: os.truncate(mine, 4096))
         elif name == "written":         # rank 1's copy written to (the same bytes) mid-load
-            mine = os.path.join(spec["out"], f"written{rank}.safetensors")
-            shutil.copy(files["single"], mine)
-            try:
-                it = iter_load([mine], "cpu", process_group=pg, chunk_size=chunk)
-                if rank == 1:
-                    time.sleep(0.05)    # (file times move a clock tick at a time)
-                    with open(mine, "r+b") as f:
-                        data = f.read()
-                        f.seek(0)
-                        f.write(data)
-                with it:
-                    dict(it)
-                out[name] = dict(ok=True)
-            except Exception as e:
-                out[name] = dict(ok=False, error=type(e).__name__, message=str(e),
-                                 ranks=sorted(getattr(e, "ranks", {}) or {}))
+            out[name] = changed_on_rank_1(name, write_back)
         elif name == "read_fault":      # the `read` fault rule on rank 1 only
             if rank == 1:
                 os.environ["INSTANT_STAGING_FAULTS"] = "read#1=EIO"
