@@ -258,11 +258,14 @@ class Shards:
         descriptors still read the one opened.  (A write within the clock
         tick of the open, at the same size, is not seen: the kernel's file
         times move a tick at a time.)"""
+        # (the files the load's selection reads: vLLM's batches are hundreds
+        # of loads of one checkpoint of many files, each of a few)
+        used = sorted({i for i, _ in self.entries}) if len(self.paths) > 1 else range(len(self.paths))
         out = []
-        for path, fd, stamp in zip(self.paths, self.fds, self.stamps):
-            st = os.fstat(fd)
-            if (st.st_mtime_ns, st.st_size) != stamp:
-                out.append(path)
+        for i in used:
+            st = os.fstat(self.fds[i])
+            if (st.st_mtime_ns, st.st_size) != self.stamps[i]:
+                out.append(self.paths[i])
         return out
 
     def fetch_error(self):
