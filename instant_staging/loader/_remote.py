@@ -239,9 +239,11 @@ class _Stores:
             raise ValueError(f"{root}: cannot make an object-store client: {_describe(e)}") from None
 
 
-# The variables the client reads for each scheme (its credential chain).
-_ENV_PREFIXES = {"s3": ("AWS_",), "s3a": ("AWS_",), "gs": ("GOOGLE_",),
-                 "az": ("AZURE_",), "azure": ("AZURE_",), "abfs": ("AZURE_",), "abfss": ("AZURE_",)}
+# Each cloud scheme's store (the other schemes of SCHEMES name the same
+# three), and the variables the client reads for each store (its
+# credential chain).
+_STORES = {"s3": "s3", "s3a": "s3", "gs": "gs", "az": "az", "azure": "az", "abfs": "az", "abfss": "az"}
+_ENV_PREFIXES = {"s3": ("AWS_",), "gs": ("GOOGLE_",), "az": ("AZURE_",)}
 
 
 def _check_value(name, value, endpoint=False):
@@ -262,7 +264,7 @@ def _check_value(name, value, endpoint=False):
 
 def _check_environment(scheme):
     """``_check_value`` for the variables the client reads for ``scheme``."""
-    prefixes = _ENV_PREFIXES.get(scheme)
+    prefixes = _ENV_PREFIXES.get(_STORES.get(scheme))
     if not prefixes:
         return
     for name, value in os.environ.items():
@@ -373,9 +375,8 @@ def _no_credentials(exc, url, what):
     text = str(exc)
     if not any(p in text for p in _METADATA_PATHS):
         return None
-    scheme = url.split("://", 1)[0].lower()
-    scheme = {"s3a": "s3", "azure": "az", "abfs": "az", "abfss": "az"}.get(scheme, scheme)
-    variables = _CREDENTIAL_VARIABLES.get(scheme, "the store's credential variables")
+    store = _STORES.get(url.split("://", 1)[0].lower())
+    variables = _CREDENTIAL_VARIABLES.get(store, "the store's credential variables")
     return PermissionError(
         f"{url}: no credentials while {what}: none in storage_options= or the environment "
         f"({variables}), and the instance metadata service, asked last, gave none (not a cloud "
