@@ -10,7 +10,8 @@ the best of --repeat runs, GB/s over the layout's bytes:
   reads      pread only (the pipeline with SKIP_COPY, ordinary memory):
              T threads over one file vs the 4 dense shards vs one dense shard
   copies     copies only (SKIP_READ: the slots are copied as they are) with
-             the layout's piece pattern: the per-copy and per-tensor cost
+             the layout's piece pattern, chunk x depth x threads: the per-copy
+             and per-tensor cost
   pipeline   read + copy into pre-allocated tensors through one reused
              staging buffer (no fixed per-load costs): chunk x depth x threads
   spin       the same with events that sleep (cudaEventBlockingSync) instead
@@ -565,7 +566,8 @@ def main(argv=None):
                 d = loader.DEFAULT_CHUNK_SIZE, loader.DEFAULT_IO_DEPTH, 16
                 if "copies" in sections:
                     section_pipeline(torch, name, f, args.repeat, out,
-                                     [d, (4 * MiB, 16, 8), (2 * MiB, 32, 16)], SKIP_READ, "copies")
+                                     list(itertools.product(chunks, depths, threads_list)),
+                                     SKIP_READ, "copies")
                 if "pipeline" in sections:
                     section_pipeline(torch, name, f, args.repeat, out,
                                      list(itertools.product(chunks, depths, threads_list)))

@@ -10,7 +10,8 @@ each byte that some rank wants is read from the host by exactly one rank
 that wants it, through that rank's own staging buffer into its own
 device; the parts are then exchanged with torch.distributed collectives
 only (NCCL between GPUs, gloo on the CPU), so every rank ends with every
-tensor it asked for, bit-exact, each tensor owning its own memory.
+tensor it asked for, bit-exact, as a solo load gives them (on a GPU views
+of a few device blocks, ``views=False`` a tensor per allocation).
 
 The share plan (``_share_plan.py``'s ``share_reads()``, pure and the same
 on every rank), over segments (``cut_segments()``): a tensor is one,
@@ -98,7 +99,7 @@ import traceback
 
 from .. import envs
 from ..defaults import DISTRIBUTED_TIMEOUT, GROUP_BUCKET_BYTES, GROUP_BUCKET_SLOTS, GROUP_HOST_BUCKET_BYTES
-from . import _gc, _progress, _run
+from . import _blocks, _gc, _progress, _run
 from ._errors import LoadError
 from ._options import for_cache
 from ._run import LoadIterator
@@ -467,6 +468,7 @@ class _Shared:
         self.whole = 0
         self.everything = self.mine = self.items = self.buckets = self.read_plan = None
         self.union = self.segments = self.shift = self.held = None
+        self.runs = None            # this rank's tensors' device blocks (``_blocks.runs``)
         self.slots = []             # this rank's bucket buffers (BUCKET_SLOTS at most)
 
     def plan_reads(self, state, chunk_size, faults):
@@ -508,31 +510,60 @@ class _Shared:
         items = self.items = reads[group.rank]
         self.read_bytes = sum(u.end - u.begin for u in items)
         self.whole = sum(u.end - u.begin for r in reads for u in r)
-        ranges = []
-        fds = checkpoint.fds
+        # This rank's tensors in device blocks where they lie back to back
+        # (as a solo load's, ``_blocks.pyx``): a bucket's pieces of one block
+        # are then one copy, not one per tensor.
+        mine, rows = self.mine, self.wanted[group.rank].rows
+        order = [p for p in union if p in mine]
+        viewable = {d: state.target.joins(d, state.options.views) for d in set(state.dtypes)}
+        self.runs = _blocks.runs([mine[p][:2] for p in order],
+                                 [viewable[mine[p][2]] and p not in rows for p in order])
+        block_of = {}
+        for r, run in enumerate(self.runs):
+            if run.block:
+                for k in range(run.first, run.stop):
+                    block_of[order[k]] = r
+        ranges, joins = [], []
+        fds, last = checkpoint.fds, (None, None)
         for u in items:
             g = segments[u.entry]
             i, t = everything[g.index]
             at = t.begin + g.begin
+            here = (block_of.get(union[g.index]), fds[i])
+            # (a block mirrors its file's bytes: contiguous in the file and in
+            # one block is contiguous on the device)
+            joins.append(here[0] is not None and here == last and ranges[-1][2] == at + u.begin)
             ranges.append((fds[i], at + u.begin, at + u.end))
-        self.read_plan = Plan(ranges, chunk_size, faults=faults)
+            last = here
+        self.read_plan = Plan(ranges, chunk_size, faults=faults, joins=joins)
         return self.read_plan if self.read_plan.n_chunks else None
 
     def while_staging(self, state, pending):
         pass                        # its buffer is made at once; torch's CUDA waits for step 5
 
     def provide_destinations(self, state):
-        """Step 3: this rank's tensors, each its own allocation, all before
-        any read, and the buffers its buckets pass through (at most
-        ``BUCKET_SLOTS`` of at most ``BUCKET_BYTES``, on its device)."""
-        target, mine, union = state.target, self.mine, self.union
-        target.reserve([mine[p][1] for p in union if p in mine])
-        state.handles[:] = [None] * len(union)
-        with _gc.paused():          # a tensor per tensor, no cycles
-            for k, p in enumerate(union):
-                if p in mine:
-                    _, t, dtype = mine[p]
-                    state.handles[k] = target.allocate(t, dtype)[0]
+        """Step 3: this rank's tensors, all before any read: views of one
+        device block per run of them lying back to back (``self.runs``),
+        the others each its own allocation; and the buffers its buckets
+        pass through (at most ``BUCKET_SLOTS`` of at most ``BUCKET_BYTES``,
+        on its device)."""
+        target, mine, union, run_list = state.target, self.mine, self.union, self.runs
+        order = [p for p in union if p in mine]
+        entries, dtypes = [mine[p][:2] for p in order], [mine[p][2] for p in order]
+        blocks = _run._allocate_blocks(target, run_list, entries, dtypes)
+        target.reserve([entries[k][1] for r, run in enumerate(run_list) if r not in blocks
+                        for k in range(run.first, run.stop)])
+        handles = []
+        with _gc.paused():          # a handle per tensor, no cycles
+            for r, run in enumerate(run_list):
+                block = blocks.get(r)
+                if block is not None:
+                    handles.extend(target.views(run, block, entries, dtypes))
+                else:
+                    handles.extend(target.allocate(entries[k][1], dtypes[k])[0]
+                                   for k in range(run.first, run.stop))
+            mine_handles = iter(handles)
+            state.handles[:] = [next(mine_handles) if p in mine else None for p in union]
         if self.buckets:
             size = max(k.nbytes for k in self.buckets)
             self.slots = [target.torch.empty(size, dtype=target.torch.uint8, device=target.device)
@@ -566,14 +597,21 @@ class _Shared:
         # Each rank reports its own share; our printers say so, and the whole.
         progress = _progress.for_rank(progress, me, group.size, self.whole)
         target.before_copies()
-        # Each segment's tensor (None: not this rank's), as bytes.
-        uint8, shift, segments = target.torch.uint8, self.shift, self.segments
-        with _gc.paused():          # a view per tensor, no cycles
-            flat = [t.reshape(-1).view(uint8) if t is not None else None for t in handles]
-            flat = [flat[g.index] for g in segments]
+        # Where each segment's bytes lie on this rank: the bytes of its
+        # tensor's block (or of the tensor itself) and the offset there.
+        shift, segments = self.shift, self.segments
+        with _gc.paused():          # a view per tensor of its own, no cycles
+            places = [target.place(h) if h is not None else (None, 0) for h in handles]
+            bases = [places[g.index][0] for g in segments]
+            at = [places[g.index][1] + d for g, d in zip(segments, shift)]
         if pipe is not None:
-            pipe.start([flat[u.entry].data_ptr() + shift[u.entry] + u.begin for u in items])
-        ring, issued_all, error = _Ring(group, self.slots, self._pieces(flat)), False, None
+            ptrs = {}
+            for u in items:
+                base = bases[u.entry]
+                if id(base) not in ptrs:
+                    ptrs[id(base)] = base.data_ptr()
+            pipe.start([ptrs[id(bases[u.entry])] + at[u.entry] + u.begin for u in items])
+        ring, issued_all, error = _Ring(group, self.slots, self._pieces(bases, at)), False, None
         waiter = _Waiter(pipe, len(items), self.read_bytes, progress)
         try:
             for k in self.buckets:
@@ -631,31 +669,51 @@ class _Shared:
             if handle is not None:
                 handles[k] = None
                 i, t, _ = self.mine[p]
+                tensor = target.tensor(handle)
                 if verify:
-                    _run.verify_tensor(checkpoint, (i, t), target, handle)
-                yield t.name, target.result(handle)
+                    _run.verify_tensor(checkpoint, (i, t), target, tensor)
+                yield t.name, target.result(tensor)
 
-    def _pieces(self, flat):
+    def _pieces(self, bases, at):
         """``pieces(bucket, view=None)``: the bytes of ``bucket`` this rank
-        holds (its reader) or wants (a receiver), as two lists: the views of
-        its tensors (``flat``: each segment's tensor, as bytes) and, where
-        ``view`` (the bucket's buffer) is given, the views of ``view`` they
-        come from, in one ``split`` (its pieces lie back to back there).  A
-        function: each bucket's views are made as it comes; a piece that is
-        a whole tensor is that tensor, not a view of it."""
-        me, shift, held = self.group.rank, self.shift, self.held
+        holds (its reader) or wants (a receiver), as two lists: slices of
+        the bytes they go to (``bases``: each segment's block or tensor, as
+        bytes, the segment at ``at`` there) and, where ``view`` (the
+        bucket's buffer) is given, the slices of ``view`` they come from.
+        Pieces back to back in the bucket and in one block are one slice
+        (a bucket of a fine-grained checkpoint holds hundreds of tensors: a
+        view and a copy per tensor was most of a group load's cost per
+        tensor).  A function: each bucket's slices are made as it comes."""
+        me = self.group.rank
 
         def pieces(bucket, view=None):
             mine = bucket.src == me
-            tensors, parts = [], []
-            splits = view.split([e - b for _, b, e, _ in bucket.pieces]) if view is not None else None
-            for k, (u, b, e, _) in enumerate(bucket.pieces):
-                if mine or me in u.dsts:
-                    t, where = flat[u.entry], shift[u.entry] + b
-                    tensors.append(t if where == 0 and e - b == held[u.entry] else t[where:where + e - b])
-                    if splits is not None:
-                        parts.append(splits[k])
-            return tensors, parts
+            runs, run = [], None        # [base, begin, end, offset in the bucket]
+            for u, b, e, offset in bucket.pieces:
+                if not (mine or me in u.dsts):
+                    run = None
+                    continue
+                base, where = bases[u.entry], at[u.entry] + b
+                if run is not None and run[0] is base and run[2] == where:
+                    run[2] += e - b
+                else:
+                    run = [base, where, where + e - b, offset]
+                    runs.append(run)
+            tensors = [base if b == 0 and e == base.numel() else base[b:e] for base, b, e, _ in runs]
+            if view is None or not runs:
+                return tensors, []
+            # The bucket's side in one split (a piece not wanted here is a gap).
+            sizes, pick, end = [], [], 0
+            for _, b, e, offset in runs:
+                if offset > end:
+                    sizes.append(offset - end)
+                pick.append(len(sizes))
+                sizes.append(e - b)
+                end = offset + e - b
+            if end < view.numel():
+                sizes.append(view.numel() - end)
+            split = view.split(sizes)
+            return tensors, [split[k] for k in pick]
         return pieces
 
 
@@ -733,7 +791,7 @@ class _Ring:
 
     def pack(self, bucket, view):
         """Copies this rank's bytes of ``bucket`` into ``view`` (its pieces
-        lie back to back there: one ``cat``)."""
+        lie back to back there: one ``cat`` of a slice per block)."""
         import torch
         torch.cat(self.pieces(bucket)[0], out=view)
 

@@ -159,6 +159,14 @@ class _TorchTarget:
         return self.torch.empty(0, dtype=dtype, device=self.device).set_(
             handle.block.untyped_storage(), handle.offset // dtype.itemsize, torch_shape(handle.entry))
 
+    def place(self, handle):
+        """``(bytes, offset)``: the flat uint8 tensor that the bytes of a
+        handle of ``allocate()`` or ``views()`` lie in (its block, or the
+        tensor itself), and where they begin there."""
+        if type(handle) is _View:
+            return handle.block, handle.offset
+        return handle.reshape(-1).view(self.torch.uint8), 0
+
     def reserve(self, entries):
         """Makes torch's caching allocator hold one free block as large as
         the load's large tensors together, so that allocating them cuts

@@ -420,6 +420,21 @@ def main(spec_path, rank):
                               group=mid)
         elif name == "collectives":    # the same bytes as 100 tensors and as 4,000
             out[name] = count_collectives(files["few"], files["many"])
+        elif name == "blocks":          # tensors as views of blocks (a GPU's rule, here on the CPU)
+            from instant_staging.loader import _target
+            viewable = _target._TorchTarget.joins
+            _target._TorchTarget.joins = lambda self, dtype, views: views
+            try:
+                rec = count_collectives(files["many"])
+                got = load_file(shards, process_group=pg, chunk_size=chunk)
+                rec.update(storages=len({t.untyped_storage().data_ptr() for t in got.values()}),
+                           tensors=len(got), shards_equal=equal(got, everything))
+                mine = {k for i, k in enumerate(sorted(everything)) if i % world == rank}
+                rec["names"] = run(shards, names=sorted(mine | {k for k in everything if "norm" in k}))
+                rec["views_false"] = run(shards, views=False)
+            finally:
+                _target._TorchTarget.joins = viewable
+            out[name] = rec
         elif name == "leak_verify":    # step 5: rank 1's third tensor handed out fails verify=
             from instant_staging.loader import VerifyError
             out[name] = probe(shards, [(_run, "verify_tensor",

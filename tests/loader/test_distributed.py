@@ -185,7 +185,8 @@ SCENARIOS = ["replicated", "load_file", "progress_true", "dtype_and_directory", 
              "other_header", "other_dtype", "unsampled_change", "unknown_name", "plan_rows",
              "truncated", "written", "read_fault", "kinds", "staging_unusable", "subgroup", "not_a_group",
              "dropped", "leak_plan", "leak_pipeline", "leak_allocate", "leak_read", "leak_exchange",
-             "leak_verify", "leak_close", "after_failures", "collectives", "leak_midway", "timeout"]
+             "leak_verify", "leak_close", "after_failures", "collectives", "blocks", "leak_midway",
+             "timeout"]
 BUCKET = 16 << 10           # the workers' bucket size (their files are ~100 KiB)
 COUNT_BUCKET = 64 << 10     # and the collectives scenario's
 
@@ -515,6 +516,23 @@ def test_collectives_follow_the_bytes_not_the_tensors(world):
         # cut in one split; a slice per bucket, and one for each tensor that
         # straddles a bucket's end.
         assert rec["slices"][1] <= 3 * many, f"rank {r}: {rec}"
+
+
+def test_tensors_in_blocks_are_a_copy_per_block_not_per_tensor(world):
+    # A GPU's tensors are views of device blocks, in a group load as in a
+    # solo one (here on CPU ranks, the GPU's rule patched in): a bucket's
+    # pieces of one block are one slice and one copy, however many tensors.
+    n = world[0]
+    for r, rec in enumerate(scenario(world, "blocks")):
+        assert rec["equal"] == [True] and rec["shards_equal"], f"rank {r}: {rec}"
+        assert rec["counts"][0] <= -(-512000 // COUNT_BUCKET) + n, f"rank {r}: {rec}"
+        # (the 4,000 tensors: a slice or two per bucket, where there was a
+        # view of each tensor's)
+        assert rec["slices"][0] <= 2 * rec["counts"][0] + 2, f"rank {r}: {rec}"
+        assert rec["storages"] < rec["tensors"] / 2, f"rank {r}: {rec}"
+        assert rec["names"]["ok"] and rec["names"]["equal"], f"rank {r}: {rec}"
+        views_false = rec["views_false"]
+        assert views_false["ok"] and views_false["equal"] and views_false["owns"], f"rank {r}: {rec}"
 
 
 def test_group_usable_after_failures(world):
