@@ -26,8 +26,6 @@ on every file (the files are fdatasync'ed first so the cache can drop them):
                          the buffer the first kept ("first" column: run 1 alone)
   ... nothing kept       load_file with INSTANT_STAGING_KEEP_STAGING=0: each run
                          makes and releases its own buffer
-  ... copy per chunk     load_file with a copy per chunk (defaults.COPY_CHUNKS = 1),
-                         the copy unit before copy groups
   read ceiling           16 threads x 8 MiB preads of the same files, no copies
                          (the loader's own C threads, SKIP_COPY): the host's
                          parallel-read rate, hot and cold
@@ -379,13 +377,6 @@ def our_methods(torch, device, only):
                 else:
                     os.environ[name] = old
         return run
-    def copy_per_chunk(files, mark):
-        from instant_staging.loader import _pipeline
-        saved, _pipeline.COPY_CHUNKS = _pipeline.COPY_CHUNKS, 1
-        try:
-            return loader.load_file(files, dev)
-        finally:
-            _pipeline.COPY_CHUNKS = saved
     # The second ceiling reads as a cold load does (defaults.COLD_*): on the
     # H200 host's disk, 16 MiB reads were 30-45% faster than 8 MiB ones.
     out = [method, _read_ceiling(),
@@ -399,9 +390,6 @@ def our_methods(torch, device, only):
                           kind="REGISTERED", setup=lambda files: loader.empty_cache(),
                           teardown=loader.empty_cache,
                           note="load_file defaults, INSTANT_STAGING_HUGEPAGES=1"))
-        out.append(Method("instant_staging copy per chunk", copy_per_chunk, kind="REGISTERED",
-                          note="load_file defaults but a copy per chunk (defaults.COPY_CHUNKS "
-                               "= 1): the copy unit before copy groups"))
     if device.type == "cuda" and only:
         out += [_forced(kind, faults, kw, dev) for kind, faults, kw in FORCED]
     return out

@@ -14,7 +14,6 @@ the best of --repeat runs, GB/s over the layout's bytes:
              and per-tensor cost
   pipeline   read + copy into pre-allocated tensors through one reused
              staging buffer (no fixed per-load costs): chunk x depth x threads
-             x chunks per copy (--copy-chunks)
   spin       the same with events that sleep (cudaEventBlockingSync) instead
              of spinning
   load_file  the whole call with a few settings, and with a reused buffer
@@ -97,9 +96,8 @@ class Files:
         self.ck.close()
 
 
-def run_pipe(plan, dsts, threads, staging=None, depth=None, device=None, skip=0, copy_chunks=None):
-    pipe = Pipeline(plan, threads=threads, staging=staging, depth=depth, device=device, skip=skip,
-                    copy_chunks=copy_chunks)
+def run_pipe(plan, dsts, threads, staging=None, depth=None, device=None, skip=0):
+    pipe = Pipeline(plan, threads=threads, staging=staging, depth=depth, device=device, skip=skip)
     B.run_to_end(pipe, dsts)
     return pipe
 
@@ -464,20 +462,17 @@ def staging_for(chunk, depth):
 
 
 def section_pipeline(torch, name, f, repeat, out, grid, skip=0, label="pipeline"):
-    """``grid``: (chunk, depth, threads) or (chunk, depth, threads, copy_chunks)."""
-    for chunk, depth, threads, *copy in grid:
-        copy_chunks = copy[0] if copy else None
+    for chunk, depth, threads in grid:
         buf = staging_for(chunk, depth)
         plan = f.plan(chunk)
         try:
             s = best(run_pipe, repeat, plan, f.dsts, threads, staging=buf,
-                     device=f.target.index, skip=skip, copy_chunks=copy_chunks)
+                     device=f.target.index, skip=skip)
         finally:
             buf.close()
         out.append({"section": label, "layout": name, "chunk": chunk, "depth": depth, "threads": threads,
-                    "copy_chunks": copy_chunks, "seconds": s, "gbps": f.nbytes / s / 1e9})
-        C.progress(f"  {name} {label} {chunk // MiB} MiB / depth {depth} / {threads} threads"
-                   f"{f' / copies of {copy_chunks} chunks' if copy_chunks else ''}: "
+                        "seconds": s, "gbps": f.nbytes / s / 1e9})
+        C.progress(f"  {name} {label} {chunk // MiB} MiB / depth {depth} / {threads} threads: "
                    f"{f.nbytes / s / 1e9:.1f} GB/s")
 
 
@@ -532,8 +527,6 @@ def main(argv=None):
     ap.add_argument("--chunks", default="2MiB,4MiB,8MiB")
     ap.add_argument("--depths", default="16,32,64")
     ap.add_argument("--threads", default="8,12,16")
-    ap.add_argument("--copy-chunks", default="1,4",
-                    help="copies and pipeline sections: chunks per copy (Pipeline(copy_chunks=))")
     ap.add_argument("--settings", default="8MiB/16/16,4MiB/16/8,2MiB/16/8,4MiB/32/16,8MiB/32/16,4MiB/64/16",
                     help="load_file section: chunk/io_depth/threads, comma-separated")
     ap.add_argument("--quick", action="store_true", help="tiny layouts, CPU allowed")
@@ -548,7 +541,6 @@ def main(argv=None):
     chunks = C.parse_sizes(args.chunks)
     depths = [int(x) for x in args.depths.split(",")]
     threads_list = [int(x) for x in args.threads.split(",")]
-    copies = [int(x) for x in args.copy_chunks.split(",")]
     settings = [(C.parse_sizes(c)[0], int(d), int(t))
                 for c, d, t in (x.split("/") for x in args.settings.split(","))]
     if "first" in sections and (sections != ["first"] or "," in args.layouts):
@@ -574,11 +566,11 @@ def main(argv=None):
                 d = loader.DEFAULT_CHUNK_SIZE, loader.DEFAULT_IO_DEPTH, 16
                 if "copies" in sections:
                     section_pipeline(torch, name, f, args.repeat, out,
-                                     list(itertools.product(chunks, depths, threads_list, copies)),
+                                     list(itertools.product(chunks, depths, threads_list)),
                                      SKIP_READ, "copies")
                 if "pipeline" in sections:
                     section_pipeline(torch, name, f, args.repeat, out,
-                                     list(itertools.product(chunks, depths, threads_list, copies)))
+                                     list(itertools.product(chunks, depths, threads_list)))
                 if "spin" in sections:
                     from instant_staging.runtime import _cuda
                     _cuda._set_event_blocking_sync(True)

@@ -25,13 +25,6 @@ SEGMENT_SIZE = 256 << 20
 # "Measured: the chunk size").
 CHUNK_SIZE = 2 << 20
 
-# Chunks copied to the device as one (loader/_pipeline.pyx, "copy groups"):
-# the readers still read CHUNK_SIZE at a time, each into its place in a
-# group slot of COPY_CHUNKS chunks, and the group's last reader copies it,
-# so the copy engine sees copies of 8 MiB where a copy per chunk gave it
-# 2 MiB (docs/design.md, "Measured: the copy unit").  1: a copy per chunk.
-COPY_CHUNKS = 4
-
 # Slots per reader thread: two let a thread read its next chunk while the
 # previous one is still being copied (one slot serialised them); more were
 # slower at any chunk size: slots a thread refills rarely only add bytes in

@@ -11,9 +11,6 @@ whole per-chunk path runs in plain C threads:
        (the pieces of one device block's tensors as one copy)
     -> record the slot's event
 
-(In device mode the copies are made per *copy group* of several chunks
-instead: see "copy groups" below.)
-
 A *chunk* is a contiguous file range of at most ``chunk_size`` bytes; a
 *piece* is the part of one tensor inside one chunk, so small tensors share
 a chunk and large ones span several.  A ``Plan`` cuts the tensors into
@@ -82,7 +79,7 @@ from instant_staging._pthread cimport (
 from instant_staging.runtime._table cimport Runtime, RuntimeTable, MEMCPY_HOST_TO_DEVICE
 from instant_staging._staging cimport StagingBuffer
 
-from instant_staging.defaults import COPY_CHUNKS, MAX_SLOTS_PER_THREAD
+from instant_staging.defaults import MAX_SLOTS_PER_THREAD
 
 cdef extern from "<stdlib.h>" nogil:
     int posix_memalign(void** memptr, size_t alignment, size_t size)
@@ -152,20 +149,6 @@ cdef struct Piece:
     bint joins              # its destination continues the piece before's (one block)
 
 
-cdef struct Group:
-    # Slots of ``Shared.group`` chunks back to back (one registration),
-    # through which the chunks of one copy group pass at a time.
-    char* base
-    Py_ssize_t owner        # the copy group it holds now
-    int filled              # chunks of owner read in
-    int need                # chunks of owner
-    bint issued             # owner's copies issued and the event recorded
-    bint completed          # owner's chunks reported done
-    void* event             # the issuer's event for this group slot, recorded after its copies
-    void* issuer            # the Worker that issued owner's copies (its event)
-    int syncing             # threads waiting on event meanwhile (its thread destroys it after)
-
-
 cdef struct Shared:
     pthread_mutex_t lock
     pthread_cond_t cond
@@ -188,10 +171,6 @@ cdef struct Shared:
     RuntimeTable* rt
     int mode
     int device
-    int group               # chunks per copy group (0: a copy per chunk, each thread's own slots)
-    Group* groups           # group slots (device mode with group > 0)
-    Py_ssize_t n_groups
-    size_t slot_size
     int err_kind
     int err_code
     int err_call
@@ -236,13 +215,13 @@ cdef Py_ssize_t _claim(Shared* sh) noexcept nogil:
     return c
 
 
-cdef bint _complete_locked(Shared* sh, Py_ssize_t c) noexcept nogil:
-    """Every copy of chunk c has finished: counts its bytes, finishes its
-    tensors (under the lock); whether one finished."""
+cdef void _complete(Shared* sh, Py_ssize_t c) noexcept nogil:
+    """Every copy of chunk c has finished: count its bytes, finish tensors."""
     cdef Chunk* ch = &sh.chunks[c]
     cdef Piece* p
     cdef Py_ssize_t i
     cdef bint finished = False
+    pthread_mutex_lock(&sh.lock)
     for i in range(ch.first_piece, ch.first_piece + ch.n_pieces):
         p = &sh.pieces[i]
         sh.remaining[p.tensor] -= p.nbytes
@@ -251,12 +230,7 @@ cdef bint _complete_locked(Shared* sh, Py_ssize_t c) noexcept nogil:
             sh.done[sh.n_done] = p.tensor
             sh.n_done += 1
             finished = True
-    return finished
-
-
-cdef void _complete(Shared* sh, Py_ssize_t c) noexcept nogil:
-    pthread_mutex_lock(&sh.lock)
-    if _complete_locked(sh, c):
+    if finished:
         pthread_cond_broadcast(&sh.cond)
     pthread_mutex_unlock(&sh.lock)
 
@@ -468,188 +442,6 @@ cdef void _run(Worker* w) noexcept nogil:
             return
 
 
-# -- copy groups: chunks read by several threads, copied as one ---------------
-#
-# With ``Shared.group`` = G, chunks jG .. jG + G - 1 form copy group j: each
-# is read by whichever thread claims it, into its place in group slot
-# j % n_groups (G slots back to back), and the thread that reads the
-# group's last chunk copies the whole group, each run of pieces that
-# continues on both sides (a block or a tensor across chunk boundaries)
-# as one copy.  So the copy unit is G chunks while the read unit stays a
-# chunk.  A group slot takes its next group once the one before is read,
-# its copies issued and finished: the first thread that needs it waits on
-# the issuer's event and reports that group's chunks done.
-
-cdef void _complete_group_locked(Shared* sh, Group* g) noexcept nogil:
-    """The copies of g's group finished: reports its chunks, once (under the lock)."""
-    cdef Py_ssize_t c, first
-    if g.completed:
-        return
-    g.completed = True
-    first = g.owner * sh.group
-    for c in range(first, first + g.need):
-        _complete_locked(sh, c)
-    pthread_cond_broadcast(&sh.cond)
-
-
-cdef int _enter_group(Worker* w, Group* g, Py_ssize_t j) noexcept nogil:
-    """Waits until group slot g holds copy group j (the group before it
-    there read, its copies issued and finished: waited for here by the first
-    thread that comes); -1 once the load stops.  Chunks are claimed in
-    order, so the group g holds meanwhile is j - n_groups."""
-    cdef Shared* sh = w.sh
-    cdef RuntimeTable* rt = sh.rt
-    cdef void* event
-    cdef Py_ssize_t old
-    cdef int code, rc
-    pthread_mutex_lock(&sh.lock)
-    while g.owner != j and not sh.stop:
-        if not g.issued:
-            pthread_cond_wait(&sh.cond, &sh.lock)
-        elif not g.completed:
-            event, old = g.event, g.owner
-            g.syncing += 1
-            pthread_mutex_unlock(&sh.lock)
-            code = rt.event_synchronize(rt.ctx, event)
-            pthread_mutex_lock(&sh.lock)
-            g.syncing -= 1
-            if g.syncing == 0:
-                pthread_cond_broadcast(&sh.cond)
-            if code != 0:
-                pthread_mutex_unlock(&sh.lock)
-                _runtime_call(w, code, CALL_EVENT_SYNCHRONIZE, old * sh.group,
-                              sh.chunks[old * sh.group].offset)
-                return -1
-            _complete_group_locked(sh, g)
-        elif g.syncing > 0:
-            # Another thread still waits on the issuer's event: the slot
-            # changes hands only after, so that the issuer (which destroys
-            # its events at its exit: _settle_groups) and the waiters agree.
-            pthread_cond_wait(&sh.cond, &sh.lock)
-        else:
-            g.owner = j
-            g.issuer = NULL
-            g.filled = 0
-            g.need = <int>min(<Py_ssize_t>sh.group, sh.n_chunks - j * sh.group)
-            g.issued = g.completed = False
-            pthread_cond_broadcast(&sh.cond)
-    rc = 0 if g.owner == j and not sh.stop else -1
-    pthread_mutex_unlock(&sh.lock)
-    return rc
-
-
-cdef int _group_copy(Worker* w, char* dst, char* src, size_t nbytes, Py_ssize_t c,
-                     int64_t offset) noexcept nogil:
-    cdef RuntimeTable* rt = w.sh.rt
-    return _runtime_call(w, rt.memcpy_async(rt.ctx, <void*>dst, src, nbytes,
-                                            MEMCPY_HOST_TO_DEVICE, w.stream),
-                         CALL_MEMCPY, c, offset)
-
-
-cdef int _issue_group(Worker* w, Group* g) noexcept nogil:
-    """Copies g's group (its last chunk just read by this thread) on this
-    thread's stream, then records this thread's event for g.  A run of
-    pieces is one copy while both its sides continue: the plan says the
-    piece joins the one before (a block, ``_next_copy``) or it is the same
-    tensor's next piece (a chunk boundary inside a tensor), and the bytes
-    lie back to back in the group slot and at the destination.  A piece
-    with a copy fault fails the group."""
-    cdef Shared* sh = w.sh
-    cdef RuntimeTable* rt = sh.rt
-    cdef Py_ssize_t first = g.owner * sh.group, k = g - sh.groups, c, i
-    cdef Py_ssize_t prev = -1, run_chunk = first
-    cdef Chunk* ch
-    cdef Piece* p
-    cdef char* src
-    cdef char* dst
-    cdef char* run_src = NULL
-    cdef char* run_dst = NULL
-    cdef size_t run_n = 0
-    cdef int64_t run_offset = 0
-    if _await_dsts(sh, first + g.need - 1) != 0:
-        return -1
-    for c in range(first, first + g.need):
-        ch = &sh.chunks[c]
-        for i in range(ch.first_piece, ch.first_piece + ch.n_pieces):
-            p = &sh.pieces[i]
-            if p.fault != 0:        # a copy rule: fails as the runtime would, uncalled
-                _fail(sh, ERR_RUNTIME, p.fault, CALL_MEMCPY, c, ch.offset + <int64_t>p.offset)
-                return -1
-            src = g.base + <size_t>(c - first) * sh.slot_size + p.offset
-            dst = <char*>(sh.dsts[p.tensor] + <intptr_t>p.dst_offset)
-            if (run_n != 0 and (p.joins or p.tensor == prev)
-                    and src == run_src + run_n and dst == run_dst + run_n):
-                run_n += p.nbytes
-            else:
-                if run_n != 0 and _group_copy(w, run_dst, run_src, run_n, run_chunk, run_offset):
-                    return -1
-                run_src, run_dst, run_n = src, dst, p.nbytes
-                run_chunk, run_offset = c, ch.offset + <int64_t>p.offset
-            prev = p.tensor
-    if run_n != 0 and _group_copy(w, run_dst, run_src, run_n, run_chunk, run_offset):
-        return -1
-    if _runtime_call(w, rt.event_record(rt.ctx, w.events[k], w.stream),
-                     CALL_EVENT_RECORD, first, sh.chunks[first].offset):
-        return -1
-    pthread_mutex_lock(&sh.lock)
-    g.event = w.events[k]
-    g.issuer = <void*>w
-    g.issued = True
-    pthread_cond_broadcast(&sh.cond)
-    pthread_mutex_unlock(&sh.lock)
-    return 0
-
-
-cdef void _run_groups(Worker* w) noexcept nogil:
-    cdef Shared* sh = w.sh
-    cdef Py_ssize_t c, j
-    cdef Group* g
-    cdef bint last
-    while True:
-        c = _claim(sh)
-        if c < 0:
-            return
-        j = c // sh.group
-        g = &sh.groups[j % sh.n_groups]
-        if _enter_group(w, g, j) != 0:
-            return
-        if (not (sh.skip & SKIP_READ_BIT)
-                and _read_chunk(sh, c, g.base + <size_t>(c - j * sh.group) * sh.slot_size) != 0):
-            return
-        pthread_mutex_lock(&sh.lock)
-        g.filled += 1
-        last = g.filled == g.need
-        if last and sh.skip & SKIP_COPY_BIT:
-            g.issued = True
-            _complete_group_locked(sh, g)
-        pthread_mutex_unlock(&sh.lock)
-        if last and not (sh.skip & SKIP_COPY_BIT) and _issue_group(w, g) != 0:
-            return
-
-
-cdef void _settle_groups(Worker* w) noexcept nogil:
-    """At this thread's exit, its stream synchronized: the groups whose
-    copies it issued are finished (reported done here where nobody did),
-    and nobody waits on its events any more, so it may destroy them."""
-    cdef Shared* sh = w.sh
-    cdef Group* g
-    cdef Py_ssize_t k
-    cdef bint waiting = True
-    pthread_mutex_lock(&sh.lock)
-    for k in range(sh.n_groups):
-        g = &sh.groups[k]
-        if g.issuer == <void*>w and g.issued:
-            _complete_group_locked(sh, g)
-    while waiting:
-        waiting = False
-        for k in range(sh.n_groups):
-            if sh.groups[k].issuer == <void*>w and sh.groups[k].syncing > 0:
-                waiting = True
-        if waiting:
-            pthread_cond_wait(&sh.cond, &sh.lock)
-    pthread_mutex_unlock(&sh.lock)
-
-
 cdef void _drain(Worker* w) noexcept nogil:
     """Waits for every copy this thread issued, then frees its stream and events."""
     cdef RuntimeTable* rt = w.sh.rt
@@ -662,8 +454,6 @@ cdef void _drain(Worker* w) noexcept nogil:
     if w.has_stream:
         # Also covers copies of a chunk whose event was never recorded.
         _runtime_call(w, rt.stream_synchronize(rt.ctx, w.stream), CALL_STREAM_SYNCHRONIZE, -1, 0)
-    if w.sh.group:
-        _settle_groups(w)
     for i in range(w.n_slots):
         if w.events[i] != NULL:
             rt.event_destroy(rt.ctx, w.events[i])
@@ -678,10 +468,7 @@ cdef void* _work(void* arg) noexcept nogil:
     cdef Worker* w = <Worker*>arg
     cdef Shared* sh = w.sh
     if sh.mode == MODE_HOST or _setup_device(w) == 0:
-        if sh.group:
-            _run_groups(w)
-        else:
-            _run(w)
+        _run(w)
     _drain(w)
     pthread_mutex_lock(&sh.lock)
     sh.running -= 1
@@ -1022,9 +809,6 @@ cdef class Pipeline:
              that device through ``staging.runtime``.
     threads  reader threads wanted (fewer when there are fewer slots or
              chunks).
-    copy_chunks  device mode: chunks copied as one (copy groups, above;
-             None: ``defaults.COPY_CHUNKS``); 1, or a buffer of fewer than
-             two groups' slots, copies each chunk by itself.
     skip     benchmarks only: SKIP_READ and/or SKIP_COPY leave that side out.
     fetch    None: chunks are pread from the plan's descriptors; else a
              callable ``fetch(file, offset, length) -> buffer`` (a remote
@@ -1068,7 +852,7 @@ cdef class Pipeline:
         self.pid = getpid()
 
     def __init__(self, Plan plan not None, *, threads, StagingBuffer staging=None,
-                 depth=None, device=None, int skip=0, fetch=None, copy_chunks=None):
+                 depth=None, device=None, int skip=0, fetch=None):
         if self.plan is not None:
             raise RuntimeError("Pipeline.__init__ may run only once")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -1104,17 +888,11 @@ cdef class Pipeline:
             self.sh.device = device
         else:
             self.sh.mode = MODE_HOST
-        if copy_chunks is None:
-            copy_chunks = COPY_CHUNKS
-        if isinstance(copy_chunks, bool) or not isinstance(copy_chunks, int) or copy_chunks < 1:
-            raise ValueError(f"copy_chunks must be None or an int >= 1, got {copy_chunks!r}")
         if staging is not None:
             self._hold(staging)
             self._staging_slots(cap)
         else:
             self._own_slots(cap)
-        if device is not None and copy_chunks > 1:
-            self._groups(copy_chunks)
         pthread_mutex_init(&self.sh.lock, NULL)
         pthread_cond_init(&self.sh.cond, NULL)
         pthread_mutex_init(&self.join_lock, NULL)
@@ -1176,37 +954,6 @@ cdef class Pipeline:
                 i += 1
         self.n_slots = n
 
-    cdef _groups(self, int g):
-        """Copy groups of ``g`` chunks (see "copy groups" above): a group
-        slot is g of the slots back to back inside one registration (the
-        registrations of a segmented buffer are adjacent in memory, so the
-        slots' addresses alone cannot tell); at least two of them, else a
-        copy per chunk, each thread its own slots."""
-        cdef StagingBuffer buf = self.staging
-        cdef size_t r, seg_offset = 0, seg_size = 0, i, inside
-        cdef Py_ssize_t n = 0, left = self.n_slots
-        cdef Group* groups = <Group*>calloc(max(self.n_slots // g, 1), sizeof(Group))
-        if groups == NULL:
-            raise MemoryError()
-        for r in range(buf.n_registrations()):
-            if left <= 0:
-                break
-            buf.registration(r, &seg_offset, &seg_size)
-            inside = min(<size_t>left, seg_size // self.slot_size)
-            left -= <Py_ssize_t>inside
-            for i in range(inside // <size_t>g):
-                groups[n].base = buf.data() + seg_offset + i * g * self.slot_size
-                groups[n].owner = n
-                groups[n].need = <int>max(0, min(<Py_ssize_t>g, self.plan.n_chunks - n * g))
-                n += 1
-        if n < 2:
-            free(groups)
-            return
-        self.sh.groups = groups
-        self.sh.n_groups = n
-        self.sh.group = g
-        self.sh.slot_size = self.slot_size
-
     cdef _own_slots(self, Py_ssize_t n):
         """n slots of ordinary page-aligned memory: a copy to CPU memory
         gains nothing from pinning."""
@@ -1236,24 +983,6 @@ cdef class Pipeline:
             free(ordered)
             raise MemoryError()
         self.n_workers = threads
-        if self.sh.group:
-            free(ordered)
-            free(self.events)
-            free(self.pending)
-            # Each thread an event per group slot, recorded after the copies it issues.
-            self.events = <void**>calloc(threads * self.sh.n_groups, sizeof(void*))
-            self.pending = <Py_ssize_t*>malloc(threads * self.sh.n_groups * sizeof(Py_ssize_t))
-            if self.events == NULL or self.pending == NULL:
-                raise MemoryError()
-            for t in range(threads):
-                self.workers[t].sh = &self.sh
-                self.workers[t].slots = NULL
-                self.workers[t].n_slots = <int>self.sh.n_groups
-                self.workers[t].events = &self.events[t * self.sh.n_groups]
-                self.workers[t].pending = &self.pending[t * self.sh.n_groups]
-                for i in range(self.sh.n_groups):
-                    self.workers[t].pending[i] = -1
-            return
         k = 0
         for t in range(threads):
             self.workers[t].sh = &self.sh
@@ -1288,12 +1017,6 @@ cdef class Pipeline:
     @property
     def slot_bytes(self):
         return self.slot_size
-
-    @property
-    def copy_chunks(self):
-        """Chunks per copy: the copy groups' size, 1 where each chunk is
-        copied by its reader (host mode, or too few slots for two groups)."""
-        return self.sh.group or 1
 
     def start(self, dsts, *, bint more=False):
         """Starts the reader threads (fewer if the system refuses some);
@@ -1478,7 +1201,6 @@ cdef class Pipeline:
         free(self.events)
         free(self.pending)
         free(self.own_slots)
-        free(self.sh.groups)
         if self.sync_init and getpid() == self.pid:
             pthread_mutex_destroy(&self.sh.lock)
             pthread_cond_destroy(&self.sh.cond)
