@@ -611,8 +611,11 @@ class _Shared:
                 if id(base) not in ptrs:
                     ptrs[id(base)] = base.data_ptr()
             pipe.start([ptrs[id(bases[u.entry])] + at[u.entry] + u.begin for u in items])
-        ring, issued_all, error = _Ring(group, self.slots, self._pieces(bases, at)), False, None
-        waiter = _Waiter(pipe, len(items), self.read_bytes, progress)
+        # The tensors of views are made while this rank waits (for its
+        # reads, for a bucket), not all after the last agreement.
+        idle = _Views(target, handles).some
+        ring, issued_all, error = _Ring(group, self.slots, self._pieces(bases, at), idle), False, None
+        waiter = _Waiter(pipe, len(items), self.read_bytes, progress, idle)
         try:
             for k in self.buckets:
                 slot = ring.take()
@@ -717,12 +720,37 @@ class _Shared:
         return pieces
 
 
-class _Waiter:
-    """Waits for this rank's pipeline items; never blocks once it failed."""
+class _Views:
+    """Makes the tensors of a rank's views (``_target.views()``'s handles)
+    a few at a time, while the rank waits: a fine-grained checkpoint's
+    thousands took tens of milliseconds after the last agreement, where
+    nothing else ran (docs/design.md, "Measured: a group load's buckets").
+    A view is only metadata: made before its bytes arrive, handed out
+    after."""
 
-    def __init__(self, pipe, n, total, progress):
+    def __init__(self, target, handles):
+        self.target, self.handles, self.next = target, handles, 0
+
+    def some(self, n=64):
+        """Makes up to ``n`` more; False once none is left."""
+        handles, tensor = self.handles, self.target.tensor
+        end = min(self.next + n, len(handles))
+        for k in range(self.next, end):
+            if handles[k] is not None:
+                handles[k] = tensor(handles[k])
+        self.next = end
+        return end < len(handles)
+
+
+class _Waiter:
+    """Waits for this rank's pipeline items; never blocks once it failed.
+    ``idle()`` (it returns False once it has nothing left to do) runs
+    between its polls."""
+
+    def __init__(self, pipe, n, total, progress, idle=lambda: False):
         self.pipe, self.done, self.total, self.progress = pipe, [False] * n, total, progress
         self.left, self.stopped, self.reported = n, False, -1
+        self.idle = idle
 
     def _poll(self, timeout):
         if self.pipe is None:          # nothing to read on this rank
@@ -748,13 +776,13 @@ class _Waiter:
 
     def until(self, item):
         while not self.done[item] and not self.stopped:
-            self._poll(_run.POLL_SECONDS)
+            self._poll(0 if self.idle() else _run.POLL_SECONDS)
         if not self.done[item] and not self.stopped:
             self._poll(0)
 
     def until_all(self):
         while self.left and not self.stopped:
-            self._poll(_run.POLL_SECONDS)
+            self._poll(0 if self.idle() else _run.POLL_SECONDS)
 
 
 def _exchange(group, bucket, view):
@@ -778,8 +806,8 @@ class _Ring:
     at agreement 3 without issuing every exchange) is an error here at
     once, not a wait for the group's timeout."""
 
-    def __init__(self, group, slots, pieces):
-        self.group, self.pieces = group, pieces
+    def __init__(self, group, slots, pieces, idle=lambda: False):
+        self.group, self.pieces, self.idle = group, pieces, idle
         self.free = list(slots)
         self.flying = []            # (work, slot, bucket received or None, view), oldest first
 
@@ -825,7 +853,8 @@ class _Ring:
         group, pause = self.group, 1e-4
         began = check = time.monotonic()
         while not work.is_completed():
-            time.sleep(pause)
+            if not self.idle():
+                time.sleep(pause)
             pause = min(pause * 2, 2e-3)
             now = time.monotonic()
             if now - check >= _STORE_POLL_SECONDS:
