@@ -22,7 +22,9 @@ SEGMENT_SIZE = 256 << 20
 # staging footprint loaded every layout faster on an H100 host (64 MiB:
 # 1.12-1.18x the 128 MiB of 4 MiB chunks) at a small cost on the H200 host
 # (0.96x); 1 MiB chunks were slower again (per-copy costs) (docs/design.md,
-# "Measured: the chunk size").
+# "Measured: the chunk size").  It is the copy unit too: copies of four
+# chunks read one at a time were slower on every layout (docs/design.md,
+# "Measured: the copy unit").
 CHUNK_SIZE = 2 << 20
 
 # Slots per reader thread: two let a thread read its next chunk while the
