@@ -165,6 +165,60 @@ def main(spec_path, rank):
     from support.calls import raise_on_call as on_call
     from support.calls import raising
 
+    def plan_rows():
+        """Each rank its own rows (plan=), some overlapping; compared with
+        safetensors' get_slice."""
+        from safetensors import safe_open as st_open
+
+        from instant_staging.loader import Checkpoint
+        rec = {}
+        with Checkpoint.open(shards) as ck:
+            rows = {n: ck.info(n).shape[0] for n in ck.names() if len(ck.info(n).shape) == 2}
+
+            def plan_of(r, rows=rows):
+                plan = {"scalar": None}
+                for j, (n, count) in enumerate(sorted(rows.items())):
+                    if (j + r) % 4 == 0:
+                        continue                        # not rank r's
+                    share = -(-count // world)
+                    lo = [r * share, 0, count // 3, r * share][j % 4]
+                    hi = [lo + share, count, count, lo + 2 * share][j % 4]
+                    plan[n] = slice(lo, hi) if j % 4 != 1 else None
+                return plan
+
+            # The bytes some rank wants, each counted once: what the
+            # ranks read together.
+            wanted = {}
+            for r in range(world):
+                for n, part in plan_of(r).items():
+                    info = ck.info(n)
+                    row = (info.nbytes // info.shape[0] if info.shape[0] else 0) if info.shape \
+                        else info.nbytes
+                    lo, hi = (0, info.shape[0] if info.shape else 1) if part is None else \
+                        part.indices(info.shape[0])[:2]
+                    wanted.setdefault(n, set()).update(range(lo * row, max(lo, hi) * row))
+            rec["union_bytes"] = sum(len(b) for b in wanted.values())
+            plan = plan_of(rank)
+            try:
+                with ck.iter_load("cpu", plan=plan, process_group=pg, chunk_size=chunk) as it:
+                    got = dict(it)
+                    rec["read_bytes"] = it.read_bytes
+                ref = {}
+                for path in shards:
+                    with st_open(path, "pt") as f:
+                        for n in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                            if n in plan:
+                                part = plan[n]
+                                ref[n] = (f.get_tensor(n) if part is None
+                                          else f.get_slice(n)[part.start:part.stop])
+                order = [n for n in ck.names() if n in ref]      # (reading order)
+                rec.update(ok=True, equal=equal(got, {n: ref[n] for n in order}),
+                           names=list(got), rows=sum(p is not None for p in plan.values()))
+            except Exception as e:
+                rec.update(ok=False, error=type(e).__name__, message=str(e),
+                           ranks=sorted(getattr(e, "ranks", {}) or {}))
+        return rec
+
     def changed_on_rank_1(name, change):
         """A group load of each rank's own copy of the single file, rank 1's
         changed by ``change(path)`` once the load is prepared."""
@@ -310,56 +364,7 @@ def main(spec_path, rank):
         elif name == "unknown_name":
             out[name] = run(shards, names=["no such tensor"] if rank == 0 else None)
         elif name == "plan_rows":       # each rank its own rows (plan=), some overlapping
-            from safetensors import safe_open as st_open
-
-            from instant_staging.loader import Checkpoint
-            rec = {}
-            with Checkpoint.open(shards) as ck:
-                rows = {n: ck.info(n).shape[0] for n in ck.names() if len(ck.info(n).shape) == 2}
-
-                def plan_of(r, rows=rows):
-                    plan = {"scalar": None}
-                    for j, (n, count) in enumerate(sorted(rows.items())):
-                        if (j + r) % 4 == 0:
-                            continue                        # not rank r's
-                        share = -(-count // world)
-                        lo = [r * share, 0, count // 3, r * share][j % 4]
-                        hi = [lo + share, count, count, lo + 2 * share][j % 4]
-                        plan[n] = slice(lo, hi) if j % 4 != 1 else None
-                    return plan
-
-                # The bytes some rank wants, each counted once: what the
-                # ranks read together.
-                wanted = {}
-                for r in range(world):
-                    for n, part in plan_of(r).items():
-                        info = ck.info(n)
-                        row = (info.nbytes // info.shape[0] if info.shape[0] else 0) if info.shape \
-                            else info.nbytes
-                        lo, hi = (0, info.shape[0] if info.shape else 1) if part is None else \
-                            part.indices(info.shape[0])[:2]
-                        wanted.setdefault(n, set()).update(range(lo * row, max(lo, hi) * row))
-                rec["union_bytes"] = sum(len(b) for b in wanted.values())
-                plan = plan_of(rank)
-                try:
-                    with ck.iter_load("cpu", plan=plan, process_group=pg, chunk_size=chunk) as it:
-                        got = dict(it)
-                        rec["read_bytes"] = it.read_bytes
-                    ref = {}
-                    for path in shards:
-                        with st_open(path, "pt") as f:
-                            for n in f.keys():  # noqa: SIM118 (safe_open is no dict)
-                                if n in plan:
-                                    part = plan[n]
-                                    ref[n] = (f.get_tensor(n) if part is None
-                                              else f.get_slice(n)[part.start:part.stop])
-                    order = [n for n in ck.names() if n in ref]      # (reading order)
-                    rec.update(ok=True, equal=equal(got, {n: ref[n] for n in order}),
-                               names=list(got), rows=sum(p is not None for p in plan.values()))
-                except Exception as e:
-                    rec.update(ok=False, error=type(e).__name__, message=str(e),
-                               ranks=sorted(getattr(e, "ranks", {}) or {}))
-            out[name] = rec
+            out[name] = plan_rows()
         elif name == "truncated":       # rank 1's copy shrinks after validation
             out[name] = changed_on_rank_1(name, lambda mine: os.truncate(mine, 4096))
         elif name == "written":         # rank 1's copy written to (the same bytes) mid-load
@@ -432,6 +437,7 @@ def main(spec_path, rank):
                 mine = {k for i, k in enumerate(sorted(everything)) if i % world == rank}
                 rec["names"] = run(shards, names=sorted(mine | {k for k in everything if "norm" in k}))
                 rec["views_false"] = run(shards, views=False)
+                rec["plan_rows"] = plan_rows()      # rows in tensors of their own, beside blocks
             finally:
                 _target._TorchTarget.joins = viewable
             out[name] = rec

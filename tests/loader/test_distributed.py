@@ -533,6 +533,8 @@ def test_tensors_in_blocks_are_a_copy_per_block_not_per_tensor(world):
         assert rec["names"]["ok"] and rec["names"]["equal"], f"rank {r}: {rec}"
         views_false = rec["views_false"]
         assert views_false["ok"] and views_false["equal"] and views_false["owns"], f"rank {r}: {rec}"
+        rows = rec["plan_rows"]
+        assert rows["ok"] and rows["equal"] and rows["rows"] > 0, f"rank {r}: {rec}"
 
 
 def test_group_usable_after_failures(world):
