@@ -467,7 +467,7 @@ class _Shared:
         self.read_bytes = None      # this rank's share, once planned
         self.whole = 0
         self.everything = self.mine = self.items = self.buckets = self.read_plan = None
-        self.union = self.segments = self.shift = self.held = None
+        self.union = self.segments = self.shift = None
         self.runs = None            # this rank's tensors' device blocks (``_blocks.runs``)
         self.slots = []             # this rank's bucket buffers (BUCKET_SLOTS at most)
 
@@ -492,16 +492,13 @@ class _Shared:
         sizes = [t.nbytes for _, t in everything]
         segments = self.segments = cut_segments(union, sizes, self.wanted)
         # Where each segment's bytes lie in this rank's tensor (its place in
-        # the tensor, less where the bytes this rank wants begin), and the
-        # bytes that tensor holds: worked out once per segment, not once per
-        # piece of every bucket.
+        # the tensor, less where the bytes this rank wants begin): worked out
+        # once per segment, not once per piece of every bucket.
         if any(w.rows for w in self.wanted):
             me = self.wanted[group.rank]
-            spans = [me.span(union[g.index], sizes[g.index]) for g in segments]
-            self.shift = [g.begin - b for g, (b, _) in zip(segments, spans)]
-            self.held = [e - b for b, e in spans]
+            self.shift = [g.begin - me.span(union[g.index], sizes[g.index])[0] for g in segments]
         else:                       # (the usual: a segment is a whole tensor)
-            self.shift, self.held = [0] * len(segments), sizes
+            self.shift = [0] * len(segments)
         reads, _ = share_reads([g.end - g.begin for g in segments], [g.ranks for g in segments],
                                group.size)
         self.buckets = bucket_exchanges(reads, HOST_BUCKET_BYTES if state.target.device.type == "cpu"
