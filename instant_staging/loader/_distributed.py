@@ -468,7 +468,8 @@ class _Shared:
         self.whole = 0
         self.everything = self.mine = self.items = self.buckets = self.read_plan = None
         self.union = self.segments = self.shift = None
-        self.runs = None            # this rank's tensors' device blocks (``_blocks.runs``)
+        self.order = None           # the places of this rank's tensors, in reading order
+        self.runs = None            # their device blocks (``_blocks.runs``)
         self.slots = []             # this rank's bucket buffers (BUCKET_SLOTS at most)
 
     def plan_reads(self, state, chunk_size, faults):
@@ -511,7 +512,7 @@ class _Shared:
         # (as a solo load's, ``_blocks.pyx``): a bucket's pieces of one block
         # are then one copy, not one per tensor.
         mine, rows = self.mine, self.wanted[group.rank].rows
-        order = [p for p in union if p in mine]
+        order = self.order = [p for p in union if p in mine]
         viewable = {d: state.target.joins(d, state.options.views) for d in set(state.dtypes)}
         self.runs = _blocks.runs([mine[p][:2] for p in order],
                                  [viewable[mine[p][2]] and p not in rows for p in order])
@@ -545,11 +546,9 @@ class _Shared:
         pass through (at most ``BUCKET_SLOTS`` of at most ``BUCKET_BYTES``,
         on its device)."""
         target, mine, union, run_list = state.target, self.mine, self.union, self.runs
-        order = [p for p in union if p in mine]
-        entries, dtypes = [mine[p][:2] for p in order], [mine[p][2] for p in order]
+        entries, dtypes = [mine[p][:2] for p in self.order], [mine[p][2] for p in self.order]
         blocks = _run._allocate_blocks(target, run_list, entries, dtypes)
-        target.reserve([entries[k][1] for r, run in enumerate(run_list) if r not in blocks
-                        for k in range(run.first, run.stop)])
+        _run._reserve_own(target, run_list, blocks, entries)
         handles = []
         with _gc.paused():          # a handle per tensor, no cycles
             for r, run in enumerate(run_list):

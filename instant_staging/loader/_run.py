@@ -500,8 +500,7 @@ def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
         pipe.start([], more=True)
         if blocks is None:
             blocks = _allocate_blocks(target, run_list, entries, dtypes)
-        target.reserve([entries[k][1] for r, run in enumerate(run_list) if r not in blocks
-                        for k in range(run.first, run.stop)])
+        _reserve_own(target, run_list, blocks, entries)
         ptrs, batch = [], _FIRST_BATCH
         for r, run in enumerate(run_list):
             block = blocks.get(r)
@@ -522,6 +521,13 @@ def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
         for r, block in blocks.items():
             run = run_list[r]
             handles[run.first:run.stop] = target.views(run, block, entries, dtypes)
+
+
+def _reserve_own(target, run_list, blocks, entries):
+    """``target.reserve()`` for the tensors of their own: those of the runs
+    without a block in ``blocks`` (``_allocate_blocks``'s)."""
+    target.reserve([entries[k][1] for r, run in enumerate(run_list) if r not in blocks
+                    for k in range(run.first, run.stop)])
 
 
 def _allocate(handles, target, entry, dtype):
