@@ -12,7 +12,8 @@
 #   bench     bench_load.py hot on $LAYOUTS (default dense,moe,awq,finemoe,fp8), peers
 #             in $ONLY (default: us, the ceilings, safetensors prefetch, InstantTensor MMAP)
 #   cold      bench_load.py cold only, on $COLD (default moe,dense)
-#   profile   profile_load.py's timeline on $PROFILE_LAYOUTS (default finemoe,dense)
+#   profile   profile_load.py $PROFILE_SECTIONS (default timeline; engine: the copy engine's
+#             CUPTI timeline) on $PROFILE_LAYOUTS (default finemoe,dense)
 #   first     bench_first_load.py --modes cuda on $FIRST_LAYOUTS (a server's first load)
 #   group     group_load.py (several gloo ranks on one GPU; NCCL where there are two GPUs)
 #   reload    bench_reload.py (load_into), where it exists
@@ -74,7 +75,7 @@ for step in ${STEPS:-env gpu bench}; do
                   --cold "${COLD:-moe,dense}" --skip-hot --only "${COLD_ONLY:-instant_staging,read ceiling,runai}" \
                   --json "$OUT/cold.json" 2>&1 | tee "$OUT/cold.log" | tail -30 ;;
         profile) timeout ${PROFILE_T:-200} python3 benchmarks/profile_load.py --dir "$D" \
-                     --layouts "${PROFILE_LAYOUTS:-finemoe,dense}" --sections timeline --repeat 3 \
+                     --layouts "${PROFILE_LAYOUTS:-finemoe,dense}" --sections "${PROFILE_SECTIONS:-timeline}" --repeat 3 $PROFILE_ARGS \
                      --json "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -30 ;;
         first) timeout ${FIRST_T:-300} python3 benchmarks/bench_first_load.py --dir "$D" --modes cuda \
                    --layouts "${FIRST_LAYOUTS:-dense,moe,awq,finemoe,fp8}" --methods instant_staging --cold '' \

@@ -23,6 +23,13 @@ the best of --repeat runs, GB/s over the layout's bytes:
              steps stamped from the call: headers parsed, plan, staging taken,
              blocks allocated, readers started, last address given, views
              made, first and last tensor finished, readers joined, returned
+  engine     the copy engine's own timeline (CUPTI, through torch.profiler):
+             every host-to-device copy's start, end and bytes on the GPU,
+             during the real load_file (as timeline runs it), during the
+             pipeline's copies alone (SKIP_READ, the defaults), and during
+             2 MiB copies of one pinned torch tensor over 16 streams (no
+             loader, no readers): how long the engine idles between copies,
+             and at what rate it moves bytes while it copies
   first      (alone: --sections first, one layout) in this fresh process, CUDA
              started first, the first and the second load_file stamped as
              timeline stamps them: what a server's first load adds;
@@ -54,7 +61,8 @@ from instant_staging.loader._shards import Shards
 from instant_staging.loader._target import _TorchTarget
 
 MiB = C.MiB
-SECTIONS = ("phases", "reads", "copies", "pipeline", "spin", "load_file", "host", "timeline", "first")
+SECTIONS = ("phases", "reads", "copies", "pipeline", "spin", "load_file", "host", "timeline", "engine",
+            "first")
 
 
 def best(fn, repeat, *args, reset=None, **kwargs):
@@ -430,6 +438,141 @@ def section_timeline(torch, name, paths, device, repeat, out):
     C.progress(f"  {name} timeline (ms from the call), {_timeline_line(bestrun, nbytes)}")
 
 
+def _traced(torch, fn):
+    """``fn()`` under torch.profiler with CUDA activities only; returns its
+    wall seconds and its host-to-device copies as (start, end, bytes,
+    stream), microseconds on the GPU's clock (CUPTI records every copy of
+    the process, the loader's own cudaMemcpyAsync calls included)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t0
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            events = json.load(trace).get("traceEvents", [])
+    copies = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), int(e["args"].get("bytes", 0)),
+                     e["args"].get("stream"))
+                    for e in events
+                    if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", ""))
+    return wall, copies
+
+
+def engine_stats(copies, gap_us=5.0):
+    """What the copies (``_traced``'s) say of the engine: the span from the
+    first copy's start to the last one's end, the time some copy ran
+    (``busy``, the union) and the idle rest, the idle gaps longer than
+    ``gap_us``, the bytes per busy second (the link's rate while it
+    copies), the copies running at once on average, and the rate per tenth
+    of the span (a slow start or tail shows there)."""
+    if not copies:
+        return {"copies": 0}
+    span0, span1 = copies[0][0], max(c[1] for c in copies)
+    busy, gaps, end = 0.0, [], span0
+    for start, stop, _, _ in copies:
+        if start > end:
+            gaps.append(start - end)
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = span1 - span0
+    nbytes = sum(c[2] for c in copies)
+    durs = sorted(c[1] - c[0] for c in copies)
+    tenths = []
+    for k in range(10):
+        lo, hi = span0 + span * k / 10, span0 + span * (k + 1) / 10
+        moved = sum(c[2] * max(0.0, min(hi, c[1]) - max(lo, c[0])) / max(c[1] - c[0], 1e-9)
+                    for c in copies)
+        tenths.append(moved / max(hi - lo, 1e-9) / 1e3)
+    return {"copies": len(copies), "bytes": nbytes, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
+            "idle_ms": (span - busy) / 1e3, "gaps": sum(g > gap_us for g in gaps),
+            "gap_ms": sum(g for g in gaps if g > gap_us) / 1e3,
+            "gbps_span": nbytes / span / 1e3 if span else None,
+            "gbps_busy": nbytes / busy / 1e3 if busy else None,
+            "at_once": sum(durs) / busy if busy else None,
+            "copy_us_median": durs[len(durs) // 2], "streams": len({c[3] for c in copies}),
+            "gbps_tenths": tenths}
+
+
+def _engine_line(label, wall, st):
+    if not st["copies"]:
+        return f"  {label}: no copies traced (CUPTI missing?)"
+    return (f"  {label}: {st['bytes'] / wall / 1e9:.1f} GB/s of the call; engine "
+            f"{st['gbps_span']:.1f} GB/s over its span {st['span_ms']:.2f} ms, "
+            f"{st['gbps_busy']:.1f} GB/s while busy {st['busy_ms']:.2f} ms, idle {st['idle_ms']:.2f} ms "
+            f"({st['gaps']} gaps > 5 us: {st['gap_ms']:.2f} ms); {st['copies']} copies on "
+            f"{st['streams']} streams, {st['at_once']:.2f} at once, median {st['copy_us_median']:.0f} us; "
+            "tenths " + " ".join(f"{g:.0f}" for g in st["gbps_tenths"]))
+
+
+def _torch_copies(torch, device, nbytes, piece=2 * MiB, streams=16):
+    """A run that copies ``nbytes`` to the device in ``piece``s of a 64 MiB
+    pinned torch tensor, round-robin over ``streams`` streams: the engine
+    at the loader's copy unit with no reader beside it."""
+    src = torch.empty(64 * MiB, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    ring = [torch.cuda.Stream(device) for _ in range(streams)]
+
+    def run():
+        for k, off in enumerate(range(0, nbytes, piece)):
+            n, at = min(piece, nbytes - off), off % src.numel()
+            with torch.cuda.stream(ring[k % streams]):
+                dst[off:off + n].copy_(src[at:at + n], non_blocking=True)
+        torch.cuda.synchronize(device)
+    return run
+
+
+def section_engine(torch, name, paths, device, repeat, out):
+    """The copy engine's timeline (``_traced``) of three runs of this
+    layout's bytes: load_file as ``timeline`` runs it (its staging buffer
+    kept, torch's cache emptied before), the pipeline's copies alone with
+    the defaults (SKIP_READ), and 2 MiB copies of a pinned torch tensor
+    round-robin over 16 streams; each the fastest call of ``repeat``."""
+    nbytes = sum(os.path.getsize(p) for p in paths)
+
+    def fastest(run, reset=None):
+        got = []
+        for _ in range(repeat):
+            if reset is not None:
+                reset()
+            got.append(_traced(torch, run))
+        return min(got, key=lambda r: r[0])
+
+    def free():
+        B._free(torch, device)
+
+    def one_load():
+        del_me = _synced(torch, device, loader.load_file(paths, str(device)))
+        del del_me
+    loader.load_file(paths, str(device))     # the staging buffer, made and kept
+    runs = [("load_file", fastest(one_load, free))]
+    free()
+    f = Files(torch, paths, device)
+    try:
+        chunk, depth = loader.DEFAULT_CHUNK_SIZE, loader.DEFAULT_IO_DEPTH
+        buf = staging_for(chunk, depth)
+        try:
+            runs.append(("pipeline copies alone", fastest(lambda: run_pipe(
+                f.plan(chunk), f.dsts, reader_threads(), staging=buf, device=f.target.index,
+                skip=SKIP_READ))))
+        finally:
+            buf.close()
+    finally:
+        f.close()
+        free()
+    try:
+        runs.append(("torch 2 MiB copies, 16 streams", fastest(_torch_copies(torch, device, nbytes))))
+    finally:
+        free()
+    for label, (wall, copies) in runs:
+        st = engine_stats(copies)
+        out.append(dict(section="engine", layout=name, run=label, wall=wall, **st))
+        C.progress(_engine_line(f"{name} {label}", wall, st))
+
+
 def section_reads(name, paths, repeat, out, threads_list, chunks):
     from instant_staging import StagingBuffer
     sets = [(name, paths)]
@@ -585,6 +728,8 @@ def main(argv=None):
                 B._free(torch, device)
         if "timeline" in sections:
             section_timeline(torch, name, paths, device, args.repeat + 3, out)
+        if gpu and "engine" in sections:
+            section_engine(torch, name, paths, device, args.repeat, out)
         if gpu and "load_file" in sections:
             section_load_file(torch, name, paths, device, args.repeat, out, settings)
         if "host" in sections:
