@@ -329,10 +329,12 @@ class Checker:
 class Method:
     """One way to load: ``run(files, mark)`` returns {name: tensor} (None for
     a ceiling) and calls ``mark()`` when its first tensor is ready;
-    ``setup``/``teardown`` bracket its repeats, untimed."""
+    ``setup``/``teardown`` bracket its repeats, untimed; ``hot=False``: only
+    measured cold."""
 
-    def __init__(self, name, run, setup=None, teardown=None, kind="", note="", peer=False):
+    def __init__(self, name, run, setup=None, teardown=None, kind="", note="", peer=False, hot=True):
         self.name, self.run, self.kind, self.note, self.peer = name, run, kind, note, peer
+        self.hot = hot
         self.setup = setup or (lambda files: None)
         self.teardown = teardown or (lambda: None)
 
@@ -390,9 +392,29 @@ def our_methods(torch, device, only):
                           kind="REGISTERED", setup=lambda files: loader.empty_cache(),
                           teardown=loader.empty_cache,
                           note="load_file defaults, INSTANT_STAGING_HUGEPAGES=1"))
+    if device.type == "cuda":
+        out.append(Method("instant_staging readers alone", _without_head_start(loader.load_file, dev),
+                          kind="REGISTERED",
+                          note="load_file defaults, a cold checkpoint read by its readers alone "
+                               "(Shards.warm_if_cold off: no head start)", hot=False))
     if device.type == "cuda" and only:
         out += [_forced(kind, faults, kw, dev) for kind, faults, kw in FORCED]
     return out
+
+
+def _without_head_start(load, dev):
+    """``load(files, dev)`` with the disk's head start off (a cold load's
+    readers alone, as a server's were before it): for the cold rows."""
+    from instant_staging.loader._shards import Shards
+
+    def run(files, mark):
+        real = Shards.warm_if_cold
+        Shards.warm_if_cold = lambda self, piece_bytes, threads: False
+        try:
+            return load(files, dev)
+        finally:
+            Shards.warm_if_cold = real
+    return run
 
 
 def run_to_end(pipe, dsts, what="pipeline"):
@@ -819,7 +841,7 @@ def main(argv=None):
         peers, notes = peer_methods(torch, device)
         doc["notes"] += [n for n in notes if n not in doc["notes"]]
         methods = [m for m in methods + peers if wanted(m, args.only)]
-        for method in [] if args.skip_hot else methods:
+        for method in [] if args.skip_hot else [m for m in methods if m.hot]:
             C.progress(f"  {name} hot {method.name}")
             rec = summarize(measure(method, paths, torch, device, checker, repeat, args.budget,
                                     False), nbytes)

@@ -83,16 +83,15 @@ def usable_target(parsed: Parsed, shards=None, tuned=False) -> _TorchTarget:
     """The load's target: the device of ``parsed`` found usable (in a fresh
     process, CUDA's start), before anything is allocated.
 
-    A load that waits for that start (to a GPU, CUDA not started, the knobs
-    left to the loader: ``tuned``) has its selection of ``shards`` read into
-    the page cache meanwhile where the page cache lacks it
-    (``Shards.warm_if_cold``: this is the disk's head start, which then
-    reads ahead of the load's readers until the load ends); a device that
-    turns out unusable stops and joins those reads before its error is
-    raised."""
+    A load to a GPU with the knobs left to the loader (``tuned``) has its
+    selection of ``shards`` read into the page cache from here on where the
+    page cache lacks it (``Shards.warm_if_cold``: this is the disk's head
+    start, which reads ahead of the load's readers with more reads in
+    flight than they keep, until the load ends): in a fresh process while
+    CUDA starts, in a server's beside its readers.  A device that turns out
+    unusable stops and joins those reads before its error is raised."""
     torch, device, dtype = parsed
     warming = (shards is not None and tuned and device.type != "cpu"
-               and not torch.cuda.is_initialized()
                and shards.warm_if_cold(COLD_CHUNK_SIZE, WARM_THREADS))
     try:
         return _TorchTarget(torch, device, dtype)

@@ -1,7 +1,8 @@
-"""The disk's head start (issue 28): the first load of a cold checkpoint in
-a process reads it into the page cache from the moment CUDA starts, and
-then ahead of the load's readers (``_pagecache.Warmer``,
-``_prepare._usable_target``).
+"""The disk's head start (issue 28): a load of a cold checkpoint to a GPU
+reads it into the page cache from the moment its device is checked (in a
+fresh process, CUDA's start), and then ahead of the load's readers
+(``_pagecache.Warmer``, ``_prepare.usable_target``); a server's (CUDA
+started) beside them (issue 45).
 
 The contract it keeps: a device of a bad form is named before anything is
 opened; a device that turns out unusable is still the first error the user
@@ -265,8 +266,8 @@ def test_a_device_of_a_bad_form_is_named_before_anything_is_opened(cold, monkeyp
     assert not opened
 
 
-@pytest.mark.parametrize("case", ["hot", "knobs set", "cuda started", "cpu"])
-def test_no_warming_where_nothing_waits_for_cuda_or_the_disk(cold, monkeypatch, warmers, case):
+@pytest.mark.parametrize("case", ["hot", "knobs set", "cpu"])
+def test_no_warming_where_nothing_waits_for_the_disk(cold, monkeypatch, warmers, case):
     path, tensors = cold
     _fresh_process(monkeypatch, check_seconds=0)
     kwargs, device = {}, "cuda:0"
@@ -274,8 +275,6 @@ def test_no_warming_where_nothing_waits_for_cuda_or_the_disk(cold, monkeypatch, 
         load_file(path)                         # reading it brings it in
     elif case == "knobs set":
         kwargs["threads"] = 2
-    elif case == "cuda started":
-        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     else:
         device = "cpu"
     if device == "cpu":
@@ -284,6 +283,20 @@ def test_no_warming_where_nothing_waits_for_cuda_or_the_disk(cold, monkeypatch, 
         with pytest.raises(ValueError, match="not available"):
             load_file(path, device, **kwargs)
     assert not warmers
+
+
+def test_a_server_s_cold_load_reads_ahead_too_and_joins_on_the_device_error(
+        cold, monkeypatch, warmers):
+    # CUDA started (a server): nothing waits for its start, but the disk's
+    # head start keeps more reads in flight than the cold readers do.
+    path, _ = cold
+    _fresh_process(monkeypatch, check_seconds=0)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    tasks, fds = _tasks(), _fds()
+    with pytest.raises(ValueError, match="not available"):
+        load_file(path, "cuda:0")
+    assert len(warmers) == 1 and warmers[0].closed
+    assert _tasks() == tasks and _fds() == fds
 
 
 @pytest.fixture
@@ -396,3 +409,32 @@ def test_a_fresh_process_loads_a_cold_checkpoint_while_cuda_starts(cold):
     assert proc.returncode == 0, proc.stderr
     count, read, joined = map(int, proc.stdout.split())
     assert count == 1 and read > 0 and joined
+
+
+@pytest.mark.gpu
+def test_a_server_loads_a_cold_checkpoint_with_the_head_start(cold):
+    """On a GPU: CUDA started (a server), a cold checkpoint; the disk's head
+    start reads ahead of the readers, and the tensors are safetensors'."""
+    path, _ = cold
+    proc = run_child(f"""
+        import torch
+        from safetensors.torch import load_file as st_load
+        from instant_staging.loader import _shards, _pagecache, load_file
+        torch.ones(1, device="cuda:0")
+        made = []
+        class Recorded(_pagecache.Warmer):
+            def __init__(self, *a):
+                super().__init__(*a)
+                made.append(self)
+        _shards.Warmer = Recorded
+        got = load_file({str(path)!r}, "cuda:0")
+        torch.cuda.synchronize()
+        want = st_load({str(path)!r})
+        assert list(got) == list(want)
+        for k in want:
+            assert torch.equal(got[k].cpu().view(torch.uint8), want[k].view(torch.uint8)), k
+        print(len(made), int(bool(made) and made[0].closed))
+    """, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    count, joined = map(int, proc.stdout.split())
+    assert count == 1 and joined
