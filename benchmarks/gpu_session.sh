@@ -87,7 +87,7 @@ for step in ${STEPS:-env gpu bench}; do
         tf) timeout ${TF_T:-300} python3 benchmarks/bench_transformers.py --dir "$D" $TF_ARGS \
                 --json "$OUT/transformers.json" 2>&1 | tee "$OUT/transformers.log" | tail -30 ;;
         why1st) timeout ${WHY1ST_T:-120} python3 benchmarks/profile_load.py --dir "$D" \
-                    --layouts "${WHY1ST_LAYOUT:-moe}" --sections first --json "$OUT/why1st.json" 2>&1 \
+                    --layouts "${WHY1ST_LAYOUT:-moe}" --sections first $WHY1ST_ARGS --json "$OUT/why1st.json" 2>&1 \
                     | tee "$OUT/why1st.log" | tail -20 ;;
         remote) RB=$D/localbucket
                 RPORT=${REMOTE_PORT:-9000}

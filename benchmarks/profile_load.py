@@ -675,8 +675,13 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny layouts, CPU allowed")
     ap.add_argument("--first-cold", action="store_true",
                     help="first section: nothing started, the page cache dropped before the first call")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval(seconds) first (the GIL's hand-over: what a "
+                         "thread beside the load waits for)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     C.quiet_logging(False)
     import torch
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

@@ -18,8 +18,8 @@ for the ordinary-memory steps), and raises only for a real error
 (MemoryError, KeyboardInterrupt).  ``_run`` takes the decisions (which
 step next, the one WARNING per fallback, the final StagingError):
 
-    NEW
-     | 1 _step_allocate ------------- fails: StagingError
+    NEW                               (1-3: _first_steps, one stretch
+     | 1 _step_allocate ------------- fails: StagingError   without the GIL)
      v
     MAPPED --- 2 _step_prefault (an optimisation: MAPPED either way)
      | 3 _step_register ------------> REGISTERED
@@ -44,7 +44,19 @@ at any point (KeyboardInterrupt between steps included) leaves exactly
 the held resources for ``_release`` to free, newest first.
 """
 
-from instant_staging.runtime._table cimport Runtime
+from instant_staging.runtime._table cimport Runtime, RuntimeTable
+
+
+cdef struct FirstSteps:
+    # Steps 1-3 as ``_first_steps`` took them, for ``_run`` to record.
+    int map_err             # step 1: 0 or an errno
+    double map_s
+    int advise_err          # MADV_HUGEPAGE: 0, an errno, or -1 where not asked
+    bint prefaulted         # step 2 ran (threads > 0)
+    int prefault_err
+    double prefault_s
+    int register_code
+    double register_s
 
 # The kind a buffer reached (mirrors instant_staging.Kind); NONE until
 # construction succeeds.
@@ -88,23 +100,27 @@ cdef class StagingBuffer:
     cdef int _run(self, size_t alignment, int threads, bint hugepages,
                   unsigned int register_flags, unsigned int alloc_flags,
                   bint allow_pageable) except -1
-    cdef int _step_allocate(self, size_t alignment) except -1
-    cdef int _step_prefault(self, int threads, bint hugepages) except -1
-    cdef int _step_register(self, unsigned int flags) except -1
+    # Steps 1-3: one stretch without the GIL, recorded by _run after it.
+    cdef void _first_steps(self, RuntimeTable* rt, size_t alignment, int threads,
+                           bint hugepages, unsigned int flags, FirstSteps* out) noexcept nogil
+    cdef int _step_allocate(self, size_t alignment) noexcept nogil
+    cdef int _step_prefault(self, int threads, bint hugepages, int* advise_err) noexcept nogil
+    cdef int _step_register(self, RuntimeTable* rt, unsigned int flags) noexcept nogil
     cdef int _step_register_segments(self, unsigned int flags) except -1
     cdef int _step_rollback(self) except -1
     cdef int _step_runtime_alloc(self, unsigned int flags) except -1
     cdef int _step_pageable(self, size_t alignment) except -1
 
-    cdef int _map_step(self, str step, size_t alignment) except -1   # steps 1 and 7
+    cdef int _map_memory(self, size_t alignment) noexcept nogil     # steps 1 and 7
 
     # One runtime call each, recorded as an Attempt.
     cdef int _register_next(self, unsigned int flags, str step) except -1
+    cdef int _register_range(self, RuntimeTable* rt, unsigned int flags) noexcept nogil
     cdef int _unregister_newest(self, str step) except -1
     cdef void _clear_error(self) noexcept
     cdef void _unmap(self) noexcept
     cdef int _record(self, str step, bint ok, int code, str name, size_t offset,
-                     size_t size, double t0) except -1
+                     size_t size, double seconds) except -1
     cdef str _name(self, int code)
     cdef str _describe(self, int code)
     cdef str _last_failure(self)

@@ -37,6 +37,7 @@ from libc.stdlib cimport malloc, free
 from posix.mman cimport (mmap, munmap, madvise, MAP_FAILED, MAP_PRIVATE,
                          MAP_ANONYMOUS, PROT_READ, PROT_WRITE, MADV_DONTNEED,
                          MADV_HUGEPAGE)
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from posix.unistd cimport getpid, sysconf, _SC_PAGESIZE
 
 from instant_staging._pthread cimport pthread_t, pthread_create, pthread_join
@@ -226,6 +227,13 @@ cdef char* _map(size_t size, size_t alignment, size_t* mapped) noexcept nogil:
     return <char*>aligned
 
 
+cdef double _now() noexcept nogil:
+    """Seconds on the monotonic clock (time.perf_counter's), without the GIL."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
 _live = weakref.WeakSet()
 
 
@@ -370,15 +378,35 @@ cdef class StagingBuffer:
                   unsigned int register_flags, unsigned int alloc_flags,
                   bint allow_pageable) except -1:
         cdef int code
+        cdef FirstSteps first
+        cdef RuntimeTable* rt = &self._runtime.table
+        # Steps 1-3 in one stretch without the GIL, recorded after: a buffer
+        # made by a thread beside a load (loader/_prepare.py's
+        # PendingStaging) waited for the GIL after each step while the
+        # load's thread ran Python, and a server's first load then waited
+        # for it (docs/design.md, "Measured: a server's first load").
+        with nogil:
+            self._first_steps(rt, alignment, threads, hugepages, register_flags, &first)
         # 1. allocate: page-aligned ordinary memory of exactly `size` bytes.
-        code = self._step_allocate(alignment)
-        if code != 0:
+        err = first.map_err
+        self._record("allocate", err == 0, 0, os.strerror(err) if err else "", 0, self._size,
+                     first.map_s)
+        if err != 0:
             raise StagingError(f"could not allocate {format_size(self._size)} of host memory: "
-                               f"{os.strerror(code)}", self._attempts)
+                               f"{os.strerror(err)}", self._attempts)
         # 2. prefault: an optimisation; a failure leaves the pages to step 3.
-        self._step_prefault(threads, hugepages)
+        if first.advise_err > 0:
+            # THP disabled or unsupported: ordinary pages still work.
+            reason = os.strerror(first.advise_err)
+            self._hugepages_reason += f"; MADV_HUGEPAGE refused ({reason})"
+            logger.info("MADV_HUGEPAGE refused (%s); continuing with 4 KiB pages", reason)
+        if first.prefaulted:
+            err = first.prefault_err
+            self._record("prefault", err == 0, 0, os.strerror(err) if err else "", 0, self._size,
+                         first.prefault_s)
         # 3. register: the whole range at once.
-        code = self._step_register(register_flags)
+        code = first.register_code
+        self._record("register", code == 0, code, self._name(code), 0, self._size, first.register_s)
         if code == 0:
             self._kind = KIND_REGISTERED
             return 0
@@ -427,51 +455,55 @@ cdef class StagingBuffer:
                 return 0
         raise StagingError(self._failure_message(allow_pageable), self._attempts)
 
-    cdef int _step_allocate(self, size_t alignment) except -1:
+    cdef void _first_steps(self, RuntimeTable* rt, size_t alignment, int threads, bint hugepages,
+                           unsigned int flags, FirstSteps* out) noexcept nogil:
+        """Steps 1-3 without the GIL, each timed into ``out``; what is held
+        moves as each call returns (``_map_size``, ``_nregistered``)."""
+        cdef double t0 = _now()
+        out.advise_err = -1
+        out.prefaulted = False
+        out.map_err = self._step_allocate(alignment)
+        out.map_s = _now() - t0
+        if out.map_err != 0:
+            return
+        t0 = _now()
+        out.prefault_err = self._step_prefault(threads, hugepages, &out.advise_err)
+        out.prefaulted = threads > 0
+        out.prefault_s = _now() - t0
+        t0 = _now()
+        out.register_code = self._step_register(rt, flags)
+        out.register_s = _now() - t0
+
+    cdef int _step_allocate(self, size_t alignment) noexcept nogil:
         """Step 1: page-aligned ordinary memory of exactly `size` bytes; 0 or an errno."""
         self._unit = self._size
         self._nranges = 1
-        return self._map_step("allocate", alignment)
+        return self._map_memory(alignment)
 
-    cdef int _map_step(self, str step, size_t alignment) except -1:
+    cdef int _map_memory(self, size_t alignment) noexcept nogil:
         """Steps 1 and 7: maps the buffer's ordinary memory; 0 or an errno."""
-        cdef double t0 = time.perf_counter()
-        cdef int err = 0
-        with nogil:
-            self._ptr = _map(self._size, alignment, &self._map_size)
-            if self._ptr == NULL:
-                err = errno
-        self._record(step, err == 0, 0, os.strerror(err) if err else "", 0, self._size, t0)
-        return err
+        self._ptr = _map(self._size, alignment, &self._map_size)
+        return errno if self._ptr == NULL else 0
 
-    cdef int _step_prefault(self, int threads, bint hugepages) except -1:
-        """Step 2: fault the pages in with threads; 0 or an errno (not fatal)."""
-        cdef double t0 = time.perf_counter()
-        cdef int rc = 0, err = 0
+    cdef int _step_prefault(self, int threads, bint hugepages, int* advise_err) noexcept nogil:
+        """Step 2: fault the pages in with threads; 0 or an errno (not fatal).
+        ``advise_err``: MADV_HUGEPAGE's errno where it was asked and refused,
+        0 where it was taken."""
         if hugepages:
-            with nogil:
-                rc = madvise(self._ptr, self._map_size, MADV_HUGEPAGE)
-                if rc != 0:
-                    err = errno
-            if rc != 0:
-                # THP disabled or unsupported: ordinary pages still work.
-                reason = os.strerror(err)
-                self._hugepages_reason += f"; MADV_HUGEPAGE refused ({reason})"
-                logger.info("MADV_HUGEPAGE refused (%s); continuing with 4 KiB pages", reason)
+            if madvise(self._ptr, self._map_size, MADV_HUGEPAGE) != 0:
+                advise_err[0] = errno
             else:
+                advise_err[0] = 0
                 self._hugepages = True
         if threads <= 0:
             return 0
-        with nogil:
-            rc = _prefault(self._ptr, self._size, threads)
-        self._record("prefault", rc == 0, 0, os.strerror(rc) if rc else "", 0, self._size, t0)
-        return rc
+        return _prefault(self._ptr, self._size, threads)
 
-    cdef int _step_register(self, unsigned int flags) except -1:
+    cdef int _step_register(self, RuntimeTable* rt, unsigned int flags) noexcept nogil:
         """Step 3: one registration of the whole range; 0 or the runtime's code."""
         self._unit = self._size
         self._nranges = 1
-        return self._register_next(flags, "register")
+        return self._register_range(rt, flags)
 
     cdef int _step_register_segments(self, unsigned int flags) except -1:
         """Step 4: adjacent segments; 0, or the code of the segment that failed
@@ -508,30 +540,44 @@ cdef class StagingBuffer:
                 self._host_alloc = True
         if code != 0:
             self._clear_error()
-        self._record("runtime_alloc", code == 0, code, self._name(code), 0, size, t0)
+        self._record("runtime_alloc", code == 0, code, self._name(code), 0, size,
+                     time.perf_counter() - t0)
         return code
 
     cdef int _step_pageable(self, size_t alignment) except -1:
         """Step 7 (allow_pageable=True): ordinary memory, not pinned; 0 or an errno."""
-        return self._map_step("pageable", alignment)
+        cdef double t0 = time.perf_counter()
+        cdef int err
+        with nogil:
+            err = self._map_memory(alignment)
+        self._record("pageable", err == 0, 0, os.strerror(err) if err else "", 0, self._size,
+                     time.perf_counter() - t0)
+        return err
 
     # -- one runtime call each, recorded as an Attempt -----------------------
 
     cdef int _register_next(self, unsigned int flags, str step) except -1:
-        # Registers range _nregistered; the count moves before any Python runs.
+        # Registers range _nregistered (step 4's segments), recorded.
         cdef RuntimeTable* rt = &self._runtime.table
         cdef size_t offset = self._nregistered * self._unit
         cdef size_t length = min(self._unit, self._size - offset)
-        cdef void* ptr = self._ptr + offset
         cdef int code
         cdef double t0 = time.perf_counter()
         with nogil:
-            code = rt.host_register(rt.ctx, ptr, length, flags)
-            if code == 0:
-                self._nregistered += 1
-            else:
-                rt.get_last_error(rt.ctx)  # same runtime instance, same thread
-        self._record(step, code == 0, code, self._name(code), offset, length, t0)
+            code = self._register_range(rt, flags)
+        self._record(step, code == 0, code, self._name(code), offset, length,
+                     time.perf_counter() - t0)
+        return code
+
+    cdef int _register_range(self, RuntimeTable* rt, unsigned int flags) noexcept nogil:
+        # Registers range _nregistered; the count moves before any Python runs.
+        cdef size_t offset = self._nregistered * self._unit
+        cdef size_t length = min(self._unit, self._size - offset)
+        cdef int code = rt.host_register(rt.ctx, self._ptr + offset, length, flags)
+        if code == 0:
+            self._nregistered += 1
+        else:
+            rt.get_last_error(rt.ctx)  # same runtime instance, same thread
         return code
 
     cdef int _unregister_newest(self, str step) except -1:
@@ -551,7 +597,8 @@ cdef class StagingBuffer:
         if code != 0:
             self._retained.insert(0, (<intptr_t>ptr, length))
         if step is not None:
-            self._record(step, code == 0, code, self._name(code), offset, length, t0)
+            self._record(step, code == 0, code, self._name(code), offset, length,
+                         time.perf_counter() - t0)
         return code
 
     cdef void _clear_error(self) noexcept:
@@ -573,9 +620,8 @@ cdef class StagingBuffer:
                 _unmap_range(ptr, length, threads)
 
     cdef int _record(self, str step, bint ok, int code, str name, size_t offset,
-                     size_t size, double t0) except -1:
-        self._attempts.append(Attempt(step, ok, code, name, offset, size,
-                                      time.perf_counter() - t0))
+                     size_t size, double seconds) except -1:
+        self._attempts.append(Attempt(step, ok, code, name, offset, size, seconds))
         return 0
 
     cdef str _name(self, int code):
