@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 import weakref
 
@@ -234,6 +235,13 @@ cdef double _now() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
+# A thread that makes a buffer while another thread runs Python (the
+# loader's PendingStaging, loader/_prepare.py) sets ``beside.entering`` (a
+# threading.Event) on itself: set as its steps 1-3 begin, without the GIL.
+# Its caller waits for that, so that its Python before them runs at once,
+# not in the turns the GIL gives it while the other thread computes.
+beside = threading.local()
+
 _live = weakref.WeakSet()
 
 
@@ -385,6 +393,9 @@ cdef class StagingBuffer:
         # PendingStaging) waited for the GIL after each step while the
         # load's thread ran Python, and a server's first load then waited
         # for it (docs/design.md, "Measured: a server's first load").
+        entering = getattr(beside, "entering", None)
+        if entering is not None:
+            entering.set()
         with nogil:
             self._first_steps(rt, alignment, threads, hugepages, register_flags, &first)
         # 1. allocate: page-aligned ordinary memory of exactly `size` bytes.

@@ -170,6 +170,9 @@ class PendingStaging:
         # would be dropped inside the runtime's calls.
         self._thread = threading.Thread(target=self._run, args=(device, size, slot_bytes),
                                         name="instant_staging-staging")
+        # Set as the thread's steps without the GIL begin (``_staging.beside``)
+        # or as it ends.
+        self._entered = threading.Event()
         try:
             self._thread.start()
         except RuntimeError:            # no thread to be had: make it here
@@ -184,13 +187,27 @@ class PendingStaging:
             if error is not None and not isinstance(error, Exception):
                 self._error = None
                 raise error from None   # a Ctrl-C in the caller's own thread is its own
+            return
+        # The caller waits while the thread runs its Python (its device, the
+        # buffer's checks; a few hundred microseconds): else the GIL, which
+        # the caller's own Python holds from here on, let the thread reach
+        # its steps only once the caller waited for the buffer, which was
+        # then made in full on a server's first load (docs/design.md,
+        # "Measured: a server's first load").  At most one switch interval:
+        # a thread held up longer (a device's context still being made)
+        # would have had the GIL by then anyway.
+        self._entered.wait(sys.getswitchinterval())
 
     def _run(self, device, size, slot_bytes):
+        from .. import _staging
+        _staging.beside.entering = self._entered
         try:
             _use_device(device)         # this thread's own: no caller's device changes
             self._make(device, size, slot_bytes)
         finally:
+            _staging.beside.entering = None
             self._made.set()
+            self._entered.set()
             if self._abandoned:
                 self._give_back()
 

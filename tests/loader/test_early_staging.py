@@ -13,7 +13,9 @@ bytecode of the door, and fork.
 """
 
 import logging
+import sys
 import threading
+import time
 
 import pytest
 
@@ -208,6 +210,36 @@ def test_what_an_early_one_fits(monkeypatch):
     assert not early.fits(0, EARLY + 1, CHUNK)              # too small
     too_fine = defaults.SEGMENT_SIZE + PAGE                 # slots longer than its segments
     assert not early.fits(0, too_fine, too_fine)
+    early.abandon()
+    empty_cache()
+    assert sim.live() == 0
+
+
+def test_the_caller_returns_once_the_thread_is_in_its_steps_without_the_gil(monkeypatch):
+    # The thread's Python (its device, the buffer's checks) runs before the
+    # caller goes on: held by the caller's GIL, it used to reach its steps
+    # only once the caller waited for the buffer.
+    sim = Sim(monkeypatch)
+    seen = []
+    real_set = _prepare._use_device
+    monkeypatch.setattr(_prepare, "_use_device", lambda device: seen.append("device") or real_set(device))
+    monkeypatch.setattr(sys, "getswitchinterval", lambda: 60.0)     # (the wait's bound, generous)
+    early = _prepare.PendingStaging(0, EARLY, CHUNK, early=True)
+    assert seen == ["device"] and early._entered.is_set()
+    buf = early.take()
+    assert buf.kind is ist.Kind.REGISTERED and [a.step for a in buf.attempts] == ["allocate", "register"]
+    _staging_pool.give(0, buf)
+    empty_cache()
+    assert sim.live() == 0
+
+
+def test_a_thread_held_up_before_its_steps_holds_the_caller_one_switch_interval_at_most(monkeypatch):
+    sim = Sim(monkeypatch)
+    sim.gate.clear()                    # the making held before its buffer's steps
+    t0 = time.monotonic()
+    early = _prepare.PendingStaging(0, EARLY, CHUNK, early=True)
+    assert time.monotonic() - t0 < 10 * sys.getswitchinterval() + 0.5 and not early.ready()
+    sim.gate.set()
     early.abandon()
     empty_cache()
     assert sim.live() == 0
