@@ -383,14 +383,18 @@ def _cached_pages(path):
 
 
 @pytest.mark.gpu
-def test_a_fresh_process_loads_a_cold_checkpoint_while_cuda_starts(cold):
-    """On a GPU: a fresh process, nothing started, a cold checkpoint; the
-    disk reads while CUDA starts, and the tensors are safetensors'."""
+@pytest.mark.parametrize("server", [False, True], ids=["fresh process", "server"])
+def test_a_cold_checkpoint_loads_with_the_disk_s_head_start(cold, server):
+    """On a GPU: a cold checkpoint, in a fresh process (nothing started: the
+    disk reads while CUDA starts) or a server's (CUDA started: beside the
+    readers); the tensors are safetensors'."""
     path, _ = cold
     proc = run_child(f"""
         import torch
         from safetensors.torch import load_file as st_load
         from instant_staging.loader import _shards, _pagecache, load_file
+        if {server}:
+            torch.ones(1, device="cuda:0")
         made = []
         class Recorded(_pagecache.Warmer):
             def __init__(self, *a):
@@ -409,32 +413,3 @@ def test_a_fresh_process_loads_a_cold_checkpoint_while_cuda_starts(cold):
     assert proc.returncode == 0, proc.stderr
     count, read, joined = map(int, proc.stdout.split())
     assert count == 1 and read > 0 and joined
-
-
-@pytest.mark.gpu
-def test_a_server_loads_a_cold_checkpoint_with_the_head_start(cold):
-    """On a GPU: CUDA started (a server), a cold checkpoint; the disk's head
-    start reads ahead of the readers, and the tensors are safetensors'."""
-    path, _ = cold
-    proc = run_child(f"""
-        import torch
-        from safetensors.torch import load_file as st_load
-        from instant_staging.loader import _shards, _pagecache, load_file
-        torch.ones(1, device="cuda:0")
-        made = []
-        class Recorded(_pagecache.Warmer):
-            def __init__(self, *a):
-                super().__init__(*a)
-                made.append(self)
-        _shards.Warmer = Recorded
-        got = load_file({str(path)!r}, "cuda:0")
-        torch.cuda.synchronize()
-        want = st_load({str(path)!r})
-        assert list(got) == list(want)
-        for k in want:
-            assert torch.equal(got[k].cpu().view(torch.uint8), want[k].view(torch.uint8)), k
-        print(len(made), int(bool(made) and made[0].closed))
-    """, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    count, joined = map(int, proc.stdout.split())
-    assert count == 1 and joined
