@@ -258,12 +258,15 @@ class _StampedPipeline:
         return getattr(self._pipe, name)
 
 
-def _stamped(stamps, module, name, label):
+def _stamped(stamps, module, name, label, called=None):
     """Wraps ``module.name`` so that its return is stamped as ``label``
-    (an ``early_staging`` only where it began one)."""
+    (an ``early_staging`` only where it began one), and its call as
+    ``called`` where given."""
     real = getattr(module, name)
 
     def wrapper(*args, **kwargs):
+        if called is not None:
+            stamps.mark(called, first=True)
         out = real(*args, **kwargs)
         if out is not None or name != "early_staging":
             stamps.mark(label, first=True)
@@ -313,11 +316,12 @@ class _Stamping:
                  (_prepare, "plan_chunks", "planned"),
                  (_prepare, "begin_staging", "staging begun"),
                  (L, "_allocate_blocks", "blocks allocated"),
+                 (_prepare, "_use_device", "device set (its thread)", "staging thread running"),
                  (_prepare.PendingStaging, "_make", "staging made (its thread)"),
                  (_prepare.PendingStaging, "take", "staging taken"),
                  (_target._TorchTarget, "views", "views made")]
-        self.patched = [(where, name, _stamped(stamps, where, name, label))
-                        for where, name, label in steps]
+        self.patched = [(where, step[0], _stamped(stamps, where, *step))
+                        for where, *step in steps]
         _pipeline.Pipeline = lambda *a, **k: _StampedPipeline(real_pipe, stamps, *a, **k)
         return self
 
