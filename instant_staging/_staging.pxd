@@ -12,11 +12,14 @@ the GIL::
         buf.registration(i, &off, &length)  # one copy never crosses these
 
 Life cycle (docs/design.md, "The allocation state machine").  Each step
-is a ``cdef int ... except -1`` method: it returns 0 when it reached the
-state it names, else the failure's code (the runtime's own, or an errno
-for the ordinary-memory steps), and raises only for a real error
-(MemoryError, KeyboardInterrupt).  ``_run`` takes the decisions (which
-step next, the one WARNING per fallback, the final StagingError):
+returns 0 when it reached the state it names, else the failure's code
+(the runtime's own, or an errno for the ordinary-memory steps).  Steps
+1-3 are ``noexcept nogil``, run in one stretch without the GIL
+(``_first_steps``) and recorded by ``_run`` after it; the others are
+``cdef int ... except -1`` methods that record their own attempt and
+raise only for a real error (MemoryError, KeyboardInterrupt).  ``_run``
+takes the decisions (which step next, the one WARNING per fallback, the
+final StagingError):
 
     NEW                               (1-3: _first_steps, one stretch
      | 1 _step_allocate ------------- fails: StagingError   without the GIL)
