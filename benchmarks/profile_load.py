@@ -534,9 +534,9 @@ def section_engine(torch, name, paths, device, repeat, out):
     bytes: load_file as ``timeline`` runs it (its staging buffer kept,
     torch's cache emptied before), the same with torch's cache kept from
     the run before and with the cache emptied a second before, the
-    pipeline's copies alone with
-    the defaults (SKIP_READ), and 2 MiB copies of a pinned torch tensor
-    round-robin over 16 streams; each the fastest call of ``repeat``."""
+    pipeline's copies alone with the defaults (SKIP_READ), and 2 MiB copies
+    of a pinned torch tensor round-robin over 16 streams; each the fastest
+    call of ``repeat``."""
     nbytes = sum(os.path.getsize(p) for p in paths)
 
     def fastest(run, reset=None):
@@ -551,8 +551,7 @@ def section_engine(torch, name, paths, device, repeat, out):
         B._free(torch, device)
 
     def one_load():
-        del_me = _synced(torch, device, loader.load_file(paths, str(device)))
-        del del_me
+        _synced(torch, device, loader.load_file(paths, str(device)))
     loader.load_file(paths, str(device))     # the staging buffer, made and kept
     runs = [("load_file", fastest(one_load, free)),
             # (the device memory of the run before it kept in torch's cache: a

@@ -177,9 +177,9 @@ class Shards:
         """Where the page cache mostly lacks the selected tensors (``is_cold``),
         starts reading their bytes into it, in reading order, in pieces of
         ``piece_bytes`` with ``threads`` C threads (``_pagecache.Warmer``)
-        until ``stop_warming()`` or the last byte: for a load that waits for
-        CUDA's start first, and then reads behind it.  Returns whether it
-        started (once per checkpoint)."""
+        until ``stop_warming()`` or the last byte: for a load whose readers
+        read behind it (after CUDA's start, in a fresh process).  Returns
+        whether it started (once per checkpoint)."""
         if self._warming:
             return False
         sample = self.resident()
