@@ -393,7 +393,7 @@ def our_methods(torch, device, only):
                           teardown=loader.empty_cache,
                           note="load_file defaults, INSTANT_STAGING_HUGEPAGES=1"))
     if device.type == "cuda":
-        out.append(Method("instant_staging readers alone", _without_head_start(loader.load_file, dev),
+        out.append(Method("instant_staging readers alone", _without_head_start(dev),
                           kind="REGISTERED",
                           note="load_file defaults, a cold checkpoint read by its readers alone "
                                "(Shards.warm_if_cold off: no head start)", hot=False))
@@ -402,16 +402,17 @@ def our_methods(torch, device, only):
     return out
 
 
-def _without_head_start(load, dev):
-    """``load(files, dev)`` with the disk's head start off (a cold load's
-    readers alone, as a server's were before it): for the cold rows."""
+def _without_head_start(dev):
+    """``load_file(files, dev)`` with the disk's head start off (a cold
+    load's readers alone, as a server's were before it): for the cold rows."""
+    from instant_staging.loader import load_file
     from instant_staging.loader._shards import Shards
 
     def run(files, mark):
         real = Shards.warm_if_cold
         Shards.warm_if_cold = lambda self, piece_bytes, threads: False
         try:
-            return load(files, dev)
+            return load_file(files, dev)
         finally:
             Shards.warm_if_cold = real
     return run
