@@ -178,10 +178,16 @@ def test_a_forked_child_joins_nothing_and_the_parent_joins_its_own(tmp_path):
 
 # -- the load: who starts it, and the device's errors first -----------------------
 
-def test_a_cold_first_load_reads_while_the_device_is_checked_and_stops_on_its_error(
-        cold, monkeypatch, warmers):
+@pytest.mark.parametrize("process", ["fresh", "server"])
+def test_a_cold_load_reads_while_the_device_is_checked_and_stops_on_its_error(
+        cold, monkeypatch, warmers, process):
+    # A fresh process reads while CUDA starts; a server (CUDA started)
+    # waits for no start, but the disk's head start keeps more reads in
+    # flight than the cold readers do, so it starts there too.
     path, _ = cold
     _fresh_process(monkeypatch)
+    if process == "server":
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     tasks, fds = _tasks(), _fds()
     with pytest.raises(ValueError, match="not available"):
         load_file(path, "cuda:0")
@@ -283,20 +289,6 @@ def test_no_warming_where_nothing_waits_for_the_disk(cold, monkeypatch, warmers,
         with pytest.raises(ValueError, match="not available"):
             load_file(path, device, **kwargs)
     assert not warmers
-
-
-def test_a_server_s_cold_load_reads_ahead_too_and_joins_on_the_device_error(
-        cold, monkeypatch, warmers):
-    # CUDA started (a server): nothing waits for its start, but the disk's
-    # head start keeps more reads in flight than the cold readers do.
-    path, _ = cold
-    _fresh_process(monkeypatch, check_seconds=0)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    tasks, fds = _tasks(), _fds()
-    with pytest.raises(ValueError, match="not available"):
-        load_file(path, "cuda:0")
-    assert len(warmers) == 1 and warmers[0].closed
-    assert _tasks() == tasks and _fds() == fds
 
 
 @pytest.fixture
