@@ -25,6 +25,7 @@ from ..loader import (
     SafetensorsError,
     default_device,
     resolve_progress,
+    schemes_text,
 )
 from .report import OutputError, attempt_dict, describe_attempt, emit, error_result, write_out
 
@@ -208,8 +209,8 @@ def build_parser():
         "the page cache lacks gets the cold defaults (larger reads by fewer threads).")
     ld.add_argument("sources", nargs="+", metavar="SOURCE",
                     help="a .safetensors file (or several), a checkpoint directory, "
-                    "a model.safetensors.index.json, the same as URLs (s3://, gs://, az://, "
-                    "https://: the remote extra), or a Hugging Face hub id (org/name: the weights "
+                    "a model.safetensors.index.json, the same as URLs ("
+                    f"{schemes_text()}: the remote extra), or a Hugging Face hub id (org/name: the weights "
                     "from_pretrained reads, from huggingface_hub's cache, fetched unless "
                     "HF_HUB_OFFLINE=1)")
     ld.add_argument("--revision", default=None,

@@ -51,6 +51,8 @@ benchmarks), who import nothing from an underscored module of it
   ``ENV_CHUNK_SIZE``, ``ENV_IO_DEPTH``, ``ENV_THREADS``, ``ENV_KEEP_STAGING``;
 - ``redact_url(url)``, ``redact_text(text)``: a URL (every URL in a text)
   as it may be shown, its password and signature parameters ``***``;
+  ``is_url(source)`` (a URL of a scheme read here) and ``schemes_text()``
+  (those schemes, as every message lists them: ``_schemes.py``);
 - ``resolve_source(source)``: the shard files (``.paths``) a local source
   names, nothing opened (``Checkpoint.open`` does this itself);
 - devices: ``parse_device(torch, device)`` (the name's syntax alone),
@@ -89,9 +91,10 @@ from ._options import (
 )
 from ._progress import Progress
 from ._progress import resolve as resolve_progress
-from ._remote import RemoteChangedError, fetch_side_files, is_url, redact_text, redact_url
+from ._remote import RemoteChangedError, fetch_side_files
 from ._run import LoadIterator, LoadReport
 from ._safe_open import PrefetchLoader, safe_open
+from ._schemes import is_url, redact_text, redact_url, schemes_text
 from ._source import resolve as resolve_source
 from ._staging_pool import empty_cache
 from ._target import _import_torch as import_torch
@@ -144,6 +147,7 @@ __all__ = [
     "resolve_progress",
     "resolve_source",
     "safe_open",
+    "schemes_text",
     "torch_dtype",
     "wait_for_cache_fills",
 ]

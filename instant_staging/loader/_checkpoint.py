@@ -29,9 +29,10 @@ from ._prepare import (
     select,
     usable_target,
 )
-from ._remote import RemoteShards, _Stores, is_url
+from ._remote import RemoteShards
 from ._remote import resolve as resolve_url
 from ._run import LoadIterator, LoadReport
+from ._schemes import Stores, is_url, schemes_text
 from ._shards import Shards
 from ._source import resolve
 from ._typing import CacheDir, Device, DType, Names, Source
@@ -371,15 +372,15 @@ def _shards(source, storage_options, cache_dir=None):
     if is_url(source):
         directory = cache_directory(cache_dir)
         cache = Cache(directory) if directory is not None else None
-        src, objects = resolve_url(source, _Stores(storage_options))
+        src, objects = resolve_url(source, Stores(storage_options))
         shards = RemoteShards(objects)
         shards.cache = cache
         return shards, src
     if storage_options is not None:
-        raise ValueError("storage_options apply to a URL source (s3://, gs://, az://, "
-                         "https://), not to files")
+        raise ValueError(f"storage_options apply to a URL source ({schemes_text()}), "
+                         "not to files")
     if cache_dir is not None and cache_dir is not False:
-        raise ValueError("cache_dir applies to a URL source (s3://, gs://, az://, https://), "
+        raise ValueError(f"cache_dir applies to a URL source ({schemes_text()}), "
                          "not to files")
     return Shards(), resolve(source)
 

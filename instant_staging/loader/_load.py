@@ -12,8 +12,8 @@ from . import _gc
 from ._checkpoint import Checkpoint, load_shared
 from ._options import LoadOptions
 from ._prepare import checked_target, early_staging, parse_target, usable_target
-from ._remote import is_url
 from ._run import LoadIterator, LoadReport
+from ._schemes import is_url
 from ._typing import CacheDir, Device, DType, Names, ProgressArg, Source
 
 if TYPE_CHECKING:

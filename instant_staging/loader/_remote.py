@@ -49,28 +49,32 @@ is opened: before anything is allocated.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import posixpath
 import random
-import re
 import threading
 import time
 import traceback
-from collections.abc import Mapping
-from urllib.parse import unquote, urlsplit
 
 from ._errors import LoadError
 from ._header import SafetensorsError, header_length, parse_header
+from ._schemes import (
+    ClientPanic,
+    Stores,
+    describe,
+    is_url,
+    load_obstore,
+    no_credentials,
+    no_panic,
+    redact_text,
+    redact_url,
+    schemes_text,
+)
 from ._shards import Shards
 from ._source import INDEX_NAME, INDEX_SUFFIX, SHARD_SUFFIX, Source, parse_index
 
 log = logging.getLogger("instant_staging")
-
-# URL schemes and the extra that installs their client.
-SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "http", "https")
-EXTRA = "instant_staging[remote]"
 
 # One GET covers the 8-byte length and the header of nearly every file
 # (a header is a few hundred KiB for 90,000 tensors); a longer one costs a
@@ -83,49 +87,12 @@ RETRY_SECONDS = 60.0
 _BACKOFF = 0.1
 
 
+# A URL as it may be shown (its secrets ``***``): every message here says it so.
+_safe = redact_url
+
+
 class RemoteChangedError(LoadError):
     """An object changed (another ETag or version) while it was loaded."""
-
-
-def is_url(source) -> bool:
-    """Whether ``source`` (or the first item of a list) is a URL of a scheme we read.
-
-    Args:
-        source: anything a load takes as its source.
-
-    Returns:
-        True for a URL of a scheme read here (s3://, gs://, az://, https://, ...).
-    """
-    if isinstance(source, (list, tuple)) and source:
-        source = source[0]
-    return isinstance(source, str) and "://" in source and \
-        source.split("://", 1)[0].lower() in SCHEMES
-
-
-# The process that made an object-store client.  obstore's requests run on
-# a runtime of Rust threads started by the first of them; a process forked
-# from that one has none of those threads and obstore starts no new ones, so
-# its first request would wait forever (obstore 0.12; "not fork safe"
-# upstream).  A forked child is told so before it asks anything
-# (docs/FORK.md); a process forked before any client was made, or started
-# with spawn or forkserver, reads as any other.
-_client_pid = None
-
-
-def _obstore():
-    """The obstore module, in a process whose requests can be answered."""
-    if _client_pid is not None and _client_pid != os.getpid():
-        raise RuntimeError(
-            f"this process (pid {os.getpid()}) was forked from pid {_client_pid}, which had read "
-            "from object storage: the client's runtime does not survive fork, and a request made "
-            "here would wait forever.  Read object storage in processes started with spawn or "
-            "forkserver (multiprocessing.get_context('spawn')), or before the fork")
-    try:
-        import obstore
-    except ImportError:
-        raise ImportError("reading from object storage needs the obstore client: "
-                          f"pip install '{EXTRA}'") from None
-    return obstore
 
 
 class _Object:
@@ -160,248 +127,24 @@ class _Object:
         return None
 
 
-class _Stores:
-    """One obstore store per scheme://bucket (or host), made once."""
-
-    def __init__(self, storage_options):
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise TypeError("storage_options must be a mapping (passed to the object store's "
-                            f"config), not {type(storage_options).__name__}")
-        options = dict(storage_options or {})
-        self.client_options = dict(options.pop("client_options", None) or {})
-        self.retry_config = options.pop("retry_config", None)
-        self.config = options
-        for key, value in options.items():
-            _check_value(f"storage_options[{key!r}]", value, endpoint="endpoint" in str(key).lower())
-        for key, value in self.client_options.items():
-            if isinstance(value, Mapping):      # default_headers
-                for k, v in value.items():
-                    _check_value(f"storage_options['client_options'][{key!r}][{k!r}]", v)
-            else:
-                _check_value(f"storage_options['client_options'][{key!r}]", value)
-        self._stores = {}
-
-    def split(self, url):
-        """``(store, key)`` for ``url``."""
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        if scheme not in SCHEMES:
-            raise ValueError(f"{_safe(url)}: scheme {parts.scheme!r} is not one of "
-                             f"{', '.join(SCHEMES)}")
-        if not parts.netloc:
-            raise ValueError(f"{_safe(url)}: no bucket or host in the URL")
-        if parts.query or parts.fragment:
-            raise ValueError(f"{_safe(url)}: a source URL takes no query or fragment")
-        if parts.password is not None:
-            # Neither used nor kept: a password in a URL ends up in messages,
-            # reports and shell history.  (README, "Object storage".)
-            raise ValueError(f"{_safe(url)}: a password in the URL is not used: pass "
-                             "credentials through storage_options= or the environment "
-                             "(AWS_*, GOOGLE_*, AZURE_*; for https, an Authorization "
-                             "header in storage_options={'client_options': "
-                             "{'default_headers': ...}})")
-        root = f"{scheme}://{parts.netloc}"
-        store = self._stores.get(root)
-        if store is None:
-            store = self._stores[root] = self._make(root, scheme)
-        key = parts.path.lstrip("/")
-        if scheme in ("http", "https"):
-            # An http(s) URL's path is percent-encoded already; the client
-            # encodes a key again (a space as %20, so %20 as %2520): the
-            # key is the path decoded.  (An s3:// URL's is the key as it is.)
-            key = unquote(key)
-        return store, key
-
-    def _make(self, root, scheme):
-        global _client_pid
-        obstore = _obstore()
-        _client_pid = os.getpid()       # (its requests follow: a fork from here is refused them)
-        _check_environment(scheme)
-        client = dict(self.client_options)
-        config = dict(self.config)
-        if scheme in ("s3", "s3a"):
-            endpoint = (config.get("endpoint") or config.get("aws_endpoint")
-                        or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or "")
-            if endpoint.startswith("http://"):
-                # an S3-compatible server on plain HTTP (MinIO, Ceph, a test
-                # server): boto3 takes such an endpoint as it is
-                client.setdefault("allow_http", True)
-            root = root.replace("s3a://", "s3://", 1)
-        elif scheme == "http":
-            client.setdefault("allow_http", True)
-        kwargs = {"client_options": client or None, "retry_config": self.retry_config}
-        try:
-            with _no_panic(root):
-                return obstore.store.from_url(root, config=config or None, **kwargs)
-        except ClientPanic:
-            raise
-        except Exception as e:
-            raise ValueError(f"{root}: cannot make an object-store client: {_describe(e)}") from None
-
-
-# Each cloud scheme's store (the other schemes of SCHEMES name the same
-# three), and the variables the client reads for each store (its
-# credential chain).
-_STORES = {"s3": "s3", "s3a": "s3", "gs": "gs", "az": "az", "azure": "az", "abfs": "az", "abfss": "az"}
-_ENV_PREFIXES = {"s3": ("AWS_",), "gs": ("GOOGLE_",), "az": ("AZURE_",)}
-
-
-def _check_value(name, value, endpoint=False):
-    """A ValueError naming ``name`` (never its value: it may be a secret)
-    where ``value`` is a string the client cannot send: a control character
-    (a token read from a file keeps its newline), surrounding blanks; an
-    endpoint without its scheme (``127.0.0.1:9000``).  The client panics on
-    those, at its first request."""
-    if not isinstance(value, str):
-        return
-    if any(ord(c) < 32 or ord(c) == 127 for c in value) or value != value.strip():
-        raise ValueError(f"{name} holds a newline, a control character or surrounding blanks "
-                         "(a value read from a file keeps its newline): strip it")
-    if endpoint and value and not value.lower().startswith(("http://", "https://")):
-        raise ValueError(f"{name} must be a URL with its scheme (http://host:port or "
-                         f"https://host), not {redact_url(value)!r}")
-
-
-def _check_environment(scheme):
-    """``_check_value`` for the variables the client reads for ``scheme``."""
-    prefixes = _ENV_PREFIXES.get(_STORES.get(scheme))
-    if not prefixes:
-        return
-    for name, value in os.environ.items():
-        if name.startswith(prefixes):
-            _check_value(name, value, endpoint="ENDPOINT" in name)
-
-
-class ClientPanic(ValueError):
-    """The object-store client panicked (a Rust panic, pyo3's
-    ``PanicException``, a BaseException): almost always a value it was
-    given that it could not use.  One line, no backtrace."""
-
-
-@contextlib.contextmanager
-def _no_panic(url):
-    """Turns a panic of the client inside the block into ``ClientPanic``."""
-    try:
-        yield
-    except Exception as e:
-        if type(e).__name__ != "RustPanic":      # (a panic in an awaited request)
-            raise
-        raise ClientPanic(f"{redact_url(url)}: the object-store client failed: it panicked "
-                          "(check the endpoint, credentials and storage_options)") from None
-    except BaseException as e:
-        if type(e).__name__ != "PanicException":
-            raise                       # KeyboardInterrupt, SystemExit
-        raise ClientPanic(f"{redact_url(url)}: the object-store client failed: "
-                          f"{_describe(e)} (check the endpoint, credentials and "
-                          "storage_options)") from None
-
-
-# A query parameter whose value is a secret: a presigned URL's signature
-# and credential (S3's X-Amz-*, GCS's X-Goog-*, the old AWSAccessKeyId &
-# Signature), an Azure SAS's sig, and anything named like a token or a key.
-_SECRET_PARAMS = ("sig", "awsaccesskeyid")
-_SECRET_WORDS = ("token", "signature", "secret", "key", "credential", "password")
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
-REDACTED = "***"
-
-
-def _secret_param(name):
-    name = unquote(name).lower()
-    return name in _SECRET_PARAMS or any(word in name for word in _SECRET_WORDS)
-
-
-def redact_url(url: str) -> str:
-    """``url`` as it may be shown: in messages, reprs, reports, logs.
-
-    A password in the userinfo becomes ``***`` (``user:***@host``), as do
-    the values of query parameters that carry a secret (a presigned URL's
-    ``X-Amz-Signature``/``X-Amz-Credential``/``X-Amz-Security-Token``,
-    ``X-Goog-Signature``, an Azure SAS's ``sig``, any parameter named like
-    a token, signature, secret, key, credential or password) and a
-    fragment; the scheme, host, path and the other parameters stay, so the
-    object is recognised.  A URL without secrets is returned unchanged.
-
-    Args:
-        url: any URL (or text that is not one: returned as it is).
-
-    Returns:
-        The URL with its secrets replaced by ``***``.
-    """
-    if not isinstance(url, str) or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0),
-              default=len(rest))
-    netloc, tail = rest[:cut], rest[cut:]
-    userinfo, at, host = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        netloc = f"{userinfo.split(':', 1)[0]}:{REDACTED}@{host}"
-    tail, hash_, _ = tail.partition("#")
-    path, q, query = tail.partition("?")
-    if query:
-        query = "&".join(f"{p.split('=', 1)[0]}={REDACTED}" if _secret_param(p.split("=", 1)[0])
-                         else p for p in query.split("&"))
-    return f"{scheme}://{netloc}{path}{q}{query}" + (f"#{REDACTED}" if hash_ else "")
-
-
-def redact_text(text: str) -> str:
-    """``text`` with every URL in it passed through ``redact_url``."""
-    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
-
-
-_safe = redact_url
-
-
-def _describe(exc):
-    """The client's message, first line: it names the request (its URLs
-    redacted), never the credentials."""
-    text = str(exc).strip().splitlines()
-    return redact_text(text[0]) if text else type(exc).__name__
-
-
-# Where a client asks the instance's metadata service for credentials (AWS
-# IMDS, GCP's metadata server, Azure's managed identity), whatever endpoint
-# it is at: asked only when no credentials were given, so a failure there
-# means none were (its own message names only the metadata request).
-_METADATA_PATHS = ("/latest/api/token", "/latest/meta-data/", "/computeMetadata/", "/metadata/identity/")
-_CREDENTIAL_VARIABLES = {"s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
-                         "gs": "GOOGLE_APPLICATION_CREDENTIALS",
-                         "az": "AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_KEY"}
-
-
-def _no_credentials(exc, url, what):
-    """A PermissionError saying that no credentials were found, where ``exc``
-    is the client's failure to get them from the metadata service; else None."""
-    text = str(exc)
-    if not any(p in text for p in _METADATA_PATHS):
-        return None
-    store = _STORES.get(url.split("://", 1)[0].lower())
-    variables = _CREDENTIAL_VARIABLES.get(store, "the store's credential variables")
-    return PermissionError(
-        f"{url}: no credentials while {what}: none in storage_options= or the environment "
-        f"({variables}), and the instance metadata service, asked last, gave none (not a cloud "
-        "instance with a role?); a public bucket reads with storage_options={'skip_signature': True} "
-        f"({_describe(exc)})")
-
-
 def _classify(obstore, exc, url, what):
     """The error a user sees for ``exc`` raised while ``what`` of ``url``."""
     errors = obstore.exceptions
     if isinstance(exc, (FileNotFoundError, errors.NotFoundError)):    # obstore raises the former
         return FileNotFoundError(f"{url}: no such object ({what})")
-    missing = _no_credentials(exc, url, what)
+    missing = no_credentials(exc, url, what)
     if missing is not None:
         return missing
     if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)):
         return PermissionError(f"{url}: access denied while {what}: check the credentials "
-                               f"({_describe(exc)})")
+                               f"({describe(exc)})")
     if isinstance(exc, errors.PreconditionError) or (
             isinstance(exc, errors.GenericError) and "precondition" in str(exc).lower()):
         # (a 412 met by the client's own resume of a cut body is a GenericError)
         return RemoteChangedError(f"{url}: the object changed while it was loaded (its ETag or "
                                   "version is not the one its header was read from): load again",
                                   url)
-    return OSError(f"{url}: {what} failed: {_describe(exc)}")
+    return OSError(f"{url}: {what} failed: {describe(exc)}")
 
 
 def _permanent(obstore, exc):
@@ -413,9 +156,9 @@ def _permanent(obstore, exc):
 
 # -- what a URL source names ---------------------------------------------------
 
-def resolve(source, stores: _Stores) -> tuple[Source, list[_Object]]:
+def resolve(source, stores: Stores) -> tuple[Source, list[_Object]]:
     """The objects ``source`` names, as ``_source.resolve`` for paths."""
-    obstore = _obstore()
+    obstore = load_obstore()
     if isinstance(source, str):
         url = source
         name = url.rstrip("/").rsplit("/", 1)[-1]
@@ -427,7 +170,7 @@ def resolve(source, stores: _Stores) -> tuple[Source, list[_Object]]:
     items = list(source)
     for u in items:
         if not is_url(u):
-            raise TypeError(f"a list of URLs must hold only URLs of {', '.join(SCHEMES)}, "
+            raise TypeError(f"a list of URLs must hold only URLs of {schemes_text()}, "
                             f"got {redact_text(repr(u))}")
         if u.endswith("/") or u.endswith(".json"):
             raise ValueError(f"{_safe(u)} is a directory or an index: pass it alone, not in a "
@@ -449,7 +192,7 @@ def _listing(obstore, url, stores):
     (obstore's metadata: path, size, ...), one level deep."""
     store, prefix = stores.split(url)
     try:
-        with _no_panic(url):
+        with no_panic(url):
             listing = _once(lambda: _list_async(obstore, store, prefix or None), url, "listing")
             return store, listing["objects"]
     except (ClientPanic, _NoAnswer):
@@ -472,7 +215,7 @@ def _directory(obstore, url, stores):
 def _index(obstore, url, stores):
     store, key = stores.split(url)
     try:
-        with _no_panic(url):
+        with no_panic(url):
             raw = bytes(_once(lambda: _read_async(obstore, store, key), url, "reading the index"))
     except (ClientPanic, _NoAnswer):
         raise
@@ -665,7 +408,7 @@ class RemoteShards(Shards):
         self._error_lock = threading.Lock()
         self._stop = threading.Event()
         self._requests = _Requests()
-        self._obstore = _obstore()
+        self._obstore = load_obstore()
         self._unpinned = False      # an object without an ETag was said (once)
         super().__init__()          # open(): the objects' URLs, in order
 
@@ -707,7 +450,7 @@ class RemoteShards(Shards):
         obj = self._objects[index]
         url = _safe(obj.url)
         try:
-            with _no_panic(url):
+            with no_panic(url):
                 try:
                     meta, data = self._requests.wait(future, self._stop)
                 finally:
@@ -741,7 +484,7 @@ class RemoteShards(Shards):
         if url.endswith("/") or name.endswith(".json"):
             raise ValueError(f"{_safe(url)}: safe_open reads one .safetensors object, not a "
                              "directory or an index")
-        return _objects([url], _Stores(storage_options))[1]
+        return _objects([url], Stores(storage_options))[1]
 
     def _open_all(self, urls):
         firsts = _each(self._first, range(len(urls)), self._stop)
@@ -755,7 +498,7 @@ class RemoteShards(Shards):
         names again (a permanent one is raised here)."""
         obj, obstore = self._objects[index], self._obstore
         try:
-            with _no_panic(obj.url):
+            with no_panic(obj.url):
                 meta, data = self._request(
                     lambda: _get_async(obstore, obj, {"range": (0, HEADER_PREFETCH)}),
                     RETRY_SECONDS)
@@ -778,7 +521,7 @@ class RemoteShards(Shards):
         obstore = self._obstore
         if got is None:
             try:
-                with _no_panic(url):
+                with no_panic(url):
                     meta = self._request(lambda: _head_async(obstore, obj),
                                          RETRY_SECONDS)
                     first = None
@@ -880,7 +623,7 @@ class RemoteShards(Shards):
             # (a body that stalls included).
             left = deadline - time.monotonic()
             try:
-                with _no_panic(url):
+                with no_panic(url):
                     meta, data = self._request(
                         lambda: _get_async(obstore, obj, options), max(left, 0.001))
                     _check_unchanged(obj, meta, url)
@@ -1050,8 +793,8 @@ def fetch_side_files(url, dest, storage_options=None):
         The names of every object under the prefix (the weights too, which
         stay there).
     """
-    obstore = _obstore()
-    stores = _Stores(storage_options)
+    obstore = load_obstore()
+    stores = Stores(storage_options)
     url = url.rstrip("/") + "/"
     store, objects = _listing(obstore, url, stores)
     os.makedirs(dest, exist_ok=True)
@@ -1066,7 +809,7 @@ def fetch_side_files(url, dest, storage_options=None):
         if os.path.isfile(path) and os.path.getsize(path) == meta["size"]:
             continue
         try:
-            with _no_panic(url):
+            with no_panic(url):
                 data = obstore.get(store, meta["path"]).bytes()
         except ClientPanic:
             raise

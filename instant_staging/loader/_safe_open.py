@@ -53,8 +53,9 @@ from ._errors import MissingTensorError
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
 from ._options import LoadOptions, _check_args, check_backend, knobs, left_unset
 from ._prepare import checked_target, fault_plan, planned, prepare_solo
-from ._remote import RemoteShards, is_url
+from ._remote import RemoteShards
 from ._run import LoadIterator
+from ._schemes import is_url, schemes_text
 from ._shards import Shards
 from ._source import refuse_other_url
 from ._target import _import_torch, _TorchTarget, parse_device
@@ -272,9 +273,9 @@ class safe_open:
             checkpoint = RemoteShards(RemoteShards.one(filename, storage_options))
             checkpoint.cache = cache
         elif storage_options is not None:
-            raise ValueError("storage_options apply to a URL (s3://, gs://, az://, https://), not a file")
+            raise ValueError(f"storage_options apply to a URL ({schemes_text()}), not a file")
         elif cache_dir is not None and cache_dir is not False:
-            raise ValueError("cache_dir applies to a URL (s3://, gs://, az://, https://), not a file")
+            raise ValueError(f"cache_dir applies to a URL ({schemes_text()}), not a file")
         else:
             if isinstance(filename, str):
                 refuse_other_url(filename)

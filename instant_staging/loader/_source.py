@@ -39,6 +39,7 @@ import re
 import stat
 
 from ._header import SafetensorsError
+from ._schemes import redact_url, schemes_text
 
 INDEX_NAME = "model.safetensors.index.json"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -92,9 +93,8 @@ def refuse_other_url(path: str) -> None:
     such, where opening it would say only that no such file exists."""
     found = _SCHEME.match(path)
     if found and not os.path.exists(path):
-        from ._remote import SCHEMES, redact_url
         raise ValueError(f"{redact_url(path)}: a URL of scheme {found.group(1)!r} is not read here "
-                         f"(the URL sources: {', '.join(s + '://' for s in SCHEMES)}; "
+                         f"(the URL sources: {schemes_text()}; "
                          "a file path has no '://')")
 
 

@@ -264,6 +264,30 @@ def test_the_loaders_paths_import_one_way():
     assert "_checkpoint" in _loader_imports("_load")
 
 
+def test_the_loader_has_no_import_circle():
+    # _schemes (the URL schemes) is asked by both _source and _remote and
+    # asks neither: the circle _remote -> _shards -> _source -> _remote
+    # (one message's lazy import) is gone, and stays so.
+    assert _loader_imports("_schemes") == set()
+    assert not {"_remote", "_cache", "_checkpoint"} & _loader_imports("_source")
+    modules = [f[:-3] for f in os.listdir(os.path.join(PACKAGE, "loader"))
+               if f.endswith(".py") and f != "__init__.py"]
+    graph = {m: _loader_imports(m) & set(modules) for m in modules}
+    seen, done = [], set()
+
+    def visit(m):
+        assert m not in seen, f"an import circle: {' -> '.join(seen[seen.index(m):] + [m])}"
+        if m in done:
+            return
+        seen.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        seen.pop()
+        done.add(m)
+    for m in sorted(modules):
+        visit(m)
+
+
 # -- the tests themselves -----------------------------------------------------------------
 
 def test_tests_share_helpers_through_support_only():

@@ -533,11 +533,11 @@ def test_gcs_and_azure_urls_reach_their_stores():
     """gs:// and az:// make obstore's GCS and Azure stores with the options
     passed through (no emulator of either is on PyPI: the store is made,
     no request is sent)."""
-    from instant_staging.loader._remote import _Stores
-    stores = _Stores({"skip_signature": True})
+    from instant_staging.loader._schemes import Stores
+    stores = Stores({"skip_signature": True})
     gcs, key = stores.split("gs://bucket/models/llama/model.safetensors")
     assert type(gcs).__name__ == "GCSStore" and key == "models/llama/model.safetensors"
-    az, key = _Stores({"account_name": "acct", "skip_signature": True}).split("az://container/m/x.safetensors")
+    az, key = Stores({"account_name": "acct", "skip_signature": True}).split("az://container/m/x.safetensors")
     assert type(az).__name__ == "AzureStore" and key == "m/x.safetensors"
     with pytest.raises(ValueError, match="scheme"):
         stores.split("ftp://host/x.safetensors")

@@ -46,8 +46,8 @@ def test_an_azure_token_with_a_newline_is_refused(monkeypatch):
 def test_a_panic_of_the_client_is_one_error_of_ours(monkeypatch):
     # The checks above skipped: the client itself panics on such an
     # endpoint at its first request.
-    from instant_staging.loader import _remote
-    monkeypatch.setattr(_remote, "_check_value", lambda *a, **k: None)
+    from instant_staging.loader import _schemes
+    monkeypatch.setattr(_schemes, "check_value", lambda *a, **k: None)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "127.0.0.1:9000")
     opts = {k: v for k, v in OPTS.items() if k != "endpoint"}
     with pytest.raises(ValueError, match="the object-store client failed") as e:

@@ -128,7 +128,7 @@ import time
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ... import _hub
-from ...loader import Device, DType, PathLike, import_torch, is_url, load_file
+from ...loader import Device, DType, PathLike, import_torch, is_url, load_file, schemes_text
 from . import _inplace
 from ._arguments import (
     HUB_ARGUMENTS,
@@ -273,7 +273,7 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
             model_dir = model_dir.rstrip("/") + "/" + subfolder.strip("/")
         model_dir, weights_from = remote_dir(model_dir, cache_dir, storage_options, given_config)
     elif storage_options is not None:
-        raise ValueError("storage_options apply to a URL model_dir (s3://, gs://, az://, https://)")
+        raise ValueError(f"storage_options apply to a URL model_dir ({schemes_text()})")
     else:
         model_dir = _hub.local_dir(model_dir, revision=revision, cache_dir=cache_dir, subfolder=subfolder,
                                    variant=variant, needs_config=not given_config, **hub)
