@@ -45,6 +45,8 @@ benchmarks), who import nothing from an underscored module of it
   ``wait_for_cache_fills`` (the entries of ``cache_dir=`` loads are made
   after the load returns: waits for them, ``_cache.py``);
   ``load_into`` (and ``Checkpoint.load_into``: a reload in place, ``_into.py``);
+- saving: ``save_file``, ``save`` (safetensors' files byte for byte, published
+  atomically), ``tensor_digest`` (``_save.py``);
 - the errors: ``SafetensorsError``, ``LoadError``, ``VerifyError``,
   ``DistributedLoadError``, ``RemoteChangedError``, ``MissingNameError``;
 - ``DEFAULT_CHUNK_SIZE``, ``DEFAULT_IO_DEPTH``; the variables' names
@@ -92,6 +94,7 @@ from ._progress import resolve as resolve_progress
 from ._remote import RemoteChangedError, fetch_side_files, is_url, redact_text, redact_url
 from ._run import LoadIterator, LoadReport
 from ._safe_open import PrefetchLoader, safe_open
+from ._save import save, save_file, tensor_digest
 from ._source import resolve as resolve_source
 from ._staging_pool import empty_cache
 from ._target import _import_torch as import_torch
@@ -144,6 +147,9 @@ __all__ = [
     "resolve_progress",
     "resolve_source",
     "safe_open",
+    "save",
+    "save_file",
+    "tensor_digest",
     "torch_dtype",
     "wait_for_cache_fills",
 ]
