@@ -68,7 +68,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..defaults import DIGEST_BLOCK, SAVE_CHUNK_SIZE, SAVE_SLOTS, SAVE_THREADS, default_threads
 from ._header import MAX_HEADER_BYTES, TORCH_DTYPES, SafetensorsError
@@ -112,7 +112,7 @@ class Plan(NamedTuple):
     and the tensors in file order."""
 
     entries: list
-    metadata: Optional[dict]
+    metadata: dict | None
     digests: bool
     header: bytes
 
@@ -124,7 +124,7 @@ class Plan(NamedTuple):
     def size(self) -> int:
         return self.data_start + sum(e.nbytes for e in self.entries)
 
-    def final_header(self, digests: Optional[dict]) -> bytes:
+    def final_header(self, digests: dict | None) -> bytes:
         """The header with the digests filled in (the same length)."""
         if not self.digests:
             return self.header
@@ -134,9 +134,9 @@ class Plan(NamedTuple):
 
 
 def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
-              metadata: Optional[Mapping[str, str]] = None, *, version: Optional[str] = None,
+              metadata: Mapping[str, str] | None = None, *, version: str | None = None,
               digests: bool = False, sync: bool = True,
-              staging: Optional[StagingBuffer] = None) -> None:
+              staging: StagingBuffer | None = None) -> None:
     """Writes ``tensors`` to ``filename`` in safetensors format, atomically.
 
     A drop-in for ``safetensors.torch.save_file``: the same file, byte for
@@ -169,8 +169,8 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
     publish(plan, path, sync=sync, staging=staging)
 
 
-def save(tensors: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None, *,
-         version: Optional[str] = None, digests: bool = False) -> bytes:
+def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, *,
+         version: str | None = None, digests: bool = False) -> bytes:
     """The bytes of the safetensors file of ``tensors``.
 
     A drop-in for ``safetensors.torch.save``: the same bytes.  Arguments as
@@ -528,7 +528,7 @@ def write_entries(fd, plan, *, chunk=SAVE_CHUNK_SIZE, threads=None, staging=None
                         event.synchronize()
                     _pwrite_all(fd, view, start + e.begin + begin)
                     record(view, e, begin)
-            except BaseException as exc:    # noqa: BLE001 - handed to the caller below
+            except BaseException as exc:
                 # Its frames hold the slot's view: cleared, or the buffer could
                 # never be closed while the caller keeps the error.
                 traceback.clear_frames(exc.__traceback__)

@@ -20,20 +20,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
-import safetensors  # noqa: E402
+import safetensors
 
-import instant_staging as ist  # noqa: E402
-from instant_staging.defaults import DIGEST_BLOCK  # noqa: E402
-from instant_staging.loader import (  # noqa: E402
+import instant_staging as ist
+from instant_staging.defaults import DIGEST_BLOCK
+from instant_staging.loader import (
     TORCH_DTYPES,
     SafetensorsError,
+    _save,
     load_file,
     save,
     save_file,
     tensor_digest,
 )
-from instant_staging.loader import _save  # noqa: E402
-from instant_staging.testing import SimulatedRuntime  # noqa: E402
+from instant_staging.testing import SimulatedRuntime
 
 ALL_DTYPES = [getattr(torch, a) for a in TORCH_DTYPES.values() if hasattr(torch, a)]
 
@@ -102,7 +102,7 @@ def test_empty_metadata_without_tensors_is_a_file_that_reads_back():
     # back itself; ours is the header it meant.
     data = save({}, {})
     assert data[8:].rstrip() == b'{"__metadata__":{}}'
-    with pytest.raises(Exception):
+    with pytest.raises(safetensors.SafetensorError):
         st.load(st.save({}, {}))
 
 
