@@ -46,7 +46,9 @@ benchmarks), who import nothing from an underscored module of it
   after the load returns: waits for them, ``_cache.py``);
   ``load_into`` (and ``Checkpoint.load_into``: a reload in place, ``_into.py``);
 - saving: ``save_file``, ``save`` (safetensors' files byte for byte, published
-  atomically), ``tensor_digest`` (``_save.py``);
+  atomically), ``tensor_digest`` (``_save.py``); deltas: ``save_delta``,
+  ``apply_delta``, ``read_delta``, ``parse_delta``, ``DeltaInfo``,
+  ``DeltaError`` (the format, defined once for both sides: ``_delta.py``);
 - the errors: ``SafetensorsError``, ``LoadError``, ``VerifyError``,
   ``DistributedLoadError``, ``RemoteChangedError``, ``MissingNameError``;
 - ``DEFAULT_CHUNK_SIZE``, ``DEFAULT_IO_DEPTH``; the variables' names
@@ -75,6 +77,7 @@ from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
 from ._bytes import load
 from ._cache import wait_for_cache_fills
 from ._checkpoint import Checkpoint, TensorInfo
+from ._delta import DeltaError, DeltaInfo, apply_delta, parse_delta, read_delta, save_delta
 from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
 from ._header import DTYPE_BITS, TORCH_DTYPES, SafetensorsError
@@ -114,6 +117,8 @@ __all__ = [
     "TORCH_DTYPES",
     "Checkpoint",
     "DType",
+    "DeltaError",
+    "DeltaInfo",
     "Device",
     "DistributedLoadError",
     "LoadError",
@@ -131,6 +136,7 @@ __all__ = [
     "Source",
     "TensorInfo",
     "VerifyError",
+    "apply_delta",
     "default_device",
     "empty_cache",
     "fetch_side_files",
@@ -140,7 +146,9 @@ __all__ = [
     "load",
     "load_file",
     "load_into",
+    "parse_delta",
     "parse_device",
+    "read_delta",
     "redact_text",
     "redact_url",
     "resolve_device",
@@ -148,6 +156,7 @@ __all__ = [
     "resolve_source",
     "safe_open",
     "save",
+    "save_delta",
     "save_file",
     "tensor_digest",
     "torch_dtype",
