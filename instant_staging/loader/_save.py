@@ -496,21 +496,20 @@ def write_entries(fd, plan, *, chunk=SAVE_CHUNK_SIZE, threads=None, staging=None
     blocks = {e.name: [None] * (-(-e.nbytes // DIGEST_BLOCK)) for e in plan.entries} \
         if plan.digests else None
     direct, staged = [], {}
-    for e in plan.entries:
-        if not e.nbytes:
-            continue
-        if e.tensor.device.type == "cpu" and not stage_cpu:
-            direct.append(e)
+    for piece in pieces(plan.entries, chunk, whole=plan.digests, stage_cpu=stage_cpu):
+        if piece.device is None:
+            direct.append(piece)
         else:
-            staged.setdefault(e.tensor.device, []).append(e)
+            staged.setdefault(piece.device, []).append(piece)
     nthreads = threads or default_threads(SAVE_THREADS)
     work = queue.SimpleQueue()
     failed = []
     stop = threading.Event()
 
-    def record(view, e, begin):
+    def record(view, piece):
         if blocks is None:
             return
+        e, begin, _ = piece.parts[0]      # a piece of one tensor where digests are asked
         first = begin // DIGEST_BLOCK
         for i, b in enumerate(range(0, len(view), DIGEST_BLOCK)):
             blocks[e.name][first + i] = hashlib.sha256(view[b:b + DIGEST_BLOCK]).digest()
@@ -520,14 +519,14 @@ def write_entries(fd, plan, *, chunk=SAVE_CHUNK_SIZE, threads=None, staging=None
             item = work.get()
             if item is None:
                 return
-            view, e, begin, event, release = item
+            views, piece, event, release = item
             del item        # a slot's view must not outlive its write
             try:
                 if not stop.is_set():
                     if event is not None:
                         event.synchronize()
-                    _pwrite_all(fd, view, start + e.begin + begin)
-                    record(view, e, begin)
+                    _pwritev_all(fd, views, start + piece.begin)
+                    record(views[0], piece)
             except BaseException as exc:
                 # Its frames hold the slot's view: cleared, or the buffer could
                 # never be closed while the caller keeps the error.
@@ -535,7 +534,7 @@ def write_entries(fd, plan, *, chunk=SAVE_CHUNK_SIZE, threads=None, staging=None
                 failed.append(exc)
                 stop.set()
             finally:
-                del view
+                del views
                 if release is not None:
                     release()
 
@@ -544,17 +543,13 @@ def write_entries(fd, plan, *, chunk=SAVE_CHUNK_SIZE, threads=None, staging=None
     for w in workers:
         w.start()
     try:
-        keep = []
-        for e in direct:
-            view = _host_view(e.tensor, e.nbytes)
-            keep.append(e.tensor)
-            for begin in range(0, e.nbytes, chunk):
-                work.put((view[begin:begin + chunk], e, begin, None, None))
-            del view
-        for device, entries in staged.items():
+        for piece in direct:
+            work.put(([_host_view(e.tensor, e.nbytes)[begin:begin + n]
+                       for e, begin, n in piece.parts], piece, None, None))
+        for device, group in staged.items():
             if stop.is_set():
                 break
-            _write_staged(torch, device, entries, work, stop, chunk, nthreads, staging)
+            _write_staged(torch, device, group, work, stop, chunk, nthreads, staging)
     except BaseException:
         stop.set()
         raise
@@ -570,10 +565,78 @@ def write_entries(fd, plan, *, chunk=SAVE_CHUNK_SIZE, threads=None, staging=None
     return {name: hashlib.sha256(b"".join(parts)).hexdigest() for name, parts in blocks.items()}
 
 
-def _write_staged(torch, device, entries, work, stop, chunk, nthreads, staging):
-    """Copies ``entries`` (on ``device``) chunk by chunk into the slots of a
-    staging buffer and hands each chunk to the writers; returns once every
-    slot is back (written) and the buffer is given back."""
+# One pwritev takes at most this many buffers (EINVAL beyond).
+try:
+    _MAX_PARTS = max(1, os.sysconf("SC_IOV_MAX"))
+except (ValueError, OSError):
+    _MAX_PARTS = 1024
+
+
+class Piece(NamedTuple):
+    """One write: ``size`` bytes at ``begin`` of the data section, made of
+    ``parts`` ``(entry, offset in the tensor, bytes)`` back to back, all of
+    tensors on ``device`` (None: CPU tensors written from their memory)."""
+
+    device: object
+    begin: int
+    size: int
+    parts: tuple
+
+
+def pieces(entries, chunk, *, whole=False, stage_cpu=False):
+    """The writes of ``entries`` (in file order): at most ``chunk`` bytes,
+    tensors of one device packed together (a fine-grained checkpoint's
+    small tensors take one write per chunk, not one each); with ``whole``,
+    each piece of one tensor, starting at a multiple of ``chunk`` of it
+    (its digest's blocks are whole in one piece)."""
+    out = []
+    parts, device, begin, size = [], None, 0, 0
+    for e in entries:
+        if not e.nbytes:
+            continue
+        where = None if e.tensor.device.type == "cpu" and not stage_cpu else e.tensor.device
+        if parts and (where != device or whole or len(parts) == _MAX_PARTS):
+            out.append(Piece(device, begin, size, tuple(parts)))
+            parts, size = [], 0
+        device = where
+        offset = 0
+        while offset < e.nbytes:
+            if not parts:
+                begin = e.begin + offset
+            n = min(e.nbytes - offset, chunk - size)
+            parts.append((e, offset, n))
+            size += n
+            offset += n
+            if size == chunk:
+                out.append(Piece(device, begin, size, tuple(parts)))
+                parts, size = [], 0
+    if parts:
+        out.append(Piece(device, begin, size, tuple(parts)))
+    return out
+
+
+def _pwritev_all(fd, views, offset):
+    if len(views) == 1:
+        _pwrite_all(fd, views[0], offset)
+        return
+    total = sum(len(v) for v in views)
+    n = os.pwritev(fd, views, offset)
+    if n == total:
+        return
+    for v in views:     # a short write: the rest one buffer at a time
+        if n >= len(v):
+            n -= len(v)
+            offset += len(v)
+            continue
+        _pwrite_all(fd, v[n:], offset + n)
+        offset += len(v)
+        n = 0
+
+
+def _write_staged(torch, device, group, work, stop, chunk, nthreads, staging):
+    """Copies the pieces of ``group`` (of tensors on ``device``) into the
+    slots of a staging buffer and hands each to the writers; returns once
+    every slot is back (written) and the buffer is given back."""
     from . import _staging_pool
 
     cuda = device.type == "cuda"
@@ -601,26 +664,28 @@ def _write_staged(torch, device, entries, work, stop, chunk, nthreads, staging):
         stream.wait_stream(torch.cuda.current_stream(device))
     slot = None         # a slot taken and not yet handed to a writer
     try:
-        for e in entries:
-            for begin in range(0, e.nbytes, chunk):
-                if stop.is_set():
-                    return
-                slot = free.get()
-                n = min(chunk, e.nbytes - begin)
-                event = None
-                if cuda:
-                    with torch.cuda.stream(stream):
-                        host[slot.offset:slot.offset + n].copy_(e.tensor[begin:begin + n],
-                                                                non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                else:
-                    host[slot.offset:slot.offset + n].copy_(e.tensor[begin:begin + n])
+        for piece in group:
+            if stop.is_set():
+                return
+            slot = free.get()
+            at = slot.offset
+            event = None
+            if cuda:
+                with torch.cuda.stream(stream):
+                    for e, begin, n in piece.parts:
+                        host[at:at + n].copy_(e.tensor[begin:begin + n], non_blocking=True)
+                        at += n
+                    event = torch.cuda.Event()
+                    event.record(stream)
+            else:
+                for e, begin, n in piece.parts:
+                    host[at:at + n].copy_(e.tensor[begin:begin + n])
+                    at += n
 
-                def release(slot=slot):
-                    free.put(slot)
-                work.put((memory[slot.offset:slot.offset + n], e, begin, event, release))
-                slot = None
+            def release(slot=slot):
+                free.put(slot)
+            work.put(([memory[slot.offset:slot.offset + piece.size]], piece, event, release))
+            slot = None
     finally:
         if slot is not None:
             free.put(slot)      # (one returned twice only makes the wait below shorter)

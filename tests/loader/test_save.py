@@ -336,3 +336,51 @@ def test_a_save_killed_mid_write_leaves_a_whole_file(tmp_path):
         assert torch.equal(w, torch.full_like(w, w[0].item()))
         leftovers = [n for n in os.listdir(tmp_path) if n != "m.safetensors"]
         assert all(n.startswith(".m.safetensors.") and n.endswith(".tmp") for n in leftovers)
+
+
+def test_small_tensors_are_packed_into_chunk_sized_writes():
+    tensors = {f"t{i:03d}": torch.full((100 + i,), i, dtype=torch.uint8) for i in range(50)}
+    plan = _save.make_plan(tensors, None)
+    packed = _save.pieces(plan.entries, 1024)
+    assert all(p.size <= 1024 for p in packed) and len(packed) == -(-sum(100 + i for i in range(50)) // 1024)
+    at = 0
+    for p in packed:        # back to back, every byte once, parts adding up
+        assert p.begin == at and p.size == sum(n for _, _, n in p.parts)
+        at += p.size
+    assert at == plan.size - plan.data_start
+    whole = _save.pieces(plan.entries, 64, whole=True)
+    assert all(len(p.parts) == 1 and p.parts[0][1] % 64 == 0 for p in whole)
+
+
+def test_a_short_pwritev_writes_the_rest(tmp_path, monkeypatch):
+    real = os.pwritev
+
+    def short(fd, views, offset):       # the first buffer and half of the second
+        return real(fd, [views[0], views[1][:len(views[1]) // 2]], offset)
+    monkeypatch.setattr(_save.os, "pwritev", short)
+    tensors = {f"t{i}": rand(torch.float32, (10 + i,), i) for i in range(20)}
+    save_file(tensors, tmp_path / "m.safetensors")
+    assert (tmp_path / "m.safetensors").read_bytes() == st.save(tensors)
+
+
+def test_bench_save_quick(tmp_path):
+    from support import ROOT, run_script
+    out = tmp_path / "save.json"
+    r = run_script(os.path.join(ROOT, "benchmarks", "bench_save.py"), "--quick", "--layouts",
+                   "dense,finemoe", "--dir", str(tmp_path), "--json", str(out),
+                   env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    methods = [(x["layout"], x["method"]) for x in doc["results"]]
+    assert ("finemoe", "delta 2%") in methods and ("dense", "ceiling disk") in methods
+    assert all(x["best"] > 0 for x in doc["results"])
+    assert all(x["exact"] is True for x in doc["results"] if x["method"].startswith("instant"))
+    assert [p for p in os.listdir(tmp_path) if p != "save.json"] == []
+
+
+def test_more_small_tensors_than_one_write_takes_buffers(tmp_path, monkeypatch):
+    monkeypatch.setattr(_save, "_MAX_PARTS", 7)
+    tensors = {f"t{i:03d}": rand(torch.int16, (3,), i) for i in range(60)}
+    assert all(len(p.parts) <= 7 for p in _save.pieces(_save.make_plan(tensors, None).entries, 1 << 20))
+    save_file(tensors, tmp_path / "m.safetensors")
+    assert (tmp_path / "m.safetensors").read_bytes() == st.save(tensors)
