@@ -119,7 +119,7 @@ def parse_delta(metadata: Mapping[str, str] | None,
     if not isinstance(sparse_raw, dict):
         raise DeltaError(f"{SPARSE_KEY!r} must be a JSON object of name: shape")
     sparse = {}
-    taken = set()
+    taken: set = set()
     for name, shape in sparse_raw.items():
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise DeltaError(f"sparse tensor {name!r}: its shape must be a list of ints >= 0, "
@@ -384,7 +384,7 @@ def apply_delta(tensors: Mapping[str, torch.Tensor], delta: Source, *, version: 
                     written.extend(group)
         except BaseException as e:
             try:
-                e.written = tuple(written) + tuple(getattr(e, "written", ()) or ())
+                e.written = tuple(written) + tuple(getattr(e, "written", ()) or ())  # type: ignore[attr-defined]
             except AttributeError:
                 pass
             raise
