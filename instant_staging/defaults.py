@@ -208,3 +208,26 @@ CACHE_FINISH_AT_EXIT = 120.0
 # the consumer's work overlapping the load (docs/design.md, "Measured: the
 # vLLM path's batches, streamed or whole").
 WHOLE_BATCH_MEAN_BYTES = 4 << 20
+
+# Saving (loader/_save.py).  Bytes per write and per device-to-host copy:
+# larger than a load's reads, since each write also allocates and maps
+# file pages, a cost per call; 16 slots of them (128 MiB, what the kept
+# staging buffer of a load may hold: KEEP_STAGING_MAX) let a save reuse a
+# load's kept buffer and keep every writer thread two writes deep.  Writer
+# threads as PREFETCH_THREADS: a file system takes parallel writes to one
+# file from a few threads.  Not yet measured on a GPU host:
+# benchmarks/bench_save.py sweeps them against the host's write ceiling.
+SAVE_CHUNK_SIZE = 8 << 20
+SAVE_SLOTS = 16
+SAVE_THREADS = 8
+
+# A tensor's digest (instant_staging.loader.tensor_digest, the metadata of
+# save_file(..., digests=True)) is the sha256 of the sha256 of each block of
+# this many of its bytes: blocks hash in any order, on any writer thread.
+# A save's chunks are whole blocks (SAVE_CHUNK_SIZE is a multiple of it).
+DIGEST_BLOCK = 1 << 20
+
+# save_delta: a base given as a checkpoint is read in batches of at most
+# this many bytes per device, compared, and dropped: device memory beyond
+# the model stays within it (plus the delta's own tensors).
+DELTA_BASE_BATCH = 1 << 30

@@ -45,6 +45,10 @@ benchmarks), who import nothing from an underscored module of it
   ``wait_for_cache_fills`` (the entries of ``cache_dir=`` loads are made
   after the load returns: waits for them, ``_cache.py``);
   ``load_into`` (and ``Checkpoint.load_into``: a reload in place, ``_into.py``);
+- saving: ``save_file``, ``save`` (safetensors' files byte for byte, published
+  atomically), ``tensor_digest`` (``_save.py``); deltas: ``save_delta``,
+  ``apply_delta``, ``read_delta``, ``parse_delta``, ``DeltaInfo``,
+  ``DeltaError`` (the format, defined once for both sides: ``_delta.py``);
 - the errors: ``SafetensorsError``, ``LoadError``, ``VerifyError``,
   ``DistributedLoadError``, ``RemoteChangedError``, ``MissingNameError``;
 - ``DEFAULT_CHUNK_SIZE``, ``DEFAULT_IO_DEPTH``; the variables' names
@@ -75,6 +79,7 @@ from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
 from ._bytes import load
 from ._cache import wait_for_cache_fills
 from ._checkpoint import Checkpoint, TensorInfo
+from ._delta import DeltaError, DeltaInfo, apply_delta, parse_delta, read_delta, save_delta
 from ._distributed import DistributedLoadError
 from ._errors import LoadError, VerifyError
 from ._header import DTYPE_BITS, TORCH_DTYPES, SafetensorsError
@@ -94,6 +99,7 @@ from ._progress import resolve as resolve_progress
 from ._remote import RemoteChangedError, fetch_side_files
 from ._run import LoadIterator, LoadReport
 from ._safe_open import PrefetchLoader, safe_open
+from ._save import save, save_file, tensor_digest
 from ._schemes import is_url, redact_text, redact_url, schemes_text
 from ._source import resolve as resolve_source
 from ._staging_pool import empty_cache
@@ -114,6 +120,8 @@ __all__ = [
     "TORCH_DTYPES",
     "Checkpoint",
     "DType",
+    "DeltaError",
+    "DeltaInfo",
     "Device",
     "DistributedLoadError",
     "LoadError",
@@ -131,6 +139,7 @@ __all__ = [
     "Source",
     "TensorInfo",
     "VerifyError",
+    "apply_delta",
     "default_device",
     "empty_cache",
     "fetch_side_files",
@@ -140,14 +149,20 @@ __all__ = [
     "load",
     "load_file",
     "load_into",
+    "parse_delta",
     "parse_device",
+    "read_delta",
     "redact_text",
     "redact_url",
     "resolve_device",
     "resolve_progress",
     "resolve_source",
     "safe_open",
+    "save",
+    "save_delta",
+    "save_file",
     "schemes_text",
+    "tensor_digest",
     "torch_dtype",
     "wait_for_cache_fills",
 ]

@@ -1,0 +1,424 @@
+"""Deltas: what changed since a base version, saved and applied in place.
+
+The format, defined here once for the trainer's side (``save_delta``) and
+the servers' side (``read_delta``, ``apply_delta``; docs/guides/saving.md,
+"The delta format"):
+
+A delta is a safetensors file (written by ``save_file``, so published
+atomically) whose ``__metadata__`` holds
+
+- ``instant_staging.delta``: ``"1"``, the format's version (a file without
+  it is not a delta);
+- ``instant_staging.base_version``: the version id the delta applies to;
+- ``instant_staging.version``: the version id a model holds once applied;
+- ``instant_staging.sparse``: a JSON object ``{name: shape}`` of the
+  tensors stored sparse, each with its full shape (a list of ints);
+- where asked for, ``instant_staging.digests`` (``save_file``'s, of the
+  file's own tensors).
+
+and whose tensors are
+
+- a tensor stored whole: under its own name, of its own dtype and shape;
+  it replaces the destination's bytes;
+- a tensor stored sparse: two tensors, ``<name>.idx``, 1-D I32 (I64 for a
+  tensor of 2**31 elements or more), the flat positions (row-major, as in
+  ``tensor.view(-1)``) that changed, strictly increasing, each in
+  ``[0, numel)``; and ``<name>.val``, 1-D of the tensor's dtype, the NEW
+  values at those positions (not differences: applying a chain of deltas
+  cannot drift).  Key names and "raw" flat positions as TRL's sparse
+  patches (``trl/experimental/async_grpo``: ``{name}.idx``,
+  ``{name}.val``); unlike those, the base version is named, the layout is
+  in the metadata, not guessed from the names, and I64 positions are
+  allowed.  F4 tensors (two values a byte) and empty ones are always
+  stored whole.
+
+Applying (``apply_delta``) checks everything that can be checked before
+the first byte reaches a destination: the file is a delta of a known
+format; its base version is the one the caller holds; every name has a
+destination of its dtype and shape, contiguous; every position list is
+strictly increasing and in range (read first: positions and values are
+the small part of a delta).  Then sparse tensors are scattered on their
+destination's device, and whole ones written in place by ``load_into``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+from ..defaults import DELTA_BASE_BATCH
+from ._save import VERSION_KEY, _torch_names, save_file
+from ._target import _import_torch
+from ._typing import PathLike, Source
+
+if TYPE_CHECKING:
+    import torch
+
+    from .._staging import StagingBuffer
+
+DELTA_KEY = "instant_staging.delta"
+DELTA_FORMAT = "1"
+BASE_VERSION_KEY = "instant_staging.base_version"
+SPARSE_KEY = "instant_staging.sparse"
+INDICES_SUFFIX = ".idx"
+VALUES_SUFFIX = ".val"
+_INT32_LIMIT = 1 << 31
+
+
+class DeltaError(ValueError):
+    """A delta that cannot be applied: not a delta, another base version, a
+    malformed layout, or a destination that does not match.  Raised before
+    anything is written."""
+
+
+class DeltaInfo(NamedTuple):
+    """What a delta holds (its header alone)."""
+
+    version: str
+    """The version a model holds once the delta is applied."""
+    base_version: str
+    """The version the delta applies to."""
+    full: tuple[str, ...]
+    """Names stored whole."""
+    sparse: dict[str, tuple[int, ...]]
+    """Names stored sparse, with their full shapes."""
+
+
+def indices_key(name: str) -> str:
+    """The key of a sparse tensor's positions."""
+    return name + INDICES_SUFFIX
+
+
+def values_key(name: str) -> str:
+    """The key of a sparse tensor's new values."""
+    return name + VALUES_SUFFIX
+
+
+def parse_delta(metadata: Mapping[str, str] | None,
+                entries: Mapping[str, tuple[str, tuple[int, ...]]]) -> DeltaInfo:
+    """The ``DeltaInfo`` of a file with this ``__metadata__`` and these
+    ``{key: (dtype, shape)}`` (safetensors' dtype names), checked.
+
+    Raises:
+        DeltaError: not a delta, or a layout that breaks the format.
+    """
+    if not metadata or DELTA_KEY not in metadata:
+        raise DeltaError(f"not a delta: its metadata has no {DELTA_KEY!r} (a full checkpoint "
+                         "is loaded with load_into)")
+    if metadata[DELTA_KEY] != DELTA_FORMAT:
+        raise DeltaError(f"a delta of format {metadata[DELTA_KEY]!r}; this version of "
+                         f"instant_staging reads format {DELTA_FORMAT!r}")
+    for key in (BASE_VERSION_KEY, VERSION_KEY):
+        if key not in metadata:
+            raise DeltaError(f"a delta without {key!r} in its metadata")
+    try:
+        sparse_raw = json.loads(metadata.get(SPARSE_KEY, "{}"))
+    except ValueError:
+        raise DeltaError(f"{SPARSE_KEY!r} is not JSON") from None
+    if not isinstance(sparse_raw, dict):
+        raise DeltaError(f"{SPARSE_KEY!r} must be a JSON object of name: shape")
+    sparse = {}
+    taken: set = set()
+    for name, shape in sparse_raw.items():
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise DeltaError(f"sparse tensor {name!r}: its shape must be a list of ints >= 0, "
+                             f"not {shape!r}")
+        ikey, vkey = indices_key(name), values_key(name)
+        for key in (ikey, vkey):
+            if key not in entries:
+                raise DeltaError(f"sparse tensor {name!r}: the file has no {key!r}")
+        (idtype, ishape), (_, vshape) = entries[ikey], entries[vkey]
+        if idtype not in ("I32", "I64") or len(ishape) != 1:
+            raise DeltaError(f"sparse tensor {name!r}: {ikey!r} must be 1-D I32 or I64, not "
+                             f"{idtype} {list(ishape)}")
+        if len(vshape) != 1 or vshape != ishape:
+            raise DeltaError(f"sparse tensor {name!r}: {vkey!r} must be 1-D, as long as "
+                             f"{ikey!r} ({list(vshape)} for {list(ishape)})")
+        if name in entries:
+            raise DeltaError(f"tensor {name!r} is both whole and sparse in the delta")
+        sparse[name] = tuple(shape)
+        taken.update((ikey, vkey))
+    full = tuple(k for k in entries if k not in taken)
+    return DeltaInfo(metadata[VERSION_KEY], metadata[BASE_VERSION_KEY], full, sparse)
+
+
+def read_delta(source: Source, *, storage_options: Mapping | None = None) -> DeltaInfo:
+    """The ``DeltaInfo`` of a delta file (its header only; no data read).
+
+    Args:
+        source: as ``load_file``'s (a delta is usually one file).
+        storage_options: as ``load_file``'s.
+
+    Raises:
+        DeltaError: the source is not a delta, or breaks the format.
+    """
+    from ._checkpoint import Checkpoint
+    with Checkpoint.open(source, storage_options=storage_options) as ck:
+        return _info_of(ck)
+
+
+def _info_of(ck):
+    entries = {n: (ck.info(n).dtype, tuple(ck.info(n).shape)) for n in ck.names()}
+    return parse_delta(ck.metadata(), entries)
+
+
+# -- the trainer's side ------------------------------------------------------------------
+
+def save_delta(tensors: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor] | Source,
+               filename: PathLike, *, base_version: str, version: str,
+               metadata: Mapping[str, str] | None = None, digests: bool = False,
+               sync: bool = True, staging: StagingBuffer | None = None) -> DeltaInfo:
+    """Writes what changed in ``tensors`` since ``base`` as a delta file.
+
+    Each tensor whose bytes differ from the base's is stored sparse (its
+    changed positions and their new values) where that takes fewer bytes
+    than the whole tensor, else whole; unchanged tensors are left out.
+    Bytes are compared, not values (a NaN that stayed is unchanged, a zero
+    that changed sign is changed).  The file is written by ``save_file``
+    (atomically; ``digests``, ``sync``, ``staging`` as there).
+
+    Args:
+        tensors: ``{name: tensor}`` now (any devices).
+        base: the base version: ``{name: tensor}`` or a checkpoint source
+            (read in batches of at most ``DELTA_BASE_BATCH`` bytes to each
+            tensor's device, compared and dropped).  It holds every name of
+            ``tensors`` with the same dtype and shape.
+        filename: where the delta goes.
+        base_version: the version id of ``base``.
+        version: the version id of ``tensors``.
+        metadata: more ``{str: str}`` for the header.
+
+    Returns:
+        The delta's ``DeltaInfo``.
+
+    Raises:
+        ValueError: a name missing from the base, or of another dtype or
+            shape there; a version id that is not a non-empty str.
+    """
+    torch = _import_torch()
+    for label, value in (("base_version", base_version), ("version", version)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{label} must be a non-empty str, not {value!r}")
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"Key `{name}` is invalid, expected torch.Tensor but received "
+                             f"{type(tensor)}")
+    out: dict = {}
+    sparse: dict = {}
+    for name, tensor, old in _pairs(torch, tensors, base):
+        _one(torch, name, tensor.detach(), old, tensors, out, sparse)
+    meta = dict(metadata or {})
+    meta.update({DELTA_KEY: DELTA_FORMAT, BASE_VERSION_KEY: base_version,
+                 SPARSE_KEY: json.dumps({n: list(s) for n, s in sparse.items()},
+                                        ensure_ascii=False, separators=(",", ":"))})
+    save_file(out, filename, meta, version=version, digests=digests, sync=sync, staging=staging)
+    full = tuple(n for n in out if n not in sparse and not _is_sparse_key(n, sparse))
+    return DeltaInfo(version, base_version, full, sparse)
+
+
+def _is_sparse_key(key, sparse):
+    for suffix in (INDICES_SUFFIX, VALUES_SUFFIX):
+        if key.endswith(suffix) and key[:-len(suffix)] in sparse:
+            return True
+    return False
+
+
+def _pairs(torch, tensors, base):
+    """``(name, tensor, base tensor on the tensor's device)`` for every name."""
+    if isinstance(base, Mapping):
+        missing = [n for n in tensors if n not in base]
+        if missing:
+            raise ValueError(f"the base has no tensor {missing[0]!r}"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        for name, tensor in tensors.items():
+            _same_kind(name, tensor, base[name].dtype, tuple(base[name].shape))
+        for name, tensor in tensors.items():
+            yield name, tensor, base[name].detach().to(tensor.device)
+        return
+    from ._checkpoint import Checkpoint
+    names = _torch_names(torch)
+    with Checkpoint.open(base) as ck:
+        have = set(ck.names())
+        missing = [n for n in tensors if n not in have]
+        if missing:
+            raise ValueError(f"the base checkpoint has no tensor {missing[0]!r}"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        for name, tensor in tensors.items():
+            info = ck.info(name)
+            want = names.get(tensor.dtype)
+            shape = tuple(info.shape)
+            if info.dtype == "F4" and shape:
+                shape = shape[:-1] + (shape[-1] // 2,)
+            if want != info.dtype or shape != tuple(tensor.shape):
+                raise ValueError(f"tensor {name!r}: {tensor.dtype} {list(tensor.shape)} here, "
+                                 f"{info.dtype} {list(info.shape)} in the base")
+        batches: dict = {}
+        for name, tensor in tensors.items():
+            batches.setdefault(tensor.device, []).append(name)
+        for device, group in batches.items():
+            batch, size = [], 0
+            for name in group + [None]:
+                nbytes = 0 if name is None else ck.info(name).nbytes
+                if batch and (name is None or size + nbytes > DELTA_BASE_BATCH):
+                    loaded = ck.load(device, names=batch)
+                    for n in batch:
+                        yield n, tensors[n], loaded.pop(n)
+                    batch, size = [], 0
+                if name is not None:
+                    batch.append(name)
+                    size += nbytes
+
+
+def _same_kind(name, tensor, dtype, shape):
+    if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        raise ValueError(f"tensor {name!r}: {tensor.dtype} {list(tensor.shape)} here, "
+                         f"{dtype} {list(shape)} in the base")
+
+
+_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _as_int(torch, tensor):
+    """The tensor's elements as integers of their size (compared and moved as bits)."""
+    return tensor.reshape(-1).view(getattr(torch, _INT_OF_SIZE[tensor.element_size()]))
+
+
+def _one(torch, name, tensor, old, tensors, out, sparse):
+    numel = tensor.numel()
+    if numel == 0:
+        return
+    if tensor.dtype == getattr(torch, "float4_e2m1fn_x2", None):
+        if not torch.equal(tensor.view(torch.uint8), old.view(torch.uint8)):
+            out[name] = tensor
+        return
+    new_bits, old_bits = _as_int(torch, tensor.contiguous()), _as_int(torch, old.contiguous())
+    changed = new_bits != old_bits
+    count = int(changed.sum())
+    if count == 0:
+        return
+    index_dtype = torch.int32 if numel < _INT32_LIMIT else torch.int64
+    index_size = 4 if index_dtype is torch.int32 else 8
+    size = tensor.element_size()
+    ikey, vkey = indices_key(name), values_key(name)
+    if count * (index_size + size) >= numel * size or ikey in tensors or vkey in tensors:
+        out[name] = tensor
+        return
+    positions = changed.nonzero().reshape(-1)
+    out[ikey] = positions.to(index_dtype)
+    out[vkey] = new_bits[positions].view(tensor.dtype)
+    sparse[name] = tuple(tensor.shape)
+
+
+# -- the servers' side -------------------------------------------------------------------
+
+def apply_delta(tensors: Mapping[str, torch.Tensor], delta: Source, *, version: str,
+                storage_options: Mapping | None = None) -> DeltaInfo:
+    """Applies a delta file to ``tensors`` in place.
+
+    Everything is checked before the first byte is written (the module's
+    docstring): then each sparse tensor is scattered into its destination
+    on the destination's device (``view(-1)[positions] = values``) and each
+    whole one written in place by ``load_into``; every destination keeps its
+    storage and ``data_ptr``, and its autograd version is bumped as torch's
+    in-place writes bump it.
+
+    Args:
+        tensors: ``{name: tensor}`` holding version ``version``: every name
+            of the delta has one (others are left alone).
+        delta: the delta's source (as ``load_file``'s).
+        version: the version ``tensors`` hold now; the delta's base version
+            must be it.
+        storage_options: as ``load_file``'s.
+
+    Returns:
+        The delta's ``DeltaInfo`` (``.version``: what ``tensors`` hold now).
+
+    Raises:
+        DeltaError: not a delta, another base version, a missing
+            destination or one of another dtype or shape, a position out of
+            range or out of order; before anything is written.
+        LoadError and others after the first write, with ``written`` (the
+            names written) set on the error where it can hold it.
+    """
+    torch = _import_torch()
+    from ._checkpoint import Checkpoint
+    with Checkpoint.open(delta, storage_options=storage_options) as ck:
+        info = _info_of(ck)
+        if info.base_version != version:
+            raise DeltaError(f"the delta applies to version {info.base_version!r}; the tensors "
+                             f"hold {version!r}: nothing was written")
+        names = _torch_names(torch)
+        for name in info.full:
+            dest = _destination(tensors, name)
+            meta = ck.info(name)
+            shape = tuple(dest.shape)
+            if meta.dtype == "F4" and shape:
+                shape = shape[:-1] + (shape[-1] * 2,)
+            if names.get(dest.dtype) != meta.dtype or tuple(meta.shape) != shape:
+                raise DeltaError(f"tensor {name!r}: the delta holds {meta.dtype} "
+                                 f"{list(meta.shape)}, the destination is {dest.dtype} "
+                                 f"{list(dest.shape)}: nothing was written")
+        for name, shape in info.sparse.items():
+            dest = _destination(tensors, name)
+            vdtype = ck.info(values_key(name)).dtype
+            if names.get(dest.dtype) != vdtype or tuple(dest.shape) != shape:
+                raise DeltaError(f"tensor {name!r}: the delta holds {vdtype} {list(shape)}, the "
+                                 f"destination is {dest.dtype} {list(dest.shape)}: nothing was "
+                                 "written")
+        patches = _load_patches(torch, ck, tensors, info)
+        written: list = []
+        try:
+            with torch.no_grad():
+                for name, (positions, values) in patches.items():
+                    dest = tensors[name]
+                    _as_int(torch, dest)[positions] = _as_int(torch, values)
+                    written.append(name)
+                groups: dict = {}
+                for name in info.full:
+                    groups.setdefault(tensors[name].device, {})[name] = tensors[name]
+                for group in groups.values():
+                    ck.load_into(group, names=list(group))
+                    written.extend(group)
+        except BaseException as e:
+            try:
+                e.written = tuple(written) + tuple(getattr(e, "written", ()) or ())  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+            raise
+    return info
+
+
+def _destination(tensors, name):
+    dest = tensors.get(name)
+    if dest is None:
+        raise DeltaError(f"the delta writes tensor {name!r}, which has no destination: nothing "
+                         "was written")
+    if not dest.is_contiguous():
+        raise DeltaError(f"the destination of {name!r} is not contiguous: nothing was written")
+    return dest
+
+
+def _load_patches(torch, ck, tensors, info):
+    """Every sparse tensor's (positions as int64, values) on its
+    destination's device, the positions checked."""
+    by_device: dict = {}
+    for name in info.sparse:
+        by_device.setdefault(tensors[name].device, []).append(name)
+    out = {}
+    for device, group in by_device.items():
+        keys = [k for n in group for k in (indices_key(n), values_key(n))]
+        loaded = ck.load(device, names=keys)
+        for name in group:
+            positions = loaded.pop(indices_key(name)).to(torch.int64)
+            numel = tensors[name].numel()
+            if positions.numel():
+                bad = bool((positions[1:] <= positions[:-1]).any()) if positions.numel() > 1 \
+                    else False
+                if bad or int(positions[0]) < 0 or int(positions[-1]) >= numel:
+                    raise DeltaError(f"sparse tensor {name!r}: its positions must be strictly "
+                                     f"increasing and in [0, {numel}): nothing was written")
+            out[name] = (positions, loaded.pop(values_key(name)))
+    return out

@@ -1,0 +1,178 @@
+"""Deltas (docs/guides/saving.md, "The delta format"): save_delta writes
+what changed, sparse where smaller; apply_delta checks the base version and
+every destination before the first write, then writes in place."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+st = pytest.importorskip("safetensors.torch")
+import safetensors
+
+from instant_staging.loader import (
+    DeltaError,
+    apply_delta,
+    parse_delta,
+    read_delta,
+    save_delta,
+    save_file,
+)
+
+
+def model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed": torch.randn(64, 32, generator=g).bfloat16(),
+        "layer.0.w": torch.randn(32, 32, generator=g),
+        "layer.0.b": torch.randn(32, generator=g),
+        "ids": torch.arange(10, dtype=torch.int64),
+        "mask": torch.zeros(16, dtype=torch.bool),
+        "f8": torch.randn(40, generator=g).to(torch.float8_e4m3fn),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(1.5),
+    }
+
+
+def stepped(base):
+    """A training step: a few positions of most tensors, all of one."""
+    new = {n: t.clone() for n, t in base.items()}
+    new["embed"].view(-1)[[3, 700, 1500]] += 1
+    new["layer.0.w"].view(-1)[5] = float("nan")
+    new["layer.0.b"] += 0.5                      # every element: stored whole
+    new["mask"][2] = True
+    new["f8"].view(torch.uint8)[7] ^= 1
+    new["scalar"].fill_(-0.0 if base["scalar"].item() == 0 else 2.5)
+    return new
+
+
+def bytes_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("base_as", ["dict", "file"])
+def test_a_delta_holds_only_what_changed_and_applies_to_the_new_bytes(tmp_path, base_as):
+    base = model()
+    new = stepped(base)
+    base_arg = base
+    if base_as == "file":
+        save_file(base, tmp_path / "base.safetensors")
+        base_arg = tmp_path / "base.safetensors"
+    info = save_delta(new, base_arg, tmp_path / "d.safetensors", base_version="v1", version="v2")
+    assert set(info.sparse) == {"embed", "layer.0.w", "mask", "f8"}
+    assert set(info.full) == {"layer.0.b", "scalar"}
+    assert read_delta(tmp_path / "d.safetensors") == info
+    raw = st.load_file(tmp_path / "d.safetensors")
+    assert raw["embed.idx"].tolist() == [3, 700, 1500] and raw["embed.idx"].dtype == torch.int32
+    assert raw["embed.val"].dtype == torch.bfloat16      # the new values, not differences
+    assert torch.equal(raw["embed.val"], new["embed"].view(-1)[[3, 700, 1500]])
+    assert "ids" not in raw and "empty" not in raw       # unchanged: left out
+
+    dest = {n: t.clone() for n, t in base.items()}
+    ptrs = {n: t.data_ptr() for n, t in dest.items()}
+    versions = {n: t._version for n, t in dest.items()}
+    assert apply_delta(dest, tmp_path / "d.safetensors", version="v1").version == "v2"
+    assert all(bytes_equal(dest[n], new[n]) for n in new)
+    assert {n: t.data_ptr() for n, t in dest.items()} == ptrs
+    assert all(dest[n]._version > versions[n] for n in info.sparse)
+
+
+def test_a_delta_for_another_version_writes_nothing(tmp_path):
+    base = model()
+    save_delta(stepped(base), base, tmp_path / "d.safetensors", base_version="v1", version="v2")
+    dest = {n: t.clone() for n, t in base.items()}
+    with pytest.raises(DeltaError, match=r"version 'v1'.*'v7'"):
+        apply_delta(dest, tmp_path / "d.safetensors", version="v7")
+    assert all(bytes_equal(dest[n], base[n]) for n in base)
+
+
+@pytest.mark.parametrize("break_it, words", [
+    (lambda d: d.pop("layer.0.b"), "no destination"),           # a whole tensor's
+    (lambda d: d.pop("embed"), "no destination"),               # a sparse tensor's
+    (lambda d: d.__setitem__("embed", torch.zeros(64, 32)), "destination is torch.float32"),
+    (lambda d: d.__setitem__("layer.0.b", torch.zeros(33)), "destination"),
+    (lambda d: d.__setitem__("layer.0.w", torch.zeros(32, 32).t()), "not contiguous"),
+])
+def test_a_mismatched_destination_is_refused_before_any_write(tmp_path, break_it, words):
+    base = model()
+    save_delta(stepped(base), base, tmp_path / "d.safetensors", base_version="v1", version="v2")
+    dest = {n: t.clone() for n, t in base.items()}
+    break_it(dest)
+    before = {n: t.clone() for n, t in dest.items()}
+    with pytest.raises(DeltaError, match=words):
+        apply_delta(dest, tmp_path / "d.safetensors", version="v1")
+    assert all(bytes_equal(dest[n], before[n]) for n in dest)
+
+
+def test_positions_out_of_range_or_order_are_refused_before_any_write(tmp_path):
+    meta = {"instant_staging.delta": "1", "instant_staging.base_version": "a",
+            "instant_staging.version": "b", "instant_staging.sparse": json.dumps({"w": [4]})}
+    dest = {"w": torch.zeros(4), "v": torch.zeros(2)}
+    for positions in ([1, 4], [2, 1], [-1, 2], [1, 1]):
+        save_file({"w.idx": torch.tensor(positions, dtype=torch.int32),
+                   "w.val": torch.ones(2), "v": torch.ones(2)}, tmp_path / "d.safetensors", meta)
+        with pytest.raises(DeltaError, match="strictly increasing"):
+            apply_delta(dest, tmp_path / "d.safetensors", version="a")
+        assert not dest["w"].any() and not dest["v"].any()
+
+
+def test_the_format_is_checked_from_the_header():
+    good = {"instant_staging.delta": "1", "instant_staging.base_version": "a",
+            "instant_staging.version": "b", "instant_staging.sparse": '{"w":[2,3]}'}
+    entries = {"w.idx": ("I64", (2,)), "w.val": ("F32", (2,)), "full": ("BF16", (4,))}
+    info = parse_delta(good, entries)
+    assert info.sparse == {"w": (2, 3)} and info.full == ("full",)
+    cases = [
+        (None, entries, "not a delta"),
+        ({**good, "instant_staging.delta": "2"}, entries, "format '2'"),
+        ({k: v for k, v in good.items() if k != "instant_staging.base_version"}, entries, "base_version"),
+        ({**good, "instant_staging.sparse": "[1]"}, entries, "JSON object"),
+        ({**good, "instant_staging.sparse": '{"w":[2,-3]}'}, entries, "shape"),
+        (good, {"w.val": ("F32", (2,))}, "no 'w.idx'"),
+        (good, {**entries, "w.idx": ("F32", (2,))}, "I32 or I64"),
+        (good, {**entries, "w.val": ("F32", (3,))}, "as long as"),
+        (good, {**entries, "w": ("F32", (2, 3))}, "both whole and sparse"),
+    ]
+    for meta, ents, words in cases:
+        with pytest.raises(DeltaError, match=words):
+            parse_delta(meta, ents)
+
+
+def test_a_full_checkpoint_is_not_a_delta(tmp_path):
+    save_file(model(), tmp_path / "full.safetensors")
+    with pytest.raises(DeltaError, match="not a delta"):
+        apply_delta(model(), tmp_path / "full.safetensors", version="v1")
+
+
+def test_save_delta_refuses_a_base_that_does_not_match(tmp_path):
+    base = model()
+    new = stepped(base)
+    with pytest.raises(ValueError, match="no tensor 'extra'"):
+        save_delta({**new, "extra": torch.ones(1)}, base, tmp_path / "d", base_version="a", version="b")
+    with pytest.raises(ValueError, match="in the base"):
+        save_delta({**new, "ids": torch.arange(11)}, base, tmp_path / "d", base_version="a", version="b")
+    with pytest.raises(ValueError, match="version"):
+        save_delta(new, base, tmp_path / "d", base_version="", version="b")
+
+
+def test_a_sparse_name_whose_keys_collide_is_stored_whole(tmp_path):
+    base = {"w": torch.zeros(100), "w.idx": torch.zeros(3)}
+    new = {"w": base["w"].clone(), "w.idx": base["w.idx"].clone()}
+    new["w"][5] = 1
+    info = save_delta(new, base, tmp_path / "d.safetensors", base_version="a", version="b")
+    assert info.sparse == {} and info.full == ("w",)
+
+
+def test_a_chain_of_deltas_has_no_drift_and_digests_cover_the_file(tmp_path):
+    cur = model(1)
+    dest = {n: t.clone() for n, t in cur.items()}
+    for step in range(3):
+        new = stepped(cur)
+        path = tmp_path / f"d{step}.safetensors"
+        save_delta(new, cur, path, base_version=f"v{step}", version=f"v{step + 1}", digests=True)
+        apply_delta(dest, path, version=f"v{step}")
+        cur = new
+    assert all(bytes_equal(dest[n], cur[n]) for n in cur)
+    with safetensors.safe_open(path, "pt") as f:
+        assert "instant_staging.digests" in f.metadata()
