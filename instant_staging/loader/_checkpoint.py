@@ -74,6 +74,7 @@ class Checkpoint:
         self._closed = False
         self.open_seconds = opened_seconds
         self._info_table = None     # made when first asked: a load needs none
+        self._opened_as = None      # (source, storage_options, cache_dir): reopen()
 
     @property
     def _infos(self):
@@ -117,7 +118,9 @@ class Checkpoint:
                 # Made here, not by the caller: a Ctrl-C as a call returns
                 # would drop the open shards out of anyone's reach.  Once
                 # made, the Checkpoint closes them when it is collected.
-                return cls(shards, time.perf_counter() - t0)
+                checkpoint = cls(shards, time.perf_counter() - t0)
+                checkpoint._opened_as = (_kept(source), storage_options, cache_dir)    # reopen()
+                return checkpoint
             except BaseException:
                 shards.close()      # (idempotent: a Checkpoint made above closes nothing twice)
                 raise
@@ -180,6 +183,40 @@ class Checkpoint:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def reopen(self) -> "Checkpoint":
+        """Opens this checkpoint's source again, as it is now, and closes this one.
+
+        For a checkpoint whose files changed since it was opened (a trainer
+        copying its next step over them; an object replaced): its loads
+        raise ``CheckpointChangedError`` before reading anything, and do so
+        until it is reopened.  The new checkpoint is a new value (its own
+        names, headers and files); this one is closed only once the new one
+        is open, so a reopen that fails leaves it as it was, and its loads
+        still running keep their files until they end (a closed one may be
+        reopened too).
+
+            try:
+                ck.load_into(state_dict)
+            except CheckpointChangedError:
+                ck = ck.reopen()
+                ck.load_into(state_dict)
+
+        Returns:
+            The new open ``Checkpoint``, of the same source, storage_options
+            and cache_dir.
+
+        Raises:
+            ValueError: this checkpoint was not made by ``open``.
+            as ``Checkpoint.open``.
+        """
+        opened_as = self._opened_as
+        if opened_as is None:
+            raise ValueError("this checkpoint was not made by Checkpoint.open: open its source again")
+        source, storage_options, cache_dir = opened_as
+        new = type(self).open(source, storage_options=storage_options, cache_dir=cache_dir)
+        self.close()
+        return new
 
     # -- loading -------------------------------------------------------------------
 
@@ -363,6 +400,12 @@ class Checkpoint:
     def __repr__(self):
         state = "closed" if self._closed else f"{len(self._infos)} tensors, {self.nbytes} bytes"
         return f"<instant_staging Checkpoint of {len(self._shards.paths)} file(s), {state}>"
+
+
+def _kept(source):
+    """``source`` as ``reopen`` opens it again: a list of shards copied (the
+    caller's list may change after the open)."""
+    return list(source) if isinstance(source, (list, tuple)) else source
 
 
 def _shards(source, storage_options, cache_dir=None):

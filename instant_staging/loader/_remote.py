@@ -61,7 +61,7 @@ import traceback
 from collections.abc import Mapping
 from urllib.parse import unquote, urlsplit
 
-from ._errors import LoadError
+from ._errors import CheckpointChangedError, LoadError
 from ._header import SafetensorsError, header_length, parse_header
 from ._shards import Shards
 from ._source import INDEX_NAME, INDEX_SUFFIX, SHARD_SUFFIX, Source, parse_index
@@ -83,8 +83,10 @@ RETRY_SECONDS = 60.0
 _BACKOFF = 0.1
 
 
-class RemoteChangedError(LoadError):
-    """An object changed (another ETag or version) while it was loaded."""
+class RemoteChangedError(CheckpointChangedError):
+    """An object changed (another ETag or version) since it was opened: its
+    checkpoint reads it no more (every answer is compared with the version
+    pinned at the open); ``Checkpoint.reopen()`` pins the new one."""
 
 
 def is_url(source) -> bool:
@@ -399,7 +401,8 @@ def _classify(obstore, exc, url, what):
             isinstance(exc, errors.GenericError) and "precondition" in str(exc).lower()):
         # (a 412 met by the client's own resume of a cut body is a GenericError)
         return RemoteChangedError(f"{url}: the object changed while it was loaded (its ETag or "
-                                  "version is not the one its header was read from): load again",
+                                  "version is not the one its header was read from): reopen the "
+                                  "checkpoint (Checkpoint.reopen()) and load again",
                                   url)
     return OSError(f"{url}: {what} failed: {_describe(exc)}")
 
@@ -634,7 +637,8 @@ def _check_unchanged(obj, meta, url):
     changed = obj.changed(meta)
     if changed is not None:
         raise RemoteChangedError(f"{url}: the object changed while it was loaded ({changed}; "
-                                 "the server did not refuse the request): load again", url)
+                                 "the server did not refuse the request): reopen the checkpoint "
+                                 "(Checkpoint.reopen()) and load again", url)
 
 
 # -- the checkpoint ---------------------------------------------------------------
