@@ -659,3 +659,38 @@ def test_a_reload_between_forward_and_backward_makes_backward_raise(tmp_path, mo
     with pytest.raises(LoadError):
         load_into(path, model.state_dict())
     assert all(v._version > versions[k] for k, v in model.state_dict().items())
+
+
+# -- what a mutation run found untested (issue 53) -----------------------------------
+
+def test_a_merged_copy_never_runs_into_the_next_allocation():
+    # Two allocations back to back in memory (the caching allocator's
+    # segments may be): a tensor following in the file and in memory, but
+    # in the next allocation, starts a copy of its own.
+    class E:
+        def __init__(self, name, begin, end):
+            self.name, self.begin, self.end, self.nbytes = name, begin, end, end - begin
+    at = {"a": 1000, "b": 1016, "c": 1032, "d": 1048}
+    allocations = {"a": (1000, 32), "b": (1000, 32), "c": (1032, 32), "d": (1032, 32)}
+    entries = [(0, E(n, 16 * k, 16 * k + 16)) for k, n in enumerate("abcd")]
+    assert _into.joins(entries, at.get, allocations.get) == [False, True, False, True]
+    # d only partly inside c's allocation: no join either
+    allocations = {"a": (1000, 32), "b": (1000, 32), "c": (1032, 24), "d": (1032, 24)}
+    assert _into.joins(entries, at.get, allocations.get) == [False, True, False, False]
+
+
+def test_written_is_in_reading_order_whatever_the_finishing_order():
+    error = LoadError("boom")
+    _into._name_written(error, ["d", "a", "c"], ["a", "b", "c", "d", "e"])
+    assert error.written == ["a", "c", "d"] and error.unwritten == ["b", "e"]
+    assert "3 of 5 tensor(s) written before the failure ('a', 'c', 'd')" in str(error)
+
+
+def test_the_module_level_load_into_takes_strict_false(tmp_path):
+    full = {"a": torch.randn(10), "b": torch.randn(10)}
+    path = save(tmp_path, full)
+    dests = {"b": torch.zeros(10)}
+    with pytest.raises(ValueError, match="strict=False skips them"):
+        load_into(path, dests)
+    report = load_into(path, dests, strict=False)
+    assert torch.equal(dests["b"], full["b"]) and report.tensors == 1
