@@ -54,7 +54,7 @@ from collections.abc import Mapping
 from ._errors import LoadError
 from ._header import torch_shape
 from ._options import LoadOptions
-from ._prepare import check_selection, planned
+from ._prepare import check_selection, planned, throttled
 from ._run import LoadIterator
 from ._target import _import_torch, _TorchTarget, parse_device
 
@@ -350,6 +350,7 @@ def prepare(checkpoint, dests, torch, device, names, plan, strict, opts):
             shards.select_rows(selected_plan)
         else:
             shards.select(selected_names)
+        throttled(shards, opts)
         target = InPlace(torch, device, dests)
         dtypes = target.dtypes(shards.entries, shards.paths)
         check_entries(shards, dtypes, dests, rows=selected_plan is not None)
