@@ -50,7 +50,8 @@ benchmarks), who import nothing from an underscored module of it
   ``apply_delta``, ``read_delta``, ``parse_delta``, ``DeltaInfo``,
   ``DeltaError`` (the format, defined once for both sides: ``_delta.py``);
 - the errors: ``SafetensorsError``, ``LoadError``, ``VerifyError``,
-  ``DistributedLoadError``, ``RemoteChangedError``, ``MissingNameError``;
+  ``DistributedLoadError``, ``CheckpointChangedError`` (and its
+  ``RemoteChangedError``), ``MissingNameError``;
 - ``DEFAULT_CHUNK_SIZE``, ``DEFAULT_IO_DEPTH``; the variables' names
   ``ENV_CHUNK_SIZE``, ``ENV_IO_DEPTH``, ``ENV_THREADS``, ``ENV_KEEP_STAGING``;
 - ``redact_url(url)``, ``redact_text(text)``: a URL (every URL in a text)
@@ -81,7 +82,7 @@ from ._cache import wait_for_cache_fills
 from ._checkpoint import Checkpoint, TensorInfo
 from ._delta import DeltaError, DeltaInfo, apply_delta, parse_delta, read_delta, save_delta
 from ._distributed import DistributedLoadError
-from ._errors import LoadError, VerifyError
+from ._errors import CheckpointChangedError, LoadError, VerifyError
 from ._header import DTYPE_BITS, TORCH_DTYPES, SafetensorsError
 from ._into import MissingNameError
 from ._load import iter_load, load_file, load_into
@@ -119,6 +120,7 @@ __all__ = [
     "ENV_THREADS",
     "TORCH_DTYPES",
     "Checkpoint",
+    "CheckpointChangedError",
     "DType",
     "DeltaError",
     "DeltaInfo",

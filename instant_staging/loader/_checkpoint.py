@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 from . import _entries, _gc
 from ._cache import Cache, cached
 from ._cache import directory as cache_directory
-from ._options import LoadOptions
+from ._options import LoadOptions, bandwidth_cap
 from ._prepare import (
     check_selection,
     early_staging,
@@ -35,6 +35,7 @@ from ._run import LoadIterator, LoadReport
 from ._schemes import Stores, is_url, schemes_text
 from ._shards import Shards
 from ._source import resolve
+from ._throttle import Throttle
 from ._typing import CacheDir, Device, DType, Names, Source
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class Checkpoint:
         self._closed = False
         self.open_seconds = opened_seconds
         self._info_table = None     # made when first asked: a load needs none
+        self._opened_as = None      # Checkpoint.open's arguments: reopen()
 
     @property
     def _infos(self):
@@ -86,7 +88,7 @@ class Checkpoint:
 
     @classmethod
     def open(cls, source: Source, *, storage_options: Optional[Mapping] = None,
-             cache_dir: CacheDir = None) -> "Checkpoint":
+             cache_dir: CacheDir = None, max_bytes_per_second: Optional[int] = None) -> "Checkpoint":
         """Opens ``source``: resolves its shards and parses every header.
 
         A URL's objects are resolved through the object store.
@@ -97,6 +99,11 @@ class Checkpoint:
                 (as ``load_file``'s); default None.
             cache_dir: for a URL source, the local cache (as ``load_file``'s);
                 its loads read the objects it holds and fill it with the rest.
+            max_bytes_per_second: for a URL source, the most bytes per second
+                the open fetches (each object's first GET, of up to a MiB,
+                whose bytes past the header the first load reads instead of
+                fetching them again); None: as ``load_file``'s.  A load
+                takes its own (``load``'s option).
 
         Returns:
             The open ``Checkpoint`` (a context manager).
@@ -110,7 +117,8 @@ class Checkpoint:
         """
         t0 = time.perf_counter()
         try:
-            shards, src = _shards(source, storage_options, cache_dir)     # nothing opened yet
+            shards, src = _shards(source, storage_options, cache_dir,     # nothing opened yet
+                                  max_bytes_per_second)
             try:
                 shards.open(src.paths)
                 src.check(shards)
@@ -118,7 +126,10 @@ class Checkpoint:
                 # Made here, not by the caller: a Ctrl-C as a call returns
                 # would drop the open shards out of anyone's reach.  Once
                 # made, the Checkpoint closes them when it is collected.
-                return cls(shards, time.perf_counter() - t0)
+                checkpoint = cls(shards, time.perf_counter() - t0)
+                checkpoint._opened_as = (_kept(source), storage_options, cache_dir,   # reopen()
+                                         max_bytes_per_second)
+                return checkpoint
             except BaseException:
                 shards.close()      # (idempotent: a Checkpoint made above closes nothing twice)
                 raise
@@ -181,6 +192,41 @@ class Checkpoint:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def reopen(self) -> "Checkpoint":
+        """Opens this checkpoint's source again, as it is now, and closes this one.
+
+        For a checkpoint whose files changed since it was opened (a trainer
+        copying its next step over them; an object replaced): its loads
+        raise ``CheckpointChangedError`` before reading anything, and do so
+        until it is reopened.  The new checkpoint is a new value (its own
+        names, headers and files); this one is closed only once the new one
+        is open, so a reopen that fails leaves it as it was, and its loads
+        still running keep their files until they end (a closed one may be
+        reopened too).
+
+            try:
+                ck.load_into(state_dict)
+            except CheckpointChangedError:
+                ck = ck.reopen()
+                ck.load_into(state_dict)
+
+        Returns:
+            The new open ``Checkpoint``, of the same source, storage_options,
+            cache_dir and max_bytes_per_second.
+
+        Raises:
+            ValueError: this checkpoint was not made by ``open``.
+            as ``Checkpoint.open``.
+        """
+        opened_as = self._opened_as
+        if opened_as is None:
+            raise ValueError("this checkpoint was not made by Checkpoint.open: open its source again")
+        source, storage_options, cache_dir, cap = opened_as
+        new = type(self).open(source, storage_options=storage_options, cache_dir=cache_dir,
+                              max_bytes_per_second=cap)
+        self.close()
+        return new
 
     # -- loading -------------------------------------------------------------------
 
@@ -366,15 +412,23 @@ class Checkpoint:
         return f"<instant_staging Checkpoint of {len(self._shards.paths)} file(s), {state}>"
 
 
-def _shards(source, storage_options, cache_dir=None):
+def _kept(source):
+    """``source`` as ``reopen`` opens it again: a list of shards copied (the
+    caller's list may change after the open)."""
+    return list(source) if isinstance(source, (list, tuple)) else source
+
+
+def _shards(source, storage_options, cache_dir=None, max_bytes_per_second=None):
     """``(shards, Source)``: the files, or objects, of ``source``, resolved;
     none opened yet (``Shards.open``)."""
+    cap = bandwidth_cap(max_bytes_per_second)
     if is_url(source):
         directory = cache_directory(cache_dir)
         cache = Cache(directory) if directory is not None else None
         src, objects = resolve_url(source, Stores(storage_options))
         shards = RemoteShards(objects)
         shards.cache = cache
+        shards.throttle = Throttle(cap) if cap is not None else None     # (the open's)
         return shards, src
     if storage_options is not None:
         raise ValueError(f"storage_options apply to a URL source ({schemes_text()}), "

@@ -48,6 +48,13 @@ class VerifyError(LoadError):
     """verify=True found a tensor whose memory differs from its file bytes."""
 
 
+class CheckpointChangedError(LoadError):
+    """A file (or object) of an open checkpoint is not the one it was opened
+    at: a load of it would read the new bytes at the old header's offsets.
+    Raised before any byte of the load is read where the change is seen
+    then; ``Checkpoint.reopen()`` opens the source again, as it is now."""
+
+
 class MissingTensorError(KeyError, UpstreamError):
     """``safe_open`` has no tensor of that name (safetensors raises its
     SafetensorError, torch code expects a KeyError: both catch it)."""

@@ -54,7 +54,7 @@ from collections.abc import Mapping
 from ._errors import LoadError
 from ._header import torch_shape
 from ._options import LoadOptions
-from ._prepare import check_selection, planned
+from ._prepare import check_selection, planned, throttled
 from ._run import LoadIterator
 from ._target import _import_torch, _TorchTarget, parse_device
 
@@ -330,6 +330,11 @@ class InPlace(_TorchTarget):
     def result(self, handle):
         return handle
 
+    def written(self):
+        """The load wrote into the destinations (or may have, part-way):
+        their autograd versions bumped (``bump_versions``)."""
+        bump_versions(self.torch, list(self.dests.values()))
+
     # before_copies (the _TorchTarget's): on a GPU, waits for the work
     # queued on the device's current stream, which may still read the
     # destinations (a forward pass); the copies run on the readers' streams.
@@ -345,6 +350,7 @@ def prepare(checkpoint, dests, torch, device, names, plan, strict, opts):
             shards.select_rows(selected_plan)
         else:
             shards.select(selected_names)
+        throttled(shards, opts)
         target = InPlace(torch, device, dests)
         dtypes = target.dtypes(shards.entries, shards.paths)
         check_entries(shards, dtypes, dests, rows=selected_plan is not None)
@@ -370,7 +376,32 @@ def write(prepared, began=None, opened=0.0):
     except BaseException as e:
         _name_written(e, written, it.names)
         raise
+    finally:
+        # (a failure part-way too: an unwritten destination may hold some
+        # of the new bytes)
+        prepared.target.written()
     return it.report
+
+
+def bump_versions(torch, tensors):
+    """Bumps the autograd version counter of each of ``tensors``, as torch's
+    own in-place writes do (``load_state_dict``'s ``copy_`` among them): a
+    backward that saved one of them before the write then raises ("modified
+    by an inplace operation") instead of mixing the activations of the old
+    weights with the new ones.  One call for them all where torch takes a
+    list (``torch.autograd.graph.increment_version``, whose list form came
+    after torch 2.1); else one call each.  An inference tensor has no
+    counter: newer torch skips it, and so does the fallback."""
+    try:
+        from torch.autograd.graph import increment_version
+    except ImportError:         # (torch before 2.1's public name)
+        increment_version = torch._C._increment_version
+    try:
+        increment_version(tensors)
+    except TypeError:           # one tensor a call
+        for t in tensors:
+            if not t.is_inference():
+                increment_version(t)
 
 
 def _name_written(error, written, names):

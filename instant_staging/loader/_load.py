@@ -60,7 +60,8 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
         def parts():
             options = build()
             target = checked_target(device, dtype)
-            with Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir) as checkpoint:
+            with Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir,
+                                 max_bytes_per_second=options.max_bytes_per_second) as checkpoint:
                 return options, target, checkpoint._hold()
         return load_shared(parts, names, None, process_group, began)
     opts = build()
@@ -75,7 +76,8 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     early = early_staging(parsed, opts, is_url(source))
     try:
         try:
-            checkpoint = Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir)
+            checkpoint = Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir,
+                                         max_bytes_per_second=opts.max_bytes_per_second)
         except Exception:
             usable_target(parsed)
             raise
@@ -218,5 +220,6 @@ def load_into(source: Source, tensors: Mapping[str, "torch.Tensor"], *, names: N
     from ._into import load_into as into
     began = time.perf_counter()
     args = checked(tensors, strict, options)
-    with Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir) as checkpoint:
+    with Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir,
+                         max_bytes_per_second=args[0].max_bytes_per_second) as checkpoint:
         return into(checkpoint, args, names, plan, strict, began, checkpoint.open_seconds)

@@ -45,7 +45,7 @@ from ..defaults import (
     staging_segment_size,
 )
 from . import _blocks, _entries, _gc, _staging_pool
-from ._errors import LoadError
+from ._errors import CheckpointChangedError, LoadError
 from ._options import LoadOptions, torch_dtype
 from ._target import _import_torch, _TorchTarget, parse_device
 from ._throttle import Throttle
@@ -121,6 +121,24 @@ def select(shards, names, plan):
             shards.select_rows(plan)
         else:
             shards.select(names)
+
+
+def check_unchanged(shards):
+    """Raises ``CheckpointChangedError`` where a file the load of ``shards``
+    (its selection) reads was written to since it was opened
+    (``Shards.changed``): its bytes are no longer at the offsets of the
+    header parsed then, and the load would write them into its
+    destinations (a trainer copying its next step over the file a server
+    keeps open).  Asked at the start of every load, before any byte is
+    read; a change during the load is ``_run.written_while_read``'s."""
+    changed = shards.changed()
+    if changed:
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise CheckpointChangedError(
+            f"{changed[0]}{more}: the file was written to since the checkpoint was opened (its "
+            "modification time or size changed), so its tensors are no longer where its header "
+            "said: nothing was read; reopen the checkpoint (Checkpoint.reopen(), or open the "
+            "source again) to load the file as it is now", changed[0])
 
 
 def throttled(shards, options: LoadOptions):
@@ -486,6 +504,7 @@ def planned(shards, target, dtypes, options: LoadOptions, faults=None, joins=Non
     started (``early``, begun at the door, where it fits; else kept aside
     until the load ends).  On any exception the buffer being made is given
     back (``early`` stays the door's to discard)."""
+    check_unchanged(shards)
     if faults is None:
         faults = fault_plan(options.staging)
     reads = plan_chunks(shards, target, dtypes, options.chunk_size, faults, options.views, joins)
@@ -527,6 +546,7 @@ def prepare_share(shards, target, options: LoadOptions, names=None, plan=None) -
     which the ranks agree on; the reads are the group's."""
     try:
         select(shards, names, plan)
+        check_unchanged(shards)
         throttled(shards, options)
         with _gc.paused():
             resident = shards.resident() if options.tuned else False

@@ -24,7 +24,9 @@ GET, every object of the checkpoint at once: a checkpoint's start is round
 trips, not bytes), whose answer also carries the object's size, ETag and
 version; a second GET only for a longer header (or a HEAD, where that GET
 failed for a reason the HEAD names again, such as an empty object's 416).
-The header is validated exactly as a local file's.  The data ranges are
+The header is validated exactly as a local file's; under a bandwidth cap
+the rest of that GET's bytes (the first tensors') are kept for the
+checkpoint's first load, which fetches only what follows them.  The data ranges are
 then fetched for the loader's reader threads (``Pipeline(fetch=)``): one
 ranged GET per chunk, copied into a staging slot, as many in flight as
 there are readers, started ahead of them (``RemoteShards.prefetch``).
@@ -57,7 +59,7 @@ import threading
 import time
 import traceback
 
-from ._errors import LoadError
+from ._errors import CheckpointChangedError, LoadError
 from ._header import SafetensorsError, header_length, parse_header
 from ._schemes import (
     ClientPanic,
@@ -91,8 +93,10 @@ _BACKOFF = 0.1
 _safe = redact_url
 
 
-class RemoteChangedError(LoadError):
-    """An object changed (another ETag or version) while it was loaded."""
+class RemoteChangedError(CheckpointChangedError):
+    """An object changed (another ETag or version) since it was opened: its
+    checkpoint reads it no more (every answer is compared with the version
+    pinned at the open); ``Checkpoint.reopen()`` pins the new one."""
 
 
 class _Object:
@@ -142,7 +146,8 @@ def _classify(obstore, exc, url, what):
             isinstance(exc, errors.GenericError) and "precondition" in str(exc).lower()):
         # (a 412 met by the client's own resume of a cut body is a GenericError)
         return RemoteChangedError(f"{url}: the object changed while it was loaded (its ETag or "
-                                  "version is not the one its header was read from): load again",
+                                  "version is not the one its header was read from): reopen the "
+                                  "checkpoint (Checkpoint.reopen()) and load again",
                                   url)
     return OSError(f"{url}: {what} failed: {describe(exc)}")
 
@@ -249,6 +254,9 @@ class _Requests:
     def __init__(self):
         self._lock = threading.Lock()
         self._loop = self._thread = None
+        # asyncio, kept from the start for close(): a close at interpreter
+        # exit (a finalizer) can no longer import it.
+        self._asyncio = None
 
     def run(self, make, stop, timeout):
         """``await make()`` on the loop: its result, or its exception;
@@ -293,16 +301,17 @@ class _Requests:
                 thread = threading.Thread(target=loop.run_forever, daemon=True,
                                           name="instant_staging-requests")
                 thread.start()
-                self._loop, self._thread = loop, thread
+                self._loop, self._thread, self._asyncio = loop, thread, asyncio
             return self._loop
 
     def close(self):
-        """Cancels what is left and joins the loop's thread (idempotent)."""
-        import asyncio
+        """Cancels what is left and joins the loop's thread (idempotent; the
+        next request starts another)."""
         with self._lock:
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is None:
             return
+        asyncio = self._asyncio
 
         async def stop():
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -377,7 +386,8 @@ def _check_unchanged(obj, meta, url):
     changed = obj.changed(meta)
     if changed is not None:
         raise RemoteChangedError(f"{url}: the object changed while it was loaded ({changed}; "
-                                 "the server did not refuse the request): load again", url)
+                                 "the server did not refuse the request): reopen the checkpoint "
+                                 "(Checkpoint.reopen()) and load again", url)
 
 
 # -- the checkpoint ---------------------------------------------------------------
@@ -392,7 +402,8 @@ class RemoteShards(Shards):
     from_url = True
     # The local cache of the objects (``_cache.Cache``), where the open has one.
     cache = None
-    # A load's bandwidth cap (``_throttle.Throttle``), set on its share.
+    # A bandwidth cap (``_throttle.Throttle``): the open's, then each load's
+    # own, set on its share (``_prepare.throttled``).
     throttle = None
 
     def changed(self):
@@ -402,6 +413,11 @@ class RemoteShards(Shards):
 
     def __init__(self, objects):
         self._objects = list(objects)
+        # {index: (offset, bytes)}: what a capped open's first GET of each
+        # object brought past its header, the first tensors' bytes: the
+        # first load reads them from here instead of fetching them again
+        # (``_kept_part``).
+        self._kept = {}
         # The load's read-ahead (``prefetch``), on its share.
         self._ahead = None
         self._error = None
@@ -414,9 +430,16 @@ class RemoteShards(Shards):
 
     def share(self, release):
         # A load's own error and stop: one load's cancel stops only its fetches.
-        view = super().share(release)
+        kept = self._kept
+
+        def release_and_forget():
+            # (the kept bytes serve the first load: a later one fetches them,
+            # and a server's checkpoint does not hold a MiB per object)
+            kept.clear()
+            release()
+        view = super().share(release_and_forget)
         view._error, view._error_lock, view._stop = None, threading.Lock(), threading.Event()
-        view._ahead = None
+        view._ahead, view.throttle = None, None
         return view
 
     def prefetch(self, plan, window):
@@ -431,6 +454,27 @@ class RemoteShards(Shards):
         per chunk).  Not under a bandwidth cap (its pace is the readers')."""
         if self.throttle is None and window > 0:
             self._ahead = _ReadAhead(self, plan, window)
+
+    def _kept_part(self, index, offset, length):
+        """``(kept, offset, length)`` of a range of object ``index``: the part
+        of its bytes that the open's first GET brought (a memoryview, or
+        None: ``_kept``), and the range left to fetch (its length 0 where
+        none is)."""
+        got = self._kept.get(index)
+        if got is None:
+            return None, offset, length
+        begin, data = got
+        end = begin + len(data)
+        if not begin <= offset < end:
+            return None, offset, length
+        stop = min(offset + length, end)
+        return data[offset - begin:stop - begin], stop, offset + length - stop
+
+    def _pay(self, length):
+        """Waits until ``length`` more bytes fit the bandwidth cap, where
+        there is one (a cancel ends the wait)."""
+        if self.throttle is not None:
+            self._stop.wait(self.throttle.take(length))
 
     def _wanted(self, index, length):
         """Whether a range of object ``index`` is fetched (not one read from
@@ -498,11 +542,14 @@ class RemoteShards(Shards):
         names again (a permanent one is raised here)."""
         obj, obstore = self._objects[index], self._obstore
         try:
+            self._pay(HEADER_PREFETCH)
             with no_panic(obj.url):
                 meta, data = self._request(
                     lambda: _get_async(obstore, obj, {"range": (0, HEADER_PREFETCH)}),
                     RETRY_SECONDS)
-                return meta, bytes(data)
+            if self.throttle is not None:
+                self.throttle.give_back(HEADER_PREFETCH - len(data))
+            return meta, bytes(data)
         except (ClientPanic, LoadError):
             raise
         except TimeoutError:
@@ -551,6 +598,10 @@ class RemoteShards(Shards):
             raw = first[8:] + self.read_bytes(index, len(first), 8 + length - len(first),
                                               what="reading its header")
         self.headers.append(parse_header(raw, url, obj.size))
+        if self.throttle is not None and len(first) > 8 + length:
+            # (under a cap, where each byte fetched costs time; without one
+            # the loads fetch them again, as every range they read)
+            self._kept[index] = (8 + length, memoryview(first)[8 + length:])
         if self.cache is not None:
             self.cache.opened(index, obj, first[:8] + raw)
 
@@ -575,14 +626,18 @@ class RemoteShards(Shards):
             data = None if cache is None else cache.read(index, offset, length)
             if data is not None:
                 return data
-            ahead = self._ahead
-            got = None if ahead is None else ahead.take(index, offset, length)
-            if got is not None:
-                data = self._take_prefetched(got, index, offset, length, "loading")
-            if data is None:
-                if self.throttle is not None:
-                    self._stop.wait(self.throttle.take(length))     # (a cancel ends it)
-                data = self._get(index, offset, length, "loading")
+            kept, at, rest = self._kept_part(index, offset, length)
+            if rest:
+                ahead = self._ahead
+                got = None if ahead is None else ahead.take(index, at, rest)
+                if got is not None:
+                    data = self._take_prefetched(got, index, at, rest, "loading")
+                else:
+                    data = self._get(index, at, rest, "loading")
+                if kept is not None:
+                    data = b"".join((kept, data))
+            else:
+                data = kept
             if cache is not None:
                 cache.write(index, offset, data)
             return data
@@ -617,6 +672,7 @@ class RemoteShards(Shards):
         url = _safe(obj.url)
         deadline = (time.monotonic() if started is None else started) + RETRY_SECONDS
         for attempt in range(0 if started is None else 1, RETRIES + 1):
+            self._pay(length)       # (each try fetches the bytes again)
             if self._stop.is_set():
                 raise LoadError(f"{url}: the load was cancelled", url)
             # Each try ends by the deadline, however the server answers
@@ -654,9 +710,16 @@ class RemoteShards(Shards):
         except _Cancelled:
             raise LoadError("the load was cancelled") from None
 
+    def rest(self):
+        """Ends the request loop's thread while no request is in flight (a
+        ``safe_open`` whose handle closed, its slices alive): the next
+        request starts it again."""
+        self._requests.close()
+
     def close(self):
         # The stores (their connection pools) go with the last reference:
         # a closed checkpoint keeps no socket.
+        self._kept.clear()
         self._drop_prefetched()
         self._requests.close()
         self.fds = []
@@ -714,9 +777,11 @@ class _ReadAhead:
     def _start_next(self):
         """Requests the next chunk to fetch (under the lock)."""
         while self._next < self._plan.n_chunks:
-            key = self._plan.chunk(self._next)
+            index, offset, length = self._plan.chunk(self._next)
             self._next += 1
-            if key not in self._skipped and self._shards._wanted(key[0], key[2]):
+            _, offset, length = self._shards._kept_part(index, offset, length)   # (the rest of it)
+            key = (index, offset, length)
+            if key not in self._skipped and self._shards._wanted(index, length):
                 self._pending[key] = (time.monotonic(), self._shards._submit(*key))
                 return
 

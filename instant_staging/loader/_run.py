@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 from .. import faults as _faults  # noqa: F401
 from ..defaults import reader_threads
 from . import _entries, _gc, _pipeline, _staging_pool
-from ._errors import LoadError, VerifyError
+from ._errors import CheckpointChangedError, LoadError, VerifyError
 from ._prepare import slot_count, staging_size
 
 if TYPE_CHECKING:
@@ -571,11 +571,13 @@ def written_while_read(checkpoint):
     changed = checkpoint.changed()
     if not changed:
         return None
-    return LoadError(f"{changed[0]}{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}: "
-                     "the file was written to while it was loaded (its modification time or size "
-                     "changed since it was opened), so the tensors read may mix two versions of it: "
-                     "load it again once its writer has finished (a writer that saves to a new name "
-                     "and renames it over the old one never mixes)")
+    return CheckpointChangedError(
+        f"{changed[0]}{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}: "
+        "the file was written to while it was loaded (its modification time or size changed "
+        "since it was opened), so the tensors read may mix two versions of it: reopen the "
+        "checkpoint (Checkpoint.reopen(), or open the source again) once its writer has finished, "
+        "and load again (a writer that saves to a new name and renames it over the old one "
+        "never mixes)", changed[0])
 
 
 def load_error(pipe, plan, checkpoint, runtime, entries=None):

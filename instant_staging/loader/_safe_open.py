@@ -119,6 +119,7 @@ class _File:
         self.handle_open = True
         self.reading = False
         self.holders = 1                # the handle, and each slice alive
+        self.loaders = 0                # prefetch loaders not closed (among the holders)
 
     def closed_error(self):
         # safetensors' words and class (a ValueError as well)
@@ -160,6 +161,29 @@ class _File:
         if staging is not None:
             _staging_pool.give(self.target.index, staging)   # kept for a later load, or closed
         self.release()
+        self._rest()
+
+    def _rest(self):
+        """Once the handle closed, between the reads of the slices that
+        outlive it: nothing of the file runs (a URL's request loop ends; a
+        slice's next read starts it again), so the end of the ``with``
+        block leaves no thread, and the exit nothing to stop."""
+        with self.lock:
+            idle = not (self.handle_open or self.released or self.reading or self.loaders)
+        if idle:
+            self.checkpoint.rest()
+
+    def hold_loader(self):
+        """A prefetch loader's hold (``release_loader`` ends it)."""
+        self.hold()
+        with self.lock:
+            self.loaders += 1
+
+    def release_loader(self):
+        with self.lock:
+            self.loaders -= 1
+        self.release()
+        self._rest()
 
     def read(self, entries):
         """Loads ``entries`` (TensorEntry, possibly row ranges of one) onto
@@ -201,6 +225,7 @@ class _File:
                     own, self.staging = staging, None    # the handle closed meanwhile
                 if own is not None:
                     _staging_pool.give(target.index, own)
+        self._rest()
         return [loaded[e.name] for e in entries]
 
     def _read_here(self, entry, dtype):
@@ -392,8 +417,8 @@ class safe_open:
         file = self._file
         target = file.target if device is None else checked_target(device, None)
         opts = LoadOptions.build(chunk_size=file.chunk_size, io_depth=file.io_depth, threads=threads)
-        file.hold()
-        shards = file.checkpoint.share(file.release)
+        file.hold_loader()
+        shards = file.checkpoint.share(file.release_loader)
         return PrefetchLoader(LoadIterator(prepare_solo(shards, target, opts, plan=dict(plan))))
 
     def close(self) -> None:

@@ -271,6 +271,11 @@ class Shards:
     def fetch_error(self):
         return None
 
+    def rest(self):
+        """Between reads of a handle that closed (``safe_open``'s slices): a
+        URL source's request loop ends (``RemoteShards.rest``); files keep
+        their descriptors."""
+
     def byte_sources(self):
         """``(cache_bytes, fetched_bytes)``: how many of the selected tensors'
         bytes a load reads from a URL source's local cache and fetches from

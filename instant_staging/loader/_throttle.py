@@ -7,8 +7,11 @@ range is paid for before it is asked (its caller waits until the moment
 the range's bytes fit the rate after every range asked before it), so no
 interval of the load fetches faster than the cap, and a load of N bytes
 takes at least N / cap seconds.  Time not used (a slow consumer) is not
-saved up: there is no burst after a pause.  Only the load's data ranges
-are counted: the headers an open reads, and ``verify=``'s reads, are not.
+saved up: there is no burst after a pause.  Every byte fetched is
+counted: each try of a range (a retry fetches its bytes again), ``verify=``'s
+reads, and an open's first GET of each object (``Checkpoint.open``'s
+``max_bytes_per_second=``), which pays for the most it asks and is given
+back what the object did not have (``give_back``).
 """
 
 from __future__ import annotations
@@ -33,3 +36,9 @@ class Throttle:
             now = time.monotonic()
             self._next = max(self._next, now) + n / self.rate
             return self._next - now
+
+    def give_back(self, n: int) -> None:
+        """Returns ``n`` bytes paid for and not fetched (a range asked past
+        the object's end): the next ranges wait that much less."""
+        with self._lock:
+            self._next = max(self._next - n / self.rate, time.monotonic())

@@ -15,6 +15,7 @@ st = pytest.importorskip("safetensors.torch")
 import instant_staging as ist
 from instant_staging.loader import (
     Checkpoint,
+    CheckpointChangedError,
     LoadError,
     MissingNameError,
     _into,
@@ -561,3 +562,135 @@ def test_gpu_and_pinned_destinations(tmp_path):
             assert torch.equal(raw_bytes(v.cpu()), raw_bytes(tensors[k])), k
     with pytest.raises(ValueError, match="one load writes to one device"):
         load_into(path, {**_zeros_like(tensors), next(iter(tensors)): torch.zeros(1, device="cuda")})
+
+
+# -- a file copied over between two loads (issue 53) -------------------------------
+
+def _copy_over(path, tensors):
+    """Writes ``tensors`` over ``path`` as ``cp`` does (the same inode,
+    truncated and rewritten), its modification time moved on for sure."""
+    other = path + ".next"
+    st.save_file(tensors, other)
+    before = os.stat(path)
+    with open(other, "rb") as src, open(path, "r+b") as dst:
+        dst.truncate(0)
+        dst.write(src.read())
+    os.unlink(other)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    assert os.stat(path).st_ino == before.st_ino
+
+
+def test_a_file_copied_over_is_refused_before_any_byte_and_reopen_recovers(tmp_path):
+    # A server keeps the checkpoint open; the trainer cps its next step over
+    # it: the header opened no longer describes the file.  The next load
+    # writes nothing (the model keeps its weights) and says to reopen.
+    step1 = {"a": torch.full((300,), 1.0), "b": torch.full((7, 9), 1.0, dtype=torch.bfloat16)}
+    step2 = {"a": torch.full((300,), 2.0), "z": torch.zeros(5),
+             "b": torch.full((7, 9), 2.0, dtype=torch.bfloat16)}    # (other offsets)
+    path = save(tmp_path, step1)
+    dests = _zeros_like(step1)
+    ck = Checkpoint.open(path)
+    ck.load_into(dests)
+    _copy_over(path, step2)
+    before = _snapshot(dests)
+    for _ in range(2):              # the same each time until reopened
+        with pytest.raises(CheckpointChangedError, match=r"reopen the checkpoint") as e:
+            ck.load_into(dests, chunk_size=CHUNK, threads=2)
+        assert isinstance(e.value, LoadError) and e.value.path == path
+        _assert_in_place(dests, before, step1)
+    for door in (lambda: ck.load("cpu"), lambda: list(ck.iter_load("cpu"))):
+        with pytest.raises(CheckpointChangedError, match=r"written to since the checkpoint was opened"):
+            door()
+    fds = _fds()
+    new = ck.reopen()
+    assert ck.closed and not new.closed and new.files == ck.files
+    new.load_into(dests, strict=False)
+    _assert_in_place(dests, before, {n: step2[n] for n in dests})
+    new.close()
+    assert len(_fds()) <= len(fds)
+
+
+def test_a_reopen_that_fails_leaves_the_checkpoint_open(tmp_path):
+    path = save(tmp_path, {"a": torch.ones(4)})
+    with Checkpoint.open([path]) as ck:
+        os.rename(path, path + ".gone")
+        with pytest.raises(FileNotFoundError):
+            ck.reopen()
+        assert not ck.closed and torch.equal(ck.load()["a"], torch.ones(4))
+
+
+# -- autograd: a reload is an in-place write (issue 53) ------------------------------
+
+def _forward(model):
+    """A loss whose backward needs the weight as it was (saved by the square)."""
+    return model(torch.ones(1, 6)).sum() + (model.weight ** 2).sum()
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_reload_between_forward_and_backward_makes_backward_raise(tmp_path, monkeypatch, fallback):
+    # As load_state_dict's copy_ does: the backward would otherwise mix the
+    # old weights' activations with the new weights, silently.
+    if fallback:        # torch whose increment_version takes one tensor at a time
+        from torch.autograd import graph
+        real = graph.increment_version
+
+        def one_at_a_time(t):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError("a list")
+            real(t)
+        monkeypatch.setattr(graph, "increment_version", one_at_a_time)
+    model = torch.nn.Linear(6, 4)
+    path = save(tmp_path, {k: v.detach().clone() + 1 for k, v in model.state_dict().items()})
+    loss = _forward(model)
+    model.load_state_dict(st.load_file(path))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    versions = {k: v._version for k, v in model.state_dict().items()}
+    loss = _forward(model)
+    with Checkpoint.open(path) as ck:
+        ck.load_into(model.state_dict())
+    assert all(v._version > versions[k] for k, v in model.state_dict().items())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    _forward(model).backward()      # a forward after the reload: fine
+    # a load that fails part-way bumps them too (some bytes may be new)
+    versions = {k: v._version for k, v in model.state_dict().items()}
+    monkeypatch.setenv("INSTANT_STAGING_FAULTS", "read#1=EIO")
+    with pytest.raises(LoadError):
+        load_into(path, model.state_dict())
+    assert all(v._version > versions[k] for k, v in model.state_dict().items())
+
+
+# -- what a mutation run found untested (issue 53) -----------------------------------
+
+def test_a_merged_copy_never_runs_into_the_next_allocation():
+    # Two allocations back to back in memory (the caching allocator's
+    # segments may be): a tensor following in the file and in memory, but
+    # in the next allocation, starts a copy of its own.
+    class E:
+        def __init__(self, name, begin, end):
+            self.name, self.begin, self.end, self.nbytes = name, begin, end, end - begin
+    at = {"a": 1000, "b": 1016, "c": 1032, "d": 1048}
+    allocations = {"a": (1000, 32), "b": (1000, 32), "c": (1032, 32), "d": (1032, 32)}
+    entries = [(0, E(n, 16 * k, 16 * k + 16)) for k, n in enumerate("abcd")]
+    assert _into.joins(entries, at.get, allocations.get) == [False, True, False, True]
+    # d only partly inside c's allocation: no join either
+    allocations = {"a": (1000, 32), "b": (1000, 32), "c": (1032, 24), "d": (1032, 24)}
+    assert _into.joins(entries, at.get, allocations.get) == [False, True, False, False]
+
+
+def test_written_is_in_reading_order_whatever_the_finishing_order():
+    error = LoadError("boom")
+    _into._name_written(error, ["d", "a", "c"], ["a", "b", "c", "d", "e"])
+    assert error.written == ["a", "c", "d"] and error.unwritten == ["b", "e"]
+    assert "3 of 5 tensor(s) written before the failure ('a', 'c', 'd')" in str(error)
+
+
+def test_the_module_level_load_into_takes_strict_false(tmp_path):
+    full = {"a": torch.randn(10), "b": torch.randn(10)}
+    path = save(tmp_path, full)
+    dests = {"b": torch.zeros(10)}
+    with pytest.raises(ValueError, match="strict=False skips them"):
+        load_into(path, dests)
+    report = load_into(path, dests, strict=False)
+    assert torch.equal(dests["b"], full["b"]) and report.tensors == 1

@@ -188,3 +188,29 @@ def test_plan_reads_each_size_a_bounded_number_of_times(world):
     loads = check_plan(sizes, [range(world)] * n, world, 1 << 20)
     assert sum(loads) == n << 16
     assert _CountedSizes.reads <= 8 * n
+
+
+def test_a_bucket_is_issued_when_its_last_unit_is_read():
+    # Rank 0's one bucket holds bytes 0-10 and 10-100 of its share, rank 1's
+    # bytes 0-50 of its own: rank 1's is read whole first, so issued first
+    # (ordered by the first unit, rank 0's would wait for bytes not read yet).
+    reads = [[P.Unit(0, 0, 10, 0, (1,)), P.Unit(1, 0, 90, 0, (1,))], [P.Unit(2, 0, 50, 1, (0,))]]
+    for r, units in enumerate(reads):
+        position = 0
+        for item, u in enumerate(units):
+            position += u.end - u.begin
+            u.item, u.key = item, (position, r)
+    buckets = P.bucket_exchanges(reads, 1 << 20)
+    assert [(b.src, b.nbytes, b.key[0]) for b in buckets] == [(1, 50, 50), (0, 100, 100)]
+
+
+def test_segments_when_a_rank_wants_fewer_tensors():
+    # No rank wants rows only, but rank 1 wants one tensor of two: not the
+    # every-rank-wants-everything path (whose segments would send rank 1 a
+    # tensor it never asked for, and wait for it forever).
+    wanted = [P.Wanted([3, 5], {}), P.Wanted([3], {})]
+    assert P.cut_segments([3, 5], [10, 8], wanted) == [P.Segment(0, 0, 10, [0, 1]),
+                                                      P.Segment(1, 0, 8, [0])]
+    wanted = [P.Wanted([5], {}), P.Wanted([3, 5], {})]
+    assert P.cut_segments([3, 5], [10, 8], wanted) == [P.Segment(0, 0, 10, [1]),
+                                                      P.Segment(1, 0, 8, [0, 1])]

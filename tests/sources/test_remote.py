@@ -746,3 +746,148 @@ def test_no_first_chunks_fetched_ahead_under_a_bandwidth_cap(s3_server, s3_bucke
         got = ck.load("cpu", chunk_size=16 << 10, threads=3, max_bytes_per_second=1 << 30)
     same(got, want)
     assert before == [0]
+
+
+# -- the bandwidth cap: every byte fetched, none twice (issue 53) ------------------------
+
+def _sent(server, size):
+    """Bytes the RangeHTTPServer sent in answer to ranged GETs."""
+    total = 0
+    for r in list(server.requests):
+        if r.method == "GET" and r.range:
+            a, b = r.range[6:].split("-")
+            total += min(int(b), size - 1) - int(a) + 1
+    return total
+
+
+def test_a_capped_open_pays_for_its_first_get_and_its_load_fetches_none_of_it_again(
+        range_http_server):
+    # The open's first GET (a MiB, here the header and the first tensors)
+    # is paid for at the cap, and its bytes past the header are the first
+    # load's: the server sends each byte once.
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"t{i}": _random((96 << 10,), torch.uint8, g) for i in range(20)}    # 1.9 MiB
+    path = os.path.join(range_http_server.root, "model.safetensors")
+    safetensors_torch.save_file(tensors, path)
+    size, cap = os.path.getsize(path), 8 << 20
+    url = range_http_server.url_for("model.safetensors")
+    t0 = time.monotonic()
+    with Checkpoint.open(url, max_bytes_per_second=cap) as ck:
+        opened = time.monotonic() - t0
+        assert opened >= (1 << 20) / cap * 0.9
+        got = ck.load("cpu", chunk_size=256 << 10, max_bytes_per_second=cap)
+    assert time.monotonic() - t0 >= size / cap * 0.9
+    same(got, tensors)
+    assert _sent(range_http_server, size) == size
+    # the doors pass their cap to the open too
+    range_http_server.reset_counts()
+    t0 = time.monotonic()
+    same(load_file(url, max_bytes_per_second=cap, chunk_size=256 << 10), tensors)
+    assert time.monotonic() - t0 >= size / cap * 0.9 and _sent(range_http_server, size) == size
+    from instant_staging.loader import load_into
+    dests = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    range_http_server.reset_counts()
+    load_into(url, dests, max_bytes_per_second=cap, chunk_size=256 << 10)
+    same(dests, tensors)
+    assert _sent(range_http_server, size) == size
+
+
+def test_a_cap_makes_the_first_range_pay_and_gives_back_what_was_not_fetched():
+    from instant_staging.loader._throttle import Throttle
+    t = Throttle(1000)
+    assert t.take(500) == pytest.approx(0.5, abs=0.05)       # the first range pays too
+    assert t.take(500) == pytest.approx(1.0, abs=0.05)
+    t.give_back(800)
+    assert t.take(100) == pytest.approx(0.3, abs=0.05)
+
+
+def test_a_cancel_ends_a_capped_loads_wait(range_http_server):
+    g = torch.Generator().manual_seed(6)
+    tensors = {f"t{i}": _random((64 << 10,), torch.uint8, g) for i in range(8)}
+    path = os.path.join(range_http_server.root, "model.safetensors")
+    safetensors_torch.save_file(tensors, path)
+    with Checkpoint.open(range_http_server.url_for("model.safetensors")) as ck:
+        it = ck.iter_load("cpu", chunk_size=64 << 10, threads=2, max_bytes_per_second=16 << 10)
+        timer = threading.Timer(0.3, it.close)      # each range waits 4 s at the cap
+        t0 = time.monotonic()
+        timer.start()
+        with pytest.raises(LoadError, match="cancelled"):
+            list(it)
+        timer.join()
+    assert time.monotonic() - t0 < 2.5
+
+
+# -- what a mutation run found untested (issue 53) ---------------------------------------
+
+def test_each_answer_is_compared_with_the_pinned_size():
+    from instant_staging.loader._remote import _Object
+    obj = _Object("s3://b/k", None, "k")
+    obj.pin({"size": 100, "e_tag": '"e"', "version": None, "last_modified": 1})
+    assert obj.changed({"size": 100, "e_tag": '"e"', "last_modified": 1}) is None
+    assert obj.changed({"size": 101, "e_tag": '"e"', "last_modified": 1}) == "its size is 101, not 100"
+    obj.pin({"size": 100, "e_tag": None, "version": None, "last_modified": 1})     # no ETag
+    assert obj.changed({"size": 99, "e_tag": None, "last_modified": 1}) == "its size is 99, not 100"
+
+
+def test_the_read_ahead_never_fetches_a_range_a_reader_fetched_first():
+    from instant_staging.loader._remote import _ReadAhead
+
+    class Plan:
+        n_chunks = 5
+
+        def chunk(self, k):
+            return (0, 100 * k, 100)
+
+    class Shards:
+        submitted = []
+
+        def _kept_part(self, index, offset, length):
+            return None, offset, length
+
+        def _wanted(self, index, length):
+            return True
+
+        def _submit(self, *key):
+            self.submitted.append(key)
+            return object()
+    shards = Shards()
+    ahead = _ReadAhead(shards, Plan(), 1)
+    assert shards.submitted == [(0, 0, 100)]
+    assert ahead.take(0, 200, 100) is None          # a reader ahead of its turn: its own GET
+    assert ahead.take(0, 0, 100) is not None
+    ahead.answered()
+    assert ahead.take(0, 100, 100) is not None
+    ahead.answered()                                # chunk 2 is the reader's: chunk 3 next
+    assert shards.submitted == [(0, 0, 100), (0, 100, 100), (0, 300, 100)]
+
+
+@pytest.mark.parametrize("keep", ["handle", "slice"])
+def test_the_end_of_a_safe_open_block_closes_the_object_and_the_exit_prints_nothing(
+        range_http_server, keep):
+    # The block's end stops the request loop (a slice that outlives the
+    # handle starts one for its read, and stops it after); the handle or
+    # slice kept to the interpreter's exit leaves nothing to say there.
+    from support import run_child
+    safetensors_torch.save_file({"a": torch.arange(1000.0), "b": torch.ones(10)},
+                                os.path.join(range_http_server.root, "m.safetensors"))
+    code = f"""
+        import threading
+        import torch
+        from instant_staging.loader import safe_open
+
+        def running():
+            return [t.name for t in threading.enumerate() if t.name.startswith("instant_staging")]
+        with safe_open({range_http_server.url_for("m.safetensors")!r}) as f:
+            assert torch.equal(f.get_tensor("a"), torch.arange(1000.0))
+            s = f.get_slice("a")
+            assert torch.equal(s[:3], torch.arange(3.0))
+            assert running() == ["instant_staging-requests"], running()
+        assert running() == [], running()
+        assert torch.equal(s[5:7], torch.arange(5.0, 7.0))
+        assert running() == [], running()
+        {"del s" if keep == "handle" else "del f"}
+        print("ok")
+    """
+    out = run_child(code)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert out.stderr == ""

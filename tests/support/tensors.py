@@ -111,6 +111,9 @@ class SimTarget:
     def before_copies(self):
         pass
 
+    def written(self):
+        pass                                # (a load into given destinations: no autograd here)
+
     # Views (loader/_blocks.pyx): a handle is (block, entry, dtype, offset).
 
     def joins(self, dtype, views):
