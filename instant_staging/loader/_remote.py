@@ -390,8 +390,6 @@ class RemoteShards(Shards):
     pool is the store's, dropped with it)."""
 
     from_url = True
-    # The local cache of the objects (``_cache.Cache``), where the open has one.
-    cache = None
     # A load's bandwidth cap (``_throttle.Throttle``), set on its share.
     throttle = None
 
@@ -400,8 +398,11 @@ class RemoteShards(Shards):
         # RemoteChangedError)
         return []
 
-    def __init__(self, objects):
+    def __init__(self, objects, cache=None):
+        """``objects``: the source's (``resolve``); ``cache``: their local
+        cache (``_cache.Cache``), None without one."""
         self._objects = list(objects)
+        self.cache = cache
         # The load's read-ahead (``prefetch``), on its share.
         self._ahead = None
         self._error = None
@@ -476,15 +477,6 @@ class RemoteShards(Shards):
     def fetch(self):
         """The reader threads' read (``Pipeline(fetch=)``): ``_Fetch``."""
         return _Fetch(self)
-
-    @staticmethod
-    def one(url, storage_options=None):
-        """The objects of a one-object source ``url`` (``safe_open``'s)."""
-        name = url.rsplit("/", 1)[-1]
-        if url.endswith("/") or name.endswith(".json"):
-            raise ValueError(f"{_safe(url)}: safe_open reads one .safetensors object, not a "
-                             "directory or an index")
-        return _objects([url], Stores(storage_options))[1]
 
     def _open_all(self, urls):
         firsts = _each(self._first, range(len(urls)), self._stop)
