@@ -1,4 +1,23 @@
-"""Types of the compiled ``_staging`` module (see ``_staging.pyx``)."""
+"""StagingBuffer: the allocation state machine.
+
+A large pinned host buffer that survives drivers refusing big
+registrations.  The steps are those of docs/design.md, one method each, entered
+only after the previous one failed:
+
+    1. allocate          page-aligned ordinary memory (mmap), exactly `size`
+    2. prefault          fault the pages in with threads (an optimisation)
+    3. register          one host_register of the whole range -> REGISTERED
+    4. register_segment  adjacent `segment_size` ranges       -> SEGMENTED
+    5. rollback          undo the segments if one failed
+    6. runtime_alloc     cudaHostAlloc / hipHostMalloc         -> RUNTIME_PINNED
+    7. pageable          ordinary memory, opt-in               -> PAGEABLE
+
+The runtime is reached only through its table (``_table.pxd``), so the
+same code runs against CUDA, HIP, the simulated runtime, or any of them
+wrapped in faults.  Every runtime call is made with the GIL released, and
+after every failed call the pending runtime error is cleared so that it
+cannot surface later in an unrelated call of the caller's.
+"""
 
 from types import TracebackType
 

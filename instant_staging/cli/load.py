@@ -272,16 +272,30 @@ def _load(checkpoint, device, dtype, chunk_size, io_depth, threads, verify, stag
     staging["kind"] = report.staging_kind or staging["kind"]
     # Every figure of the LoadReport (its phases: open, prepare, load), the
     # run's own where it has one.
-    return {"command": "load", "ok": True, "files": files,
-            "device": report.device or str(device), "dtype": None if dtype is None else str(dtype),
-            "tensors": report.tensors, "bytes": report.bytes,
-            "seconds": report.seconds, "gbps": report.gbps, "phases": dict(report.phases),
-            "cache_hit_bytes": report.cache_hit_bytes, "fetched_bytes": report.fetched_bytes,
-            "chunk_size": report.chunk_size or chunk_size, "io_depth": io_depth,
-            "threads": threads,
-            # the reader threads that ran (no more than the load has chunks)
-            "reader_threads": report.threads if report.threads is not None else threads,
-            "verified": bool(verify), "staging": staging}
+    result = {"command": "load", "ok": True, "files": files,
+              "dtype": None if dtype is None else str(dtype), **report_fields(report)}
+    result.update(device=report.device or str(device),
+                  chunk_size=report.chunk_size or chunk_size, io_depth=io_depth, threads=threads,
+                  reader_threads=report.threads if report.threads is not None else threads,
+                  verified=bool(verify), staging=staging)
+    return result
+
+
+# The LoadReport's fields the JSON names otherwise: "threads" is the knob
+# (the reader threads that ran, no more than the load has chunks, are
+# "reader_threads"); the staging kind is said in "staging".
+_REPORT_NAMES = {"threads": "reader_threads", "staging_kind": None}
+
+
+def report_fields(report):
+    """Every field of ``report`` (a ``LoadReport``) under its JSON name: a
+    field added to the report reaches ``load --json`` as it is."""
+    out = {}
+    for name, value in report._asdict().items():
+        key = _REPORT_NAMES.get(name, name)
+        if key is not None:
+            out[key] = dict(value) if isinstance(value, dict) else value
+    return out
 
 
 def format_text(result):

@@ -19,6 +19,21 @@ the local pipeline, pread straight into the staging slots, the page
 cache's knobs); where some have one, their ranges are read from the
 entries and the rest fetched (and filled).
 
+Layout.  A flat directory of the cache's own files (nothing else in it is
+looked at or removed), as ``ls -l`` shows one holding two objects, the
+second of them also at a newer version being filled::
+
+    $ ls -l $INSTANT_STAGING_CACHE_DIR
+    -rw-r--r-- 1 me me 4965799096 Jun  2 09:14 0b3e...c41f.5d2a9e0c71b4f6a3.safetensors
+    -rw-r--r-- 1 me me 1073741824 Jun  2 11:40 7a91...e2d0.8e17c2d04a9b3f55.partial
+    -rw-r--r-- 1 me me 4983148400 Jun  1 17:02 7a91...e2d0.c1f0a9b8e7d6c523.safetensors
+       (64 hex digits: the URL's hash)  ^^^^  (16: the version's)
+
+An entry (``.safetensors``) is an object's bytes as the server holds
+them, its modification time its last use (the bound's order); a partial
+file (``.partial``) is an object being filled, locked by its filler; the
+old version's entry goes once the new one is named.
+
 Filling.  An object without an entry is filled by the reader threads that
 fetch it: each fetched range is written at its offset into the object's
 partial file (``<name>.partial``) from the client's own buffer
@@ -85,6 +100,7 @@ import os
 import re
 import stat
 import threading
+from typing import NamedTuple
 
 from .. import envs
 from ..defaults import CACHE_FINISH_AT_EXIT, CACHE_KEEP_FREE, CACHE_MAX_BYTES
@@ -389,9 +405,9 @@ class Cache:
         _abandon(fill)
 
     def _room(self, size, own):
-        """Removes the least recently used entries until ``size`` more bytes
-        fit the bound and leave CACHE_KEEP_FREE of the disk free; whether
-        they do.  Partial files whose filler is gone are removed on the way."""
+        """Makes room for ``size`` more bytes: lists the directory (partial
+        files whose filler is gone are removed on the way), removes the
+        entries ``evictions`` names; whether they fit now."""
         if size > self.bound:
             return False
         entries, total = [], 0
@@ -409,16 +425,14 @@ class Cache:
                     total += st.st_size
             else:
                 if path not in reading:         # (this checkpoint's other objects: kept)
-                    entries.append((st.st_mtime_ns, st.st_size, path))
+                    entries.append(Listed(path, st.st_size, st.st_mtime_ns))
                 total += st.st_size
-        entries.sort()
         fs = os.statvfs(self.directory)
-        free = fs.f_bavail * fs.f_frsize
-        while entries and (total + size > self.bound or free - size < CACHE_KEEP_FREE):
-            _, n, path = entries.pop(0)
+        gone, fits = evictions(entries, size, used=total, bound=self.bound,
+                               free=fs.f_bavail * fs.f_frsize, keep_free=CACHE_KEEP_FREE)
+        for path in gone:
             _unlink(path)
-            total, free = total - n, free + n
-        return total + size <= self.bound and free - size >= CACHE_KEEP_FREE
+        return fits
 
     def _degrade(self, error, what):
         """The cache fails: no fill starts from here on; one warning."""
@@ -428,6 +442,54 @@ class Cache:
             reason = (error.strerror if isinstance(error, OSError) else None) or str(error)
             log.warning("the cache in %s failed while %s (%s): loading without it",
                         self.directory, what, reason)
+
+
+# -- the policy: which entries go ---------------------------------------------------
+
+class Listed(NamedTuple):
+    """One entry of the directory, as its listing shows it."""
+
+    path: str
+    """The entry's path."""
+    size: int
+    """Its bytes (``st_size``)."""
+    used_ns: int
+    """When it was last used: its modification time (``st_mtime_ns``),
+    set again at each hit."""
+
+
+def evictions(entries, size, *, used, bound, free, keep_free):
+    """Which entries to remove so that ``size`` more bytes fit: the policy
+    of ``Cache``, which lists the directory and removes what this names.
+
+    The least recently used entries go first (the oldest ``used_ns``; the
+    path breaks a tie), until the cache's files take at most ``bound``
+    bytes with ``size`` more and the file system keeps ``keep_free`` bytes
+    free; where even every entry gone leaves no room, every entry goes
+    (and the object is not cached).
+
+    Args:
+        entries: the ``Listed`` entries that may be removed (not those of
+            the open checkpoint, not partial files).
+        size: the bytes of the object to cache.
+        used: the bytes the cache's files take now (every entry and
+            partial file, those of ``entries`` among them).
+        bound: the most bytes the cache's files may take.
+        free: the bytes free on the file system now.
+        keep_free: the bytes the file system keeps free.
+
+    Returns:
+        ``(paths to remove, in order; whether the object then fits)``.
+    """
+    if size > bound:
+        return [], False
+    gone = []
+    for entry in sorted(entries, key=lambda e: (e.used_ns, e.path)):
+        if used + size <= bound and free - size >= keep_free:
+            break
+        gone.append(entry.path)
+        used, free = used - entry.size, free + entry.size
+    return gone, used + size <= bound and free - size >= keep_free
 
 
 # -- the finisher: entries made after the load returned ---------------------------

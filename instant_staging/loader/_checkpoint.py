@@ -11,14 +11,12 @@ prepared (``_prepare.py``) before anything is allocated, then runs as a
 import functools
 import threading
 import time
-import traceback
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from . import _entries, _gc
-from ._cache import Cache, cached
-from ._cache import directory as cache_directory
-from ._options import LoadOptions, bandwidth_cap
+from ._open import open_shards
+from ._options import LoadOptions
 from ._prepare import (
     check_selection,
     early_staging,
@@ -30,12 +28,8 @@ from ._prepare import (
     usable_target,
 )
 from ._remote import RemoteShards
-from ._remote import resolve as resolve_url
 from ._run import LoadIterator, LoadReport
-from ._schemes import Stores, is_url, schemes_text
 from ._shards import Shards
-from ._source import resolve
-from ._throttle import Throttle
 from ._typing import CacheDir, Device, DType, Names, Source
 
 if TYPE_CHECKING:
@@ -116,28 +110,15 @@ class Checkpoint:
             ImportError: a URL without the ``remote`` extra installed.
         """
         t0 = time.perf_counter()
-        try:
-            shards, src = _shards(source, storage_options, cache_dir,     # nothing opened yet
-                                  max_bytes_per_second)
-            try:
-                shards.open(src.paths)
-                src.check(shards)
-                shards = cached(shards)     # the cache's entries, where it holds every object
-                # Made here, not by the caller: a Ctrl-C as a call returns
-                # would drop the open shards out of anyone's reach.  Once
-                # made, the Checkpoint closes them when it is collected.
-                checkpoint = cls(shards, time.perf_counter() - t0)
-                checkpoint._opened_as = (_kept(source), storage_options, cache_dir,   # reopen()
-                                         max_bytes_per_second)
-                return checkpoint
-            except BaseException:
-                shards.close()      # (idempotent: a Checkpoint made above closes nothing twice)
-                raise
-        except BaseException as e:
-            # The error's frames would keep the object stores (their
-            # connections) alive for as long as the caller keeps the error.
-            traceback.clear_frames(e.__traceback__)
-            raise
+        # (the Checkpoint made by open_shards: once made, it closes the
+        # shards when it is collected, so a Ctrl-C never finds them unowned)
+        def own(shards):
+            checkpoint = cls(shards, time.perf_counter() - t0)
+            checkpoint._opened_as = (_kept(source), storage_options, cache_dir,   # reopen()
+                                     max_bytes_per_second)
+            return checkpoint
+        return open_shards(source, storage_options=storage_options, cache_dir=cache_dir,
+                           max_bytes_per_second=max_bytes_per_second, own=own)
 
     # -- what is in it, no data read ---------------------------------------------
 
@@ -359,11 +340,9 @@ class Checkpoint:
                 written) and ``unwritten`` (the others, which may hold part
                 of the new bytes) set on it.
         """
-        from ._into import checked, load_into
+        from ._into import checked
         began = time.perf_counter()
-        report = load_into(self, checked(tensors, strict, options), names, plan, strict, began)
-        self.last_report = report
-        return report
+        return write_into(self, checked(tensors, strict, options), names, plan, strict, began)
 
     # A hold is a token in ``_holds``, released once (the load's owners may
     # each release it, and one whose release a Ctrl-C cut short may release
@@ -418,25 +397,31 @@ def _kept(source):
     return list(source) if isinstance(source, (list, tuple)) else source
 
 
-def _shards(source, storage_options, cache_dir=None, max_bytes_per_second=None):
-    """``(shards, Source)``: the files, or objects, of ``source``, resolved;
-    none opened yet (``Shards.open``)."""
-    cap = bandwidth_cap(max_bytes_per_second)
-    if is_url(source):
-        directory = cache_directory(cache_dir)
-        cache = Cache(directory) if directory is not None else None
-        src, objects = resolve_url(source, Stores(storage_options))
-        shards = RemoteShards(objects)
-        shards.cache = cache
-        shards.throttle = Throttle(cap) if cap is not None else None     # (the open's)
-        return shards, src
-    if storage_options is not None:
-        raise ValueError(f"storage_options apply to a URL source ({schemes_text()}), "
-                         "not to files")
-    if cache_dir is not None and cache_dir is not False:
-        raise ValueError(f"cache_dir applies to a URL source ({schemes_text()}), "
-                         "not to files")
-    return Shards(), resolve(source)
+# -- the doors' use of a Checkpoint (_load: load_file, iter_load, load_into) --------
+
+def held(checkpoint: Checkpoint) -> Shards:
+    """A share of ``checkpoint``'s shards, held until the load given it
+    closes it (a ValueError where the checkpoint is closed)."""
+    return checkpoint._hold()
+
+
+def run_solo(checkpoint: Checkpoint, parsed, opts, names, plan, began, opened=0.0,
+             early=None) -> LoadIterator:
+    """The load of one process of ``checkpoint`` (``Checkpoint.iter_load``
+    without a group, past its door's checks): ``parsed`` is
+    ``parse_target``'s, ``early`` the staging buffer begun at the door."""
+    return checkpoint._iter_load(parsed, opts, names, plan, began, opened, early=early)
+
+
+def write_into(checkpoint: Checkpoint, dests, names, plan, strict, began,
+               opened=0.0) -> LoadReport:
+    """``Checkpoint.load_into`` of destinations already checked (``dests``:
+    ``_into.checked``'s); the report is also ``checkpoint.last_report``."""
+    from ._into import load_into
+    report = load_into(checkpoint._infos, checkpoint._hold, dests, names, plan, strict, began,
+                       opened)
+    checkpoint.last_report = report
+    return report
 
 
 def load_shared(parts, names, plan, process_group, began):

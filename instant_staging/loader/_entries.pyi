@@ -1,4 +1,16 @@
-"""Types of the compiled ``loader._entries`` module."""
+"""A load's columns of its checkpoint's entries, walked in C.
+
+A checkpoint's ``entries`` is a list of ``(file index, TensorEntry)``
+pairs, one per tensor, in reading order.  Each load asks it for a few
+columns: the names it hands out, the file ranges the plan cuts, the torch
+dtype of each tensor.  A loop in Python per column was most of a load's
+preparation past the headers once checkpoints hold tens of thousands of
+tensors (docs/design.md, "Measured: the start per tensor"); these walk the
+list in C.  Each returns a new list whose item k is entry k's.
+
+The entries are the header's ``TensorEntry`` tuples: name, dtype, shape,
+begin, end, in that order (``_header.py``).
+"""
 
 from typing import Callable, TypeVar
 

@@ -50,6 +50,7 @@ driver) nor across two chunks.
 
 import ctypes
 from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from ._errors import LoadError
 from ._header import torch_shape
@@ -340,11 +341,12 @@ class InPlace(_TorchTarget):
     # destinations (a forward pass); the copies run on the readers' streams.
 
 
-def prepare(checkpoint, dests, torch, device, names, plan, strict, opts):
-    """The ``Prepared`` load of ``checkpoint`` (a ``Checkpoint``) into
-    ``dests``, every check passed; nothing written yet."""
-    selected_names, selected_plan = match(checkpoint._infos, dests, names, plan, strict)
-    shards = checkpoint._hold()
+def prepare(infos, hold, dests, torch, device, names, plan, strict, opts):
+    """The ``Prepared`` load of a checkpoint into ``dests``, every check
+    passed; nothing written yet.  ``infos``: its ``{name: TensorInfo}``;
+    ``hold()``: a share of its shards, held (the load's, which closes it)."""
+    selected_names, selected_plan = match(infos, dests, names, plan, strict)
+    shards = hold()
     try:
         if selected_plan is not None:
             shards.select_rows(selected_plan)
@@ -422,18 +424,33 @@ def _name_written(error, written, names):
         error.add_note(f"load_into: {said}")
 
 
-def checked(tensors, strict, options):
-    """``(LoadOptions, torch, device, {name: tensor})``: what ``load_into``
-    takes, checked before any checkpoint is opened."""
+class Destinations(NamedTuple):
+    """What ``load_into`` takes, checked before any checkpoint is opened
+    (``checked``)."""
+
+    options: LoadOptions
+    """The load's options (``options_of``: ``views=False``, no option a
+    load in place does not take)."""
+    torch: Any
+    """The torch module."""
+    device: Any
+    """The one device every destination is on (``parse_device``'s)."""
+    tensors: dict
+    """``{name: tensor}``: the destinations, dense, contiguous, none
+    sharing memory with another (``check_destinations``)."""
+
+
+def checked(tensors, strict, options) -> Destinations:
+    """The ``Destinations`` of ``tensors``, checked before any checkpoint is opened."""
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, not {type(strict).__name__}")
     opts = options_of(options)
-    return (opts, *check_destinations(tensors))
+    return Destinations(opts, *check_destinations(tensors))
 
 
-def load_into(checkpoint, args, names, plan, strict, began, opened=0.0):
-    """The load of ``checkpoint`` (open, a ``Checkpoint``) into the
-    destinations of ``args`` (``checked``'s); its ``LoadReport``."""
-    opts, torch, device, dests = args
-    prepared = prepare(checkpoint, dests, torch, device, names, plan, strict, opts)
+def load_into(infos, hold, dests: Destinations, names, plan, strict, began, opened=0.0):
+    """The load of a checkpoint (``infos`` and ``hold``: as ``prepare``
+    takes them) into ``dests`` (``checked``'s); its ``LoadReport``."""
+    prepared = prepare(infos, hold, dests.tensors, dests.torch, dests.device, names, plan, strict,
+                       dests.options)
     return write(prepared, began, opened)

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional
 
 from . import _gc
-from ._checkpoint import Checkpoint, load_shared
+from ._checkpoint import Checkpoint, held, load_shared, run_solo, write_into
 from ._options import LoadOptions
 from ._prepare import checked_target, early_staging, parse_target, usable_target
 from ._run import LoadIterator, LoadReport
@@ -62,7 +62,7 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
             target = checked_target(device, dtype)
             with Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir,
                                  max_bytes_per_second=options.max_bytes_per_second) as checkpoint:
-                return options, target, checkpoint._hold()
+                return options, target, held(checkpoint)
         return load_shared(parts, names, None, process_group, began)
     opts = build()
     # device and dtype first: a bad one is named before any file is opened.
@@ -83,8 +83,8 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
             raise
         with checkpoint:
             # (closing the handle here leaves the files to the load, which holds them)
-            return checkpoint._iter_load(parsed, opts, names, None, began, checkpoint.open_seconds,
-                                         early=early)
+            return run_solo(checkpoint, parsed, opts, names, None, began, checkpoint.open_seconds,
+                            early=early)
     except BaseException:
         if early is not None:
             early.discard()     # (a no-op where the load gave it back already)
@@ -217,9 +217,8 @@ def load_into(source: Source, tensors: Mapping[str, "torch.Tensor"], *, names: N
         as ``Checkpoint.open`` and ``Checkpoint.load_into``.
     """
     from ._into import checked
-    from ._into import load_into as into
     began = time.perf_counter()
-    args = checked(tensors, strict, options)
+    dests = checked(tensors, strict, options)
     with Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir,
-                         max_bytes_per_second=args[0].max_bytes_per_second) as checkpoint:
-        return into(checkpoint, args, names, plan, strict, began, checkpoint.open_seconds)
+                         max_bytes_per_second=dests.options.max_bytes_per_second) as checkpoint:
+        return write_into(checkpoint, dests, names, plan, strict, began, checkpoint.open_seconds)

@@ -250,21 +250,37 @@ class LoadOptions:
 
     Built once from the arguments, the environment (``_options.py``'s
     variables) and the defaults, and checked there, before anything is
-    opened or allocated.  ``chunk_size``, ``io_depth``
-    and ``threads`` are the resolved knobs; ``tuned`` says whether the
-    caller left all three to the loader (which then picks them for the
-    checkpoint: cold, remote)."""
+    opened or allocated (``build``)."""
 
     chunk_size: int
+    """The bytes of each read: ``chunk_size=``, else
+    ``INSTANT_STAGING_CHUNK_SIZE``, else ``defaults.CHUNK_SIZE``."""
     io_depth: Optional[int]
+    """The staging slots (chunks in flight): ``io_depth=``, else
+    ``INSTANT_STAGING_IO_DEPTH``; None: as many as the threads need
+    (``defaults.io_depth_for``)."""
     threads: Optional[int]
+    """The reader threads: ``threads=``, else ``INSTANT_STAGING_THREADS``;
+    None: the default for this host (``defaults.reader_threads``)."""
     tuned: bool
+    """Whether the caller left all three knobs above to the loader, which
+    then picks them for the checkpoint (cold files, a URL:
+    ``for_checkpoint``)."""
     staging: Optional["StagingBuffer"] = None
+    """The caller's staging buffer (``staging=``); None: the load's own,
+    kept for the next load (``INSTANT_STAGING_KEEP_STAGING``)."""
     verify: bool = False
+    """Whether the bytes are read again and compared once loaded (``verify=``)."""
     progress: Optional[Callable[[int, int], object]] = None
+    """Called with ``(bytes done, bytes in all)`` as the load goes
+    (``progress=``, resolved: a callable, a printer for True, or None)."""
     views: bool = True
-    # bytes per second a URL source's data is fetched at, at most (None: no cap)
+    """Whether tensors lying back to back may share one device block
+    (``views=``); False: each its own allocation (``load_into``'s)."""
     max_bytes_per_second: Optional[int] = None
+    """The most bytes per second a URL source's data is fetched at
+    (``max_bytes_per_second=``, else ``INSTANT_STAGING_MAX_BYTES_PER_SECOND``);
+    None: no cap."""
 
     @classmethod
     def build(cls, *, chunk_size=None, io_depth=None, threads=None, staging=None, verify=False,

@@ -400,8 +400,6 @@ class RemoteShards(Shards):
     pool is the store's, dropped with it)."""
 
     from_url = True
-    # The local cache of the objects (``_cache.Cache``), where the open has one.
-    cache = None
     # A bandwidth cap (``_throttle.Throttle``): the open's, then each load's
     # own, set on its share (``_prepare.throttled``).
     throttle = None
@@ -411,8 +409,13 @@ class RemoteShards(Shards):
         # RemoteChangedError)
         return []
 
-    def __init__(self, objects):
+    def __init__(self, objects, cache=None, throttle=None):
+        """``objects``: the source's (``resolve``); ``cache``: their local
+        cache (``_cache.Cache``), None without one; ``throttle``: the open's
+        bandwidth cap (``_throttle.Throttle``), None without one."""
         self._objects = list(objects)
+        self.cache = cache
+        self.throttle = throttle
         # {index: (offset, bytes)}: what a capped open's first GET of each
         # object brought past its header, the first tensors' bytes: the
         # first load reads them from here instead of fetching them again
@@ -520,15 +523,6 @@ class RemoteShards(Shards):
     def fetch(self):
         """The reader threads' read (``Pipeline(fetch=)``): ``_Fetch``."""
         return _Fetch(self)
-
-    @staticmethod
-    def one(url, storage_options=None):
-        """The objects of a one-object source ``url`` (``safe_open``'s)."""
-        name = url.rsplit("/", 1)[-1]
-        if url.endswith("/") or name.endswith(".json"):
-            raise ValueError(f"{_safe(url)}: safe_open reads one .safetensors object, not a "
-                             "directory or an index")
-        return _objects([url], Stores(storage_options))[1]
 
     def _open_all(self, urls):
         firsts = _each(self._first, range(len(urls)), self._stop)

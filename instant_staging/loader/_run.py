@@ -103,28 +103,36 @@ _BATCH = 32
 class LoadReport(NamedTuple):
     """What a finished load did.
 
-    For the CLI, the vLLM log line and the benchmarks to print instead of
-    measuring again.  ``seconds`` runs from
-    the call (``load_file``, ``Checkpoint.load``) to the last tensor;
-    ``phases`` splits it: ``open`` (sources resolved, headers parsed: 0 for
-    a checkpoint opened before), ``prepare`` (arguments, device, plan) and
-    ``load`` (bytes read and copied).  ``cache_hit_bytes`` and
-    ``fetched_bytes``: of ``bytes``, those read from a URL source's local
-    cache (``cache_dir=``) and those fetched from its object store (the
-    rest, from files).
+    For the CLI (``load --json`` prints every field), the vLLM log line and
+    the benchmarks to print instead of measuring again.
     """
 
     tensors: int
+    """The tensors loaded."""
     bytes: int
+    """The bytes of their data read (of a ``plan``'s slice, its rows')."""
     seconds: float
+    """From the call (``load_file``, ``Checkpoint.load``) to the last tensor."""
     gbps: float
+    """``bytes`` per second, in 10^9 bytes/s."""
     device: str
-    staging_kind: Optional[str]     # Kind's name; None for ordinary memory (a CPU load)
+    """Where the tensors went ("cpu", "cuda:0")."""
+    staging_kind: Optional[str]
+    """The staging buffer's ``Kind`` name ("REGISTERED", ...); None for a
+    load to the CPU (ordinary memory: nothing staged)."""
     threads: Optional[int]
+    """The reader threads that ran (no more than the load has chunks)."""
     chunk_size: int
+    """The bytes of each read."""
     phases: dict
+    """``seconds`` split: ``open`` (sources resolved, headers parsed: 0 for
+    a checkpoint opened before), ``prepare`` (arguments, device, plan) and
+    ``load`` (bytes read and copied)."""
     cache_hit_bytes: int = 0
+    """Of ``bytes``, those read from a URL source's local cache (``cache_dir=``)."""
     fetched_bytes: int = 0
+    """Of ``bytes``, those fetched from a URL source's object store (the
+    rest, neither this nor ``cache_hit_bytes``, from files)."""
 
 
 class _LoadState:

@@ -47,17 +47,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..defaults import PREFETCH_THREADS, default_threads, io_depth_for
 from . import _staging_pool
-from ._cache import Cache, cached
-from ._cache import directory as cache_directory
 from ._errors import MissingTensorError
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
+from ._open import open_shards
 from ._options import LoadOptions, _check_args, check_backend, knobs, left_unset
 from ._prepare import checked_target, fault_plan, planned, prepare_solo
-from ._remote import RemoteShards
 from ._run import LoadIterator
-from ._schemes import is_url, schemes_text
 from ._shards import Shards
-from ._source import refuse_other_url
 from ._target import _import_torch, _TorchTarget, parse_device
 from ._typing import CacheDir, Device, PathLike
 
@@ -292,32 +288,20 @@ class safe_open:
         target = _TorchTarget(torch, parse_device(torch, device))
         chunk_size, io_depth, threads = knobs(None, None, None)
         _check_args(chunk_size, io_depth, threads)
-        if is_url(filename):        # one object: s3://bucket/key.safetensors, https://...
-            directory = cache_directory(cache_dir)
-            cache = Cache(directory) if directory is not None else None
-            checkpoint = RemoteShards(RemoteShards.one(filename, storage_options))
-            checkpoint.cache = cache
-        elif storage_options is not None:
-            raise ValueError(f"storage_options apply to a URL ({schemes_text()}), not a file")
-        elif cache_dir is not None and cache_dir is not False:
-            raise ValueError(f"cache_dir applies to a URL ({schemes_text()}), not a file")
-        else:
-            if isinstance(filename, str):
-                refuse_other_url(filename)
-            checkpoint = Shards()
-        # Until the handle's _File holds it, the file is closed here on any
-        # exception (a Ctrl-C too): nothing else could reach it.
-        try:
-            checkpoint.open([filename])
-            checkpoint = cached(checkpoint)     # the cache's entry, where it holds the object
+
+        def own(checkpoint):
+            # (made inside open_shards, which closes the file on any
+            # exception until the _File holds it: a Ctrl-C too)
+            knobs_ = chunk_size, io_depth, threads
             if left_unset(None, None, None):     # load_file's rule: a file the page cache lacks, a URL
                 cold = checkpoint.default_knobs()
                 if cold:
-                    chunk_size, io_depth, threads = cold["chunk_size"], cold["io_depth"], cold["threads"]
-            self._file = _File(checkpoint, torch, target, chunk_size, io_depth, threads)
-        except BaseException:
-            checkpoint.close()
-            raise
+                    knobs_ = cold["chunk_size"], cold["io_depth"], cold["threads"]
+            return _File(checkpoint, torch, target, *knobs_)
+        # one file or object (s3://bucket/key.safetensors, https://...)
+        self._file = open_shards(filename, storage_options=storage_options, cache_dir=cache_dir,
+                                 one_file=True, own=own)
+        checkpoint = self._file.checkpoint
         header = checkpoint.headers[0]
         self._entries = {t.name: t for t in header.tensors}
         self._order = [t.name for t in header.tensors]

@@ -181,10 +181,13 @@ class Stores:
             raise ValueError(f"{redact_url(url)}: no bucket or host in the URL")
         if parts.query or parts.fragment:
             raise ValueError(f"{redact_url(url)}: a source URL takes no query or fragment")
-        if parts.password is not None:
-            # Neither used nor kept: a password in a URL ends up in messages,
-            # reports and shell history.  (README, "Object storage".)
-            raise ValueError(f"{redact_url(url)}: a password in the URL is not used: pass "
+        if "@" in parts.netloc:
+            # Neither used nor kept: a password or a token in a URL ends up
+            # in messages, reports and shell history; any userinfo is one
+            # (a personal access token is the whole of it: TOKEN@host).
+            # (README, "Object storage".)
+            raise ValueError(f"{redact_url(url)}: credentials in the URL (a password or token "
+                             "before its '@') are not used: pass "
                              "credentials through storage_options= or the environment "
                              "(AWS_*, GOOGLE_*, AZURE_*; for https, an Authorization "
                              "header in storage_options={'client_options': "
@@ -299,8 +302,10 @@ def _secret_param(name):
 def redact_url(url: str) -> str:
     """``url`` as it may be shown: in messages, reprs, reports, logs.
 
-    A password in the userinfo becomes ``***`` (``user:***@host``), as do
-    the values of query parameters that carry a secret (a presigned URL's
+    The userinfo becomes ``***`` (``***@host``): any userinfo is a
+    credential (a password, a token given alone as in ``https://TOKEN@host/``,
+    a user name beside either).  So do the values of query parameters that
+    carry a secret (their names percent-decoded first; a presigned URL's
     ``X-Amz-Signature``/``X-Amz-Credential``/``X-Amz-Security-Token``,
     ``X-Goog-Signature``, an Azure SAS's ``sig``, any parameter named like
     a token, signature, secret, key, credential or password) and a
@@ -319,9 +324,9 @@ def redact_url(url: str) -> str:
     cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0),
               default=len(rest))
     netloc, tail = rest[:cut], rest[cut:]
-    userinfo, at, host = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        netloc = f"{userinfo.split(':', 1)[0]}:{REDACTED}@{host}"
+    _, at, host = netloc.rpartition("@")
+    if at:
+        netloc = f"{REDACTED}@{host}"
     tail, hash_, _ = tail.partition("#")
     path, q, query = tail.partition("?")
     if query:

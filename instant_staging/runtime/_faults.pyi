@@ -1,4 +1,18 @@
-"""Types of the compiled ``_faults`` module (see ``_faults.pyx``)."""
+"""Fault injection: a runtime table that fails chosen calls of another one.
+
+``FaultyRuntime`` wraps any ``Runtime`` (CUDA, HIP, the simulated one, or
+another wrapper).  Its table forwards every entry to a copy of the inner
+table, except that ``host_register``, ``host_unregister``, ``host_alloc``
+and ``free_host`` first ask a fault plan (``instant_staging.faults.FaultPlan``)
+whether the call fails.  A failed call returns the plan's code without
+reaching the inner runtime and leaves that code pending, as the real
+runtime leaves its own, until ``get_last_error`` reads it.  This is how any
+host plays the failing hosts of docs/design.md ("Measured") (``INSTANT_STAGING_FAULTS``).
+
+Like the CUDA runtime, the injected pending error is per thread.  The
+adapters run without the GIL and take it only to consult the plan and the
+wrapper's bookkeeping; the inner call itself is made without it.
+"""
 
 from typing import TypeVar, overload
 

@@ -1,4 +1,28 @@
-"""Types of the compiled ``_simulated`` module (public as ``instant_staging.testing``)."""
+"""SimulatedRuntime: a host-only runtime table with the real driver's semantics.
+
+What docs/design.md ("Measured") records on an H200 host, reproduced without a GPU so
+that CI runs every success path of the state machine and the loader:
+
+- ``host_register`` of NULL or of 0 bytes is 1 (invalid value); a range
+  overlapping a registration (or a runtime allocation) is 712 (already
+  registered).
+- ``host_unregister`` of a registration's start succeeds, of an interior
+  pointer is 1, of anything else 713 (not registered).
+- ``host_alloc`` returns page-aligned real memory; ``free_host`` of a
+  pointer it did not return is 1.
+- ``memcpy_async`` copies synchronously, and a host range that overlaps a
+  registration or runtime allocation without lying inside exactly one is
+  1 and copies nothing (a copy spanning two segments fails on the driver).
+  The device side is host memory; device ranges must lie in one allocation.
+- Every failure leaves its code pending until ``get_last_error`` reads it
+  (one pending error per runtime, not per thread).
+
+Every table entry is a ``noexcept nogil`` adapter that takes the GIL for
+the bookkeeping (Python dicts and lists), which also serialises threads;
+only the copy itself runs without it.  Calls are logged for tests.  With
+``faults=`` the table is wrapped by ``FaultyRuntime`` while the counters
+and the log stay here.
+"""
 
 from typing import Any
 

@@ -1,4 +1,13 @@
-"""Types of the compiled ``runtime._table`` module (see ``_table.pyx``)."""
+"""Python face of the runtime table (see ``_table.pxd``).
+
+``Runtime`` holds one filled ``RuntimeTable``.  Its methods are thin
+wrappers, one per table entry, that release the GIL around the call and
+return the runtime's own status code (0 is success), with any output as
+a second value.  Pointers cross into Python as integers, as in CuPy's
+``cupy_backends.cuda.api.runtime``.  The wrappers do not raise on a failed
+call; ``check`` is the one idiom that does (CuPy's ``check_status``): it
+clears the pending error on this same runtime and raises RuntimeCallError.
+"""
 
 from typing import TypeVar, overload
 
@@ -10,9 +19,10 @@ ERROR_CODES: dict[str, int]
 class Runtime:
     """A GPU runtime reached through a table of nogil function pointers.
 
-    Never made directly: ``real_runtime()``, ``testing.SimulatedRuntime``,
-    ``testing.inject_faults``.  Every call returns the runtime's own error
-    code (0 for success), alone or first in a tuple.
+    Instances come from ``instant_staging.runtime.real_runtime()``,
+    ``instant_staging.testing.SimulatedRuntime`` or
+    ``instant_staging.testing.inject_faults``; this base class is never
+    filled by itself.
     """
 
     @property

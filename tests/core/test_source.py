@@ -288,6 +288,31 @@ def test_the_loader_has_no_import_circle():
         visit(m)
 
 
+# What makes shards or a cache: a call of one of these.
+_MAKERS = {"Shards", "RemoteShards", "CachedShards", "Cache", "cached", "Stores", "resolve",
+           "resolve_url", "open_recorded"}
+
+
+def _calls(module):
+    """The names ``loader/<module>.py`` calls (``f(...)`` and ``x.f(...)``)."""
+    import ast
+    with open(os.path.join(PACKAGE, "loader", module + ".py")) as f:
+        tree = ast.parse(f.read())
+    return {getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            for node in ast.walk(tree) if isinstance(node, ast.Call)}
+
+
+def test_only_open_shards_makes_shards_or_a_cache():
+    # Every door opens its source through _open.open_shards: none resolves
+    # a source, makes shards, stores or a cache itself (issue 52: the two
+    # copies in Checkpoint.open and safe_open had drifted in wording).
+    for door in ("_checkpoint", "_safe_open", "_load", "_into"):
+        assert not _calls(door) & _MAKERS, (door, _calls(door) & _MAKERS)
+        assert not {"_cache", "_source"} & _loader_imports(door), door
+    assert {"Shards", "RemoteShards", "Cache", "cached", "Stores"} <= _calls("_open")
+    assert "_open" in _loader_imports("_checkpoint") and "_open" in _loader_imports("_safe_open")
+
+
 # -- the tests themselves -----------------------------------------------------------------
 
 def test_tests_share_helpers_through_support_only():
