@@ -4,7 +4,8 @@
 loader reads from a bucket: ``_schemes.SCHEMES``' s3, gcs and azure rows)
 sends the bytes ``save`` would return as one multipart upload through
 obstore (``obstore.put(..., use_multipart=True)``): parts of
-``part_size`` bytes, ``concurrency`` of them in flight.  The store is made
+``part_size`` bytes, ``concurrency`` of them in flight; an object of one
+part or less goes as one PUT (atomic too, two requests fewer).  The store is made
 as a load makes it (``_schemes.Stores``: the same ``storage_options=``,
 environment and credentials).
 
@@ -104,8 +105,8 @@ def upload(plan: Plan, url: str, *, storage_options=None, staging=None, part=Non
     stream = _Stream(plan, header, part, concurrency, staging, stage_cpu)
     try:
         with no_panic(url):
-            obstore.put(store, key, stream.source, use_multipart=True, chunk_size=part,
-                        max_concurrency=stream.concurrency)
+            obstore.put(store, key, stream.source, use_multipart=plan.size > part,
+                        chunk_size=part, max_concurrency=stream.concurrency)
     except ClientPanic:
         raise
     except Exception as e:
