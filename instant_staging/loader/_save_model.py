@@ -10,6 +10,9 @@ The same arguments, defaults and files as ``huggingface_hub.save_torch_state_dic
   ``shared_tensors_to_discard``; each name left out is recorded in the
   metadata as ``{left_out: kept}`` (unless the caller's metadata has it);
   a group where no tensor covers the storage is refused (RuntimeError);
+  slices of one storage that do not overlap (a fused weight's q, k and v)
+  are saved each with its own bytes (huggingface_hub refuses them: none
+  covers the storage);
 - shards are filled in the state dict's order, a new one started where the
   next tensor would take the shard past ``max_shard_size`` (a tensor
   larger than that alone in its own); sizes are the tensors' storages'
@@ -44,7 +47,7 @@ import secrets
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from ._save import VERSION_KEY, _end, _pwrite_all, _sync_dir, save_file
+from ._save import VERSION_KEY, _end, _pwrite_all, _sync_dir, make_plan, save_file
 from ._schemes import is_url, redact_url
 from ._target import _import_torch
 from ._typing import PathLike
@@ -139,6 +142,8 @@ def save_model(model_or_state_dict, save_directory: PathLike, *,
     if not remote:
         os.makedirs(directory, exist_ok=True)
     per_file = {"format": "pt", **({} if sharded else meta)}
+    for names in files.values():     # every shard checked before the first is written
+        make_plan({n: state_dict[n] for n in names}, per_file, version=version)
     for filename, names in files.items():
         save_file({n: state_dict[n] for n in names}, _join(directory, filename, remote), per_file,
                   version=version, digests=digests, sync=sync, staging=staging,
