@@ -47,6 +47,9 @@ reader opening the target sees the old file or the new one whole; a save
 that fails removes its temporary file; a save killed by a signal leaves
 the old file and its temporary file, whose name no later save uses.
 
+To a bucket (``save_file("s3://...")``): the same bytes as one multipart
+upload, ``_upload.py``.
+
 Our own metadata, only when asked for: ``version=`` writes
 ``instant_staging.version``; ``digests=True`` writes
 ``instant_staging.digests``, a JSON object ``{"algorithm": DIGEST_ALGORITHM,
