@@ -231,3 +231,9 @@ DIGEST_BLOCK = 1 << 20
 # this many bytes per device, compared, and dropped: device memory beyond
 # the model stays within it (plus the delta's own tensors).
 DELTA_BASE_BATCH = 1 << 30
+
+# save_file to a bucket (loader/_upload.py): parts of SAVE_CHUNK_SIZE (a
+# multiple of it for an object that would need more than UPLOAD_MAX_PARTS,
+# S3's and GCS's limit), this many in flight (obstore's own default).
+UPLOAD_CONCURRENCY = 12
+UPLOAD_MAX_PARTS = 10_000

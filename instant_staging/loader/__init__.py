@@ -46,7 +46,10 @@ benchmarks), who import nothing from an underscored module of it
   after the load returns: waits for them, ``_cache.py``);
   ``load_into`` (and ``Checkpoint.load_into``: a reload in place, ``_into.py``);
 - saving: ``save_file``, ``save`` (safetensors' files byte for byte, published
-  atomically), ``tensor_digest`` (``_save.py``); deltas: ``save_delta``,
+  atomically; to a file or, as one multipart upload, to a bucket:
+  ``_upload.py``), ``tensor_digest`` (``_save.py``); ``save_model`` (shards
+  and ``model.safetensors.index.json`` as huggingface_hub writes them:
+  ``_save_model.py``); deltas: ``save_delta``,
   ``apply_delta``, ``read_delta``, ``parse_delta``, ``DeltaInfo``,
   ``DeltaError`` (the format, defined once for both sides: ``_delta.py``);
 - the errors: ``SafetensorsError``, ``LoadError``, ``VerifyError``,
@@ -101,6 +104,7 @@ from ._remote import RemoteChangedError, fetch_side_files
 from ._run import LoadIterator, LoadReport
 from ._safe_open import PrefetchLoader, safe_open
 from ._save import save, save_file, tensor_digest
+from ._save_model import save_model
 from ._schemes import is_url, redact_text, redact_url, schemes_text
 from ._source import resolve as resolve_source
 from ._staging_pool import empty_cache
@@ -163,6 +167,7 @@ __all__ = [
     "save",
     "save_delta",
     "save_file",
+    "save_model",
     "schemes_text",
     "tensor_digest",
     "torch_dtype",

@@ -35,6 +35,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import socket
 import subprocess
 import tempfile
@@ -244,13 +245,15 @@ def _sas_string(f, account, container):
 class AzureBlobServer(_Threaded):
     """An Azure Blob service on 127.0.0.1, in a thread, for one account
     (``account``, ``key``).  ``containers``: name -> {blob: (bytes, etag,
-    last_modified)}.  ``requests``: (method, target) of each request;
+    last_modified)}; ``blocks``: the uncommitted blocks of each blob (Put
+    Block), which a Put Block List commits.  ``requests``: (method, target) of each request;
     ``auth``: how each was authorized ("SharedKey", "SAS" or None)."""
 
     def __init__(self, account=AZURE_ACCOUNT, key=AZURE_KEY):
         super().__init__()
         self.account, self.key = account, key
         self.containers = {}
+        self.blocks = {}        # (container, blob) -> {block id: bytes}, uncommitted
         self.requests = []
         self.auth = []
         self._lock = threading.Lock()
@@ -361,6 +364,29 @@ class _AzureHandler(_Handler):
             return self._error(400, "UnsupportedQueryParameter", "not served here")
         if blobs is None:
             return self._error(404, "ContainerNotFound", "The specified container does not exist.")
+        if self.command == "PUT" and query.get("comp") == ["block"]:
+            # Put Block: kept uncommitted, apart from the blob, until a
+            # Put Block List names it (a multipart upload's part).
+            block = query.get("blockid", [""])[0]
+            if not block:
+                return self._error(400, "InvalidQueryParameterValue", "blockid is missing")
+            with srv._lock:
+                srv.blocks.setdefault((container, name), {})[block] = body
+            return self._ok(201)
+        if self.command == "PUT" and query.get("comp") == ["blocklist"]:
+            # Put Block List: the blob becomes the named blocks, in one step.
+            ids = re.findall(r"<(?:Latest|Uncommitted|Committed)>([^<]*)</", body.decode())
+            with srv._lock:
+                blocks = srv.blocks.get((container, name), {})
+                missing = [i for i in ids if i not in blocks]
+                data = b"".join(blocks[i] for i in ids if i in blocks)
+            if missing:
+                return self._error(400, "InvalidBlockList",
+                                   "The specified block list is invalid.")
+            etag = srv.put(container, name, data)
+            with srv._lock:
+                srv.blocks.pop((container, name), None)
+            return self._ok(201, [("ETag", etag)])
         if self.command == "PUT":
             etag = srv.put(container, name, body)
             return self._ok(201, [("ETag", etag)])
