@@ -63,6 +63,7 @@ in-place writes do (``load_into``, the scatter, the rollback's copies).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -581,6 +582,24 @@ class VersionedWeights:
         self._state = UpdateState(None, True, failure.version,
                                   before.version_before if before.mixed else before.version,
                                   written)
+
+    @contextlib.contextmanager
+    def written_elsewhere(self, version: str):
+        """For an update that another writer applies (vLLM's
+        ``load_weights``): "mixed" from the start of the block, ``version``
+        once it ends without an exception; still "mixed" after one.  One
+        update at a time, as ``update``."""
+        _check_version("version", version)
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("another update of these tensors is running")
+        try:
+            before = self._state
+            self._state = UpdateState(None, True, version, before.version_before if before.mixed
+                                      else before.version, before.written)
+            yield
+            self._state = UpdateState(version, False)
+        finally:
+            self._lock.release()
 
     def digests(self, names: Any = None) -> dict[str, str]:
         """``device_digest`` of the held tensors (``names``: those only),
