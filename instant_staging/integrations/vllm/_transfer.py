@@ -1,7 +1,10 @@
 """vLLM's weight-transfer engine ``instant_staging``: an RL update, verified
 before its first write, from disk, a bucket or a delta.  Needs no vLLM to
 import; ``register`` makes it a vLLM engine where vLLM has the registry
-(``vllm/distributed/weight_transfer/``, ``WeightTransferEngineFactory``).
+(``vllm/distributed/weight_transfer/``, ``WeightTransferEngineFactory``:
+vLLM 0.16 and later; the start/finish phases from 0.22; engines made with
+the model from vLLM's PR 42922).  An older vLLM keeps
+``collective_rpc("reload_weights", ...)`` through the load format.
 
     llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="instant_staging"))
     llm.init_weight_transfer_engine({"init_info": {"version": "step-0"}})
@@ -25,7 +28,8 @@ An update names a checkpoint (a local directory or file, a URL, or a delta:
   and splits row-parallel layers along their second dimension): a full
   checkpoint goes through vLLM's ``model.load_weights`` with the load
   format's iterator (``_weights.iter_weights``: grouped by layer, in
-  batches), inside vLLM's layerwise reload where vLLM has it; what is
+  batches), inside vLLM's layerwise reload where vLLM has it
+  (``vllm.model_executor.model_loader.reload``); what is
   checked first is the source's version, pins and digests and its names
   against the checkpoint of the version held (where known); a delta is
   refused (its positions are in the checkpoint's layout, which such a
@@ -40,6 +44,7 @@ every tensor written when ``return_digests``) stays on the worker for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -176,7 +181,8 @@ class Engine:
         self.init = init_info
         self.holder = None      # made on the first update, over the model's parameters
 
-    def start_weight_update(self) -> None:
+    def start_weight_update(self, *args: Any, **kwargs: Any) -> None:
+        # (vLLM 0.22 to 0.2x passed is_checkpoint_format=: always so here)
         if self._session:
             raise RuntimeError(f"an update of the {BACKEND} engine is already under way")
         self._session, self._updated = True, False
@@ -285,7 +291,7 @@ class Engine:
         load = load_weights or model.load_weights
         device = self.device if self.device is not None else "cpu"
         try:
-            with self.holder.written_elsewhere(info.version):
+            with self.holder.written_elsewhere(info.version), _layerwise(model, self.model_config):
                 load(iter_weights(ck.files, device))
         except BaseException:
             logger.error("%s: the update to %s failed part-way: %s", BACKEND, info.version,
@@ -293,6 +299,28 @@ class Engine:
             raise
         self._reference = header
         return None
+
+
+@contextlib.contextmanager
+def _layerwise(model, model_config):
+    """vLLM's layerwise reload around a ``load_weights`` of checkpoint-format
+    weights (each layer processed once its weights are in: quantized and
+    repacked layers), where vLLM has it and the model's config is known."""
+    try:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError:
+        finalize_layerwise_reload = initialize_layerwise_reload = None
+    if initialize_layerwise_reload is None or model_config is None:
+        yield
+        return
+    initialize_layerwise_reload(model)
+    try:
+        yield
+    finally:
+        finalize_layerwise_reload(model, model_config)
 
 
 def _logical_names(ck):
