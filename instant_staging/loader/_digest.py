@@ -51,23 +51,26 @@ DEVICE_DIGEST_ALGORITHM = "poly-mod-p31-x2-le32-v1"
 _LANES = ((2147483647, 1103515245 % 2147483647), (2147483629, 1664525 * 1013904223 % 2147483629))
 _MASK = 0xFFFFFFFF
 
-_powers: dict = {}      # {(device, lane): int64 tensor of B**(j+1) mod P, j < DEVICE_DIGEST_WORDS}
+_powers: dict = {}      # {(device, lane): int64 tensor of B**(j+1) mod P, at most DEVICE_DIGEST_WORDS}
 
 
-def _power_table(torch, device, lane, words):
-    key = (str(device), lane, words)
+def _power_table(torch, device, lane, need):
+    """``B**(j+1) mod P`` for ``j < need`` on ``device`` (a view of a table
+    kept per device and lane, grown by doubling as longer chunks come)."""
+    key = (str(device), lane)
     table = _powers.get(key)
-    if table is None:
+    if table is None or table.numel() < need:
         prime, base = _LANES[lane]
-        table = torch.empty(words, dtype=torch.int64, device=device)
+        size = max(need, min(2 * table.numel(), DEVICE_DIGEST_WORDS)) if table is not None else need
+        table = torch.empty(size, dtype=torch.int64, device=device)
         table[0] = base
         n = 1
-        while n < words:
-            m = min(n, words - n)
+        while n < size:
+            m = min(n, size - n)
             table[n:n + m] = table[:m] * pow(base, n, prime) % prime
             n += m
         _powers[key] = table
-    return table
+    return table[:need]
 
 
 def _flat_bytes(torch, tensor):
@@ -106,7 +109,7 @@ def _chunk_sums(torch, flat, words):
         w = _words(torch, flat[begin:begin + step])
         sums = []
         for lane, (prime, _) in enumerate(_LANES):
-            table = _power_table(torch, flat.device, lane, words)[:w.numel()]
+            table = _power_table(torch, flat.device, lane, w.numel())
             sums.append(((w * table) % prime).sum())
         out.append((begin // 4, torch.stack(sums)))
     return out

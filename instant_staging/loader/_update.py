@@ -230,7 +230,8 @@ def _check_full(ck, dests, plan, tensors, keys):
     tensor's dtype and shape, contiguous, on a device, none overlapping."""
     torch = _import_torch()
     from ._into import check_destinations
-    missing = [k for k in tensors if k not in set(keys.values())]
+    targets = set(keys.values())
+    missing = [k for k in tensors if k not in targets]
     if missing:
         raise UpdateRefused(f"{len(missing)} destination(s) the update does not write (a full "
                             f"update writes every one; a delta writes some): "
@@ -257,6 +258,8 @@ def _check_full(ck, dests, plan, tensors, keys):
     groups: dict = {}
     for name, dest in dests.items():
         groups.setdefault(dest.device, {})[name] = dest
+    # (load_into checks them again, but its error would come after the
+    # first device's writes, and reads as a failure part-way)
     for group in groups.values():
         try:
             check_destinations(group)

@@ -262,3 +262,21 @@ def test_bad_arguments_are_type_errors(steps):
         apply_update(model, full, version="v1", dtype=torch.float16)
     with pytest.raises(TypeError, match="rollback"):
         apply_update(model, full, version="v1", rollback="yes")
+
+
+@pytest.mark.slow
+def test_bench_update_quick(tmp_path):
+    import json
+
+    from support import ROOT, run_script
+    out = tmp_path / "update.json"
+    r = run_script(os.path.join(ROOT, "benchmarks", "bench_update.py"), "--quick", "--layouts",
+                   "dense", "--dir", str(tmp_path), "--json", str(out),
+                   env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    methods = [x["method"] for x in doc["results"]]
+    assert methods == ["load_file", "update full", "update full+rb", "update full+dg",
+                       "update delta 2%", "digests"]
+    assert all(x["exact"] is True and x["best"] > 0 for x in doc["results"])
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".delta.safetensors")]
