@@ -227,6 +227,14 @@ SAVE_THREADS = 8
 # A save's chunks are whole blocks (SAVE_CHUNK_SIZE is a multiple of it).
 DIGEST_BLOCK = 1 << 20
 
+# device_digest (loader/_digest.py): a tensor's words are hashed in chunks
+# of this many 4-byte words, each chunk's terms summed on the tensor's own
+# device; the table of powers it multiplies by (8 bytes a word, one table
+# per lane and device, kept) and each chunk's temporaries are of this
+# length, so the device memory a digest takes beyond the tensor is bounded
+# by it, whatever the tensor's size.
+DEVICE_DIGEST_WORDS = 1 << 22
+
 # save_delta: a base given as a checkpoint is read in batches of at most
 # this many bytes per device, compared, and dropped: device memory beyond
 # the model stays within it (plus the delta's own tensors).

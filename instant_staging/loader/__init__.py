@@ -52,6 +52,13 @@ benchmarks), who import nothing from an underscored module of it
   ``_save_model.py``); deltas: ``save_delta``,
   ``apply_delta``, ``read_delta``, ``parse_delta``, ``DeltaInfo``,
   ``DeltaError`` (the format, defined once for both sides: ``_delta.py``);
+- weight updates (RL): ``apply_update``, ``VersionedWeights`` (the version
+  held), ``UpdateReport``, ``UpdateState``, ``UpdateRefused`` (nothing
+  written), ``UpdateFailed`` (after the first write: ``_update.py``);
+  ``device_digest``, ``device_digests``, ``DEVICE_DIGEST_ALGORITHM`` (a
+  digest computed on the tensor's device, the same on any device:
+  ``_digest.py``); ``layer_order``, ``layer_key`` (names grouped by layer
+  in the model's order: ``_weight_order.py``);
 - the errors: ``SafetensorsError``, ``LoadError``, ``VerifyError``,
   ``DistributedLoadError``, ``CheckpointChangedError`` (and its
   ``RemoteChangedError``), ``MissingNameError``;
@@ -84,6 +91,7 @@ from ._bytes import load
 from ._cache import wait_for_cache_fills
 from ._checkpoint import Checkpoint, TensorInfo
 from ._delta import DeltaError, DeltaInfo, apply_delta, parse_delta, read_delta, save_delta
+from ._digest import DEVICE_DIGEST_ALGORITHM, device_digest, device_digests
 from ._distributed import DistributedLoadError
 from ._errors import CheckpointChangedError, LoadError, VerifyError
 from ._header import DTYPE_BITS, TORCH_DTYPES, SafetensorsError
@@ -112,10 +120,20 @@ from ._target import _import_torch as import_torch
 from ._target import _resolve_device as resolve_device
 from ._target import default_device, parse_device
 from ._typing import Device, DType, Names, PathLike, ProgressArg, Source
+from ._update import (
+    UpdateFailed,
+    UpdateRefused,
+    UpdateReport,
+    UpdateState,
+    VersionedWeights,
+    apply_update,
+)
+from ._weight_order import layer_key, layer_order
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_IO_DEPTH",
+    "DEVICE_DIGEST_ALGORITHM",
     "DTYPE_ALIASES",
     "DTYPE_BITS",
     "ENV_CHUNK_SIZE",
@@ -144,14 +162,24 @@ __all__ = [
     "SafetensorsError",
     "Source",
     "TensorInfo",
+    "UpdateFailed",
+    "UpdateRefused",
+    "UpdateReport",
+    "UpdateState",
     "VerifyError",
+    "VersionedWeights",
     "apply_delta",
+    "apply_update",
     "default_device",
+    "device_digest",
+    "device_digests",
     "empty_cache",
     "fetch_side_files",
     "import_torch",
     "is_url",
     "iter_load",
+    "layer_key",
+    "layer_order",
     "load",
     "load_file",
     "load_into",

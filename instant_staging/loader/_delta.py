@@ -37,8 +37,9 @@ the first byte reaches a destination: the file is a delta of a known
 format; its base version is the one the caller holds; every name has a
 destination of its dtype and shape, contiguous; every position list is
 strictly increasing and in range (read first: positions and values are
-the small part of a delta).  Then sparse tensors are scattered on their
-destination's device, and whole ones written in place by ``load_into``.
+the small part of a delta).  Then whole tensors are written in place by
+``load_into`` (the reads, which may fail), and sparse ones scattered on
+their destination's device from memory (``check_delta``, ``write_delta``).
 """
 
 from __future__ import annotations
@@ -319,11 +320,13 @@ def apply_delta(tensors: Mapping[str, torch.Tensor], delta: Source, *, version: 
     """Applies a delta file to ``tensors`` in place.
 
     Everything is checked before the first byte is written (the module's
-    docstring): then each sparse tensor is scattered into its destination
-    on the destination's device (``view(-1)[positions] = values``) and each
-    whole one written in place by ``load_into``; every destination keeps its
-    storage and ``data_ptr``, and its autograd version is bumped as torch's
-    in-place writes bump it.
+    docstring): then each whole tensor is written in place by ``load_into``
+    and each sparse one scattered into its destination on the
+    destination's device (``view(-1)[positions] = values``); every
+    destination keeps its storage and ``data_ptr``, and its autograd
+    version is bumped as torch's in-place writes bump it.  (``apply_update``
+    applies a delta too, with the sources' pins, digests, a rollback and a
+    version holder: ``_update.py``.)
 
     Args:
         tensors: ``{name: tensor}`` holding version ``version``: every name
@@ -343,52 +346,120 @@ def apply_delta(tensors: Mapping[str, torch.Tensor], delta: Source, *, version: 
         LoadError and others after the first write, with ``written`` (the
             names written) set on the error where it can hold it.
     """
-    torch = _import_torch()
     from ._checkpoint import Checkpoint
     with Checkpoint.open(delta, storage_options=storage_options) as ck:
+        checked = check_delta(ck, tensors, version)
+        write_delta(ck, checked)
+    return checked.info
+
+
+class CheckedDelta(NamedTuple):
+    """A delta checked against its destinations, its patches read: what
+    ``write_delta`` writes.  Nothing of the destinations written yet."""
+
+    info: DeltaInfo
+    dests: dict
+    """``{name: destination}`` of every name the delta writes."""
+    plan: dict | None
+    """``{name: None | slice}`` of rows (a tensor-parallel shard), or None."""
+    patches: dict
+    """``{name: (positions as int64, values)}`` on each destination's device,
+    positions checked and, under a plan, made relative to the shard."""
+
+
+def check_delta(ck, tensors: Mapping, version: str | None, plan: Mapping | None = None,
+                info: DeltaInfo | None = None) -> CheckedDelta:
+    """Checks the delta open as ``ck`` against ``tensors`` (``{name:
+    destination}``) holding ``version``, and reads its patches to their
+    destinations' devices; nothing is written.  ``plan``: ``{name: None |
+    slice}``: a destination holds only those rows of its tensor (a step-1
+    slice of the first dimension): its shape is the rows', and only the
+    positions inside them are kept.  ``info``: the names to write (the
+    delta's ``DeltaInfo`` narrowed), default all of the delta's.
+
+    Raises:
+        DeltaError: as ``apply_delta``'s, before anything is written.
+    """
+    torch = _import_torch()
+    if info is None:
         info = _info_of(ck)
-        if info.base_version != version:
-            raise DeltaError(f"the delta applies to version {info.base_version!r}; the tensors "
-                             f"hold {version!r}: nothing was written")
-        names = _torch_names(torch)
+    if info.base_version != version:
+        raise DeltaError(f"the delta applies to version {info.base_version!r}; the tensors "
+                         f"hold {version!r}: nothing was written")
+    names = _torch_names(torch)
+    rows = {}
+    for name in (*info.full, *info.sparse):
+        dest = _destination(tensors, name)
+        full_shape = info.sparse[name] if name in info.sparse else tuple(ck.info(name).shape)
+        dtype = ck.info(values_key(name)).dtype if name in info.sparse else ck.info(name).dtype
+        want = _rows_shape(name, full_shape, None if plan is None else plan.get(name))
+        rows[name] = want[1]
+        shape = tuple(dest.shape)
+        if dtype == "F4" and shape:
+            shape = shape[:-1] + (shape[-1] * 2,)
+        if names.get(dest.dtype) != dtype or shape != want[0]:
+            raise DeltaError(f"tensor {name!r}: the delta holds {dtype} {list(want[0])}"
+                             f"{' (the rows of its plan)' if want[1] is not None else ''}, the "
+                             f"destination is {dest.dtype} {list(dest.shape)}: nothing was written")
+    dests = {n: tensors[n] for n in (*info.full, *info.sparse)}
+    patches = _load_patches(torch, ck, dests, info, rows)
+    return CheckedDelta(info, dests, None if plan is None else dict(plan), patches)
+
+
+def _rows_shape(name, shape, rows):
+    """``(shape of the destination, (first element, end element) or None)``
+    of a tensor of ``shape`` of which a destination holds ``rows`` (a
+    slice, or None: all)."""
+    if rows is None:
+        return tuple(shape), None
+    if not isinstance(rows, slice) or not shape:
+        raise DeltaError(f"tensor {name!r}: a plan's entry is None or a slice of the first "
+                         f"dimension, not {rows!r}")
+    start, stop, step = rows.indices(shape[0])
+    if step != 1:
+        raise DeltaError(f"tensor {name!r}: a plan's slice has step 1, not {rows.step}")
+    stop = max(stop, start)
+    per_row = 1
+    for d in shape[1:]:
+        per_row *= d
+    return (stop - start, *shape[1:]), (start * per_row, stop * per_row)
+
+
+def write_delta(ck, checked: CheckedDelta, *, written: list | None = None, **options) -> None:
+    """Writes ``checked`` (``check_delta``'s) into its destinations: whole
+    tensors first (reads, which may fail), by ``load_into``, then the
+    sparse patches (on the device, from memory).  ``written`` (a list)
+    collects the names whose bytes are all written, as they are.
+    ``options``: ``load_into``'s (``chunk_size``, ...).
+
+    Raises:
+        whatever a write raises, with ``written`` set on it where it can
+        hold it.
+    """
+    torch = _import_torch()
+    done: list = [] if written is None else written
+    info, plan = checked.info, checked.plan
+    try:
+        groups: dict = {}
         for name in info.full:
-            dest = _destination(tensors, name)
-            meta = ck.info(name)
-            shape = tuple(dest.shape)
-            if meta.dtype == "F4" and shape:
-                shape = shape[:-1] + (shape[-1] * 2,)
-            if names.get(dest.dtype) != meta.dtype or tuple(meta.shape) != shape:
-                raise DeltaError(f"tensor {name!r}: the delta holds {meta.dtype} "
-                                 f"{list(meta.shape)}, the destination is {dest.dtype} "
-                                 f"{list(dest.shape)}: nothing was written")
-        for name, shape in info.sparse.items():
-            dest = _destination(tensors, name)
-            vdtype = ck.info(values_key(name)).dtype
-            if names.get(dest.dtype) != vdtype or tuple(dest.shape) != shape:
-                raise DeltaError(f"tensor {name!r}: the delta holds {vdtype} {list(shape)}, the "
-                                 f"destination is {dest.dtype} {list(dest.shape)}: nothing was "
-                                 "written")
-        patches = _load_patches(torch, ck, tensors, info)
-        written: list = []
+            groups.setdefault(checked.dests[name].device, {})[name] = checked.dests[name]
+        for group in groups.values():
+            if plan is None:
+                ck.load_into(group, names=list(group), **options)
+            else:
+                ck.load_into(group, plan={n: plan.get(n) for n in group}, **options)
+            done.extend(group)
+        with torch.no_grad():
+            for name, (positions, values) in checked.patches.items():
+                _as_int(torch, checked.dests[name])[positions] = _as_int(torch, values)
+                done.append(name)
+    except BaseException as e:
         try:
-            with torch.no_grad():
-                for name, (positions, values) in patches.items():
-                    dest = tensors[name]
-                    _as_int(torch, dest)[positions] = _as_int(torch, values)
-                    written.append(name)
-                groups: dict = {}
-                for name in info.full:
-                    groups.setdefault(tensors[name].device, {})[name] = tensors[name]
-                for group in groups.values():
-                    ck.load_into(group, names=list(group))
-                    written.extend(group)
-        except BaseException as e:
-            try:
-                e.written = tuple(written) + tuple(getattr(e, "written", ()) or ())  # type: ignore[attr-defined]
-            except AttributeError:
-                pass
-            raise
-    return info
+            before = tuple(getattr(e, "written", ()) or ())
+            e.written = tuple(done) + tuple(n for n in before if n not in done)  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+        raise
 
 
 def _destination(tensors, name):
@@ -401,9 +472,11 @@ def _destination(tensors, name):
     return dest
 
 
-def _load_patches(torch, ck, tensors, info):
+def _load_patches(torch, ck, tensors, info, rows=None):
     """Every sparse tensor's (positions as int64, values) on its
-    destination's device, the positions checked."""
+    destination's device, the positions checked (``rows``: ``{name: (first
+    element, end element) or None}``: only positions inside, made relative
+    to the first)."""
     by_device: dict = {}
     for name in info.sparse:
         by_device.setdefault(tensors[name].device, []).append(name)
@@ -413,12 +486,19 @@ def _load_patches(torch, ck, tensors, info):
         loaded = ck.load(device, names=keys)
         for name in group:
             positions = loaded.pop(indices_key(name)).to(torch.int64)
-            numel = tensors[name].numel()
+            values = loaded.pop(values_key(name))
+            numel = 1
+            for d in info.sparse[name]:
+                numel *= d
             if positions.numel():
                 bad = bool((positions[1:] <= positions[:-1]).any()) if positions.numel() > 1 \
                     else False
                 if bad or int(positions[0]) < 0 or int(positions[-1]) >= numel:
                     raise DeltaError(f"sparse tensor {name!r}: its positions must be strictly "
                                      f"increasing and in [0, {numel}): nothing was written")
-            out[name] = (positions, loaded.pop(values_key(name)))
+            span = None if rows is None else rows.get(name)
+            if span is not None:
+                inside = (positions >= span[0]) & (positions < span[1])
+                positions, values = positions[inside] - span[0], values[inside]
+            out[name] = (positions, values)
     return out

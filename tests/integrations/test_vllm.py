@@ -372,6 +372,54 @@ def test_plan():
     assert _weights.plan([], 100) == []
 
 
+def _interleaved(tmp_path):
+    """Two shards cutting layers apart: layers 0, 2, 10 in one, 1, 3 and the
+    head in the other, names sorted as strings in each (layers.10 before
+    layers.2)."""
+    from safetensors.torch import save_file as st_save_file
+    g = torch.Generator().manual_seed(5)
+
+    def layer(i):
+        return {f"model.layers.{i}.{p}": torch.randn(64, 64, generator=g)
+                for p in ("self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight")}
+    a = {"model.embed_tokens.weight": torch.randn(32, 64, generator=g),
+         **layer(0), **layer(2), **layer(10)}
+    b = {**layer(1), **layer(3), "lm_head.weight": torch.randn(32, 64, generator=g)}
+    files = [str(tmp_path / "model-00001-of-00002.safetensors"),
+             str(tmp_path / "model-00002-of-00002.safetensors")]
+    st_save_file(a, files[0])
+    st_save_file(b, files[1])
+    return files, {**a, **b}
+
+
+def _layers_seen(names):
+    from instant_staging.loader import layer_key
+    return [k[1] for k in map(layer_key, names) if k is not None]
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 40 << 10, 1 << 30])
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "streamed"])
+def test_pairs_come_grouped_by_layer_in_the_models_order(tmp_path, monkeypatch, batch_bytes,
+                                                         whole):
+    monkeypatch.setattr(_whole, "WHOLE_BATCH_MEAN_BYTES", 1 << 40 if whole else 0)
+    files, tensors = _interleaved(tmp_path)
+    pairs = list(_weights.iter_weights(files, "cpu", Options(batch_bytes=batch_bytes)))
+    names = [n for n, _ in pairs]
+    assert sorted(names) == sorted(tensors)
+    layers = _layers_seen(names)
+    assert layers == sorted(layers) == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3 + [10] * 3
+    assert names[:2] == ["model.embed_tokens.weight", "lm_head.weight"]   # no layer: first
+    for name, tensor in pairs:
+        assert torch.equal(tensor, tensors[name])
+
+
+def test_a_batch_yields_in_its_order_whatever_order_its_tensors_finish():
+    names = ("a", "b", "c", "d")
+    finished = [("c", 3), ("x", 0), ("a", 1), ("d", 4), ("b", 2)]
+    assert list(_weights._in_order(iter(finished), names)) == [
+        ("x", 0), ("a", 1), ("b", 2), ("c", 3), ("d", 4)]
+
+
 def test_bad_file_is_an_error_before_anything_is_loaded(tmp_path, monkeypatch):
     from instant_staging.loader import SafetensorsError
     path = save(tmp_path, "llama", sharded=True)

@@ -48,6 +48,11 @@ The contract:
   iterator, ``shuffle_safetensors_files`` the file order; with
   ``engram_config.cpu_offload`` the Engram tables are read to the CPU, as
   vLLM's own iterators keep them.
+- The weight-transfer engine ``instant_staging`` (``_transfer.py``, RL
+  updates verified before their first write, from disk, buckets and
+  deltas): ``register`` registers it with vLLM's
+  ``WeightTransferEngineFactory`` where the installed vLLM has one; a vLLM
+  without it keeps ``collective_rpc("reload_weights", ...)``.
 - Versions: tested against ``TESTED`` (tox.ini); ``register`` warns once on
   another minor version of vLLM, and loads all the same.
 
@@ -122,6 +127,8 @@ def register() -> None:
     if note is not None and not _warned:
         _warned.append(note)
         logging.getLogger("vllm.instant_staging").warning(note)
+    from ._transfer import register_engine
+    register_engine()           # the weight-transfer engine, where this vLLM has the registry
     registry = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", None)
     if registry is not None and registry.get(LOAD_FORMAT) is InstantStagingModelLoader:
         return                 # already registered in this process: no "overwritten" warning

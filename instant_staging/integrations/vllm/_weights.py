@@ -9,13 +9,18 @@ The pairs: every tensor of ``files`` (for which ``keep(name)`` holds), once,
 with the file's name, dtype, shape and bytes, as vLLM's default
 ``safetensors_weights_iterator`` yields them, but on ``device`` instead of
 the CPU (vLLM's weight loaders copy each into its parameter, or their
-tensor-parallel slice of it, from any device).  The order is not vLLM's:
-files in vLLM's order (numbers in names compared as numbers), and within
-each batch the order in which tensors finish.
+tensor-parallel slice of it, from any device).  The order is the model's,
+grouped by layer (``loader.layer_order``: names of no layer first, then
+layer 0, 1, ... whatever the files' order; within a layer, the files'
+order), not the files': an engine that processes a layer once all of its
+weights arrived (vLLM's layerwise reload) then holds at most the layer it
+is filling, never tensors of layers to come.  Within a batch, a tensor
+that finishes early waits for those before it (its memory is allocated
+anyway: a load allocates its whole batch when it starts).
 
 The files are opened once, as one ``Checkpoint`` (every header read and
 checked once, before anything is allocated), and its tensors are read in
-batches (``plan``): consecutive tensors of the files up to
+batches (``plan``): consecutive tensors in layer order up to
 ``Options.batch_bytes`` (``_options.BATCH_BYTES``), each batch one
 ``checkpoint.iter_load(device, names=batch)``, so that no more than one
 batch of checkpoint tensors sits on the device beside the model at any
@@ -51,7 +56,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
-from ...loader import Checkpoint, is_url
+from ...loader import Checkpoint, is_url, layer_order
 from .. import _whole
 from ._options import Options
 
@@ -97,13 +102,20 @@ def file_order(files: list[str], shuffle_seed: int | None = None) -> list[str]:
 
 def tensor_sizes(checkpoint: Checkpoint) -> list[tuple[str, list[tuple[str, int]]]]:
     """``[(file, [(name, nbytes), ...]), ...]`` of an open ``checkpoint``,
-    from its headers alone: its files in its order, each file's names
-    sorted (as safetensors lists them)."""
-    by_file: dict[str, list[tuple[str, int]]] = {path: [] for path in checkpoint.files}
+    from its headers alone, in layer order (``layer_order`` of its files in
+    its order, each file's names sorted as safetensors lists them): runs
+    of consecutive names of one file, a file in several runs where its
+    layers are apart."""
+    by_file: dict[str, list[str]] = {path: [] for path in checkpoint.files}
     for name in checkpoint.names():
+        by_file[checkpoint.info(name).file].append(name)
+    runs: list[tuple[str, list[tuple[str, int]]]] = []
+    for name in layer_order(n for names in by_file.values() for n in sorted(names)):
         info = checkpoint.info(name)
-        by_file[info.file].append((name, info.nbytes))
-    return [(path, sorted(entries)) for path, entries in by_file.items()]
+        if not runs or runs[-1][0] != info.file:
+            runs.append((info.file, []))
+        runs[-1][1].append((name, info.nbytes))
+    return runs
 
 
 def plan(sizes: list[tuple[str, list[tuple[str, int]]]], batch_bytes: int) -> list[Batch]:
@@ -181,7 +193,7 @@ def _iter_batches(checkpoint: Checkpoint, device: Any, options: Options,
                 progress(before + n, total)
         with checkpoint.iter_load(where, names=set(batch.names), process_group=group,
                                   progress=report, **knobs) as it:
-            for name, tensor in _loaded(it) if whole(batch) else it:
+            for name, tensor in _in_order(_loaded(it) if whole(batch) else it, batch.names):
                 if keep is not None and not keep(name):
                     continue                 # a shared read loads what other ranks keep
                 stats.tensors += 1
@@ -202,6 +214,27 @@ def _loaded(it) -> Iterator[tuple[str, Any]]:
     stack = list(it)[::-1]
     while stack:
         yield stack.pop()
+
+
+def _in_order(pairs: Iterator[tuple[str, Any]], names: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+    """The pairs of a batch in the batch's order (``names``): one that comes
+    early waits until those before it came (a load allocates its whole
+    batch as it starts: waiting holds nothing more); any the order does
+    not name, as they come."""
+    named = set(names)
+    waiting: dict[str, Any] = {}
+    position = 0
+    for name, tensor in pairs:
+        if name not in named:
+            yield name, tensor
+            continue
+        waiting[name] = tensor
+        tensor = None
+        while position < len(names) and names[position] in waiting:
+            yield names[position], waiting.pop(names[position])
+            position += 1
+    for name in list(waiting):
+        yield name, waiting.pop(name)
 
 
 def _check_same_plan(batches: list[Batch], group: Any) -> None:

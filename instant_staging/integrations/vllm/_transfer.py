@@ -1,0 +1,374 @@
+"""vLLM's weight-transfer engine ``instant_staging``: an RL update, verified
+before its first write, from disk, a bucket or a delta.  Needs no vLLM to
+import; ``register`` makes it a vLLM engine where vLLM has the registry
+(``vllm/distributed/weight_transfer/``, ``WeightTransferEngineFactory``:
+vLLM 0.16 and later; the start/finish phases from 0.22; engines made with
+the model from vLLM's PR 42922).  An older vLLM keeps
+``collective_rpc("reload_weights", ...)`` through the load format.
+
+    llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="instant_staging"))
+    llm.init_weight_transfer_engine({"init_info": {"version": "step-0"}})
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"source": "s3://b/step-1/", "version": "step-1"}})
+    llm.finish_weight_update()
+
+An update names a checkpoint (a local directory or file, a URL, or a delta:
+``loader._delta``'s format) and the version id it installs
+(``UpdateInfo``).  Each worker applies it to its own model
+(``Engine.receive_weights``), one of two ways:
+
+- in place (every tensor of the update has a parameter of its name, after
+  vLLM's ``hf_to_vllm_mapper`` where the model has one, holding the whole
+  tensor or this tensor-parallel rank's rows of it): through
+  ``loader.VersionedWeights`` (``_update.py``), so everything is checked
+  before the first byte is written (names, dtypes, shapes, the source's
+  version and pins, a delta's base version, the update's digests), every
+  parameter keeps its storage and ``data_ptr``, and deltas apply;
+- where some tensor has no such parameter (vLLM stacks q/k/v and gate/up,
+  and splits row-parallel layers along their second dimension): a full
+  checkpoint goes through vLLM's ``model.load_weights`` with the load
+  format's iterator (``_weights.iter_weights``: grouped by layer, in
+  batches), inside vLLM's layerwise reload where vLLM has it
+  (``vllm.model_executor.model_loader.reload``); what is
+  checked first is the source's version, pins and digests and its names
+  against the checkpoint of the version held (where known); a delta is
+  refused (its positions are in the checkpoint's layout, which such a
+  model does not keep).
+
+Either way the engine knows which version it holds (``state``): after a
+failure part-way it says "mixed" and refuses a delta until a full update
+succeeds.  The update's report (``last_report``, with ``device_digest`` of
+every tensor written when ``return_digests``) stays on the worker for
+``collective_rpc`` to read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ...loader import Checkpoint, UpdateRefused, UpdateState, VersionedWeights, apply_update
+from ._weights import iter_weights
+
+BACKEND = "instant_staging"
+
+logger = logging.getLogger("vllm.instant_staging")
+
+
+@dataclass
+class InitInfo:
+    """``init_weight_transfer_engine``'s ``init_info``."""
+
+    version: str | None = None
+    """The version the model holds as started (None: unknown; the first
+    update must then be a full one)."""
+    tp_rank: int | None = None
+    tp_size: int | None = None
+    """This worker's tensor-parallel rank and size (default: vLLM's)."""
+
+
+@dataclass
+class UpdateInfo:
+    """``update_weights``' ``update_info``: one update."""
+
+    source: str
+    """A checkpoint (directory, file, index, URL) or a delta file."""
+    version: str
+    """The version the model holds once installed."""
+    digests: dict[str, str] | None = None
+    """``{name: tensor_digest}`` the trainer saved: the files must record these."""
+    rollback: bool | None = None
+    """As ``apply_update``'s (None: for a delta only)."""
+    return_digests: bool = False
+    """Keep ``device_digest`` of every tensor written in ``last_report``."""
+    storage_options: dict[str, Any] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    """The loads' knobs (``chunk_size``, ``io_depth``, ``threads``, ...)."""
+
+    def __post_init__(self):
+        for label in ("source", "version"):
+            value = getattr(self, label)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"update_info[{label!r}] must be a non-empty str, not {value!r}")
+
+
+def _tp(init):
+    if init.tp_rank is not None and init.tp_size is not None:
+        return init.tp_rank, init.tp_size
+    try:
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (ImportError, AssertionError):
+        return 0, 1
+
+
+def direct_destinations(params: dict, infos: dict, rank: int, size: int,
+                        name_map: Callable[[str], str] | None = None):
+    """``(name_map, plan, missing)`` of an update whose tensors are
+    ``infos`` (``{name: (shape tuple)}``) into ``params`` (``{name:
+    parameter}``): each tensor's parameter by name (after ``name_map``),
+    holding it whole or this rank's rows (``rows * size == tensor rows``);
+    ``missing``: the names with no such parameter.  Pure."""
+    plan: dict = {}
+    missing = []
+    mapped: dict = {}
+    for name, shape in infos.items():
+        key = name if name_map is None else name_map(name)
+        param = params.get(key)
+        if param is None:
+            missing.append(name)
+            continue
+        have = tuple(param.shape)
+        if have == tuple(shape):
+            plan[name] = None
+        elif shape and size > 1 and have[1:] == tuple(shape[1:]) and have[0] * size == shape[0]:
+            plan[name] = slice(rank * have[0], (rank + 1) * have[0])
+        else:
+            missing.append(name)
+            continue
+        mapped[name] = key
+    return mapped.get, plan, missing
+
+
+class Engine:
+    """The worker's side (vLLM's ``WeightTransferEngine`` protocol: init,
+    start, update (one or more), finish; ``register`` makes a subclass of
+    vLLM's base class of it).  Constructed by vLLM as
+    ``Engine(config, vllm_config, device, model)`` (or, by a vLLM whose
+    engines take ``(config, parallel_config)``, with the model given to
+    ``receive_weights``' ``load_weights``)."""
+
+    init_info_cls = InitInfo
+    update_info_cls = UpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any = None, device: Any = None,
+                 model: Any = None) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.model_config = getattr(vllm_config, "model_config", None)
+        self.device = device
+        self.model = model
+        self.init = InitInfo()
+        self.holder: VersionedWeights | None = None
+        self.last_report: Any = None
+        self._session = False
+        self._updated = False
+        self._reference: dict | None = None     # {name: (dtype, shape)} of the version held
+
+    # -- vLLM's protocol ------------------------------------------------------------
+
+    def parse_init_info(self, init_dict: dict) -> InitInfo:
+        try:
+            return InitInfo(**init_dict)
+        except TypeError as e:
+            raise ValueError(f"invalid init_info for the {BACKEND} engine: {e}") from e
+
+    def parse_update_info(self, update_dict: dict) -> UpdateInfo:
+        try:
+            return UpdateInfo(**update_dict)
+        except TypeError as e:
+            raise ValueError(f"invalid update_info for the {BACKEND} engine: {e}") from e
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
+        if isinstance(init_info, dict):
+            init_info = self.parse_init_info(init_info)
+        self.init = init_info
+        self.holder = None      # made on the first update, over the model's parameters
+
+    def start_weight_update(self, *args: Any, **kwargs: Any) -> None:
+        # (vLLM 0.22 to 0.2x passed is_checkpoint_format=: always so here)
+        if self._session:
+            raise RuntimeError(f"an update of the {BACKEND} engine is already under way")
+        self._session, self._updated = True, False
+
+    def update_weights(self, update_info: dict) -> None:
+        """One update; a failure (refused or part-way) ends the session, as
+        vLLM's own engines end theirs, and ``state`` says what is held."""
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self._session = False
+            raise
+
+    def receive_weights(self, update_info: UpdateInfo, load_weights: Callable | None = None) -> None:
+        if isinstance(update_info, dict):
+            update_info = self.parse_update_info(update_info)
+        model = self.model
+        if model is None:
+            raise RuntimeError(f"the {BACKEND} engine has no model to update")
+        self.last_report = self._apply(model, update_info, load_weights)
+        self._updated = True
+
+    def finish_weight_update(self) -> None:
+        if not self._session:
+            raise RuntimeError(f"no update of the {BACKEND} engine is under way")
+        self._session = False
+        if not self._updated:
+            raise RuntimeError(f"no update was received between start_weight_update and "
+                               f"finish_weight_update ({self.state})")
+
+    def shutdown(self) -> None:
+        self._session = False
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        raise NotImplementedError(
+            f"the {BACKEND} engine moves no tensors from the trainer: the trainer saves a "
+            "checkpoint or a delta (loader.save_file / save_delta, to a path or a bucket) and "
+            "names it in update_weights' update_info")
+
+    # -- what it holds --------------------------------------------------------------
+
+    @property
+    def state(self) -> UpdateState:
+        """The version held (``str()``: "version X", "mixed: ...")."""
+        if self.holder is not None:
+            return self.holder.state
+        return UpdateState(self.init.version, False)
+
+    # -- applying --------------------------------------------------------------------
+
+    def _params(self, model):
+        return dict(model.named_parameters())
+
+    def _name_map(self, model):
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        apply = getattr(mapper, "_map_name", None)
+        if apply is None:
+            return None
+
+        def name_map(name):
+            return apply(name) or None
+        return name_map
+
+    def _apply(self, model, info: UpdateInfo, load_weights):
+        rank, size = _tp(self.init)
+        params = self._params(model)
+        name_map = self._name_map(model)
+        with Checkpoint.open(info.source, storage_options=info.storage_options) as ck:
+            infos = {n: _logical_shape(ck, n) for n in _logical_names(ck)}
+            mapper, plan, missing = direct_destinations(params, infos, rank, size, name_map)
+            if not missing:
+                return self._in_place(params, ck, info, mapper, plan)
+            return self._through_load_weights(model, ck, info, missing, load_weights)
+
+    def _in_place(self, params, ck, info, mapper, plan):
+        if self.holder is None:
+            self.holder = VersionedWeights(params, self.init.version, name_map=mapper, plan=plan)
+        else:
+            self.holder.name_map, self.holder.plan = mapper, plan
+        report = self.holder.update(ck, version=info.version, digests=info.digests,
+                                    rollback=info.rollback, return_digests=info.return_digests,
+                                    **info.options)
+        self._reference = _header_of(ck) if not report.delta else self._reference
+        logger.info("%s: version %s installed in place (%d tensors, %.2f s)", BACKEND,
+                    info.version, len(report.written), report.seconds)
+        return report
+
+    def _through_load_weights(self, model, ck, info, missing, load_weights):
+        if "instant_staging.delta" in (ck.metadata() or {}):
+            raise UpdateRefused(f"a delta names tensors that have no parameter of their own here "
+                                f"({', '.join(map(repr, missing[:5]))}): vLLM made them into "
+                                "others (stacked or split), and a delta's positions are in the "
+                                "checkpoint's layout; send a full checkpoint: nothing was written")
+        header = _header_of(ck)
+        if self._reference is not None and header != self._reference:
+            differ = sorted(set(header.items()) ^ set(self._reference.items()))[:5]
+            raise UpdateRefused(f"the checkpoint's tensors differ from the version held's "
+                                f"(names, dtypes or shapes: {differ}): nothing was written")
+        # the source's version, pins and digests, checked with no destination
+        # (apply_update's checks, with nothing to write)
+        apply_update({}, ck, version=info.version, digests=info.digests, strict=False,
+                     name_map=lambda n: None)
+        if self.holder is None:
+            self.holder = VersionedWeights({}, self.init.version)
+        load = load_weights or model.load_weights
+        device = self.device if self.device is not None else "cpu"
+        try:
+            with self.holder.written_elsewhere(info.version), _layerwise(model, self.model_config):
+                load(iter_weights(ck.files, device))
+        except BaseException:
+            logger.error("%s: the update to %s failed part-way: %s", BACKEND, info.version,
+                         self.holder.state)
+            raise
+        self._reference = header
+        return None
+
+
+@contextlib.contextmanager
+def _layerwise(model, model_config):
+    """vLLM's layerwise reload around a ``load_weights`` of checkpoint-format
+    weights (each layer processed once its weights are in: quantized and
+    repacked layers), where vLLM has it and the model's config is known."""
+    try:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError:
+        finalize_layerwise_reload = initialize_layerwise_reload = None
+    if initialize_layerwise_reload is None or model_config is None:
+        yield
+        return
+    initialize_layerwise_reload(model)
+    try:
+        yield
+    finally:
+        finalize_layerwise_reload(model, model_config)
+
+
+def _logical_names(ck):
+    meta = ck.metadata() or {}
+    if "instant_staging.delta" in meta:
+        from ...loader import parse_delta
+        entries = {n: (ck.info(n).dtype, tuple(ck.info(n).shape)) for n in ck.names()}
+        info = parse_delta(meta, entries)
+        return [*info.full, *info.sparse]
+    return ck.names()
+
+
+def _logical_shape(ck, name):
+    meta = ck.metadata() or {}
+    if "instant_staging.delta" in meta and name not in ck.names():
+        import json
+        return tuple(json.loads(meta.get("instant_staging.sparse", "{}"))[name])
+    shape = tuple(ck.info(name).shape)
+    if ck.info(name).dtype == "F4" and shape:
+        shape = shape[:-1] + (shape[-1] // 2,)
+    return shape
+
+
+def _header_of(ck):
+    return {n: (ck.info(n).dtype, tuple(ck.info(n).shape)) for n in ck.names()}
+
+
+_registered: list[Any] = []
+
+
+def register_engine() -> bool:
+    """Registers the engine as ``BACKEND`` with vLLM's
+    ``WeightTransferEngineFactory`` where vLLM has one; returns whether it
+    is registered (False: this vLLM has no weight-transfer engines, and
+    ``collective_rpc("reload_weights", ...)`` is the way).  Idempotent."""
+    try:
+        from vllm.distributed.weight_transfer.base import WeightTransferEngine
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return False
+    registry = getattr(WeightTransferEngineFactory, "_registry", {})
+    if BACKEND in registry:
+        return True
+    cls = type("InstantStagingWeightTransferEngine", (Engine, WeightTransferEngine), {
+        "__doc__": Engine.__doc__, "__module__": __name__})
+    WeightTransferEngineFactory.register_engine(BACKEND, cls)
+    _registered.append(cls)
+    return True
+
+
+__all__ = ["BACKEND", "Engine", "InitInfo", "UpdateInfo", "direct_destinations", "register_engine"]
