@@ -111,7 +111,8 @@ from ._progress import resolve as resolve_progress
 from ._remote import RemoteChangedError, fetch_side_files
 from ._run import LoadIterator, LoadReport
 from ._safe_open import PrefetchLoader, safe_open
-from ._save import save, save_file, tensor_digest
+from ._save import save, tensor_digest
+from ._save_file import save_file
 from ._save_model import save_model
 from ._schemes import is_url, redact_text, redact_url, schemes_text
 from ._source import resolve as resolve_source

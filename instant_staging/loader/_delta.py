@@ -49,7 +49,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..defaults import DELTA_BASE_BATCH
-from ._save import VERSION_KEY, _torch_names, save_file
+from ._save import VERSION_KEY, _torch_names
+from ._save_file import save_file
 from ._target import _import_torch
 from ._typing import PathLike, Source
 

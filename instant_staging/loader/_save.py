@@ -47,7 +47,7 @@ reader opening the target sees the old file or the new one whole; a save
 that fails removes its temporary file; a save killed by a signal leaves
 the old file and its temporary file, whose name no later save uses.
 
-To a bucket (``save_file("s3://...")``): the same bytes as one multipart
+To a bucket (``save_file("s3://...")``, ``_save_file.py``): the same bytes as one multipart
 upload, ``_upload.py``.
 
 Our own metadata, only when asked for: ``version=`` writes
@@ -77,12 +77,10 @@ from ..defaults import DIGEST_BLOCK, SAVE_CHUNK_SIZE, SAVE_SLOTS, SAVE_THREADS, 
 from ._header import MAX_HEADER_BYTES, TORCH_DTYPES, SafetensorsError
 from ._schemes import is_url
 from ._target import _import_torch
-from ._typing import PathLike
 
 if TYPE_CHECKING:
     import torch
 
-    from .._staging import StagingBuffer
 
 # safetensors' dtypes in the order a file holds them: by alignment, largest
 # first, ties in the order of safetensors' Dtype enum, reversed (its
@@ -134,54 +132,6 @@ class Plan(NamedTuple):
         header = _header(_with_digests(self.metadata, digests), self.entries)
         assert len(header) == len(self.header)
         return header
-
-
-def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
-              metadata: Mapping[str, str] | None = None, *, version: str | None = None,
-              digests: bool = False, sync: bool = True,
-              staging: StagingBuffer | None = None, storage_options: dict | None = None) -> None:
-    """Writes ``tensors`` to ``filename`` in safetensors format, atomically.
-
-    A drop-in for ``safetensors.torch.save_file``: the same file, byte for
-    byte.  Device tensors are copied through a pinned staging buffer in
-    chunks while writer threads write the chunks already copied.
-
-    Args:
-        tensors: ``{name: tensor}``, contiguous and dense, on the CPU or a
-            GPU (any mix).
-        filename: where the file goes (str or os.PathLike), or a bucket's
-            URL (s3://, gs://, az://, ...: one multipart upload,
-            ``_upload.py``).  It appears there whole or not at all: written
-            under a temporary name in the same directory, then renamed (an
-            upload: completed, or aborted).
-        metadata: ``{str: str}`` kept in the header, as safetensors keeps it.
-        version: a version id written as ``instant_staging.version``.
-        digests: write every tensor's ``tensor_digest`` as
-            ``instant_staging.digests``.
-        sync: fsync the file before the rename and its directory after it
-            (default True).
-        staging: a ``StagingBuffer`` to copy device tensors through; None:
-            the one a load to that device kept, else a new one.
-        storage_options: for a URL, the object store's options, as a
-            load takes them (credentials, endpoint, ``client_options``,
-            ``retry_config``); else unused.
-
-    Raises:
-        ValueError, RuntimeError, TypeError: as ``safetensors.torch.save_file``
-            for the same input (the module's docstring lists them), before
-            the file is opened.
-        OSError: the file could not be written (nothing is left of it), or
-            the upload failed (nothing was published; the old object stays).
-    """
-    path = _target_path(filename)
-    if is_url(path):
-        from . import _upload
-        _upload.check_url(path)
-        plan = make_plan(tensors, metadata, version=version, digests=digests)
-        _upload.upload(plan, path, storage_options=storage_options, staging=staging)
-        return
-    plan = make_plan(tensors, metadata, version=version, digests=digests)
-    publish(plan, path, sync=sync, staging=staging)
 
 
 def save(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, *,

@@ -47,7 +47,8 @@ import secrets
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from ._save import VERSION_KEY, _end, _pwrite_all, _sync_dir, make_plan, save_file
+from ._save import VERSION_KEY, _end, _pwrite_all, _sync_dir, make_plan
+from ._save_file import save_file
 from ._schemes import is_url, redact_url
 from ._target import _import_torch
 from ._typing import PathLike
