@@ -84,12 +84,21 @@ import logging
 import os
 import re
 import stat
+import struct
 import threading
+import zlib
 
 from .. import envs
-from ..defaults import CACHE_FINISH_AT_EXIT, CACHE_KEEP_FREE, CACHE_MAX_BYTES
+from ..defaults import (
+    CACHE_CHECK_PIECE,
+    CACHE_CHECK_THREADS,
+    CACHE_FINISH_AT_EXIT,
+    CACHE_KEEP_FREE,
+    CACHE_MAX_BYTES,
+    default_threads,
+)
 from ._fds import close_recorded, open_recorded
-from ._header import read_header
+from ._header import _pread_exact, header_length, parse_header
 from ._remote import RemoteShards
 from ._shards import _OPEN_FLAGS, Shards
 
@@ -102,6 +111,17 @@ ENTRY_SUFFIX = ".safetensors"
 PARTIAL_SUFFIX = ".partial"
 # The cache's own files: nothing else in the directory is ever looked at or removed.
 _OURS = re.compile(r"^[0-9a-f]{64}\.[0-9a-f]{16}\.(?:safetensors|partial)$")
+
+# An entry is the object's bytes, then its digest: the CRC-32 of each range
+# its fill wrote (``_RANGE``: offset, length, CRC), sorted, then ``_FOOTER``
+# (the object's size, the count of ranges, the CRC-32 of their table, and
+# ``_MAGIC``).  The CRCs are of the bytes the reader threads fetched, made
+# by those threads as they wrote them: nothing is read again to make them.
+_RANGE = struct.Struct("<QQI")
+_FOOTER = struct.Struct("<QQI8s")
+_MAGIC = b"ISCRC32\x01"
+# Where an entry opens with no link followed (a link at its name is none of ours).
+_ENTRY_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
 
 # A fill's states.  _FINISHING: whole, handed to the finisher (its
 # descriptor and lock are the finisher's until it is _DONE or _OFF).
@@ -147,7 +167,8 @@ def entry_base(url, etag, version, size):
 class _Fill:
     """One object being written into its partial file."""
 
-    __slots__ = ("base", "covered", "fd", "fds", "handed", "head", "lock", "size", "state", "whole")
+    __slots__ = ("base", "covered", "digests", "fd", "fds", "handed", "head", "lock", "size",
+                 "state", "whole")
 
     def __init__(self, base, size, head):
         self.base, self.size, self.head = base, size, head
@@ -159,6 +180,7 @@ class _Fill:
         self.fds = []
         self.handed = False     # handed to the finisher: its descriptors are not the Cache's
         self.covered = []       # disjoint [begin, end) ranges written, sorted
+        self.digests = []       # (offset, length, CRC-32) of each range written: the entry's digest
         self.whole = False      # every byte written: made an entry after close()
         self.lock = threading.Lock()
 
@@ -195,14 +217,18 @@ class Cache:
         # file is unlocked between its creation and its lock.
         self._starting = threading.Lock()
         self._off = False
+        self._warned = False    # a damaged entry was said (once)
         self.local = None       # the CachedShards made from it (closed with it until handed on)
 
     # -- the checkpoint's hooks ---------------------------------------------------
 
     def opened(self, index, obj, head):
         """Object ``index`` (a ``_remote._Object`` with its size and ETag) was
-        opened and ``head`` are its bytes up to its data: finds its entry,
-        else prepares its fill."""
+        opened and ``head`` are its bytes up to its data: finds its entry
+        and checks it (``_damage``: its header, then every byte against its
+        digest), else prepares its fill.  A damaged entry is removed (one
+        warning) and the object fetched and filled again: nothing damaged is
+        returned as the object."""
         if self._off or not obj.etag:
             return
         base = os.path.join(self.directory, entry_base(obj.url, obj.etag, obj.version, obj.size))
@@ -211,30 +237,55 @@ class Cache:
         # waited for (a flush of bytes already written, where the other way,
         # its locked partial file, would fetch the whole object again).
         _finisher.wait_for(base)
-        fd = None
+        fd, damage = None, None
         try:
-            fd = open_recorded(self._fds, entry, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-            st = os.fstat(fd)
-            whole = (stat.S_ISREG(st.st_mode) and st.st_size == obj.size
-                     and os.pread(fd, len(head), 0) == head)
+            fd = open_recorded(self._fds, entry, _ENTRY_FLAGS)
+            damage = _damage(fd, os.fstat(fd), obj.size, head)
         except FileNotFoundError:
-            whole = False
+            pass
         except OSError as e:
-            self._degrade(e, "reading")
-            return
-        if whole:
-            _touch(entry)
+            if e.errno != errno.ELOOP:
+                self._degrade(e, "reading")
+                return
+            damage = "a symbolic link, not an entry"
+        if fd is not None and damage is None:
+            _touch(fd)
             self._hits[index] = (entry, fd)
             return
-        if fd is not None:
-            _unlink(entry)      # damaged (cut short, changed by hand): filled again
+        if damage is not None:
+            if fd is None or _names(fd, entry):     # (not a good one made meanwhile)
+                _unlink(entry)
+            self._damaged(entry, damage)
         self._fills[index] = _Fill(base, obj.size, bytes(head))
+
+    def _damaged(self, entry, damage):
+        """Says once per checkpoint that an entry was removed as damaged."""
+        if damage == _EARLIER:
+            log.info("the cache in %s: entry %s has no digest (made by an earlier version): "
+                     "filled again", self.directory, os.path.basename(entry))
+            return
+        with self._lock:
+            first, self._warned = not self._warned, True
+        if first:
+            log.warning("the cache in %s: entry %s is damaged (%s): removed, and its object "
+                        "fetched again", self.directory, os.path.basename(entry), damage)
 
     def whole(self, count):
         """The entry paths of objects ``0..count-1`` where the cache holds each, else None."""
         if len(self._hits) != count:
             return None
         return [self._hits[i][0] for i in range(count)]
+
+    def checked(self, index):
+        """``(st_dev, st_ino)`` of the entry of object ``index`` that the open checked."""
+        st = os.fstat(self._hits[index][1])
+        return st.st_dev, st.st_ino
+
+    def hand_over(self):
+        """Closes the entries' descriptors once a ``CachedShards`` holds its
+        own of the same files: this one reads none of them any more."""
+        self._hits = {i: (path, None) for i, (path, _) in self._hits.items()}
+        close_recorded(self._fds)
 
     def holds(self, index):
         """Whether object ``index`` is read from its entry."""
@@ -243,7 +294,7 @@ class Cache:
     def read(self, index, offset, length):
         """Object ``index``'s bytes from its entry; None where it has none (fetched)."""
         hit = self._hits.get(index)
-        if hit is None:
+        if hit is None or hit[1] is None:
             return None
         data = bytearray(length)
         try:
@@ -273,6 +324,9 @@ class Cache:
             with fill.lock:
                 self._abandon(fill)
             return
+        # The digest of the bytes as they were fetched (zlib releases the
+        # GIL): what a later open compares the entry with.
+        crc = zlib.crc32(data)
         try:
             _write(fill.fd, data, offset)
         except OSError as e:
@@ -281,8 +335,10 @@ class Cache:
                 self._abandon(fill)
             return
         with fill.lock:
-            if fill.state == _FILLING and fill.add(offset, offset + len(data)):
-                fill.whole = True
+            if fill.state == _FILLING:
+                fill.digests.append((offset, len(data), crc))
+                if fill.add(offset, offset + len(data)):
+                    fill.whole = True
 
     def sources(self, entries):
         """``(bytes from the cache, bytes fetched)`` of ``entries`` (index, tensor)."""
@@ -332,29 +388,45 @@ class Cache:
         it, locks it, makes room, writes its header; only then is the fill
         _FILLING (a reader that sees it so writes into a file that nothing
         truncates any more).  Leaves it _OFF where another process fills
-        it, its entry is there already, or the cache fails."""
+        it, its entry is there already, or the cache fails.
+
+        The partial file is always a new file of ours: made with
+        ``O_CREAT | O_EXCL | O_NOFOLLOW``, so no link planted at its name
+        (which anyone who can write the directory could compute) is
+        followed and no file already there is reused; one already there is
+        another filler's (locked: this load goes without) or one whose
+        filler is gone, or not ours at all (a link), removed first."""
         fill.state = _OFF
         if self._off:
             return
         partial = fill.base + PARTIAL_SUFFIX
         locked, taken = None, False
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            for _ in range(2):
-                fd = open_recorded(fill.fds, partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+            # (private where we make it: its entries are what later loads return;
+            # a directory the user made keeps the mode they gave it)
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            fd = None
+            for _ in range(3):
+                try:
+                    fd = open_recorded(fill.fds, partial, os.O_RDWR | os.O_CREAT | os.O_EXCL
+                                       | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except FileExistsError:
+                    if not _remove_if_stale(partial):
+                        return  # another process fills it: this load goes without
+                    continue
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    return      # another process fills it: this load goes without
-                if os.path.exists(fill.base + ENTRY_SUFFIX):
+                    return      # (another's eviction took it as stale in between: it removes it)
+                if os.path.lexists(fill.base + ENTRY_SUFFIX):
                     if _names(fd, partial):
                         _unlink(partial)    # (made by our open, after the filler's rename)
                     _unlock(fd)
                     return      # filled meanwhile
                 if _names(fd, partial):
                     break
-                _unlock(fd)     # renamed or removed (as stale, by another process's
-                fd = None       # eviction) between our open and our lock: once more
+                _unlock(fd)     # removed (as stale, by another process's eviction)
+                fd = None       # between our open and our lock: once more
             if fd is None:
                 return
             locked = fd
@@ -369,7 +441,6 @@ class Cache:
                                           "bytes"), "making room")
                 return
             os.fchmod(fd, 0o644)
-            os.ftruncate(fd, 0)         # (a crashed filler's bytes)
             _write(fd, fill.head, 0)
             taken = True
         except OSError as e:
@@ -382,6 +453,7 @@ class Cache:
                 _unlock(locked)
         fill.fd = fd
         fill.state = _FILLING
+        fill.digests.append((0, len(fill.head), zlib.crc32(fill.head)))
         fill.whole = fill.add(0, len(fill.head))      # (an object of no data: whole now)
         fill.head = b""
 
@@ -517,8 +589,9 @@ class _Finisher:
 
 def _finish(directory, fills, finisher=None):
     """Makes the entries of ``fills`` (each written whole, _FINISHING, its
-    partial file locked): each flushed (fsync), checked, renamed to its
-    entry's name while still locked, the directory flushed, then unlocked;
+    partial file locked): each checked (its size, no byte unwritten), its
+    digest appended (``_trailer``), flushed (fsync), renamed to its entry's
+    name while still locked, the directory flushed, then unlocked;
     the object's older entries removed.  A fill that fails is removed, with
     one warning for them all: the load returned already."""
     failed = None
@@ -530,7 +603,12 @@ def _finish(directory, fills, finisher=None):
                 try:
                     if os.fstat(fill.fd).st_size != fill.size:
                         raise OSError(errno.EIO, f"the partial file is not {fill.size} bytes")
+                    if not _covers(fill.digests, fill.size):
+                        raise OSError(errno.EIO, "the partial file has bytes that no fill wrote")
+                    _write(fill.fd, _trailer(fill.size, fill.digests), fill.size)
                     _flush(fill.fd)
+                    if not _names(fill.fd, partial):
+                        raise OSError(errno.ENOENT, "the partial file was moved or removed")
                     if finisher is None:
                         os.rename(partial, entry)
                         named = True
@@ -612,23 +690,48 @@ atexit.register(_finish_at_exit)
 class CachedShards(Shards):
     """A URL source whose every object the cache holds: its entries, read
     as local files.  ``paths`` are the objects' URLs (what ``files``, the
-    tensors' infos and errors name), the descriptors the entries'."""
+    tensors' infos and errors name), the descriptors the entries' (each
+    the file the open checked: ``Cache.checked``).  ``verify=`` reads the
+    objects from the server (``remote``, the ``RemoteShards`` it was made
+    from): an entry compared with itself would prove nothing."""
 
     # (its identity in a group load is its objects', as a rank that fetches them sees it)
     from_url = True
 
-    def __init__(self, files, origins):
+    def __init__(self, files, origins, sizes, checked):
         super().__init__()
         self._files, self._origins = files, origins
+        self._sizes, self._checked = sizes, checked
+        self.remote = None      # the RemoteShards (closed with this one)
 
     def _open_all(self, urls):
-        for url, path in zip(urls, self._files):
-            fd = open_recorded(self.fds, path, _OPEN_FLAGS)
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        for url, path, size, checked in zip(urls, self._files, self._sizes, self._checked):
+            fd = open_recorded(self.fds, path, _OPEN_FLAGS | os.O_NOFOLLOW)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != checked:
+                raise OSError(errno.ESTALE, f"{path} is not the entry that was checked")
             os.set_blocking(fd, True)
             self.paths.append(url)
-            self.headers.append(read_header(fd, url))
+            # (the object's bytes: its digest follows them in the entry)
+            length = header_length(_pread_exact(fd, 8, 0, url), size, url)
+            self.headers.append(parse_header(_pread_exact(fd, length, 8, url), url, size))
+
+    def read_bytes(self, index, offset, length):
+        # verify=: the server's bytes (If-Match the ETag the open pinned)
+        if self.remote is None:
+            return super().read_bytes(index, offset, length)
+        return self.remote.read_bytes(index, offset, length)
+
+    def current_size(self, index):
+        return self.headers[index].file_size
+
+    def close(self):
+        remote, self.remote = self.remote, None
+        try:
+            super().close()
+        finally:
+            if remote is not None:
+                remote.close()      # (its cache's close closes this one again: idempotent)
 
     def byte_sources(self):
         return self.total_bytes, 0
@@ -645,23 +748,30 @@ class CachedShards(Shards):
 
 def cached(shards):
     """``shards`` (an open ``RemoteShards``), or, where its cache holds
-    every object, a ``CachedShards`` of the entries (``shards`` closed);
-    until the caller holds that one, closing ``shards`` closes it too."""
+    every object, a ``CachedShards`` of the entries, which keeps ``shards``
+    for ``verify=``'s reads and closes it; until the caller holds that one,
+    closing ``shards`` closes it too."""
     cache = shards.cache if isinstance(shards, RemoteShards) else None
     files = None if cache is None else cache.whole(len(shards.paths))
     if files is None:
         return shards
-    local = CachedShards(files, [shards.origin(i) for i in range(len(files))])
+    count = len(files)
+    local = CachedShards(files, [shards.origin(i) for i in range(count)],
+                         [h.file_size for h in shards.headers],
+                         [cache.checked(i) for i in range(count)])
     try:
         local.open(shards.paths)
-    except Exception:           # an entry removed meanwhile: read the objects
+    except Exception:           # an entry removed or replaced meanwhile: read the objects
         local.close()
         return shards
     except BaseException:
         local.close()
         raise
-    shards.close()
     cache.local = local         # (a second close of shards, by the caller's cleanup, closes it)
+    local.remote = shards
+    cache.hand_over()
+    # (its requests' thread, until verify= asks the server again)
+    shards._requests.close()
     return local
 
 
@@ -675,19 +785,23 @@ def _listing(directory):
 
 
 def _names(fd, path):
-    """Whether ``path`` names the file open as ``fd``."""
+    """Whether ``path`` names the file open as ``fd`` (itself, not a link to it)."""
     try:
-        a, b = os.fstat(fd), os.stat(path)
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _remove_if_stale(path):
-    """Removes partial file ``path`` where no filler holds its lock; whether it did."""
+    """Removes partial file ``path`` where no filler holds its lock, or
+    where it is a link (none of ours: planted); whether it did."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            _unlink(path)       # (the link itself: unlink follows none)
+            return True
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -728,12 +842,106 @@ def _unlink(path):
         pass
 
 
-def _touch(path):
-    """Marks entry ``path`` used now (the eviction's order)."""
+def _touch(fd):
+    """Marks the entry open as ``fd`` used now (the eviction's order)."""
     try:
-        os.utime(path)
+        os.utime(fd)
     except OSError:
         pass            # a read-only cache is still read
+
+
+# -- the digest --------------------------------------------------------------------
+
+# ``_damage``'s word for an entry with no digest at all: one an earlier
+# version made (the object's bytes alone), filled again without a warning.
+_EARLIER = "no digest"
+
+
+def _trailer(size, ranges):
+    """The digest that follows the ``size`` bytes of an entry whose fill
+    wrote ``ranges`` (offset, length, CRC-32)."""
+    table = b"".join(_RANGE.pack(*r) for r in sorted(set(ranges)))
+    return table + _FOOTER.pack(size, len(table) // _RANGE.size, zlib.crc32(table), _MAGIC)
+
+
+def _covers(ranges, size):
+    """Whether ``ranges`` (offset, length, ...) cover ``[0, size)``, no byte left out."""
+    end = 0
+    for offset, length, *_ in sorted(ranges):
+        if offset > end:
+            return False
+        end = max(end, offset + length)
+    return end >= size
+
+
+def _damage(fd, st, size, head):
+    """Why entry ``fd`` (``st``: its fstat) is not the object of ``size``
+    bytes whose header is ``head``; None where it is: a regular file, its
+    digest whole, covering every byte, its header ``head``, and every range
+    of it the CRC-32 its fill made (read back: ``_check``)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_size == size:
+        return _EARLIER
+    if st.st_size < size + _FOOTER.size:
+        return "cut short"
+    got, count, crc, magic = _FOOTER.unpack(_read(fd, _FOOTER.size, st.st_size - _FOOTER.size))
+    if magic != _MAGIC or got != size or st.st_size != size + count * _RANGE.size + _FOOTER.size:
+        return "its digest is missing or does not fit its size"
+    table = _read(fd, count * _RANGE.size, size)
+    if zlib.crc32(table) != crc:
+        return "its digest is damaged"
+    ranges = list(_RANGE.iter_unpack(table))
+    if any(offset + length > size for offset, length, _ in ranges) or not _covers(ranges, size):
+        return "its digest leaves bytes unchecked"
+    if _read(fd, len(head), 0) != head:
+        return "its header is not the object's"
+    bad = _check(fd, ranges)
+    if bad is not None:
+        return f"bytes [{bad[0]}, {bad[0] + bad[1]}) differ from their digest"
+    return None
+
+
+def _read(fd, length, offset):
+    """``length`` bytes at ``offset`` of ``fd``; an OSError where it ends first."""
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise OSError(errno.EIO, f"an entry ended at byte {offset + len(data)}")
+    return data
+
+
+def _check(fd, ranges):
+    """The first of ``ranges`` whose bytes in ``fd`` are not its CRC-32;
+    None where each is.  Read back in pieces of CACHE_CHECK_PIECE by up to
+    CACHE_CHECK_THREADS threads: pread and zlib's crc32 release the GIL."""
+    buffers = threading.local()
+    size = min(CACHE_CHECK_PIECE, max((r[1] for r in ranges), default=0))
+
+    def same(r):
+        offset, length, crc = r
+        buf = getattr(buffers, "buf", None)
+        if buf is None:
+            buf = buffers.buf = memoryview(bytearray(size))
+        got, end = 0, offset + length
+        while offset < end:
+            piece = buf[:min(len(buf), end - offset)]
+            if os.preadv(fd, [piece], offset) != len(piece):
+                return False
+            got = zlib.crc32(piece, got)
+            offset += len(piece)
+        return got == crc
+
+    threads = min(len(ranges), default_threads(CACHE_CHECK_THREADS))
+    if threads <= 1 or sum(r[1] for r in ranges) <= CACHE_CHECK_PIECE:
+        results = map(same, ranges)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(threads, thread_name_prefix="instant_staging-cache-check") as pool:
+            results = list(pool.map(same, ranges))
+    for r, ok in zip(ranges, results):
+        if not ok:
+            return r
+    return None
 
 
 def _fsync_directory(path):
