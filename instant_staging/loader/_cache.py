@@ -12,12 +12,24 @@ ETag, version or size) has another name: it is fetched again, never mixed
 with the old one's bytes, whose entry its new one replaces.  An object
 whose server gives no ETag is never cached: nothing could tell that it
 changed.  When a checkpoint opens, each object's entry is looked up with
-the size and ETag of the GET that read its header, and the entry's first
-bytes are compared with that header.  Where every object has its entry,
-the checkpoint is read from the entries as local files (``CachedShards``:
-the local pipeline, pread straight into the staging slots, the page
-cache's knobs); where some have one, their ranges are read from the
-entries and the rest fetched (and filled).
+the size and ETag of the GET that read its header, and checked.  Where
+every object has its entry, the checkpoint is read from the entries as
+local files (``CachedShards``: the local pipeline, pread straight into
+the staging slots, the page cache's knobs); where some have one, their
+ranges are read from the entries and the rest fetched (and filled).
+
+Integrity.  An entry is the object's bytes, then its digest (``_trailer``):
+the CRC-32 of each range its fill wrote, made by the reader thread that
+wrote it from the bytes it fetched.  Each open that would read an entry
+checks it first (``_damage``): opened without following a link, a
+regular file, its digest whole and covering every byte, its header the
+object's, every range read back equal to its CRC.  A damaged entry is
+removed, with one warning, and its object fetched and filled again:
+nothing damaged is returned as the object.  Checked at each open, not
+once and recorded: what the check is for is damage after the fill, which
+nothing a file system keeps would tell (a flipped bit moves no file
+time).  ``verify=`` on a load from the entries asks the server
+(``CachedShards.read_bytes``).
 
 Filling.  An object without an entry is filled by the reader threads that
 fetch it: each fetched range is written at its offset into the object's
@@ -27,12 +39,15 @@ the open.  When the checkpoint closes (its loads' readers joined, their
 tensors out), each object of which every byte was written (by one load, or
 by the batches of several loads of one ``Checkpoint``) is handed to the
 finisher, which makes its entry after the load returned (the flush waits
-for the disk: it is in no load's way): the partial file flushed (fsync),
-renamed to the entry's name while its lock is still held, the directory
-flushed, the lock let go.  An entry appears whole or not at all, and a
+for the disk: it is in no load's way): its digest appended, the partial
+file flushed (fsync), renamed to the entry's name while its lock is still
+held, the directory flushed, the lock let go.  An entry appears whole or not at all, and a
 crash, a SIGKILL or a Ctrl-C before the rename leaves at most a partial
-file, which no load trusts (its next filler truncates it, and any filler's
-eviction removes one whose filler is gone).  A failed flush (a full disk)
+file, which no load trusts (its next filler removes it and makes its own,
+and any filler's eviction removes one whose filler is gone).  A partial
+file is always a new one (``O_CREAT | O_EXCL | O_NOFOLLOW``): a link or
+file that others planted at its name is never written through, and a
+cache directory made here is private (0700).  A failed flush (a full disk)
 is no entry and one warning, logged by the finisher: the load stands.
 
 The finisher is one daemon thread per process, started when a checkpoint
