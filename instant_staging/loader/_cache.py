@@ -20,16 +20,29 @@ ranges are read from the entries and the rest fetched (and filled).
 
 Integrity.  An entry is the object's bytes, then its digest (``_trailer``):
 the CRC-32 of each range its fill wrote, made by the reader thread that
-wrote it from the bytes it fetched.  Each open that would read an entry
-checks it first (``_damage``): opened without following a link, a
-regular file, its digest whole and covering every byte, its header the
-object's, every range read back equal to its CRC.  A damaged entry is
-removed, with one warning, and its object fetched and filled again:
-nothing damaged is returned as the object.  Checked at each open, not
-once and recorded: what the check is for is damage after the fill, which
-nothing a file system keeps would tell (a flipped bit moves no file
-time).  ``verify=`` on a load from the entries asks the server
-(``CachedShards.read_bytes``).
+wrote it from the bytes it fetched.  An entry is checked in full
+(``_damage``: opened without following a link, a regular file, its
+digest whole and covering every byte, its header the object's, every
+range read back equal to its CRC) once, and the check recorded: its stamp
+(``<name>.checked``, ``_stamp``) holds the entry's device, inode, size,
+mtime and ctime as the check saw them.  The finisher checks each entry it
+made, read back from the page cache after its flush; an entry without a
+stamp that fits (none, another file's, changed since) is checked by the
+open that finds it.  Each open compares the entry's fstat with its stamp
+(``_stamped``), and where they are equal reads only its header and digest
+table (the header still compared with the object's): nothing wrote the
+file through the file system since its check, since a write, truncate,
+chmod or rename onto it moves its ctime, which no user can set.  Damage
+below the file system (a disk's silent error) is the disk's checksums'
+to find; ``verify=`` on a load from the entries asks the server
+(``CachedShards.read_bytes``).  A damaged entry is removed with its
+stamp, with one warning, and its object fetched and filled again.  A
+stamp is written to a new file and renamed onto its name (no link
+followed), only where the entry did not change during the check and its
+last change is older than the stamp (a write in the same tick of the
+kernel's clock would leave the same times), never by the exit's wait.
+A hit marks its entry used by the stamp's mtime (the entry's own times
+are the stamp's record).
 
 Filling.  An object without an entry is filled by the reader threads that
 fetch it: each fetched range is written at its offset into the object's
@@ -77,9 +90,11 @@ reads it whole.
 
 Bound.  Entries and partial files take at most ``CACHE_MAX_BYTES``
 (``INSTANT_STAGING_CACHE_MAX_BYTES``); before a fill, the least recently
-used entries (by modification time, set again at each hit) are removed
-until the object fits, and ``CACHE_KEEP_FREE`` of the file system is left
-free.  An object larger than the bound is not cached.
+used entries (by the later of the entry's and its stamp's modification
+time: a hit sets its stamp's) are removed with their stamps until the
+object fits, and ``CACHE_KEEP_FREE`` of the file system is left free.
+Stamps whose entry is gone, and stamps' temporary files whose writer is
+gone (unlocked), are removed on the way.  An object larger than the bound is not cached.
 
 A cache never fails a load.  A directory that cannot be made or written,
 a full disk (ENOSPC, EDQUOT; EFBIG past a file size limit), any error of
@@ -124,8 +139,12 @@ ENV_CACHE_MAX_BYTES = "INSTANT_STAGING_CACHE_MAX_BYTES"
 
 ENTRY_SUFFIX = ".safetensors"
 PARTIAL_SUFFIX = ".partial"
+# An entry's stamp (``<name>.checked`` beside ``<name>.safetensors``): the
+# entry's file as its last full check saw it.  Written as ``<name>.checked-<16
+# hex digits>`` (its writer's lock held), then renamed onto its name.
+STAMP_SUFFIX = ".checked"
 # The cache's own files: nothing else in the directory is ever looked at or removed.
-_OURS = re.compile(r"^[0-9a-f]{64}\.[0-9a-f]{16}\.(?:safetensors|partial)$")
+_OURS = re.compile(r"^[0-9a-f]{64}\.[0-9a-f]{16}\.(?:safetensors|partial|checked(?:-[0-9a-f]{16})?)$")
 
 # An entry is the object's bytes, then its digest: the CRC-32 of each range
 # its fill wrote (``_RANGE``: offset, length, CRC), sorted, then ``_FOOTER``
@@ -135,6 +154,10 @@ _OURS = re.compile(r"^[0-9a-f]{64}\.[0-9a-f]{16}\.(?:safetensors|partial)$")
 _RANGE = struct.Struct("<QQI")
 _FOOTER = struct.Struct("<QQI8s")
 _MAGIC = b"ISCRC32\x01"
+# A stamp: ``_STAMP_MAGIC``, then the entry's st_dev, st_ino, st_size,
+# st_mtime_ns and st_ctime_ns as the full check that wrote it saw them.
+_STAMP = struct.Struct("<8sQQqqq")
+_STAMP_MAGIC = b"ISCHKD\x00\x01"
 # Where an entry opens with no link followed (a link at its name is none of ours).
 _ENTRY_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
 
@@ -240,10 +263,11 @@ class Cache:
     def opened(self, index, obj, head):
         """Object ``index`` (a ``_remote._Object`` with its size and ETag) was
         opened and ``head`` are its bytes up to its data: finds its entry
-        and checks it (``_damage``: its header, then every byte against its
-        digest), else prepares its fill.  A damaged entry is removed (one
-        warning) and the object fetched and filled again: nothing damaged is
-        returned as the object."""
+        and checks it (``_damage``: its header, then, unless its stamp says
+        that nothing wrote it since its last full check, every byte against
+        its digest, a stamp written after), else prepares its fill.  A
+        damaged entry is removed (one warning) and the object fetched and
+        filled again: nothing damaged is returned as the object."""
         if self._off or not obj.etag:
             return
         base = os.path.join(self.directory, entry_base(obj.url, obj.etag, obj.version, obj.size))
@@ -255,7 +279,11 @@ class Cache:
         fd, damage = None, None
         try:
             fd = open_recorded(self._fds, entry, _ENTRY_FLAGS)
-            damage = _damage(fd, os.fstat(fd), obj.size, head)
+            st = os.fstat(fd)
+            stamped = _stamped(base, st)
+            damage = _damage(fd, st, obj.size, head, full=not stamped)
+            if damage is None and not stamped:
+                _stamp(base, fd, st)
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -264,12 +292,12 @@ class Cache:
                 return
             damage = "a symbolic link, not an entry"
         if fd is not None and damage is None:
-            _touch(fd)
             self._hits[index] = (entry, fd)
             return
         if damage is not None:
             if fd is None or _names(fd, entry):     # (not a good one made meanwhile)
                 _unlink(entry)
+                _unlink(base + STAMP_SUFFIX)
             self._damaged(entry, damage)
         self._fills[index] = _Fill(base, obj.size, bytes(head))
 
@@ -481,7 +509,7 @@ class Cache:
         they do.  Partial files whose filler is gone are removed on the way."""
         if size > self.bound:
             return False
-        entries, total = [], 0
+        found, stamps, total = {}, {}, 0
         reading = {path for path, _ in self._hits.values()}
         for name in _listing(self.directory):
             path = os.path.join(self.directory, name)
@@ -491,19 +519,30 @@ class Cache:
                 st = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if name.endswith(PARTIAL_SUFFIX):
-                if not _remove_if_stale(path):
+            if name.endswith(PARTIAL_SUFFIX) or not name.endswith((ENTRY_SUFFIX, STAMP_SUFFIX)):
+                if not _remove_if_stale(path):      # (a partial file, a stamp being written)
                     total += st.st_size
+            elif name.endswith(STAMP_SUFFIX):
+                stamps[path[:-len(STAMP_SUFFIX)]] = st
             else:
-                if path not in reading:         # (this checkpoint's other objects: kept)
-                    entries.append((st.st_mtime_ns, st.st_size, path))
+                found[path[:-len(ENTRY_SUFFIX)]] = st
                 total += st.st_size
-        entries.sort()
+        for base, st in stamps.items():
+            if base in found or os.path.lexists(base + ENTRY_SUFFIX):
+                total += st.st_size
+            else:
+                _unlink(base + STAMP_SUFFIX)    # its entry gone
+        # (used: the later of the entry's fill and its stamp's time, which each hit sets)
+        entries = sorted((max(st.st_mtime_ns, stamps[base].st_mtime_ns if base in stamps else 0),
+                          st.st_size + (stamps[base].st_size if base in stamps else 0), base)
+                         for base, st in found.items()
+                         if base + ENTRY_SUFFIX not in reading)  # (this checkpoint's: kept)
         fs = os.statvfs(self.directory)
         free = fs.f_bavail * fs.f_frsize
         while entries and (total + size > self.bound or free - size < CACHE_KEEP_FREE):
-            _, n, path = entries.pop(0)
-            _unlink(path)
+            _, n, base = entries.pop(0)
+            _unlink(base + ENTRY_SUFFIX)
+            _unlink(base + STAMP_SUFFIX)
             total, free = total - n, free + n
         return total + size <= self.bound and free - size >= CACHE_KEEP_FREE
 
@@ -545,6 +584,7 @@ class _Finisher:
         self.pending = collections.Counter()    # fill.base -> fills queued or in work
         self.thread = None
         self.stopped = False    # Ctrl-C at exit: no entry is named from here on
+        self.exiting = False    # the exit waits: entries are named, their first open checks them
 
     def submit(self, directory, fills) -> bool:
         """Queues ``fills`` (each _FINISHING); False where no thread starts."""
@@ -606,8 +646,9 @@ def _finish(directory, fills, finisher=None):
     """Makes the entries of ``fills`` (each written whole, _FINISHING, its
     partial file locked): each checked (its size, no byte unwritten), its
     digest appended (``_trailer``), flushed (fsync), renamed to its entry's
-    name while still locked, the directory flushed, then unlocked;
-    the object's older entries removed.  A fill that fails is removed, with
+    name while still locked, the directory flushed, then unlocked; then
+    read back, checked in full and stamped (``_check_made``: not while the
+    exit waits); the object's older entries and their stamps removed.  A fill that fails is removed, with
     one warning for them all: the load returned already."""
     failed = None
     for fill in fills:
@@ -636,21 +677,47 @@ def _finish(directory, fills, finisher=None):
                     _unlock(fill.fd)
                 else:
                     _abandon(fill)
-            close_recorded(fill.fds)
+            if not named:
+                close_recorded(fill.fds)
         if not named:
             continue
         try:
-            _fsync_directory(directory)     # (the entry is whole already: its name's durability)
-        except OSError as e:
-            failed = failed or e
-        key, mine = os.path.basename(fill.base).split(".")[0], os.path.basename(entry)
+            try:
+                _fsync_directory(directory)     # (the entry is whole already: its name's durability)
+            except OSError as e:
+                failed = failed or e
+            if finisher is None or not finisher.exiting:
+                failed = _check_made(fill, entry) or failed
+        finally:
+            close_recorded(fill.fds)
+        key, mine = os.path.basename(fill.base).split(".")[0], os.path.basename(fill.base)
         for name in _listing(directory):
-            if name.startswith(key + ".") and name.endswith(ENTRY_SUFFIX) and name != mine:
-                _unlink(os.path.join(directory, name))      # an older version
+            if (name.startswith(key + ".") and name.endswith((ENTRY_SUFFIX, STAMP_SUFFIX))
+                    and not name.startswith(mine + ".")):
+                _unlink(os.path.join(directory, name))      # an older version, its stamp
     if failed is not None:
         reason = failed.strerror or str(failed)
         log.warning("the cache in %s failed while finishing its entries (%s): not cached",
                     directory, reason)
+
+
+def _check_made(fill, entry):
+    """Checks in full the entry just made of ``fill`` (its descriptor still
+    open: read back from the page cache, off any load's path) and stamps it,
+    so that its first hit need not read it all again; an entry that fails
+    is removed, its error returned (None where it is whole)."""
+    try:
+        st = os.fstat(fill.fd)
+        # (the header is the one the fill wrote: its first range's CRC checks it)
+        damage = _damage(fill.fd, st, fill.size, None)
+        if damage is None:
+            _stamp(fill.base, fill.fd, st)
+            return None
+    except OSError as e:
+        damage = e.strerror or str(e)
+    if _names(fill.fd, entry):
+        _unlink(entry)
+    return OSError(errno.EIO, f"entry {os.path.basename(entry)} read back damaged ({damage})")
 
 
 def _abandon(fill):
@@ -675,6 +742,9 @@ def _finish_at_exit():
     with finisher.cond:
         if not finisher.jobs:
             return
+    # (a full check of each entry made is the first hit's to do: the exit
+    # waits only for what it must, the flush)
+    finisher.exiting = True
     try:
         if not finisher.wait(CACHE_FINISH_AT_EXIT):
             log.warning("the cache: exit did not wait longer than %s s for its entries to be "
@@ -857,12 +927,65 @@ def _unlink(path):
         pass
 
 
-def _touch(fd):
-    """Marks the entry open as ``fd`` used now (the eviction's order)."""
+def _stamp_of(st):
+    return _STAMP.pack(_STAMP_MAGIC, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                       st.st_ctime_ns)
+
+
+def _stamped(base, st):
+    """Whether the stamp of entry ``base`` records ``st`` (the entry's
+    fstat now): nothing wrote the entry through the file system since its
+    last full check (its ctime, which only the kernel sets, unchanged).
+    Marks the entry used (the stamp's mtime: the entry's own times are
+    what the stamp records)."""
     try:
-        os.utime(fd)
+        fd = os.open(base + STAMP_SUFFIX, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+                     | os.O_NONBLOCK)
     except OSError:
-        pass            # a read-only cache is still read
+        return False            # none, or a link (never ours): a full check
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        if os.pread(fd, _STAMP.size + 1, 0) != _stamp_of(st):
+            return False
+        try:
+            os.utime(fd)
+        except OSError:
+            pass                # a read-only cache is still read
+        return True
+    finally:
+        os.close(fd)
+
+
+def _stamp(base, fd, st):
+    """Records that the entry ``base`` open as ``fd`` was checked in full
+    as ``st`` (its fstat before the check): its stamp, written to a new
+    file of ours and renamed onto its name (no link followed, nothing the
+    entry's times would show).  None where the entry changed during the
+    check, or where its last change is not older than the stamp (a write in
+    the same tick of the kernel's clock would leave the same times: the
+    next open checks again); a stamp that cannot be written is no error."""
+    record = _stamp_of(st)
+    temp = f"{base}{STAMP_SUFFIX}-{os.urandom(8).hex()}"
+    try:
+        if _stamp_of(os.fstat(fd)) != record:
+            return
+        out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600)
+    except OSError:
+        return
+    try:
+        fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)     # (an eviction removes it once we're gone)
+        _write(out, record, 0)
+        os.fchmod(out, 0o644)           # (as the entries: others who read them read their stamps)
+        if os.fstat(out).st_mtime_ns > st.st_ctime_ns:
+            os.rename(temp, base + STAMP_SUFFIX)
+            return
+    except OSError:
+        pass
+    finally:
+        os.close(out)
+    _unlink(temp)
 
 
 # -- the digest --------------------------------------------------------------------
@@ -889,11 +1012,12 @@ def _covers(ranges, size):
     return end >= size
 
 
-def _damage(fd, st, size, head):
+def _damage(fd, st, size, head, full=True):
     """Why entry ``fd`` (``st``: its fstat) is not the object of ``size``
     bytes whose header is ``head``; None where it is: a regular file, its
-    digest whole, covering every byte, its header ``head``, and every range
-    of it the CRC-32 its fill made (read back: ``_check``)."""
+    digest whole, covering every byte, its header ``head`` (None: not
+    compared), and, where ``full``, every range of it the CRC-32 its fill
+    made (read back: ``_check``)."""
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
     if st.st_size == size:
@@ -909,8 +1033,10 @@ def _damage(fd, st, size, head):
     ranges = list(_RANGE.iter_unpack(table))
     if any(offset + length > size for offset, length, _ in ranges) or not _covers(ranges, size):
         return "its digest leaves bytes unchecked"
-    if _read(fd, len(head), 0) != head:
+    if head is not None and _read(fd, len(head), 0) != head:
         return "its header is not the object's"
+    if not full:
+        return None
     bad = _check(fd, ranges)
     if bad is not None:
         return f"bytes [{bad[0]}, {bad[0] + bad[1]}) differ from their digest"
