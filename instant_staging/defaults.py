@@ -197,6 +197,14 @@ CACHE_KEEP_FREE = 1 << 30
 # forever.  A fill not finished by then stays a partial file, never trusted.
 CACHE_FINISH_AT_EXIT = 120.0
 
+# A cache entry is checked in full once (after its fill, else by the first
+# open that finds no stamp fitting it), and the check recorded: its bytes
+# read back in pieces of CACHE_CHECK_PIECE and compared with the CRC-32s
+# its fill made of the fetched ranges, by up to CACHE_CHECK_THREADS threads
+# (the reads and zlib's crc32 release the GIL; one core does a few GB/s).
+CACHE_CHECK_PIECE = 8 << 20
+CACHE_CHECK_THREADS = 8
+
 # A load whose tensors average fewer bytes than this is handed over whole,
 # once every tensor of it is read; one of larger tensors, as each tensor
 # finishes (integrations/_whole.py, the rule both integrations apply: a

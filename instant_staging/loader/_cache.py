@@ -12,27 +12,56 @@ ETag, version or size) has another name: it is fetched again, never mixed
 with the old one's bytes, whose entry its new one replaces.  An object
 whose server gives no ETag is never cached: nothing could tell that it
 changed.  When a checkpoint opens, each object's entry is looked up with
-the size and ETag of the GET that read its header, and the entry's first
-bytes are compared with that header.  Where every object has its entry,
-the checkpoint is read from the entries as local files (``CachedShards``:
-the local pipeline, pread straight into the staging slots, the page
-cache's knobs); where some have one, their ranges are read from the
-entries and the rest fetched (and filled).
+the size and ETag of the GET that read its header, and checked.  Where
+every object has its entry, the checkpoint is read from the entries as
+local files (``CachedShards``: the local pipeline, pread straight into
+the staging slots, the page cache's knobs); where some have one, their
+ranges are read from the entries and the rest fetched (and filled).
+
+Integrity.  An entry is the object's bytes, then its digest (``_trailer``):
+the CRC-32 of each range its fill wrote, made by the reader thread that
+wrote it from the bytes it fetched.  An entry is checked in full
+(``_damage``: opened without following a link, a regular file, its
+digest whole and covering every byte, its header the object's, every
+range read back equal to its CRC) once, and the check recorded: its stamp
+(``<name>.checked``, ``_stamp``) holds the entry's device, inode, size,
+mtime and ctime as the check saw them.  The finisher checks each entry it
+made, read back from the page cache after its flush; an entry without a
+stamp that fits (none, another file's, changed since) is checked by the
+open that finds it.  Each open compares the entry's fstat with its stamp
+(``_stamped``), and where they are equal reads only its header and digest
+table (the header still compared with the object's): nothing wrote the
+file through the file system since its check, since a write, truncate,
+chmod or rename onto it moves its ctime, which no user can set.  Damage
+below the file system (a disk's silent error) is the disk's checksums'
+to find; ``verify=`` on a load from the entries asks the server
+(``CachedShards.read_bytes``).  A damaged entry is removed with its
+stamp, with one warning, and its object fetched and filled again.  A
+stamp is written to a new file and renamed onto its name (no link
+followed), only where the entry did not change during the check and its
+last change is older than the stamp (a write in the same tick of the
+kernel's clock would leave the same times), never by the exit's wait.
+A hit marks its entry used by the stamp's mtime (the entry's own times
+are the stamp's record).
 
 Layout.  A flat directory of the cache's own files (nothing else in it is
 looked at or removed), as ``ls -l`` shows one holding two objects, the
 second of them also at a newer version being filled::
 
     $ ls -l $INSTANT_STAGING_CACHE_DIR
-    -rw-r--r-- 1 me me 4965799096 Jun  2 09:14 0b3e...c41f.5d2a9e0c71b4f6a3.safetensors
+    -rw-r--r-- 1 me me         64 Jun  2 11:52 0b3e...c41f.5d2a9e0c71b4f6a3.checked
+    -rw-r--r-- 1 me me 4965801504 Jun  2 09:14 0b3e...c41f.5d2a9e0c71b4f6a3.safetensors
     -rw-r--r-- 1 me me 1073741824 Jun  2 11:40 7a91...e2d0.8e17c2d04a9b3f55.partial
-    -rw-r--r-- 1 me me 4983148400 Jun  1 17:02 7a91...e2d0.c1f0a9b8e7d6c523.safetensors
+    -rw-r--r-- 1 me me         64 Jun  1 17:02 7a91...e2d0.c1f0a9b8e7d6c523.checked
+    -rw-r--r-- 1 me me 4983150880 Jun  1 17:02 7a91...e2d0.c1f0a9b8e7d6c523.safetensors
        (64 hex digits: the URL's hash)  ^^^^  (16: the version's)
 
 An entry (``.safetensors``) is an object's bytes as the server holds
-them, its modification time its last use (the bound's order); a partial
-file (``.partial``) is an object being filled, locked by its filler; the
-old version's entry goes once the new one is named.
+them followed by its digest (Integrity, below); its stamp (``.checked``)
+records its last full check, and the stamp's modification time its last
+use (the bound's order); a partial file (``.partial``) is an object being
+filled, locked by its filler; the old version's entry goes once the new
+one is named.
 
 Filling.  An object without an entry is filled by the reader threads that
 fetch it: each fetched range is written at its offset into the object's
@@ -42,12 +71,15 @@ the open.  When the checkpoint closes (its loads' readers joined, their
 tensors out), each object of which every byte was written (by one load, or
 by the batches of several loads of one ``Checkpoint``) is handed to the
 finisher, which makes its entry after the load returned (the flush waits
-for the disk: it is in no load's way): the partial file flushed (fsync),
-renamed to the entry's name while its lock is still held, the directory
-flushed, the lock let go.  An entry appears whole or not at all, and a
+for the disk: it is in no load's way): its digest appended, the partial
+file flushed (fsync), renamed to the entry's name while its lock is still
+held, the directory flushed, the lock let go.  An entry appears whole or not at all, and a
 crash, a SIGKILL or a Ctrl-C before the rename leaves at most a partial
-file, which no load trusts (its next filler truncates it, and any filler's
-eviction removes one whose filler is gone).  A failed flush (a full disk)
+file, which no load trusts (its next filler removes it and makes its own,
+and any filler's eviction removes one whose filler is gone).  A partial
+file is always a new one (``O_CREAT | O_EXCL | O_NOFOLLOW``): a link or
+file that others planted at its name is never written through, and a
+cache directory made here is private (0700).  A failed flush (a full disk)
 is no entry and one warning, logged by the finisher: the load stands.
 
 The finisher is one daemon thread per process, started when a checkpoint
@@ -77,9 +109,11 @@ reads it whole.
 
 Bound.  Entries and partial files take at most ``CACHE_MAX_BYTES``
 (``INSTANT_STAGING_CACHE_MAX_BYTES``); before a fill, the least recently
-used entries (by modification time, set again at each hit) are removed
-until the object fits, and ``CACHE_KEEP_FREE`` of the file system is left
-free.  An object larger than the bound is not cached.
+used entries (by the later of the entry's and its stamp's modification
+time: a hit sets its stamp's) are removed with their stamps until the
+object fits, and ``CACHE_KEEP_FREE`` of the file system is left free.
+Stamps whose entry is gone, and stamps' temporary files whose writer is
+gone (unlocked), are removed on the way.  An object larger than the bound is not cached.
 
 A cache never fails a load.  A directory that cannot be made or written,
 a full disk (ENOSPC, EDQUOT; EFBIG past a file size limit), any error of
@@ -99,13 +133,22 @@ import logging
 import os
 import re
 import stat
+import struct
 import threading
+import zlib
 from typing import NamedTuple
 
 from .. import envs
-from ..defaults import CACHE_FINISH_AT_EXIT, CACHE_KEEP_FREE, CACHE_MAX_BYTES
+from ..defaults import (
+    CACHE_CHECK_PIECE,
+    CACHE_CHECK_THREADS,
+    CACHE_FINISH_AT_EXIT,
+    CACHE_KEEP_FREE,
+    CACHE_MAX_BYTES,
+    default_threads,
+)
 from ._fds import close_recorded, open_recorded
-from ._header import read_header
+from ._header import _pread_exact, header_length, parse_header
 from ._remote import RemoteShards
 from ._shards import _OPEN_FLAGS, Shards
 
@@ -116,8 +159,27 @@ ENV_CACHE_MAX_BYTES = "INSTANT_STAGING_CACHE_MAX_BYTES"
 
 ENTRY_SUFFIX = ".safetensors"
 PARTIAL_SUFFIX = ".partial"
+# An entry's stamp (``<name>.checked`` beside ``<name>.safetensors``): the
+# entry's file as its last full check saw it.  Written as ``<name>.checked-<16
+# hex digits>`` (its writer's lock held), then renamed onto its name.
+STAMP_SUFFIX = ".checked"
 # The cache's own files: nothing else in the directory is ever looked at or removed.
-_OURS = re.compile(r"^[0-9a-f]{64}\.[0-9a-f]{16}\.(?:safetensors|partial)$")
+_OURS = re.compile(r"^[0-9a-f]{64}\.[0-9a-f]{16}\.(?:safetensors|partial|checked(?:-[0-9a-f]{16})?)$")
+
+# An entry is the object's bytes, then its digest: the CRC-32 of each range
+# its fill wrote (``_RANGE``: offset, length, CRC), sorted, then ``_FOOTER``
+# (the object's size, the count of ranges, the CRC-32 of their table, and
+# ``_MAGIC``).  The CRCs are of the bytes the reader threads fetched, made
+# by those threads as they wrote them: nothing is read again to make them.
+_RANGE = struct.Struct("<QQI")
+_FOOTER = struct.Struct("<QQI8s")
+_MAGIC = b"ISCRC32\x01"
+# A stamp: ``_STAMP_MAGIC``, then the entry's st_dev, st_ino, st_size,
+# st_mtime_ns and st_ctime_ns as the full check that wrote it saw them.
+_STAMP = struct.Struct("<8sQQqqq")
+_STAMP_MAGIC = b"ISCHKD\x00\x01"
+# Where an entry opens with no link followed (a link at its name is none of ours).
+_ENTRY_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
 
 # A fill's states.  _FINISHING: whole, handed to the finisher (its
 # descriptor and lock are the finisher's until it is _DONE or _OFF).
@@ -163,7 +225,8 @@ def entry_base(url, etag, version, size):
 class _Fill:
     """One object being written into its partial file."""
 
-    __slots__ = ("base", "covered", "fd", "fds", "handed", "head", "lock", "size", "state", "whole")
+    __slots__ = ("base", "covered", "digests", "fd", "fds", "handed", "head", "lock", "size",
+                 "state", "whole")
 
     def __init__(self, base, size, head):
         self.base, self.size, self.head = base, size, head
@@ -175,6 +238,7 @@ class _Fill:
         self.fds = []
         self.handed = False     # handed to the finisher: its descriptors are not the Cache's
         self.covered = []       # disjoint [begin, end) ranges written, sorted
+        self.digests = []       # (offset, length, CRC-32) of each range written: the entry's digest
         self.whole = False      # every byte written: made an entry after close()
         self.lock = threading.Lock()
 
@@ -211,14 +275,19 @@ class Cache:
         # file is unlocked between its creation and its lock.
         self._starting = threading.Lock()
         self._off = False
+        self._warned = False    # a damaged entry was said (once)
         self.local = None       # the CachedShards made from it (closed with it until handed on)
 
     # -- the checkpoint's hooks ---------------------------------------------------
 
     def opened(self, index, obj, head):
         """Object ``index`` (a ``_remote._Object`` with its size and ETag) was
-        opened and ``head`` are its bytes up to its data: finds its entry,
-        else prepares its fill."""
+        opened and ``head`` are its bytes up to its data: finds its entry
+        and checks it (``_damage``: its header, then, unless its stamp says
+        that nothing wrote it since its last full check, every byte against
+        its digest, a stamp written after), else prepares its fill.  A
+        damaged entry is removed (one warning) and the object fetched and
+        filled again: nothing damaged is returned as the object."""
         if self._off or not obj.etag:
             return
         base = os.path.join(self.directory, entry_base(obj.url, obj.etag, obj.version, obj.size))
@@ -227,30 +296,59 @@ class Cache:
         # waited for (a flush of bytes already written, where the other way,
         # its locked partial file, would fetch the whole object again).
         _finisher.wait_for(base)
-        fd = None
+        fd, damage = None, None
         try:
-            fd = open_recorded(self._fds, entry, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = open_recorded(self._fds, entry, _ENTRY_FLAGS)
             st = os.fstat(fd)
-            whole = (stat.S_ISREG(st.st_mode) and st.st_size == obj.size
-                     and os.pread(fd, len(head), 0) == head)
+            stamped = _stamped(base, st)
+            damage = _damage(fd, st, obj.size, head, full=not stamped)
+            if damage is None and not stamped:
+                _stamp(base, fd, st)
         except FileNotFoundError:
-            whole = False
+            pass
         except OSError as e:
-            self._degrade(e, "reading")
-            return
-        if whole:
-            _touch(entry)
+            if e.errno != errno.ELOOP:
+                self._degrade(e, "reading")
+                return
+            damage = "a symbolic link, not an entry"
+        if fd is not None and damage is None:
             self._hits[index] = (entry, fd)
             return
-        if fd is not None:
-            _unlink(entry)      # damaged (cut short, changed by hand): filled again
+        if damage is not None:
+            if fd is None or _names(fd, entry):     # (not a good one made meanwhile)
+                _unlink(entry)
+                _unlink(base + STAMP_SUFFIX)
+            self._damaged(entry, damage)
         self._fills[index] = _Fill(base, obj.size, bytes(head))
+
+    def _damaged(self, entry, damage):
+        """Says once per checkpoint that an entry was removed as damaged."""
+        if damage == _EARLIER:
+            log.info("the cache in %s: entry %s has no digest (made by an earlier version): "
+                     "filled again", self.directory, os.path.basename(entry))
+            return
+        with self._lock:
+            first, self._warned = not self._warned, True
+        if first:
+            log.warning("the cache in %s: entry %s is damaged (%s): removed, and its object "
+                        "fetched again", self.directory, os.path.basename(entry), damage)
 
     def whole(self, count):
         """The entry paths of objects ``0..count-1`` where the cache holds each, else None."""
         if len(self._hits) != count:
             return None
         return [self._hits[i][0] for i in range(count)]
+
+    def checked(self, index):
+        """``(st_dev, st_ino)`` of the entry of object ``index`` that the open checked."""
+        st = os.fstat(self._hits[index][1])
+        return st.st_dev, st.st_ino
+
+    def hand_over(self):
+        """Closes the entries' descriptors once a ``CachedShards`` holds its
+        own of the same files: this one reads none of them any more."""
+        self._hits = {i: (path, None) for i, (path, _) in self._hits.items()}
+        close_recorded(self._fds)
 
     def holds(self, index):
         """Whether object ``index`` is read from its entry."""
@@ -259,7 +357,7 @@ class Cache:
     def read(self, index, offset, length):
         """Object ``index``'s bytes from its entry; None where it has none (fetched)."""
         hit = self._hits.get(index)
-        if hit is None:
+        if hit is None or hit[1] is None:
             return None
         data = bytearray(length)
         try:
@@ -289,6 +387,9 @@ class Cache:
             with fill.lock:
                 self._abandon(fill)
             return
+        # The digest of the bytes as they were fetched (zlib releases the
+        # GIL): what a later open compares the entry with.
+        crc = zlib.crc32(data)
         try:
             _write(fill.fd, data, offset)
         except OSError as e:
@@ -297,8 +398,10 @@ class Cache:
                 self._abandon(fill)
             return
         with fill.lock:
-            if fill.state == _FILLING and fill.add(offset, offset + len(data)):
-                fill.whole = True
+            if fill.state == _FILLING:
+                fill.digests.append((offset, len(data), crc))
+                if fill.add(offset, offset + len(data)):
+                    fill.whole = True
 
     def sources(self, entries):
         """``(bytes from the cache, bytes fetched)`` of ``entries`` (index, tensor)."""
@@ -348,29 +451,45 @@ class Cache:
         it, locks it, makes room, writes its header; only then is the fill
         _FILLING (a reader that sees it so writes into a file that nothing
         truncates any more).  Leaves it _OFF where another process fills
-        it, its entry is there already, or the cache fails."""
+        it, its entry is there already, or the cache fails.
+
+        The partial file is always a new file of ours: made with
+        ``O_CREAT | O_EXCL | O_NOFOLLOW``, so no link planted at its name
+        (which anyone who can write the directory could compute) is
+        followed and no file already there is reused; one already there is
+        another filler's (locked: this load goes without) or one whose
+        filler is gone, or not ours at all (a link), removed first."""
         fill.state = _OFF
         if self._off:
             return
         partial = fill.base + PARTIAL_SUFFIX
         locked, taken = None, False
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            for _ in range(2):
-                fd = open_recorded(fill.fds, partial, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+            # (private where we make it: its entries are what later loads return;
+            # a directory the user made keeps the mode they gave it)
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            fd = None
+            for _ in range(3):
+                try:
+                    fd = open_recorded(fill.fds, partial, os.O_RDWR | os.O_CREAT | os.O_EXCL
+                                       | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except FileExistsError:
+                    if not _remove_if_stale(partial):
+                        return  # another process fills it: this load goes without
+                    continue
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    return      # another process fills it: this load goes without
-                if os.path.exists(fill.base + ENTRY_SUFFIX):
+                    return      # (another's eviction took it as stale in between: it removes it)
+                if os.path.lexists(fill.base + ENTRY_SUFFIX):
                     if _names(fd, partial):
                         _unlink(partial)    # (made by our open, after the filler's rename)
                     _unlock(fd)
                     return      # filled meanwhile
                 if _names(fd, partial):
                     break
-                _unlock(fd)     # renamed or removed (as stale, by another process's
-                fd = None       # eviction) between our open and our lock: once more
+                _unlock(fd)     # removed (as stale, by another process's eviction)
+                fd = None       # between our open and our lock: once more
             if fd is None:
                 return
             locked = fd
@@ -385,7 +504,6 @@ class Cache:
                                           "bytes"), "making room")
                 return
             os.fchmod(fd, 0o644)
-            os.ftruncate(fd, 0)         # (a crashed filler's bytes)
             _write(fd, fill.head, 0)
             taken = True
         except OSError as e:
@@ -398,6 +516,7 @@ class Cache:
                 _unlock(locked)
         fill.fd = fd
         fill.state = _FILLING
+        fill.digests.append((0, len(fill.head), zlib.crc32(fill.head)))
         fill.whole = fill.add(0, len(fill.head))      # (an object of no data: whole now)
         fill.head = b""
 
@@ -410,7 +529,7 @@ class Cache:
         entries ``evictions`` names; whether they fit now."""
         if size > self.bound:
             return False
-        entries, total = [], 0
+        found, stamps, total = {}, {}, 0
         reading = {path for path, _ in self._hits.values()}
         for name in _listing(self.directory):
             path = os.path.join(self.directory, name)
@@ -420,18 +539,29 @@ class Cache:
                 st = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if name.endswith(PARTIAL_SUFFIX):
-                if not _remove_if_stale(path):
+            if name.endswith(PARTIAL_SUFFIX) or not name.endswith((ENTRY_SUFFIX, STAMP_SUFFIX)):
+                if not _remove_if_stale(path):      # (a partial file, a stamp being written)
                     total += st.st_size
+            elif name.endswith(STAMP_SUFFIX):
+                stamps[path[:-len(STAMP_SUFFIX)]] = st
             else:
-                if path not in reading:         # (this checkpoint's other objects: kept)
-                    entries.append(Listed(path, st.st_size, st.st_mtime_ns))
+                found[path[:-len(ENTRY_SUFFIX)]] = st
                 total += st.st_size
+        for base, st in stamps.items():
+            if base in found or os.path.lexists(base + ENTRY_SUFFIX):
+                total += st.st_size
+            else:
+                _unlink(base + STAMP_SUFFIX)    # its entry gone
+        entries = [Listed(base, st.st_size + (stamps[base].st_size if base in stamps else 0),
+                          max(st.st_mtime_ns, stamps[base].st_mtime_ns if base in stamps else 0))
+                   for base, st in found.items()
+                   if base + ENTRY_SUFFIX not in reading]   # (this checkpoint's: kept)
         fs = os.statvfs(self.directory)
         gone, fits = evictions(entries, size, used=total, bound=self.bound,
                                free=fs.f_bavail * fs.f_frsize, keep_free=CACHE_KEEP_FREE)
-        for path in gone:
-            _unlink(path)
+        for base in gone:
+            _unlink(base + ENTRY_SUFFIX)
+            _unlink(base + STAMP_SUFFIX)
         return fits
 
     def _degrade(self, error, what):
@@ -450,12 +580,13 @@ class Listed(NamedTuple):
     """One entry of the directory, as its listing shows it."""
 
     path: str
-    """The entry's path."""
+    """The entry's path without its suffix: its entry (``.safetensors``)
+    and its stamp (``.checked``) go together."""
     size: int
-    """Its bytes (``st_size``)."""
+    """Its bytes (``st_size``), its stamp's included."""
     used_ns: int
-    """When it was last used: its modification time (``st_mtime_ns``),
-    set again at each hit."""
+    """When it was last used: the later of its entry's modification time
+    (``st_mtime_ns``: its fill) and its stamp's, which each hit sets."""
 
 
 def evictions(entries, size, *, used, bound, free, keep_free):
@@ -520,6 +651,7 @@ class _Finisher:
         self.pending = collections.Counter()    # fill.base -> fills queued or in work
         self.thread = None
         self.stopped = False    # Ctrl-C at exit: no entry is named from here on
+        self.exiting = False    # the exit waits: entries are named, their first open checks them
 
     def submit(self, directory, fills) -> bool:
         """Queues ``fills`` (each _FINISHING); False where no thread starts."""
@@ -579,9 +711,11 @@ class _Finisher:
 
 def _finish(directory, fills, finisher=None):
     """Makes the entries of ``fills`` (each written whole, _FINISHING, its
-    partial file locked): each flushed (fsync), checked, renamed to its
-    entry's name while still locked, the directory flushed, then unlocked;
-    the object's older entries removed.  A fill that fails is removed, with
+    partial file locked): each checked (its size, no byte unwritten), its
+    digest appended (``_trailer``), flushed (fsync), renamed to its entry's
+    name while still locked, the directory flushed, then unlocked; then
+    read back, checked in full and stamped (``_check_made``: not while the
+    exit waits); the object's older entries and their stamps removed.  A fill that fails is removed, with
     one warning for them all: the load returned already."""
     failed = None
     for fill in fills:
@@ -592,7 +726,12 @@ def _finish(directory, fills, finisher=None):
                 try:
                     if os.fstat(fill.fd).st_size != fill.size:
                         raise OSError(errno.EIO, f"the partial file is not {fill.size} bytes")
+                    if not _covers(fill.digests, fill.size):
+                        raise OSError(errno.EIO, "the partial file has bytes that no fill wrote")
+                    _write(fill.fd, _trailer(fill.size, fill.digests), fill.size)
                     _flush(fill.fd)
+                    if not _names(fill.fd, partial):
+                        raise OSError(errno.ENOENT, "the partial file was moved or removed")
                     if finisher is None:
                         os.rename(partial, entry)
                         named = True
@@ -605,21 +744,47 @@ def _finish(directory, fills, finisher=None):
                     _unlock(fill.fd)
                 else:
                     _abandon(fill)
-            close_recorded(fill.fds)
+            if not named:
+                close_recorded(fill.fds)
         if not named:
             continue
         try:
-            _fsync_directory(directory)     # (the entry is whole already: its name's durability)
-        except OSError as e:
-            failed = failed or e
-        key, mine = os.path.basename(fill.base).split(".")[0], os.path.basename(entry)
+            try:
+                _fsync_directory(directory)     # (the entry is whole already: its name's durability)
+            except OSError as e:
+                failed = failed or e
+            if finisher is None or not finisher.exiting:
+                failed = _check_made(fill, entry) or failed
+        finally:
+            close_recorded(fill.fds)
+        key, mine = os.path.basename(fill.base).split(".")[0], os.path.basename(fill.base)
         for name in _listing(directory):
-            if name.startswith(key + ".") and name.endswith(ENTRY_SUFFIX) and name != mine:
-                _unlink(os.path.join(directory, name))      # an older version
+            if (name.startswith(key + ".") and name.endswith((ENTRY_SUFFIX, STAMP_SUFFIX))
+                    and not name.startswith(mine + ".")):
+                _unlink(os.path.join(directory, name))      # an older version, its stamp
     if failed is not None:
         reason = failed.strerror or str(failed)
         log.warning("the cache in %s failed while finishing its entries (%s): not cached",
                     directory, reason)
+
+
+def _check_made(fill, entry):
+    """Checks in full the entry just made of ``fill`` (its descriptor still
+    open: read back from the page cache, off any load's path) and stamps it,
+    so that its first hit need not read it all again; an entry that fails
+    is removed, its error returned (None where it is whole)."""
+    try:
+        st = os.fstat(fill.fd)
+        # (the header is the one the fill wrote: its first range's CRC checks it)
+        damage = _damage(fill.fd, st, fill.size, None)
+        if damage is None:
+            _stamp(fill.base, fill.fd, st)
+            return None
+    except OSError as e:
+        damage = e.strerror or str(e)
+    if _names(fill.fd, entry):
+        _unlink(entry)
+    return OSError(errno.EIO, f"entry {os.path.basename(entry)} read back damaged ({damage})")
 
 
 def _abandon(fill):
@@ -644,6 +809,9 @@ def _finish_at_exit():
     with finisher.cond:
         if not finisher.jobs:
             return
+    # (a full check of each entry made is the first hit's to do: the exit
+    # waits only for what it must, the flush)
+    finisher.exiting = True
     try:
         if not finisher.wait(CACHE_FINISH_AT_EXIT):
             log.warning("the cache: exit did not wait longer than %s s for its entries to be "
@@ -674,23 +842,48 @@ atexit.register(_finish_at_exit)
 class CachedShards(Shards):
     """A URL source whose every object the cache holds: its entries, read
     as local files.  ``paths`` are the objects' URLs (what ``files``, the
-    tensors' infos and errors name), the descriptors the entries'."""
+    tensors' infos and errors name), the descriptors the entries' (each
+    the file the open checked: ``Cache.checked``).  ``verify=`` reads the
+    objects from the server (``remote``, the ``RemoteShards`` it was made
+    from): an entry compared with itself would prove nothing."""
 
     # (its identity in a group load is its objects', as a rank that fetches them sees it)
     from_url = True
 
-    def __init__(self, files, origins):
+    def __init__(self, files, origins, sizes, checked):
         super().__init__()
         self._files, self._origins = files, origins
+        self._sizes, self._checked = sizes, checked
+        self.remote = None      # the RemoteShards (closed with this one)
 
     def _open_all(self, urls):
-        for url, path in zip(urls, self._files):
-            fd = open_recorded(self.fds, path, _OPEN_FLAGS)
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        for url, path, size, checked in zip(urls, self._files, self._sizes, self._checked):
+            fd = open_recorded(self.fds, path, _OPEN_FLAGS | os.O_NOFOLLOW)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != checked:
+                raise OSError(errno.ESTALE, f"{path} is not the entry that was checked")
             os.set_blocking(fd, True)
             self.paths.append(url)
-            self.headers.append(read_header(fd, url))
+            # (the object's bytes: its digest follows them in the entry)
+            length = header_length(_pread_exact(fd, 8, 0, url), size, url)
+            self.headers.append(parse_header(_pread_exact(fd, length, 8, url), url, size))
+
+    def read_bytes(self, index, offset, length):
+        # verify=: the server's bytes (If-Match the ETag the open pinned)
+        if self.remote is None:
+            return super().read_bytes(index, offset, length)
+        return self.remote.read_bytes(index, offset, length)
+
+    def current_size(self, index):
+        return self.headers[index].file_size
+
+    def close(self):
+        remote, self.remote = self.remote, None
+        try:
+            super().close()
+        finally:
+            if remote is not None:
+                remote.close()      # (its cache's close closes this one again: idempotent)
 
     def byte_sources(self):
         return self.total_bytes, 0
@@ -707,23 +900,30 @@ class CachedShards(Shards):
 
 def cached(shards):
     """``shards`` (an open ``RemoteShards``), or, where its cache holds
-    every object, a ``CachedShards`` of the entries (``shards`` closed);
-    until the caller holds that one, closing ``shards`` closes it too."""
+    every object, a ``CachedShards`` of the entries, which keeps ``shards``
+    for ``verify=``'s reads and closes it; until the caller holds that one,
+    closing ``shards`` closes it too."""
     cache = shards.cache if isinstance(shards, RemoteShards) else None
     files = None if cache is None else cache.whole(len(shards.paths))
     if files is None:
         return shards
-    local = CachedShards(files, [shards.origin(i) for i in range(len(files))])
+    count = len(files)
+    local = CachedShards(files, [shards.origin(i) for i in range(count)],
+                         [h.file_size for h in shards.headers],
+                         [cache.checked(i) for i in range(count)])
     try:
         local.open(shards.paths)
-    except Exception:           # an entry removed meanwhile: read the objects
+    except Exception:           # an entry removed or replaced meanwhile: read the objects
         local.close()
         return shards
     except BaseException:
         local.close()
         raise
-    shards.close()
     cache.local = local         # (a second close of shards, by the caller's cleanup, closes it)
+    local.remote = shards
+    cache.hand_over()
+    # (its requests' thread, until verify= asks the server again)
+    shards._requests.close()
     return local
 
 
@@ -737,19 +937,23 @@ def _listing(directory):
 
 
 def _names(fd, path):
-    """Whether ``path`` names the file open as ``fd``."""
+    """Whether ``path`` names the file open as ``fd`` (itself, not a link to it)."""
     try:
-        a, b = os.fstat(fd), os.stat(path)
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _remove_if_stale(path):
-    """Removes partial file ``path`` where no filler holds its lock; whether it did."""
+    """Removes partial file ``path`` where no filler holds its lock, or
+    where it is a link (none of ours: planted); whether it did."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            _unlink(path)       # (the link itself: unlink follows none)
+            return True
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -790,12 +994,162 @@ def _unlink(path):
         pass
 
 
-def _touch(path):
-    """Marks entry ``path`` used now (the eviction's order)."""
+def _stamp_of(st):
+    return _STAMP.pack(_STAMP_MAGIC, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                       st.st_ctime_ns)
+
+
+def _stamped(base, st):
+    """Whether the stamp of entry ``base`` records ``st`` (the entry's
+    fstat now): nothing wrote the entry through the file system since its
+    last full check (its ctime, which only the kernel sets, unchanged).
+    Marks the entry used (the stamp's mtime: the entry's own times are
+    what the stamp records)."""
     try:
-        os.utime(path)
+        fd = os.open(base + STAMP_SUFFIX, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+                     | os.O_NONBLOCK)
     except OSError:
-        pass            # a read-only cache is still read
+        return False            # none, or a link (never ours): a full check
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        if os.pread(fd, _STAMP.size + 1, 0) != _stamp_of(st):
+            return False
+        try:
+            os.utime(fd)
+        except OSError:
+            pass                # a read-only cache is still read
+        return True
+    finally:
+        os.close(fd)
+
+
+def _stamp(base, fd, st):
+    """Records that the entry ``base`` open as ``fd`` was checked in full
+    as ``st`` (its fstat before the check): its stamp, written to a new
+    file of ours and renamed onto its name (no link followed, nothing the
+    entry's times would show).  None where the entry changed during the
+    check, or where its last change is not older than the stamp (a write in
+    the same tick of the kernel's clock would leave the same times: the
+    next open checks again); a stamp that cannot be written is no error."""
+    record = _stamp_of(st)
+    temp = f"{base}{STAMP_SUFFIX}-{os.urandom(8).hex()}"
+    try:
+        if _stamp_of(os.fstat(fd)) != record:
+            return
+        out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600)
+    except OSError:
+        return
+    try:
+        fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)     # (an eviction removes it once we're gone)
+        _write(out, record, 0)
+        os.fchmod(out, 0o644)           # (as the entries: others who read them read their stamps)
+        if os.fstat(out).st_mtime_ns > st.st_ctime_ns:
+            os.rename(temp, base + STAMP_SUFFIX)
+            return
+    except OSError:
+        pass
+    finally:
+        os.close(out)
+    _unlink(temp)
+
+
+# -- the digest --------------------------------------------------------------------
+
+# ``_damage``'s word for an entry with no digest at all: one an earlier
+# version made (the object's bytes alone), filled again without a warning.
+_EARLIER = "no digest"
+
+
+def _trailer(size, ranges):
+    """The digest that follows the ``size`` bytes of an entry whose fill
+    wrote ``ranges`` (offset, length, CRC-32)."""
+    table = b"".join(_RANGE.pack(*r) for r in sorted(set(ranges)))
+    return table + _FOOTER.pack(size, len(table) // _RANGE.size, zlib.crc32(table), _MAGIC)
+
+
+def _covers(ranges, size):
+    """Whether ``ranges`` (offset, length, ...) cover ``[0, size)``, no byte left out."""
+    end = 0
+    for offset, length, *_ in sorted(ranges):
+        if offset > end:
+            return False
+        end = max(end, offset + length)
+    return end >= size
+
+
+def _damage(fd, st, size, head, full=True):
+    """Why entry ``fd`` (``st``: its fstat) is not the object of ``size``
+    bytes whose header is ``head``; None where it is: a regular file, its
+    digest whole, covering every byte, its header ``head`` (None: not
+    compared), and, where ``full``, every range of it the CRC-32 its fill
+    made (read back: ``_check``)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_size == size:
+        return _EARLIER
+    if st.st_size < size + _FOOTER.size:
+        return "cut short"
+    got, count, crc, magic = _FOOTER.unpack(_read(fd, _FOOTER.size, st.st_size - _FOOTER.size))
+    if magic != _MAGIC or got != size or st.st_size != size + count * _RANGE.size + _FOOTER.size:
+        return "its digest is missing or does not fit its size"
+    table = _read(fd, count * _RANGE.size, size)
+    if zlib.crc32(table) != crc:
+        return "its digest is damaged"
+    ranges = list(_RANGE.iter_unpack(table))
+    if any(offset + length > size for offset, length, _ in ranges) or not _covers(ranges, size):
+        return "its digest leaves bytes unchecked"
+    if head is not None and _read(fd, len(head), 0) != head:
+        return "its header is not the object's"
+    if not full:
+        return None
+    bad = _check(fd, ranges)
+    if bad is not None:
+        return f"bytes [{bad[0]}, {bad[0] + bad[1]}) differ from their digest"
+    return None
+
+
+def _read(fd, length, offset):
+    """``length`` bytes at ``offset`` of ``fd``; an OSError where it ends first."""
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise OSError(errno.EIO, f"an entry ended at byte {offset + len(data)}")
+    return data
+
+
+def _check(fd, ranges):
+    """The first of ``ranges`` whose bytes in ``fd`` are not its CRC-32;
+    None where each is.  Read back in pieces of CACHE_CHECK_PIECE by up to
+    CACHE_CHECK_THREADS threads: pread and zlib's crc32 release the GIL."""
+    buffers = threading.local()
+    size = min(CACHE_CHECK_PIECE, max((r[1] for r in ranges), default=0))
+
+    def same(r):
+        offset, length, crc = r
+        buf = getattr(buffers, "buf", None)
+        if buf is None:
+            buf = buffers.buf = memoryview(bytearray(size))
+        got, end = 0, offset + length
+        while offset < end:
+            piece = buf[:min(len(buf), end - offset)]
+            if os.preadv(fd, [piece], offset) != len(piece):
+                return False
+            got = zlib.crc32(piece, got)
+            offset += len(piece)
+        return got == crc
+
+    threads = min(len(ranges), default_threads(CACHE_CHECK_THREADS))
+    if threads <= 1 or sum(r[1] for r in ranges) <= CACHE_CHECK_PIECE:
+        results = map(same, ranges)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(threads, thread_name_prefix="instant_staging-cache-check") as pool:
+            results = list(pool.map(same, ranges))
+    for r, ok in zip(ranges, results):
+        if not ok:
+            return r
+    return None
 
 
 def _fsync_directory(path):

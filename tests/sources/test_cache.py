@@ -5,6 +5,7 @@ rule of docs/design.md's cache with the case that would break it."""
 
 import logging
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -68,9 +69,14 @@ def _two_shards(seed):
 
 def _names(directory):
     """The cache's files once this process's fills are finished (their
-    entries are made after the load returned)."""
+    entries are made after the load returned), less the stamps of the
+    entries there (test_cache_integrity's: whether the finisher or the
+    first hit wrote one depends on the clock); a stamp without its entry
+    is still listed."""
     assert wait_for_cache_fills(timeout=30)
-    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    return [n for n in names if not (n.endswith(_cache.STAMP_SUFFIX)
+                                     and n[:-len(_cache.STAMP_SUFFIX)] + ".safetensors" in names)]
 
 
 def _entries(directory):
@@ -79,6 +85,13 @@ def _entries(directory):
 
 def _partials(directory):
     return [n for n in _names(directory) if n.endswith(".partial")]
+
+
+def _object(path):
+    """The object's bytes in entry ``path``: the entry less the digest after them."""
+    data = pathlib.Path(path).read_bytes()
+    size = _cache._FOOTER.unpack_from(data, len(data) - _cache._FOOTER.size)[0]
+    return data[:size]
 
 
 def _nbytes(files):
@@ -112,8 +125,9 @@ def test_fill_then_hit_is_bit_exact_and_reads_no_data(s3_server, s3_bucket, tmp_
     assert (report.cache_hit_bytes, report.fetched_bytes) == (0, _nbytes(files))
     names = _entries(cache)
     assert len(names) == 2 and _names(cache) == names          # no partial file left
-    # the entries are the objects, byte for byte; their names hold nothing of the URL
-    by_bytes = sorted((cache / n).read_bytes() for n in names)
+    # the entries are the objects, byte for byte (then their digests); their names hold
+    # nothing of the URL
+    by_bytes = sorted(_object(cache / n) for n in names)
     assert by_bytes == sorted((local / f).read_bytes() for f, _ in files)
     assert not any(s3_bucket in n or "model" in n for n in names)
 
@@ -243,8 +257,8 @@ def test_a_crash_mid_fill_leaves_nothing_trusted(s3_server, s3_bucket, tmp_path,
     report = it.report
     same(got, load_file(local))
     assert (report.cache_hit_bytes, report.fetched_bytes) == (0, _nbytes(files))
-    assert len(_entries(cache)) == 1 and not _partials(cache)   # the killed one's partial reused
-    assert (cache / _entries(cache)[0]).read_bytes() == (local / "model.safetensors").read_bytes()
+    assert len(_entries(cache)) == 1 and not _partials(cache)   # the killed one's partial replaced
+    assert _object(cache / _entries(cache)[0]) == (local / "model.safetensors").read_bytes()
 
 
 def test_two_processes_fill_one_entry_at_once(s3_server, s3_bucket, tmp_path):
@@ -265,7 +279,7 @@ def test_two_processes_fill_one_entry_at_once(s3_server, s3_bucket, tmp_path):
     for c, (out, err) in zip(children, outs):
         assert c.returncode == 0 and "loaded" in out, err
     assert len(_entries(cache)) == 1 and not _partials(cache)
-    assert (cache / _entries(cache)[0]).read_bytes() == (local / "model.safetensors").read_bytes()
+    assert _object(cache / _entries(cache)[0]) == (local / "model.safetensors").read_bytes()
     with iter_load(url, storage_options=options(s3_server.url), cache_dir=cache) as it:
         same(dict(it), load_file(local))
     assert it.report.cache_hit_bytes == _nbytes(files)
@@ -288,7 +302,7 @@ def test_a_second_filler_finds_the_lock_and_loads_without_filling(s3_server, s3_
         assert not _entries(cache) and len(_partials(cache)) == 1
         first.load("cpu", names=names[1:])
     assert len(_entries(cache)) == 1 and not _partials(cache)
-    assert (cache / _entries(cache)[0]).read_bytes() == (local / "model.safetensors").read_bytes()
+    assert _object(cache / _entries(cache)[0]) == (local / "model.safetensors").read_bytes()
 
 
 def test_an_entry_made_meanwhile_leaves_no_partial_file(s3_server, s3_bucket, tmp_path):
@@ -513,7 +527,7 @@ def test_the_entries_at_exit(s3_server, s3_bucket, tmp_path, how):
     if how == "exit":
         assert child.returncode == 0, err
         assert len(names) == 1 and ENTRY.match(names[0]), names
-        assert (cache / names[0]).read_bytes() == (local / "model.safetensors").read_bytes()
+        assert _object(cache / names[0]) == (local / "model.safetensors").read_bytes()
         return
     assert took < 20, (took, err)           # not the 30 s flush
     assert not [n for n in names if ENTRY.match(n)] and len(names) == 1, names   # a partial file
@@ -524,7 +538,7 @@ def test_the_entries_at_exit(s3_server, s3_bucket, tmp_path, how):
         same(dict(it), load_file(local))
     assert it.report.fetched_bytes == _nbytes(files)
     assert len(_entries(cache)) == 1 and not _partials(cache)
-    assert (cache / _entries(cache)[0]).read_bytes() == (local / "model.safetensors").read_bytes()
+    assert _object(cache / _entries(cache)[0]) == (local / "model.safetensors").read_bytes()
 
 
 # -- an object that changed ----------------------------------------------------------------
@@ -549,7 +563,7 @@ def test_an_object_replaced_between_loads_is_fetched_again(s3_server, s3_bucket,
     assert (it.report.cache_hit_bytes, it.report.fetched_bytes) == (first, second)
     after = _entries(cache)
     assert len(after) == 2 and len(set(after) & set(before)) == 1    # the old version's entry gone
-    assert sorted((cache / n).read_bytes() for n in after) == \
+    assert sorted(_object(cache / n) for n in after) == \
         sorted((local / f).read_bytes() for f, _ in files)
     with iter_load(url, storage_options=opts, cache_dir=cache) as it:
         same(dict(it), {**files[0][1], **changed})
@@ -568,7 +582,7 @@ def test_a_damaged_entry_is_not_trusted(s3_server, s3_bucket, tmp_path):
         same(dict(it), load_file(local))
     assert it.report.fetched_bytes == _nbytes(files)
     assert _entries(cache) == [entry.name]
-    assert entry.read_bytes() == (local / "model.safetensors").read_bytes()     # filled again
+    assert _object(entry) == (local / "model.safetensors").read_bytes()     # filled again
 
 
 # -- a cache that cannot be written --------------------------------------------------------
