@@ -55,6 +55,19 @@ def handover(request, monkeypatch):
     return request.param
 
 
+def test_the_model_dir_by_transformers_name(tmp_path):
+    # from_pretrained(pretrained_model_name_or_path=...) as written for transformers'
+    path, _ = save(tmp_path, "llama", sharded=False)
+    ref = AUTO.from_pretrained(pretrained_model_name_or_path=path)
+    ours = from_pretrained(pretrained_model_name_or_path=path, device="cpu")
+    assert_same_model(ours, ref)
+    assert ours.config.name_or_path == str(path)
+    with pytest.raises(TypeError, match="not both"):
+        from_pretrained(path, pretrained_model_name_or_path=path, device="cpu")
+    with pytest.raises(TypeError, match="none given"):
+        from_pretrained(device="cpu")
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_same_model_as_transformers(tmp_path, arch, sharded):
