@@ -144,7 +144,7 @@ from ._arguments import (
     remote_dir,
     saved_generation_config,
 )
-from ._background import assemble_while_reading, no_allocator_warmup
+from ._background import assemble_while_reading, no_allocator_warmup, no_progress_bar
 from ._placement import Spread, offloading_a_state_dict, parallel_device, target_device
 from ._reload import reload_weights
 
@@ -335,20 +335,21 @@ def from_pretrained(model_dir: PathLike | None = None, *,
     kwargs.update(config=config, output_loading_info=True, trust_remote_code=trust_remote_code)
     t0 = time.perf_counter()
     quantized = getattr(config, "quantization_config", None) is not None
-    if quantized or any(kwargs.get(name) for name in QUANTIZING):
-        # Quantizers read tensors in ways of their own: hand them real ones.
-        # (over several devices: on the CPU, transformers places them)
-        state = load_file(weights.source, "cpu" if spread else device,
-                          storage_options=weights.storage_options, cache_dir=weights.cache_dir)
-        try:
-            with no_allocator_warmup(transformers), offloading_a_state_dict(transformers, cls, spread):
-                model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
-        finally:
-            state.clear()      # the model holds what it took; nothing else outlives the call
-        route = "state dict"
-    else:
-        in_place = not parallel and _inplace.available(transformers)
-        model, info, route = assemble_while_reading(transformers, cls, weights, device, kwargs, in_place)
+    with no_progress_bar(transformers):
+        if quantized or any(kwargs.get(name) for name in QUANTIZING):
+            # Quantizers read tensors in ways of their own: hand them real ones.
+            # (over several devices: on the CPU, transformers places them)
+            state = load_file(weights.source, "cpu" if spread else device,
+                              storage_options=weights.storage_options, cache_dir=weights.cache_dir)
+            try:
+                with no_allocator_warmup(transformers), offloading_a_state_dict(transformers, cls, spread):
+                    model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
+            finally:
+                state.clear()      # the model holds what it took; nothing else outlives the call
+            route = "state dict"
+        else:
+            in_place = not parallel and _inplace.available(transformers)
+            model, info, route = assemble_while_reading(transformers, cls, weights, device, kwargs, in_place)
     t1 = time.perf_counter()
     missing = sorted(info.get("missing_keys") or ())
     if missing and not output_loading_info:
