@@ -128,7 +128,9 @@ def load_file(source: Optional[Source] = None, device: Device = "cpu", *,
             read from the host once (loader/_distributed.py); names= may
             differ per rank.  A failure on one rank raises on every rank.
         chunk_size: bytes per read and per copy (None:
-            $INSTANT_STAGING_CHUNK_SIZE, e.g. 8MiB, else 4 MiB).
+            $INSTANT_STAGING_CHUNK_SIZE, e.g. 8MiB, else
+            ``defaults.CHUNK_SIZE`` (2 MiB; ``defaults.COLD_CHUNK_SIZE``,
+            16 MiB, for a checkpoint the page cache lacks)).
         io_depth: chunks in flight, i.e. slots (None:
             $INSTANT_STAGING_IO_DEPTH, else 2 per reader thread: 32 with 16
             threads); the load's own staging buffer holds io_depth *
