@@ -32,6 +32,19 @@ def test_readme_first_screen_is_for_users():
     assert len(text.splitlines()) < 250
 
 
+def test_readmes_test_times_are_the_testing_pages():
+    # README's figure for each test command is the one docs/develop/testing.md
+    # gives with its measurements (issue 55: README said 10-14 minutes of a
+    # run whose CI counterpart took 33.8)
+    first = read("README.md").split("\n## ", 1)[0]
+    testing = " ".join(read("docs", "develop", "testing.md").split())
+    first = " ".join(first.split())
+    for command, figure in (("tox -e cuda", "10-14 minutes"), ("tox -e quick", "3 minutes"),
+                            (".ci/run", "30-34 minutes")):
+        assert command in first and figure in first, (command, figure)
+        assert figure in testing, (command, figure)
+
+
 def test_readme_links_resolve():
     text = read("README.md")
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
