@@ -370,33 +370,7 @@ def write(prepared, began=None, opened=0.0):
     except BaseException as e:
         _name_written(e, written, it.names)
         raise
-    finally:
-        # (a failure part-way too: an unwritten destination may hold some
-        # of the new bytes)
-        target = prepared.target
-        bump_versions(target.torch, list(target.dests.values()))
     return it.report
-
-
-def bump_versions(torch, tensors):
-    """Bumps the autograd version counter of each of ``tensors``, as torch's
-    own in-place writes do (``load_state_dict``'s ``copy_`` among them): a
-    backward that saved one of them before the write then raises ("modified
-    by an inplace operation") instead of mixing the activations of the old
-    weights with the new ones.  One call for them all where torch takes a
-    list (``torch.autograd.graph.increment_version``, whose list form came
-    after torch 2.1); else one call each.  An inference tensor has no
-    counter: newer torch skips it, and so does the fallback."""
-    try:
-        from torch.autograd.graph import increment_version
-    except ImportError:         # (torch before 2.1's public name)
-        increment_version = torch._C._increment_version
-    try:
-        increment_version(tensors)
-    except TypeError:           # one tensor a call
-        for t in tensors:
-            if not t.is_inference():
-                increment_version(t)
 
 
 def _name_written(error, written, names):
