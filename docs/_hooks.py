@@ -8,10 +8,16 @@ tree, not from an installed package, and without running the package's
 ``__init__`` (which needs the compiled modules): only envs.py and the two
 plain modules it imports are loaded, so the site builds from a bare
 checkout.
+
+The site's header names the repository and the version (``on_config``):
+the repository is pyproject.toml's ``Homepage`` URL and the version
+``instant_staging/_version.py``'s, both read from this tree, so that the
+site says which release it documents and cannot name another.
 """
 
 import importlib.util
 import os
+import re
 import sys
 import types
 
@@ -40,3 +46,22 @@ def on_page_markdown(markdown, page, config, files, **kwargs):
     if MARKER not in markdown:
         return markdown
     return markdown.replace(MARKER, _envs().markdown_table())
+
+
+def version():
+    """instant_staging/_version.py's ``__version__``, read as text."""
+    with open(os.path.join(ROOT, "instant_staging", "_version.py"), encoding="utf-8") as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
+def homepage():
+    """pyproject.toml's ``[project.urls]`` Homepage."""
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        return re.search(r'^Homepage = "([^"]+)"', f.read(), re.M).group(1)
+
+
+def on_config(config, **kwargs):
+    config["repo_url"] = homepage()
+    config["repo_name"] = f"instant_staging {version()}"
+    config["edit_uri"] = ""          # no "edit this page" links
+    return config

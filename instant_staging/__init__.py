@@ -12,6 +12,16 @@ A source checkout holds no compiled modules and no ``_build_config.py``
 how to build, not a bare ``No module named 'instant_staging._build_config'``.
 """
 
+import logging as _logging
+
+# The package logs on the "instant_staging" logger (fallbacks, capped knobs,
+# an unpinned remote load, a cache left out) and, as the logging HOWTO has
+# libraries do, leaves showing its records to the program: without a
+# handler of its own, logging's last-resort handler would print the
+# warnings on stderr in every program, configured or not.  A program shows
+# them with logging.basicConfig() (the CLI shows them itself).
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
 
 try:
     from ._build_config import BACKEND

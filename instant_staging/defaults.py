@@ -136,7 +136,7 @@ def max_io_depth(threads=None) -> int:
     """The cap on a load's slots (io_depth): MAX_SLOTS_PER_THREAD for each of
     its reader threads, the most the pipeline ever cycles through.  A load
     also never uses more slots than it has chunks; its own staging buffer
-    holds io_depth * chunk_size (the cap: 16 threads x 64 x 4 MiB = 4 GiB)."""
+    holds io_depth * chunk_size (the cap: MAX_THREADS x MAX_SLOTS_PER_THREAD x CHUNK_SIZE)."""
     return MAX_SLOTS_PER_THREAD * reader_threads(threads)
 
 

@@ -35,7 +35,17 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ._types import format_size, parse_size
-from .defaults import CACHE_KEEP_FREE, CACHE_MAX_BYTES, MAX_PREFAULT_THREADS
+from .defaults import (
+    CACHE_KEEP_FREE,
+    CACHE_MAX_BYTES,
+    CHUNK_SIZE,
+    COLD_CHUNK_SIZE,
+    COLD_THREADS,
+    DISTRIBUTED_TIMEOUT,
+    MAX_PREFAULT_THREADS,
+    MAX_THREADS,
+    SLOTS_PER_THREAD,
+)
 
 __all__ = ["VARIABLES", "Variable", "get", "markdown_table", "parse_text", "raw", "variable"]
 
@@ -174,17 +184,19 @@ VARIABLES: tuple[Variable, ...] = (
          f"`--prefault-threads`; an int in [0, {MAX_PREFAULT_THREADS}], `0` turns prefaulting off",
          _prefault_threads),
     _row("INSTANT_STAGING_CHUNK_SIZE", "size",
-         "4 MiB (16 MiB for a checkpoint the page cache lacks)",
+         f"{format_size(CHUNK_SIZE)} ({format_size(COLD_CHUNK_SIZE)} for a checkpoint the page cache "
+         "lacks)",
          "`chunk_size=None` of `load_file`, `iter_load`, `safe_open`, `from_pretrained`, and "
          "`load` without `--chunk-size`; a size such as `8MiB`",
          _size),
     _row("INSTANT_STAGING_IO_DEPTH", "int >= 1",
-         "2 slots per reader thread",
+         f"{SLOTS_PER_THREAD} slots per reader thread",
          "`io_depth=None` of the same, and `load` without `--io-depth`; an int >= 1 "
          "(`load --help` shows this host's figure)",
          _int_at_least_1),
     _row("INSTANT_STAGING_THREADS", "int >= 1",
-         "one reader thread per usable CPU, at most 16 (4 for a checkpoint the page cache lacks)",
+         f"one reader thread per usable CPU, at most {MAX_THREADS} ({COLD_THREADS} for a checkpoint "
+         "the page cache lacks)",
          "`threads=None` of the same, and `load` without `--threads`; an int >= 1",
          _int_at_least_1),
     _row("INSTANT_STAGING_KEEP_STAGING", "bool 1/0",
@@ -208,7 +220,7 @@ VARIABLES: tuple[Variable, ...] = (
          "bytes a load fetches from object storage per second; a size such as `200MiB`",
          _size),
     _row("INSTANT_STAGING_DIST_TIMEOUT", "seconds in (0, 604800]",
-         "600 (seconds)",
+         f"{DISTRIBUTED_TIMEOUT:g} (seconds)",
          "`process_group=` loads: how long a rank waits for the others at each agreement before "
          "naming the ranks that never came",
          _seconds),

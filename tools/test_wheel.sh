@@ -74,5 +74,5 @@ fi
 # pytest, not python -m pytest: the sdist's unbuilt package must not
 # shadow the wheel.
 cd "$WORK/$name"
-"$WORK/venv/bin/pytest" -q -p no:cacheprovider -m "not slow" tests "$@"
+"$WORK/venv/bin/pytest" -p no:cacheprovider -m "not slow" tests "$@"
 "$WORK/venv/bin/pytest" -q -p no:cacheprovider tests/core/test_typing.py tests/core/test_cython_caller.py

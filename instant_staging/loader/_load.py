@@ -91,7 +91,8 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
         raise
 
 
-def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, names: Names = None,
+def load_file(source: Optional[Source] = None, device: Device = "cpu", *,
+              filename: Optional[Source] = None, dtype: DType = None, names: Names = None,
               process_group: Optional["ProcessGroup"] = None, chunk_size: Optional[int] = None,
               io_depth: Optional[int] = None, threads: Optional[int] = None,
               staging: Optional["StagingBuffer"] = None, verify: bool = False,
@@ -114,6 +115,9 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
             a list of object URLs, gs://..., az://..., https://... (the
             ``remote`` extra; loader/_remote.py).
         device: "cpu" (as safetensors), "cuda:N", a torch.device or an int.
+        filename: ``source`` by safetensors' name for it, so that
+            ``load_file(filename=..., device=...)`` written for safetensors
+            runs as it is; give one of the two.
         dtype: None keeps the file's dtypes; a floating torch dtype (or its
             name) converts floating tensors on the device after the copy, as
             transformers does; integer and bool tensors are kept.
@@ -126,7 +130,9 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
             read from the host once (loader/_distributed.py); names= may
             differ per rank.  A failure on one rank raises on every rank.
         chunk_size: bytes per read and per copy (None:
-            $INSTANT_STAGING_CHUNK_SIZE, e.g. 8MiB, else 4 MiB).
+            $INSTANT_STAGING_CHUNK_SIZE, e.g. 8MiB, else
+            ``defaults.CHUNK_SIZE`` (2 MiB; ``defaults.COLD_CHUNK_SIZE``,
+            16 MiB, for a checkpoint the page cache lacks)).
         io_depth: chunks in flight, i.e. slots (None:
             $INSTANT_STAGING_IO_DEPTH, else 2 per reader thread: 32 with 16
             threads); the load's own staging buffer holds io_depth *
@@ -185,6 +191,7 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
         VerifyError: with ``verify``, a tensor that differs from its file.
         DistributedLoadError: with ``process_group``, a failure on any rank.
     """
+    source = _one_source(source, filename)
     with iter_load(source, device, dtype=dtype, names=names, process_group=process_group,
                    chunk_size=chunk_size, io_depth=io_depth, threads=threads, staging=staging,
                    verify=verify, progress=progress, views=views, backend=backend,
@@ -195,6 +202,20 @@ def load_file(source: Source, device: Device = "cpu", *, dtype: DType = None, na
         with _gc.paused():
             loaded = dict(it)
         return {name: loaded[name] for name in it.names}
+
+
+def _one_source(source, filename):
+    # safetensors' load_file names its first parameter ``filename``; ours
+    # is ``source`` (it takes more than a file): either name, not both.
+    if filename is None:
+        if source is None:
+            raise TypeError("load_file() missing its source: load_file(source, device) "
+                            "(or filename=, as safetensors names it)")
+        return source
+    if source is not None:
+        raise TypeError("load_file() got both a source and filename= (safetensors' name for the "
+                        "source): give one")
+    return filename
 
 
 def load_into(source: Source, tensors: Mapping[str, "torch.Tensor"], *, names: Names = None,

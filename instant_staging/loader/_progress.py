@@ -26,6 +26,7 @@ every line (``for_rank``), so that N ranks never print N unlabelled
 "100%" lines each claiming the whole load.
 """
 
+import os
 import sys
 import threading
 import time
@@ -62,6 +63,28 @@ def _interval(seconds):
     minutes, s = divmod(int(seconds), 60)
     h, m = divmod(minutes, 60)
     return f"{h:d}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+# The width a bar is drawn to on a terminal that does not say its own (a
+# pseudo-terminal nobody sized, as some CI consoles and containers give):
+# tqdm, told 0 columns, draws nothing at all.
+FALLBACK_COLUMNS = 80
+
+
+def columns(stream):
+    """The width to draw a bar on ``stream`` to: $COLUMNS where it is a
+    positive number (the user's say, as ``shutil.get_terminal_size``
+    takes it), else the terminal's, else ``FALLBACK_COLUMNS``."""
+    try:
+        width = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        width = 0
+    if width <= 0:
+        try:
+            width = os.get_terminal_size(stream.fileno()).columns
+        except (AttributeError, OSError, ValueError):     # no fileno, not a terminal, closed
+            width = 0
+    return width if width > 0 else FALLBACK_COLUMNS
 
 
 def resolve(progress):
@@ -151,8 +174,8 @@ class TqdmProgress:
         sizes = _sizes(done, total, self.label, self._start, now)
         if self._bar is None:
             self._bar = _tqdm_class()(total=total, desc=_desc(self.label), file=self._stream,
-                                      leave=True, ascii=BAR_CHARS, bar_format=self.FORMAT,
-                                      sizes=sizes)
+                                      ncols=columns(self._stream), leave=True, ascii=BAR_CHARS,
+                                      bar_format=self.FORMAT, sizes=sizes)
         self._bar.sizes = sizes
         self._bar.update(done - self._bar.n)
         if done >= total:

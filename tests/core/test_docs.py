@@ -32,6 +32,19 @@ def test_readme_first_screen_is_for_users():
     assert len(text.splitlines()) < 250
 
 
+def test_readmes_test_times_are_the_testing_pages():
+    # README's figure for each test command is the one docs/develop/testing.md
+    # gives with its measurements (issue 55: README said 10-14 minutes of a
+    # run whose CI counterpart took 33.8)
+    first = read("README.md").split("\n## ", 1)[0]
+    testing = " ".join(read("docs", "develop", "testing.md").split())
+    first = " ".join(first.split())
+    for command, figure in (("tox -e cuda", "10-14 minutes"), ("tox -e quick", "3 minutes"),
+                            (".ci/run", "30-34 minutes")):
+        assert command in first and figure in first, (command, figure)
+        assert figure in testing, (command, figure)
+
+
 def test_readme_links_resolve():
     text = read("README.md")
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
@@ -56,6 +69,52 @@ def test_environment_page_is_written_from_envs():
     assert envs.markdown_table() in written and hooks.MARKER not in written
     for variable in envs.VARIABLES:
         assert f"`{variable.name}`" in written
+
+
+def test_the_sites_header_names_the_repository_and_this_version():
+    import instant_staging
+    config = load_hooks().on_config({})
+    assert config["repo_name"] == f"instant_staging {instant_staging.__version__}"
+    assert config["repo_url"].startswith("https://") and config["repo_url"] in read("pyproject.toml")
+
+
+def test_the_defaults_the_pages_quote_are_the_codes():
+    # (issue 55: the environment page and the API reference said 4 MiB
+    # chunks where the code had 2 MiB)
+    from instant_staging import defaults
+    from instant_staging._types import format_size
+    chunk, cold_chunk = format_size(defaults.CHUNK_SIZE), format_size(defaults.COLD_CHUNK_SIZE)
+    row = envs.variable("INSTANT_STAGING_CHUNK_SIZE").default
+    assert row.startswith(f"{chunk} ({cold_chunk} "), row
+    assert f"at most {defaults.MAX_THREADS} ({defaults.COLD_THREADS} " in envs.variable(
+        "INSTANT_STAGING_THREADS").default
+    knobs = " ".join(read("docs", "guides", "loading.md").split("## The knobs", 1)[1].split())
+    assert (f"read in {chunk} pieces by up to {defaults.MAX_THREADS} threads, one the page cache lacks "
+            f"in {cold_chunk} pieces by {defaults.COLD_THREADS}") in knobs, knobs[:400]
+    assert f"more reads in flight ({defaults.WARM_THREADS})" in knobs
+    assert f"{defaults.MAX_SLOTS_PER_THREAD} slots per reader thread" in knobs
+    environment = read("docs", "guides", "environment.md")
+    assert f"({cold_chunk} chunks, {defaults.COLD_THREADS} threads)" in environment
+    # a docstring that gives a default's figure beside its name gives the code's
+    quoted = []
+    for dirpath, _, names in os.walk(os.path.dirname(envs.__file__)):
+        for name in names:
+            if name.endswith((".py", ".pyi", ".pyx")):
+                with open(os.path.join(dirpath, name), encoding="utf-8") as f:
+                    quoted += re.findall(r"``defaults\.([A-Z_]+)``[,\s(]+(\d+ [KMGT]?i?B)\b", f.read())
+    assert ("CHUNK_SIZE", chunk) in quoted, quoted
+    for constant, figure in quoted:
+        assert format_size(getattr(defaults, constant)) == figure, (constant, figure)
+
+
+def test_the_home_page_quotes_readmes_speedups():
+    # one table of them: README's, included by the home page
+    readme, home = read("README.md"), read("docs", "index.md")
+    assert "<!-- --8<-- [start:speedups] -->" in readme and "<!-- --8<-- [end:speedups] -->" in readme
+    table = readme.split("[start:speedups] -->", 1)[1].split("<!-- --8<-- [end:speedups]", 1)[0]
+    assert re.search(r"\| \d+\.\d+x \|", table)
+    assert '--8<-- "README.md:speedups"' in home
+    assert not re.search(r"\d\.\d+x|GB/s", home), "a figure of README's table copied by hand"
 
 
 def test_the_table_is_not_copied_by_hand():

@@ -77,4 +77,4 @@ def test_what_the_quick_run_leaves_out_exists():
     for test in SLOW_TESTS:
         module, name = test.split("::")
         assert re.search(rf"^def {name}\(", read(os.path.join("tests", module)), re.M), test
-    assert "commands = pytest -q -m \"not slow\"" in read("tox.ini")
+    assert "commands = pytest -m \"not slow\"" in read("tox.ini")

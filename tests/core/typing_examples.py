@@ -58,7 +58,9 @@ def loader_example(paths: list[str]) -> None:
         print(name, tensor)
     buf = ist.StagingBuffer(256 * (8 << 20), copy_unit=8 << 20)   # reuse across loads
     more: dict[str, object] = load_file(paths, "cuda:1", staging=buf)
-    print(len(tensors), len(more))
+    # safetensors' keyword name for the source, as code written for it passes it
+    same = load_file(filename="model.safetensors", device="cuda:0")
+    print(len(tensors), len(more), len(same))
 
 
 def check_example() -> None:

@@ -55,6 +55,41 @@ def handover(request, monkeypatch):
     return request.param
 
 
+def test_the_model_dir_by_transformers_name(tmp_path):
+    # from_pretrained(pretrained_model_name_or_path=...) as written for transformers'
+    path, _ = save(tmp_path, "llama", sharded=False)
+    ref = AUTO.from_pretrained(pretrained_model_name_or_path=path)
+    ours = from_pretrained(pretrained_model_name_or_path=path, device="cpu")
+    assert_same_model(ours, ref)
+    assert ours.config.name_or_path == str(path)
+    with pytest.raises(TypeError, match="not both"):
+        from_pretrained(path, pretrained_model_name_or_path=path, device="cpu")
+    with pytest.raises(TypeError, match="none given"):
+        from_pretrained(device="cpu")
+
+
+def test_transformers_own_progress_bar_is_not_drawn(tmp_path, monkeypatch, capfd):
+    # (transformers 5 drew an empty "Loading weights: 0it" bar, counting nothing)
+    path, _ = save(tmp_path, "llama", sharded=False)
+    utils_logging = transformers.utils.logging
+    monkeypatch.setattr(utils_logging, "_tqdm_active", True)     # whatever HF_HUB_DISABLE_PROGRESS_BARS says
+    capfd.readouterr()
+    from_pretrained(path, device="cpu")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert utils_logging.is_progress_bar_enabled()               # on again after the call
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("failed while loading")
+    monkeypatch.setattr(integration, "assemble_while_reading", fails)
+    with pytest.raises(RuntimeError, match="failed while loading"):
+        from_pretrained(path, device="cpu")
+    assert utils_logging.is_progress_bar_enabled()               # and after a failure
+    monkeypatch.undo()
+    monkeypatch.setattr(utils_logging, "_tqdm_active", False)    # bars the user turned off stay off
+    from_pretrained(path, device="cpu")
+    assert not utils_logging.is_progress_bar_enabled()
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_same_model_as_transformers(tmp_path, arch, sharded):

@@ -191,6 +191,12 @@ def test_the_extra_config_is_checked_where_the_engine_arguments_are_made(monkeyp
     # another load format's config is its loader's business
     other = engine_args(load_format="tensorizer", model_loader_extra_config={"tensorizer_uri": "x"})
     assert other.create_load_config().load_format == "tensorizer"
+    # a vLLM whose EngineArgs has no create_load_config: no early check, no failure
+    bare = types.ModuleType("vllm.engine.arg_utils")
+    bare.EngineArgs = type("EngineArgs", (), {})
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", bare)
+    assert plugin.check_where_engine_args_are_made() is False
+    assert not hasattr(bare.EngineArgs, "create_load_config")
     # an older vLLM's LoadFormat enum
     enum_format = types.SimpleNamespace(value=LOAD_FORMAT)
     with pytest.raises(ValueError, match="'chunk'"):

@@ -1,6 +1,9 @@
 """dtype=, names=, the environment knobs and progress= of load_file/iter_load."""
 
 import io
+import os
+import re
+import select
 
 import pytest
 
@@ -194,6 +197,61 @@ def test_progress_true_on_a_tty_is_tqdm(monkeypatch):
     bar(100, 100)
     # sizes in the package's binary units (format_size), not tqdm's own
     assert "100 B / 100 B" in stream.getvalue()
+
+
+def _unsized_terminal():
+    """A pseudo-terminal that says it has 0 columns and 0 rows (one nobody
+    sized, as some CI consoles are): (its master fd, a text stream on it)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+    return master, os.fdopen(slave, "w")
+
+
+def _drain(fd):
+    out = b""
+    while select.select([fd], [], [], 0.2)[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        out += chunk
+    return out.decode()
+
+
+@pytest.mark.parametrize("tqdm", [True, False], ids=["tqdm", "built-in"])
+def test_progress_bar_on_a_terminal_of_unknown_size(monkeypatch, tqdm):
+    """tqdm told a width of 0 drew nothing at all: the bar is drawn 80 wide."""
+    if tqdm:
+        pytest.importorskip("tqdm")
+    monkeypatch.delenv("COLUMNS", raising=False)
+    master, stream = _unsized_terminal()
+    try:
+        assert stream.isatty() and os.get_terminal_size(stream.fileno()).columns == 0
+        bar = _progress.TqdmProgress(stream) if tqdm else _progress.Progress(stream, bar=True, interval=0)
+        for done in (0, 1 << 29, 1 << 30):
+            bar(done, 1 << 30)
+        bar.close()
+        stream.flush()
+        text = _drain(master)
+    finally:
+        stream.close()
+        os.close(master)
+    last = [line for line in re.split(r"[\r\n]", text) if line.strip()][-1]
+    assert re.match(r"loading: 100%\|#+\| 1 GiB / 1 GiB", last), repr(text)
+    if tqdm:                       # (the built-in bar is 30 characters, whatever the width)
+        assert len(last.rstrip()) <= _progress.FALLBACK_COLUMNS, repr(last)
+
+
+def test_progress_bar_width_from_columns(monkeypatch):
+    stream = io.StringIO()         # no terminal: $COLUMNS, else the fallback
+    monkeypatch.setenv("COLUMNS", "120")
+    assert _progress.columns(stream) == 120
+    for value in ("", "0", "wide"):
+        monkeypatch.setenv("COLUMNS", value)
+        assert _progress.columns(stream) == _progress.FALLBACK_COLUMNS
 
 
 def test_progress_without_tqdm_is_plain(monkeypatch):

@@ -127,6 +127,20 @@ def test_multi_shard(tmp_path):
     assert list(loaded)[:10] == [n for n in loaded if n.startswith("s0.")]   # shard order
 
 
+def test_the_source_by_safetensors_name_filename(tmp_path):
+    # load_file(filename=..., device=...) as written for safetensors' load_file
+    tensors = mixed_tensors(count=5)
+    path = save(tmp_path, tensors)
+    assert_same(load_file(filename=path, device="cpu"), tensors)
+    assert_same(load_file(source=path), tensors)
+    with pytest.raises(TypeError, match="both"):
+        load_file(path, filename=path)
+    with pytest.raises(TypeError, match="missing its source"):
+        load_file()
+    with pytest.raises(TypeError, match="missing its source"):
+        load_file(device="cpu")
+
+
 def test_metadata_allowed(tmp_path):
     tensors = {"w": random_tensor(torch.float16, [10, 10], 0)}
     path = save(tmp_path, tensors, metadata={"format": "pt", "step": "12"})

@@ -62,6 +62,7 @@ SLOW_MODULES = {
     "cli/test_cli_errors.py", "cli/test_cli_load.py", "cli/test_cli_load_sources.py",
     "integrations/test_transformers.py", "integrations/test_transformers_generate.py",
     "integrations/test_transformers_typing.py", "integrations/test_vllm.py", "examples/test_examples.py",
+    "examples/test_docs_examples.py",
 }
 SLOW_TESTS = {
     "core/test_prefault.py::test_bench_alloc_runs_end_to_end",

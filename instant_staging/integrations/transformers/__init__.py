@@ -144,7 +144,7 @@ from ._arguments import (
     remote_dir,
     saved_generation_config,
 )
-from ._background import assemble_while_reading, no_allocator_warmup
+from ._background import assemble_while_reading, no_allocator_warmup, no_progress_bar
 from ._placement import Spread, offloading_a_state_dict, parallel_device, target_device
 from ._reload import reload_weights
 
@@ -162,7 +162,9 @@ logger = logging.getLogger("instant_staging")
 
 
 @overload
-def from_pretrained(model_dir: PathLike, *, device: Device | None = ..., dtype: DType = ...,
+def from_pretrained(model_dir: PathLike | None = ..., *,
+                    pretrained_model_name_or_path: PathLike | None = ...,
+                    device: Device | None = ..., dtype: DType = ...,
                     model_class: type[Any] | None = ..., device_map: Any = ...,
                     torch_dtype: DType = ..., config: Any = ..., revision: str | None = ...,
                     subfolder: str = ..., variant: str | None = ..., use_safetensors: bool | None = ...,
@@ -172,7 +174,9 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = ..., dtype: 
                     storage_options: dict[str, Any] | None = ...,
                     **kwargs: Any) -> PreTrainedModelWithGenerate: ...
 @overload
-def from_pretrained(model_dir: PathLike, *, device: Device | None = ..., dtype: DType = ...,
+def from_pretrained(model_dir: PathLike | None = ..., *,
+                    pretrained_model_name_or_path: PathLike | None = ...,
+                    device: Device | None = ..., dtype: DType = ...,
                     model_class: type[Any] | None = ..., device_map: Any = ...,
                     torch_dtype: DType = ..., config: Any = ..., revision: str | None = ...,
                     subfolder: str = ..., variant: str | None = ..., use_safetensors: bool | None = ...,
@@ -183,7 +187,9 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = ..., dtype: 
                     **kwargs: Any) -> tuple[PreTrainedModelWithGenerate, dict[str, Any]]: ...
 
 
-def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype: DType = None,
+def from_pretrained(model_dir: PathLike | None = None, *,
+                    pretrained_model_name_or_path: PathLike | None = None,
+                    device: Device | None = None, dtype: DType = None,
                     model_class: type[Any] | None = None, device_map: Any = None,
                     torch_dtype: DType = None, config: Any = None, revision: str | None = None,
                     subfolder: str = "", variant: str | None = None, use_safetensors: bool | None = None,
@@ -207,6 +213,9 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
             and tokenizer files are fetched to a local cache directory, its
             weights streamed from the bucket; ``storage_options`` as
             ``load_file``'s).
+        pretrained_model_name_or_path: ``model_dir`` by transformers' name
+            for it, so that a call written for transformers runs as it is;
+            give one of the two.
         device: where the weights go: "cuda:N", "cpu", ...; None (default):
             the current CUDA device where torch sees one, else the CPU.
         dtype: None (transformers' default: 5 takes "auto", 4 float32),
@@ -253,6 +262,12 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
         FileNotFoundError: a directory without config.json or weights.
         KeyError: a weight missing from the checkpoint (naming it).
     """
+    if (model_dir is None) == (pretrained_model_name_or_path is None):
+        raise TypeError("from_pretrained() takes one model_dir: the first argument or "
+                        "pretrained_model_name_or_path= (transformers' name for it), "
+                        + ("not both" if model_dir is not None else "none given"))
+    if model_dir is None:
+        model_dir = pretrained_model_name_or_path
     torch = import_torch()
     transformers = import_transformers()
     refuse_what_is_not_read_here(kwargs, use_safetensors)
@@ -320,20 +335,21 @@ def from_pretrained(model_dir: PathLike, *, device: Device | None = None, dtype:
     kwargs.update(config=config, output_loading_info=True, trust_remote_code=trust_remote_code)
     t0 = time.perf_counter()
     quantized = getattr(config, "quantization_config", None) is not None
-    if quantized or any(kwargs.get(name) for name in QUANTIZING):
-        # Quantizers read tensors in ways of their own: hand them real ones.
-        # (over several devices: on the CPU, transformers places them)
-        state = load_file(weights.source, "cpu" if spread else device,
-                          storage_options=weights.storage_options, cache_dir=weights.cache_dir)
-        try:
-            with no_allocator_warmup(transformers), offloading_a_state_dict(transformers, cls, spread):
-                model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
-        finally:
-            state.clear()      # the model holds what it took; nothing else outlives the call
-        route = "state dict"
-    else:
-        in_place = not parallel and _inplace.available(transformers)
-        model, info, route = assemble_while_reading(transformers, cls, weights, device, kwargs, in_place)
+    with no_progress_bar(transformers):
+        if quantized or any(kwargs.get(name) for name in QUANTIZING):
+            # Quantizers read tensors in ways of their own: hand them real ones.
+            # (over several devices: on the CPU, transformers places them)
+            state = load_file(weights.source, "cpu" if spread else device,
+                              storage_options=weights.storage_options, cache_dir=weights.cache_dir)
+            try:
+                with no_allocator_warmup(transformers), offloading_a_state_dict(transformers, cls, spread):
+                    model, info = cls.from_pretrained(None, state_dict=state, **kwargs)
+            finally:
+                state.clear()      # the model holds what it took; nothing else outlives the call
+            route = "state dict"
+        else:
+            in_place = not parallel and _inplace.available(transformers)
+            model, info, route = assemble_while_reading(transformers, cls, weights, device, kwargs, in_place)
     t1 = time.perf_counter()
     missing = sorted(info.get("missing_keys") or ())
     if missing and not output_loading_info:

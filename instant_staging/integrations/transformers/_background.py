@@ -327,6 +327,26 @@ def layout_of(checkpoint):
 
 
 @contextlib.contextmanager
+def no_progress_bar(transformers):
+    """transformers' own progress bars off for one call: handed a state dict,
+    transformers 5 draws an empty "Loading weights: 0it" bar beside the
+    load's, counting nothing it reads.  Its module flag (``utils.logging.
+    _tqdm_active``, what ``disable_progress_bar`` sets) rather than that
+    function, which would also switch huggingface_hub's bars off and, set
+    back on, clear their per-group settings.  As the warm-up's switch:
+    another thread's transformers call meanwhile draws no bar either."""
+    utils_logging = getattr(getattr(transformers, "utils", None), "logging", None)
+    if getattr(utils_logging, "_tqdm_active", None) is not True:
+        yield                      # off already, or a transformers without the flag
+        return
+    utils_logging._tqdm_active = False
+    try:
+        yield
+    finally:
+        utils_logging._tqdm_active = True
+
+
+@contextlib.contextmanager
 def no_allocator_warmup(transformers):
     """transformers' caching_allocator_warmup off for one call (see the module
     docstring, step 4).  A module attribute: another thread's from_pretrained

