@@ -201,6 +201,21 @@ def test_a_failed_save_leaves_every_file_whole_and_the_old_index(tmp_path, monke
     assert sorted(load_file(str(tmp_path))) == sorted(sd)         # the old index, every file whole
 
 
+def test_bench_save_dcp_quick(tmp_path):
+    from support import ROOT, run_script
+    out = tmp_path / "dcp.json"
+    r = run_script(os.path.join(ROOT, "benchmarks", "bench_save_dcp.py"), "--quick", "--layouts",
+                   "dense", "--dir", str(tmp_path), "--json", str(out),
+                   env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    methods = [x["method"] for x in doc["results"]]
+    assert methods[0] == "ceiling disk" and methods[-2:] == ["dcp hf writer", "instant_staging"]
+    assert all(x["best"] > 0 for x in doc["results"])
+    assert doc["results"][-1]["same"] is True and doc["results"][-1]["files"] > 1
+    assert [p for p in os.listdir(tmp_path) if p != "dcp.json"] == []
+
+
 # -- a gloo group of two processes ----------------------------------------------------------
 
 def digest(path):
