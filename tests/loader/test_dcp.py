@@ -89,6 +89,13 @@ def header(path):
         return n, json.loads(f.read(n)), f.read()
 
 
+def sharding_info(path):
+    """DCP_SHARDING_INFO as an object (DCP's writer lists device tensors by size)."""
+    n, head, data = header(path)
+    head["__metadata__"]["DCP_SHARDING_INFO"] = json.loads(head["__metadata__"]["DCP_SHARDING_INFO"])
+    return n, head, data
+
+
 def same_checkpoint(theirs, ours):
     """The same files; each safetensors file the same header (as JSON, of
     the same length) and the same data; each index the same bytes."""
@@ -199,6 +206,24 @@ def test_a_failed_save_leaves_every_file_whole_and_the_old_index(tmp_path, monke
     got = st.load_file(tmp_path / changed[0])
     assert got and all(same(t, new[k]) for k, t in got.items())
     assert sorted(load_file(str(tmp_path))) == sorted(sd)         # the old index, every file whole
+
+
+@pytest.mark.gpu
+def test_gpu_tensors_staged_are_dcps_files(tmp_path, gpu):
+    sd = {k: v.to("cuda:0") for k, v in state_dict().items()}
+    sd["lm_head"] = sd["embed"]                             # tied, on the device
+    sd["big"] = rand(torch.bfloat16, (3 << 20,), 11).to("cuda:0")     # several chunks
+    m = mapping(sd)
+    save(sd, dcp.HuggingFaceStorageWriter(str(tmp_path / "theirs"), fqn_to_index_mapping=m))
+    save(sd, SafetensorsStorageWriter(tmp_path / "ours", fqn_to_index_mapping=m))
+    names = sorted(os.listdir(tmp_path / "theirs"))
+    assert sorted(os.listdir(tmp_path / "ours")) == names
+    for name in names:
+        a, b = tmp_path / "theirs" / name, tmp_path / "ours" / name
+        if name.endswith(".json"):      # the same object (DCP lists device tensors by size)
+            assert json.loads(a.read_text()) == json.loads(b.read_text())
+        else:
+            assert sharding_info(a) == sharding_info(b), name
 
 
 def test_bench_save_dcp_quick(tmp_path):
