@@ -148,6 +148,12 @@ class SafetensorsStorageWriter(HuggingFaceStorageWriter):
             raise ValueError(f"safetensors holds tensors only: {not_tensors[:5]} "
                              f"{'are' if len(not_tensors) > 1 else 'is'} not (save them apart, "
                              "or with DCP's FileSystemWriter)")
+        names = [item.index.fqn for item in plan.items]
+        twice = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) < len(names) \
+            else []
+        if twice:
+            raise ValueError(f"two shares of {twice[:5]} on one rank: a safetensors file holds "
+                             "one tensor per name")
         mapping = self.fqn_to_index_mapping
         if mapping is not None:
             missing = [item.index.fqn for item in plan.items if item.index.fqn not in mapping]
@@ -190,9 +196,6 @@ class SafetensorsStorageWriter(HuggingFaceStorageWriter):
         tensors, offsets = {}, {}
         for item in items:
             fqn = item.index.fqn
-            if fqn in tensors:
-                raise ValueError(f"{name}: two shares of {fqn!r} on one rank; a safetensors "
-                                 "file holds one tensor per name")
             tensor = planner.resolve_data(item).detach()
             tensors[fqn] = tensor if tensor.is_contiguous() else tensor.contiguous()
             offsets[fqn] = {SAVED_OFFSETS_KEY: item.tensor_data.chunk.offsets}

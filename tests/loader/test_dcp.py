@@ -184,6 +184,23 @@ def test_refused_before_anything_is_written(tmp_path, case):
         if (tmp_path / "c").exists() else True
 
 
+def test_two_shares_of_one_name_on_a_rank_are_refused(tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    def share(row):
+        chunk = ChunkStorageMetadata(offsets=torch.Size([row, 0]), sizes=torch.Size([1, 4]))
+        return WriteItem(index=MetadataIndex("w", [row, 0]), type=WriteItemType.SHARD,
+                         tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(
+                             dtype=torch.float32), size=torch.Size([2, 4])))
+    writer = SafetensorsStorageWriter(tmp_path)
+    writer.set_up_storage_writer(True, rank=0)
+    with pytest.raises(ValueError, match="two shares of \\['w'\\] on one rank"):
+        writer.prepare_local_plan(SavePlan([share(0), share(1)]))
+    assert writer.prepare_local_plan(SavePlan([share(0)])).items
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_failed_save_leaves_every_file_whole_and_the_old_index(tmp_path, monkeypatch):
     sd = state_dict()
     m = mapping(sd)
