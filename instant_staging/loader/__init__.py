@@ -59,6 +59,9 @@ benchmarks), who import nothing from an underscored module of it
   digest computed on the tensor's device, the same on any device:
   ``_digest.py``); ``layer_order``, ``layer_key`` (names grouped by layer
   in the model's order: ``_weight_order.py``);
+- ``SafetensorsStorageWriter``: torch.distributed.checkpoint's Hugging Face
+  writer, its files written as ``save_file`` writes them (``_dcp.py``;
+  imported when first asked for, with torch.distributed.checkpoint);
 - the errors: ``SafetensorsError``, ``LoadError``, ``VerifyError``,
   ``DistributedLoadError``, ``CheckpointChangedError`` (and its
   ``RemoteChangedError``), ``MissingNameError``;
@@ -84,6 +87,8 @@ benchmarks), who import nothing from an underscored module of it
 - type aliases for annotations: ``Source``, ``PathLike``, ``Device``,
   ``DType``, ``Names``, ``ProgressArg``.
 """
+
+from typing import TYPE_CHECKING
 
 from ..defaults import CHUNK_SIZE as DEFAULT_CHUNK_SIZE
 from ..defaults import IO_DEPTH as DEFAULT_IO_DEPTH
@@ -131,6 +136,9 @@ from ._update import (
 )
 from ._weight_order import layer_key, layer_order
 
+if TYPE_CHECKING:
+    from ._dcp import SafetensorsStorageWriter
+
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_IO_DEPTH",
@@ -161,6 +169,7 @@ __all__ = [
     "ProgressArg",
     "RemoteChangedError",
     "SafetensorsError",
+    "SafetensorsStorageWriter",
     "Source",
     "TensorInfo",
     "UpdateFailed",
@@ -202,3 +211,11 @@ __all__ = [
     "torch_dtype",
     "wait_for_cache_fills",
 ]
+
+
+def __getattr__(name):
+    # torch.distributed.checkpoint is imported only for the one name that needs it.
+    if name == "SafetensorsStorageWriter":
+        from ._dcp import SafetensorsStorageWriter
+        return SafetensorsStorageWriter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

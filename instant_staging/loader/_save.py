@@ -181,9 +181,10 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 
 # -- the plan -------------------------------------------------------------------------
 
-def make_plan(tensors, metadata, *, version=None, digests=False) -> Plan:
+def make_plan(tensors, metadata, *, version=None, digests=False, allow_shared=False) -> Plan:
     """Checks ``tensors`` and ``metadata`` as safetensors does and lays the
-    file out; nothing is written."""
+    file out; nothing is written.  ``allow_shared``: tensors sharing memory
+    are written each with its bytes (the DCP writer's tied names)."""
     torch = _import_torch()
     if not isinstance(tensors, Mapping):
         raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
@@ -195,7 +196,7 @@ def make_plan(tensors, metadata, *, version=None, digests=False) -> Plan:
     if sparse:
         raise ValueError(f"You are trying to save sparse tensors: `{sparse}`, which safetensors "
                          "does not hold: make them dense with `.to_dense()` first")
-    shared = _shared(torch, tensors)
+    shared = None if allow_shared else _shared(torch, tensors)
     if shared:
         raise RuntimeError(f"Some tensors share memory: {shared}; a file would hold those bytes "
                            "twice and load them back apart.  Save one name of each group (or "
