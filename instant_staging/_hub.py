@@ -218,6 +218,11 @@ def parse_hf_url(url):
     return HubSource(repo_id, revision, path, repo_type)
 
 
+def is_hf_url(source):
+    """Whether ``source`` is an ``hf://`` URL."""
+    return isinstance(source, str) and source[:len(HF_SCHEME)].lower() == HF_SCHEME
+
+
 def hub_source(source, revision=None):
     """``source`` as a ``HubSource`` where it names one: an ``hf://`` URL, or
     a Hub id (``org/name``: exactly one '/', not absolute, not relative to
@@ -228,8 +233,7 @@ def hub_source(source, revision=None):
     if revision is not None and not isinstance(revision, str):
         raise TypeError(f"revision must be a str, not {type(revision).__name__}")
     found = None
-    hf_url = isinstance(source, str) and source[:len(HF_SCHEME)].lower() == HF_SCHEME
-    if hf_url and not os.path.exists(source):
+    if is_hf_url(source) and not os.path.exists(source):
         found = parse_hf_url(source)
         if revision is not None:
             if found.revision not in (None, revision):
