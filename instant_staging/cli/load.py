@@ -124,13 +124,18 @@ def _check_file(path):
 
 def hub_source(arg, revision=None):
     """``arg`` as it is where it is a local path or cannot name a hub repo;
-    else the weights of the hub id's snapshot (``from_pretrained``'s path:
-    ``_hub.local_dir``, then ``_hub.weights``).  FileNotFoundError (one line)
-    where it is neither a path nor a model there."""
-    if os.path.exists(arg) or not _hub.may_be_hub_id(arg):
+    else the weights of the hub id's (or hf:// URL's) files in
+    huggingface_hub's cache, as every door of the loader reads them
+    (``_hub.files``: only the weights fetched, unless offline).
+    FileNotFoundError (one line) where it is neither a path nor a model there."""
+    if os.path.exists(arg):
+        return arg
+    if _hub.is_hf_url(arg):
+        return _hub.files(_hub.hub_source(arg, revision), given=arg)
+    if not _hub.may_be_hub_id(arg):
         return arg
     try:
-        return _hub.weights(_hub.local_dir(arg, revision=revision, needs_config=False))
+        return _hub.files(_hub.HubSource(arg, revision), given=arg)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"no such file or directory: {arg}, nor a model on the hub ({e})") from None
 
@@ -143,14 +148,14 @@ def sources(args, revision=None):
     several URLs as their list.  Raises OSError, ValueError or TypeError
     with the message to show (a usage error), or SafetensorsError for a bad
     index among several (the load's failure)."""
-    urls = [is_url(arg) for arg in args]
+    urls = [is_url(arg) and not _hub.is_hf_url(arg) for arg in args]
     if any(urls):
         if not all(urls):
             raise ValueError("a load reads local files or URLs, not both: "
                              f"{redact_url(next(a for a, u in zip(args, urls) if u))} is a URL, "
                              f"{next(a for a, u in zip(args, urls) if not u)} is not")
         if revision is not None:
-            raise ValueError("--revision applies to a hub id SOURCE, not to a URL")
+            raise ValueError("--revision applies to a hub id SOURCE (or hf://), not to a URL")
         return args[0] if len(args) == 1 else list(args)
     given, args = args, [hub_source(arg, revision) for arg in args]
     if revision is not None and args == list(given):

@@ -210,11 +210,12 @@ def build_parser():
     ld.add_argument("sources", nargs="+", metavar="SOURCE",
                     help="a .safetensors file (or several), a checkpoint directory, "
                     "a model.safetensors.index.json, the same as URLs ("
-                    f"{schemes_text()}: the remote extra), or a Hugging Face hub id (org/name: the weights "
-                    "from_pretrained reads, from huggingface_hub's cache, fetched unless "
-                    "HF_HUB_OFFLINE=1)")
+                    f"{schemes_text()}: the remote extra; hf:// huggingface_hub), or a Hugging Face "
+                    "hub id (org/name: the weights from_pretrained reads, from huggingface_hub's "
+                    "cache, fetched unless HF_HUB_OFFLINE=1)")
     ld.add_argument("--revision", default=None,
-                    help="the revision (branch, tag or commit) of a hub id SOURCE (default: main)")
+                    help="the revision (branch, tag or commit) of a hub id or hf:// SOURCE "
+                    "(default: main)")
     ld.add_argument("--device", default=None,
                     help="where the tensors go: cuda:N or cpu (default: the current CUDA device "
                          "where torch sees one, else cpu)")

@@ -82,10 +82,12 @@ class Checkpoint:
 
     @classmethod
     def open(cls, source: Source, *, storage_options: Optional[Mapping] = None,
-             cache_dir: CacheDir = None, max_bytes_per_second: Optional[int] = None) -> "Checkpoint":
+             cache_dir: CacheDir = None, max_bytes_per_second: Optional[int] = None,
+             revision: Optional[str] = None) -> "Checkpoint":
         """Opens ``source``: resolves its shards and parses every header.
 
-        A URL's objects are resolved through the object store.
+        A URL's objects are resolved through the object store; a Hub
+        source's files fetched into huggingface_hub's cache, where they are not.
 
         Args:
             source: as ``load_file``'s.
@@ -93,11 +95,13 @@ class Checkpoint:
                 (as ``load_file``'s); default None.
             cache_dir: for a URL source, the local cache (as ``load_file``'s);
                 its loads read the objects it holds and fill it with the rest.
+                For a Hub source, huggingface_hub's cache.
             max_bytes_per_second: for a URL source, the most bytes per second
                 the open fetches (each object's first GET, of up to a MiB,
                 whose bytes past the header the first load reads instead of
                 fetching them again); None: as ``load_file``'s.  A load
                 takes its own (``load``'s option).
+            revision: for a Hub source, as ``load_file``'s.
 
         Returns:
             The open ``Checkpoint`` (a context manager).
@@ -115,10 +119,10 @@ class Checkpoint:
         def own(shards):
             checkpoint = cls(shards, time.perf_counter() - t0)
             checkpoint._opened_as = (_kept(source), storage_options, cache_dir,   # reopen()
-                                     max_bytes_per_second)
+                                     max_bytes_per_second, revision)
             return checkpoint
         return open_shards(source, storage_options=storage_options, cache_dir=cache_dir,
-                           max_bytes_per_second=max_bytes_per_second, own=own)
+                           max_bytes_per_second=max_bytes_per_second, revision=revision, own=own)
 
     # -- what is in it, no data read ---------------------------------------------
 
@@ -194,7 +198,8 @@ class Checkpoint:
 
         Returns:
             The new open ``Checkpoint``, of the same source, storage_options,
-            cache_dir and max_bytes_per_second.
+            cache_dir, max_bytes_per_second and revision (a Hub source's
+            branch asked again: its newest commit).
 
         Raises:
             ValueError: this checkpoint was not made by ``open``.
@@ -203,9 +208,9 @@ class Checkpoint:
         opened_as = self._opened_as
         if opened_as is None:
             raise ValueError("this checkpoint was not made by Checkpoint.open: open its source again")
-        source, storage_options, cache_dir, cap = opened_as
+        source, storage_options, cache_dir, cap, revision = opened_as
         new = type(self).open(source, storage_options=storage_options, cache_dir=cache_dir,
-                              max_bytes_per_second=cap)
+                              max_bytes_per_second=cap, revision=revision)
         self.close()
         return new
 

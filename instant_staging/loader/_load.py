@@ -32,7 +32,8 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
               progress: ProgressArg = None, views: bool = True,
               backend: str = "mmap", storage_options: Optional[Mapping] = None,
               cache_dir: CacheDir = None,
-              max_bytes_per_second: Optional[int] = None) -> "LoadIterator":
+              max_bytes_per_second: Optional[int] = None,
+              revision: Optional[str] = None) -> "LoadIterator":
     """Loads safetensors file(s), yielding ``(name, tensor)`` as each finishes.
 
     Headers are parsed and validated when this is called; the load runs
@@ -61,7 +62,8 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
             options = build()
             target = checked_target(device, dtype)
             with Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir,
-                                 max_bytes_per_second=options.max_bytes_per_second) as checkpoint:
+                                 max_bytes_per_second=options.max_bytes_per_second,
+                                 revision=revision) as checkpoint:
                 return options, target, held(checkpoint)
         return load_shared(parts, names, None, process_group, began)
     opts = build()
@@ -77,7 +79,8 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
     try:
         try:
             checkpoint = Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir,
-                                         max_bytes_per_second=opts.max_bytes_per_second)
+                                         max_bytes_per_second=opts.max_bytes_per_second,
+                                         revision=revision)
         except Exception:
             usable_target(parsed)
             raise
@@ -98,8 +101,8 @@ def load_file(source: Optional[Source] = None, device: Device = "cpu", *,
               staging: Optional["StagingBuffer"] = None, verify: bool = False,
               progress: ProgressArg = None, views: bool = True,
               backend: str = "mmap", storage_options: Optional[Mapping] = None,
-              cache_dir: CacheDir = None, max_bytes_per_second: Optional[int] = None
-              ) -> dict[str, "torch.Tensor"]:
+              cache_dir: CacheDir = None, max_bytes_per_second: Optional[int] = None,
+              revision: Optional[str] = None) -> dict[str, "torch.Tensor"]:
     """Loads safetensors file(s) into ``{name: tensor}`` on ``device``.
 
     Tensors have the file's shape (and dtype, unless ``dtype``).  A read or
@@ -113,7 +116,13 @@ def load_file(source: Optional[Source] = None, device: Device = "cpu", *,
             *.safetensors.index.json path.  Or a URL of the same forms:
             s3://bucket/prefix/ (a "directory"), s3://bucket/key.safetensors,
             a list of object URLs, gs://..., az://..., https://... (the
-            ``remote`` extra; loader/_remote.py).
+            ``remote`` extra; loader/_remote.py).  Or a Hugging Face Hub
+            source: a repo id ``org/name`` (where no local path of that name
+            exists), or ``hf://org/name[@revision][/path]`` (a file, an
+            index or a folder in it; hf://datasets/... too), read from
+            huggingface_hub's cache, its weights fetched there first where
+            they are not (``HF_HUB_CACHE``, ``HF_TOKEN``, ``HF_ENDPOINT``,
+            ``HF_HUB_OFFLINE`` as huggingface_hub reads them; docs/guides/hub.md).
         device: "cpu" (as safetensors), "cuda:N", a torch.device or an int.
         filename: ``source`` by safetensors' name for it, so that
             ``load_file(filename=..., device=...)`` written for safetensors
@@ -172,10 +181,14 @@ def load_file(source: Optional[Source] = None, device: Device = "cpu", *,
             files.  None: $INSTANT_STAGING_CACHE_DIR, else no cache; False:
             no cache.  A cache that cannot be written is left out with one
             warning, never a failed load.  The report's cache_hit_bytes and
-            fetched_bytes say which bytes came from where.
+            fetched_bytes say which bytes came from where.  For a Hub
+            source: huggingface_hub's cache (None: ``HF_HUB_CACHE``).
         max_bytes_per_second: for a URL source: the most bytes per second
             its data is fetched at (None: $INSTANT_STAGING_MAX_BYTES_PER_SECOND,
             else no cap).
+        revision: for a Hub source: its branch, tag or commit (None: the
+            one an hf:// URL names, else main); a ValueError for any other
+            source.
 
     Returns:
         ``{name: tensor}`` on ``device``, in reading order.
@@ -196,7 +209,7 @@ def load_file(source: Optional[Source] = None, device: Device = "cpu", *,
                    chunk_size=chunk_size, io_depth=io_depth, threads=threads, staging=staging,
                    verify=verify, progress=progress, views=views, backend=backend,
                    storage_options=storage_options, cache_dir=cache_dir,
-                   max_bytes_per_second=max_bytes_per_second) as it:
+                   max_bytes_per_second=max_bytes_per_second, revision=revision) as it:
         # No caller code runs between the tensors here (iter_load's caller
         # does): the collector stays paused over the whole loop.
         with _gc.paused():
@@ -221,14 +234,14 @@ def _one_source(source, filename):
 def load_into(source: Source, tensors: Mapping[str, "torch.Tensor"], *, names: Names = None,
               plan: Optional[dict] = None, strict: bool = True,
               storage_options: Optional[Mapping] = None, cache_dir: CacheDir = None,
-              **options) -> "LoadReport":
+              revision: Optional[str] = None, **options) -> "LoadReport":
     """Writes the tensors of ``source`` into ``tensors``, in place.
 
     ``Checkpoint.open(source).load_into(tensors, ...)``, the destinations
     checked before the checkpoint is opened.
 
     Args:
-        source, storage_options, cache_dir: as ``load_file``'s.
+        source, storage_options, cache_dir, revision: as ``load_file``'s.
         tensors, names, plan, strict, **options: as ``Checkpoint.load_into``'s.
 
     Returns:
@@ -241,5 +254,6 @@ def load_into(source: Source, tensors: Mapping[str, "torch.Tensor"], *, names: N
     began = time.perf_counter()
     dests = checked(tensors, strict, options)
     with Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir,
-                         max_bytes_per_second=dests.options.max_bytes_per_second) as checkpoint:
+                         max_bytes_per_second=dests.options.max_bytes_per_second,
+                         revision=revision) as checkpoint:
         return write_into(checkpoint, dests, names, plan, strict, began, checkpoint.open_seconds)

@@ -4,7 +4,9 @@
 (and through them ``load_file``, ``iter_load``, ``load_into``, the CLI and
 the integrations): it refuses what does not apply to the source (the
 URL's options given for files, worded once here), resolves the source
-(``_source.resolve`` for paths, ``_remote.resolve`` for URLs), opens every
+(``_source.resolve`` for paths, ``_remote.resolve`` for URLs; a Hub source,
+``org/name`` or ``hf://``, becomes the local files of huggingface_hub's
+cache first: ``hub_files``), opens every
 shard or object and validates its header (``Shards.open``), checks the
 index against the headers (``Source.check``) and, for a URL, gives the
 objects their cache (``_cache.Cache``) and reads the entries as local
@@ -30,7 +32,7 @@ from ._cache import directory as cache_directory
 from ._options import bandwidth_cap
 from ._remote import RemoteShards
 from ._remote import resolve as resolve_url
-from ._schemes import Stores, is_url, redact_url, schemes_text
+from ._schemes import Stores, is_hub_url, is_url, redact_url, schemes_text
 from ._shards import Shards
 from ._source import Source, refuse_other_url, resolve
 from ._throttle import Throttle
@@ -40,7 +42,7 @@ Owner = TypeVar("Owner")
 
 def open_shards(source, *, storage_options: Mapping[str, Any] | None = None, cache_dir=None,
                 max_bytes_per_second: int | None = None, one_file: bool = False,
-                own: Callable[[Shards], Owner]) -> Owner:
+                revision: str | None = None, own: Callable[[Shards], Owner]) -> Owner:
     """Opens ``source`` and hands its shards to their owner.
 
     Every header is parsed and validated (and an index checked against
@@ -51,15 +53,20 @@ def open_shards(source, *, storage_options: Mapping[str, Any] | None = None, cac
             an index.json, a URL or a list of URLs); with ``one_file``, one
             .safetensors path or object URL (``safe_open``'s).
         storage_options: for a URL source, passed to the object store;
-            a ValueError for files.
+            for a Hub source, ``token`` and ``endpoint`` (huggingface_hub's,
+            as ``HfFileSystem`` takes them); a ValueError for files.
         cache_dir: for a URL source, the local cache (``_cache.directory``:
-            None asks the environment, False is none); a ValueError for
-            files where it is neither None nor False.
+            None asks the environment, False is none); for a Hub source,
+            huggingface_hub's cache (None: ``HF_HUB_CACHE``); a ValueError
+            for files where it is neither None nor False.
         max_bytes_per_second: for a URL source, the bandwidth cap of the
             open's own fetches (``_options.bandwidth_cap``: None asks the
             environment); each load sets its own on its share.
         one_file: ``safe_open``'s source: one file or object, never a
             directory, an index or a list.
+        revision: for a Hub source, the branch, tag or commit (None: the
+            one an ``hf://`` URL names, else main); a ValueError for any
+            other source.
         own: called with the open shards (a ``RemoteShards``, a
             ``CachedShards`` or ``Shards``); what it returns owns them
             from then on, and is returned.  It is called here so that a
@@ -75,6 +82,7 @@ def open_shards(source, *, storage_options: Mapping[str, Any] | None = None, cac
             as ``Checkpoint.open``.
     """
     try:
+        source, storage_options, cache_dir = hub_files(source, revision, storage_options, cache_dir)
         shards, src = _unopened(source, storage_options, cache_dir, max_bytes_per_second, one_file)
         try:
             shards.open(src.paths)
@@ -89,6 +97,45 @@ def open_shards(source, *, storage_options: Mapping[str, Any] | None = None, cac
         # connections) alive for as long as the caller keeps the error.
         traceback.clear_frames(e.__traceback__)
         raise
+
+
+# The storage_options a Hub source takes (HfFileSystem's names); the rest
+# are the environment's: HF_TOKEN, HF_ENDPOINT, HF_HUB_CACHE, HF_HUB_OFFLINE.
+HUB_OPTIONS = ("token", "endpoint")
+
+
+def hub_files(source, revision, storage_options, cache_dir):
+    """``(source, storage_options, cache_dir)`` to open: a Hub source's local
+    files (``_hub.files``: fetched into huggingface_hub's cache unless there
+    or offline), the options it took consumed; any other source as given
+    (a ValueError where ``revision`` is given with it)."""
+    from .. import _hub
+    items = source if isinstance(source, (list, tuple)) and is_hub_url(source) else None
+    hub = None if items is not None else _hub.hub_source(source, revision)
+    if hub is None and items is None:
+        return source, storage_options, cache_dir
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError("storage_options must be a mapping, not "
+                        f"{type(storage_options).__name__}")
+    options = dict(storage_options or {})
+    unknown = sorted(str(k) for k in options if k not in HUB_OPTIONS)
+    if unknown:
+        raise ValueError(f"storage_options for a Hub source take {' and '.join(HUB_OPTIONS)}, "
+                         f"not {', '.join(unknown)}")
+    if cache_dir is False:
+        raise ValueError("a Hub source is read from huggingface_hub's cache: cache_dir=False "
+                         "does not apply (cache_dir names that cache; None: HF_HUB_CACHE)")
+    if items is None:
+        return _hub.files(hub, cache_dir=cache_dir, given=source, **options), None, None
+    local = []
+    for item in items:
+        if not is_hub_url(item):
+            raise ValueError(f"a list of Hub URLs holds {redact_url(str(item))}: give one kind")
+        hub = _hub.hub_source(item, revision)
+        if not hub.path.endswith(".safetensors"):
+            raise ValueError(f"{item}: a list names .safetensors files, not a repo, folder or index")
+        local.append(_hub.files(hub, cache_dir=cache_dir, given=item, **options))
+    return local, None, None
 
 
 def refuse_url_options(storage_options, cache_dir) -> None:

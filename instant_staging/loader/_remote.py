@@ -578,8 +578,17 @@ class RemoteShards(Shards):
         obj.pin(meta)
         if obj.etag is None and not self._unpinned:
             self._unpinned = True
-            log.warning("%s: the server gives no ETag: a change during the load is seen only "
-                        "by the object's size and Last-Modified (one a second)", url)
+            if self.cache is not None:
+                # (not cached by Last-Modified and size: a second's mark
+                # cannot tell two versions of one size written in the same
+                # second apart, and an entry is served without asking)
+                log.warning("%s: the server gives no ETag: the cache in %s is not used for it "
+                            "(an entry is kept only under the ETag its server vouches for), "
+                            "and a change during the load is seen only by the object's size "
+                            "and Last-Modified (one a second)", url, self.cache.directory)
+            else:
+                log.warning("%s: the server gives no ETag: a change during the load is seen only "
+                            "by the object's size and Last-Modified (one a second)", url)
         self.fds.append(index)
         self.paths.append(url)
         want = min(obj.size, HEADER_PREFETCH)

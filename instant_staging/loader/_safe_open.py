@@ -257,7 +257,9 @@ class safe_open:
 
     Args:
         filename: a .safetensors path, or one object's URL
-            (s3://bucket/key.safetensors, https://...).
+            (s3://bucket/key.safetensors, https://...), or one file on the
+            Hub (hf://org/name/model.safetensors; a repo, ``org/name``, whose
+            weights are one model.safetensors).
         framework: "pt" (the default): the only one; torch tensors.
         device: where tensors go: "cpu" (the default), "cuda:N", a
             torch.device or an int.
@@ -266,6 +268,7 @@ class safe_open:
         cache_dir: for a URL only, as ``load_file``'s (the object's bytes
             are read from the cache where it holds them, else fill it once
             every byte was read through this handle); default None.
+        revision: for a Hub source, as ``load_file``'s.
 
     Raises:
         TypeError, ValueError: a framework other than "pt", a bad backend or
@@ -277,7 +280,7 @@ class safe_open:
 
     def __init__(self, filename: PathLike, framework: str = "pt", device: Device = "cpu", *,
                  backend: str = "mmap", storage_options: Mapping[str, Any] | None = None,
-                 cache_dir: CacheDir = None):
+                 cache_dir: CacheDir = None, revision: str | None = None):
         check_backend(backend)
         if not isinstance(framework, str):
             raise TypeError(f"framework must be a string such as 'pt', not {type(framework).__name__}")
@@ -300,7 +303,7 @@ class safe_open:
             return _File(checkpoint, torch, target, *knobs_)
         # one file or object (s3://bucket/key.safetensors, https://...)
         self._file = open_shards(filename, storage_options=storage_options, cache_dir=cache_dir,
-                                 one_file=True, own=own)
+                                 one_file=True, revision=revision, own=own)
         checkpoint = self._file.checkpoint
         header = checkpoint.headers[0]
         self._entries = {t.name: t for t in header.tensors}

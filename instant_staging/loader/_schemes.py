@@ -39,11 +39,13 @@ _ANY_CREDENTIALS = "the store's credential variables"
 class Scheme(NamedTuple):
     """What the loader knows of one URL scheme: a row of ``SCHEMES``."""
 
-    store: Literal["s3", "gcs", "azure", "http"]
+    store: Literal["s3", "gcs", "azure", "http", "hub"]
     """The obstore store the scheme makes, named as obstore's
     ``parse_scheme`` names it: ``obstore.store.from_url`` builds an
     ``S3Store``, ``GCSStore``, ``AzureStore`` or ``HTTPStore``
-    (tests/sources/test_schemes.py holds each row to obstore's answer)."""
+    (tests/sources/test_schemes.py holds each row to obstore's answer).
+    ``"hub"``: no store; the Hugging Face Hub, read through huggingface_hub's
+    cache into local files (``_open``, ``instant_staging/_hub.py``)."""
     env_prefixes: tuple[str, ...] = ()
     """The prefixes of the environment variables the store's client reads
     (its credential chain, its endpoint): each such variable is checked
@@ -86,6 +88,7 @@ SCHEMES: dict[str, Scheme] = {
     "abfss": Scheme(**_AZURE),
     "http": Scheme("http", plain_http="always", quoted_path=True),
     "https": Scheme("http", quoted_path=True),
+    "hf": Scheme("hub", credentials="HF_TOKEN (or `hf auth login`'s token)"),
 }
 
 
@@ -103,6 +106,16 @@ def scheme_of(url) -> Scheme | None:
     if not isinstance(url, str) or "://" not in url:
         return None
     return SCHEMES.get(url.split("://", 1)[0].lower())
+
+
+def is_hub_url(source) -> bool:
+    """Whether ``source`` (or the first item of a list) is a URL of the Hub's
+    row (``hf://``): read as local files of huggingface_hub's cache, not
+    through a store."""
+    if isinstance(source, (list, tuple)) and source:
+        source = source[0]
+    row = scheme_of(source)
+    return row is not None and row.store == "hub"
 
 
 def is_url(source) -> bool:
@@ -192,6 +205,9 @@ class Stores:
                              "(AWS_*, GOOGLE_*, AZURE_*; for https, an Authorization "
                              "header in storage_options={'client_options': "
                              "{'default_headers': ...}})")
+        if row.store == "hub":
+            raise ValueError(f"{redact_url(url)}: a Hub URL is read through huggingface_hub's "
+                             "cache, not an object store")
         root = f"{scheme}://{parts.netloc}"
         store = self._stores.get(root)
         if store is None:

@@ -63,17 +63,22 @@ from ._target import _import_torch
 _RELEASE_WAIT = 30.0
 
 
+# The stores read but never written here: a web server's, the Hub's (its
+# uploads are huggingface_hub's own: upload_folder).
+_READ_ONLY = ("http", "hub")
+
+
 def saveable_schemes() -> str:
     """The schemes ``save_file`` uploads to, as messages list them."""
-    return ", ".join(f"{name}://" for name, row in SCHEMES.items() if row.store != "http")
+    return ", ".join(f"{name}://" for name, row in SCHEMES.items() if row.store not in _READ_ONLY)
 
 
 def check_url(url: str) -> None:
     """A ValueError where ``url`` is not one ``save_file`` can upload to."""
     row = scheme_of(url)
-    if row is None or row.store == "http":
+    if row is None or row.store in _READ_ONLY:
         raise ValueError(f"{redact_url(url)}: saving goes to a local file or a bucket "
-                         f"({saveable_schemes()}); an http(s):// URL is read-only here")
+                         f"({saveable_schemes()}); a URL of this scheme is read-only here")
 
 
 def part_size(size: int, chunk: int = SAVE_CHUNK_SIZE) -> int:

@@ -576,15 +576,20 @@ def test_the_directory_is_flushed_after_the_rename(range_http_server, tmp_path, 
     assert ("fsync", "dir", cache.stat().st_ino) in events[renamed + 1:], events
 
 
-def test_an_object_without_an_etag_is_not_cached(range_http_server, tmp_path):
+def test_an_object_without_an_etag_is_not_cached(range_http_server, tmp_path, caplog):
     url, _ = _serve(range_http_server)
     range_http_server.send_etag = False
     cache = tmp_path / "cache"
+    caplog.set_level(logging.WARNING, logger="instant_staging")
     for _ in range(2):
         got, report = _load(url, cache)
         same(got, _model(1))
         assert report.cache_hit_bytes == 0
     assert _files(cache) == []
+    # Said, once per load, and as what it is: the cache is not used for it,
+    # not only that a change is seen by Last-Modified (issue 55).
+    said = [r.getMessage() for r in caplog.records if "no ETag" in r.getMessage()]
+    assert len(said) == 2 and all(f"the cache in {cache} is not used for it" in m for m in said), said
 
 
 def test_a_short_read_of_an_entry_is_fetched(s3_server, s3_bucket, tmp_path, caplog):

@@ -22,7 +22,7 @@ _OPTIONS = {"s3": {"skip_signature": True, "region": "us-east-1"}, "gcs": {"skip
             "azure": {"account_name": "acct", "skip_signature": True}, "http": None}
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", [s for s, row in SCHEMES.items() if row.store != "hub"])
 def test_each_rows_store_is_the_one_obstore_builds(scheme):
     row = SCHEMES[scheme]
     url = f"{scheme}://bucket/m/x.safetensors"
@@ -34,6 +34,15 @@ def test_each_rows_store_is_the_one_obstore_builds(scheme):
     assert key == "m/x.safetensors"
     assert is_url(url) and is_url(url.upper().replace("BUCKET", "bucket"))
     assert f"{scheme}://" in schemes_text()
+
+
+def test_the_hub_row_makes_no_store():
+    # hf:// is read through huggingface_hub's cache (_open.hub_files), never
+    # through an object store; listed with the others in every message.
+    (hub,) = [s for s, row in SCHEMES.items() if row.store == "hub"]
+    assert hub == "hf" and is_url("hf://org/name") and "hf://" in schemes_text()
+    with pytest.raises(ValueError, match="huggingface_hub's cache"):
+        Stores(None).split("hf://org/name/model.safetensors")
 
 
 def _plain_http(store):
