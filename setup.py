@@ -61,6 +61,7 @@ extensions = [
     ext("instant_staging.loader._canonical", ["instant_staging/loader/_canonical.pyx"]),
     ext("instant_staging.loader._blocks", ["instant_staging/loader/_blocks.pyx"]),
     ext("instant_staging.loader._entries", ["instant_staging/loader/_entries.pyx"]),
+    ext("instant_staging.loader._given", ["instant_staging/loader/_given.pyx"]),
     ext("instant_staging.loader._fds", ["instant_staging/loader/_fds.pyx"]),
     ext("instant_staging.loader._pagecache", ["instant_staging/loader/_pagecache.pyx"],
         libraries=["pthread"]),

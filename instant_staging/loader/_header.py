@@ -471,9 +471,14 @@ def _check_torch(t, path):
                                "needs an even last dimension", path, t.name)
 
 
+# The file dtypes whose torch tensors have another shape than the file's
+# (``torch_shape``).
+PACKED_DTYPES = frozenset({"F4"})
+
+
 def torch_shape(entry: TensorEntry) -> tuple[int, ...]:
     """The shape of ``entry``'s torch tensor: the file's, except F4, which
     torch packs two to a byte (float4_e2m1fn_x2) along the last dimension."""
-    if entry.dtype == "F4":
+    if entry.dtype in PACKED_DTYPES:
         return entry.shape[:-1] + (entry.shape[-1] // 2,)
     return entry.shape

@@ -11,7 +11,8 @@ staging buffer is the only memory the load takes.
 
 Everything is checked before any byte is written, each mismatch a
 ``TypeError`` or ``ValueError`` naming the tensor (``check_destinations``,
-``match``, ``check_entries``):
+``match``, ``InPlace.place``; the per-tensor checks in C, one pass over
+the destinations each: ``_given.pyx``):
 
 - ``tensors`` is a mapping of names to torch tensors, dense (strided),
   contiguous, all on one device we load to (the CPU, pinned or not, or
@@ -52,8 +53,8 @@ import ctypes
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from . import _given
 from ._errors import LoadError
-from ._header import torch_shape
 from ._options import LoadOptions
 from ._prepare import check_selection, planned, throttled
 from ._run import LoadIterator
@@ -91,67 +92,22 @@ def options_of(options):
     return LoadOptions.build(views=False, **options)
 
 
-def _describe(t):
-    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
-
-
 def check_destinations(tensors):
     """``(torch, device, {name: tensor})`` of ``tensors``, checked alone (no
     checkpoint needed): a mapping of str to dense contiguous torch tensors
-    on one device this loader loads to, none overlapping another."""
+    on one device this loader loads to, none overlapping another (in C:
+    ``_given.check``)."""
     torch = _import_torch()
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of names to torch tensors (a state dict), "
                         f"not {type(tensors).__name__}")
     dests = dict(tensors)
-    device = None
-    first = None
-    strided = torch.strided
-    for name, t in dests.items():
-        if not isinstance(name, str):
-            raise TypeError(f"tensors: names must be str, not {type(name).__name__} {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, not {type(t).__name__}")
-        # (Each attribute read once: these checks run per tensor before the
-        # load starts, thousands of them for a fine-grained MoE.)
-        at = t.device
-        if at != device:
-            if device is not None:
-                raise ValueError(f"tensors[{name!r}] is on {at}, tensors[{first!r}] on {device}: "
-                                 "one load writes to one device (a load per device for the others)")
-            if at.type not in ("cpu", "cuda"):
-                raise ValueError(f"tensors[{name!r}] is on {at}: the loader writes to the CPU or "
-                                 "a CUDA/ROCm device")
-            device, first = at, name
-        if t.layout != strided:
-            raise ValueError(f"tensors[{name!r}] is a {t.layout} tensor: only dense (strided) "
-                             "tensors are written in place")
-        if not t.is_contiguous():
-            raise ValueError(f"tensors[{name!r}] ({_describe(t)}, strides {t.stride()}) is not "
-                             "contiguous: its bytes could not be written as the file lays them out")
-        if t.is_conj() or t.is_neg():
-            raise ValueError(f"tensors[{name!r}] has its conjugate or negative bit set: its memory "
-                             "is not what it shows")
-    _check_overlaps(dests)
+    device, _ = _given.check(dests, torch.Tensor, torch.strided)
     if device is None:
         device = torch.device("cpu")
     elif device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return torch, parse_device(torch, device), dests
-
-
-def _check_overlaps(dests):
-    spans = []
-    for name, t in dests.items():
-        n = t.nbytes
-        if n:
-            begin = t.data_ptr()
-            spans.append((begin, begin + n, name))
-    spans.sort()
-    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
-        if begin < end:
-            raise ValueError(f"tensors[{a!r}] and tensors[{b!r}] share memory: each byte is "
-                             "written once (pass one name of tied weights)")
 
 
 def match(infos, dests, names, plan, strict):
@@ -187,7 +143,7 @@ def match(infos, dests, names, plan, strict):
                                    f"(nothing written): {_listed(lacks)}")
         raise MissingNameError(f"{len(missing)} tensor(s) of tensors are not selected by {how} "
                                f"(nothing written): {_listed(missing)}")
-    if strict:
+    if strict and len(dests) < len(candidates):     # (dests: a subset of candidates here)
         unexpected = [n for n in candidates if n not in dests]
         if unexpected:
             raise ValueError(f"{len(unexpected)} tensor(s) of the checkpoint"
@@ -196,6 +152,8 @@ def match(infos, dests, names, plan, strict):
                              f"{_listed(unexpected)}")
     if plan is not None:
         return None, {n: plan[n] for n in dests}
+    if chosen is None and len(dests) == len(infos):
+        return None, None       # (every tensor: no selection to make)
     return list(dests), None
 
 
@@ -204,116 +162,59 @@ def _listed(names, most=20):
     return shown + (" ..." if len(names) > most else "")
 
 
-def check_entries(shards, dtypes, dests, rows=False):
-    """Each selected tensor's destination has its torch dtype and shape
-    (``rows``: a plan's, whose shapes are the rows')."""
-    for (i, entry), dtype in zip(shards.entries, dtypes):
-        t = dests[entry.name]
-        shape = tuple(torch_shape(entry))
-        if t.dtype != dtype:
-            raise TypeError(f"tensors[{entry.name!r}] is {t.dtype}, the checkpoint's tensor is "
-                            f"{entry.dtype} ({dtype}): a load into tensors converts nothing "
-                            f"({shards.paths[i]})")
-        if tuple(t.shape) != shape:
-            raise ValueError(f"tensors[{entry.name!r}] has shape {tuple(t.shape)}, the checkpoint's "
-                             f"{'rows the plan selects' if rows else 'tensor'} {shape} "
-                             f"({shards.paths[i]})")
-
-
-def joins(entries, address, allocation):
-    """``Plan(joins=)`` of a load into given destinations: per entry of
-    ``entries`` (``[(file index, TensorEntry), ...]``, reading order),
-    whether its destination continues the one before's, so that a chunk
-    holding both copies them as one: their bytes back to back in one file,
-    their destinations back to back (``address(name)``) inside one
-    allocation (``allocation(name)``: ``(base, size)`` of one holding the
-    destination, None where unknown: then no join)."""
-    out = [False] * len(entries)
-    file = end = dst = before = None
-    span = None         # (base, end) of an allocation holding the destination before
-    for k, (i, entry) in enumerate(entries):
-        n = entry.nbytes
-        if not n:
-            file = span = None
-            continue
-        ptr = address(entry.name)
-        if file == i and entry.begin == end and ptr == dst:
-            if span is None:
-                found = allocation(before)
-                span = (found[0], found[0] + found[1]) if found is not None else None
-            if span is not None and span[0] <= ptr and ptr + n <= span[1]:
-                out[k] = True
-            else:
-                span = None
-        else:
-            span = None
-        file, end, dst, before = i, entry.end, ptr + n, entry.name
-    return out
-
-
-# The driver's cuMemGetAddressRange / HIP's hipMemGetAddressRange (ctypes,
-# looked up once): the allocation holding a device pointer, whichever
-# allocator made it (torch's caching allocator cuts many tensors from one).
+# The driver's cuMemGetAddressRange / HIP's hipMemGetAddressRange (its
+# address, looked up once, called in C by ``_given.Allocations``): the
+# allocation holding a device pointer, whichever allocator made it (torch's
+# caching allocator cuts many tensors from one).
 _address_range = None
 
 
 def _range_function(torch):
+    """The address of the driver's function, 0 where there is none."""
     global _address_range
     if _address_range is None:
-        _address_range = False
+        _address_range = 0
         try:
             if getattr(torch.version, "hip", None):
                 fn = ctypes.CDLL("libamdhip64.so").hipMemGetAddressRange
-                base = ctypes.c_void_p
             else:
                 fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
-                base = ctypes.c_uint64
-            fn.argtypes = [ctypes.POINTER(base), ctypes.POINTER(ctypes.c_size_t), base]
-            fn.restype = ctypes.c_int
-            _address_range = fn, base
+            _address_range = ctypes.cast(fn, ctypes.c_void_p).value or 0
         except (OSError, AttributeError):
             pass
     return _address_range
 
 
-def device_allocation(torch, ptr):
-    """``(base, size)`` of the device allocation holding ``ptr``, from the
-    driver; None where it cannot say."""
-    found = _range_function(torch)
-    if not found:
-        return None
-    fn, base = found[0], found[1]()
-    size = ctypes.c_size_t()
-    if fn(ctypes.byref(base), ctypes.byref(size), ptr) != 0:
-        return None
-    return base.value or 0, size.value
-
-
 class InPlace(_TorchTarget):
-    """A target whose destinations are given: ``allocate`` hands the
-    readers the address of ``dests[name]`` and allocates nothing; no
-    blocks, no reserve, no conversion."""
+    """A target whose destinations are given: ``place`` checks them against
+    the load's tensors and keeps their addresses, which ``placed`` hands
+    the readers all at once; nothing allocated, no blocks, no reserve, no
+    conversion."""
 
     def __init__(self, torch, device, dests):
         super().__init__(torch, device)
         self.dests = dests
-        self._driver = self.device.type != "cpu"    # until it fails to answer
+        self._placed = None
 
-    def address(self, name):
-        return self.dests[name].data_ptr()
+    def place(self, entries, dtypes, paths, rows=False):
+        """Checks the destination of each of ``entries`` (``[(file index,
+        TensorEntry)]``, reading order; ``paths`` by file index) against its
+        tensor: its torch dtype ``dtypes[k]`` and its shape (``rows``: a
+        plan's, whose shapes are the rows'), a TypeError or ValueError
+        naming the first that differs; keeps their addresses for
+        ``placed``; returns ``Plan(joins=)`` (``_given.joins``: back to back
+        in one file and in one allocation, the driver's on a GPU)."""
+        tensors, addresses = _given.places(entries, dtypes, self.dests, paths, rows)
+        self._placed = tensors, addresses
+        driver = _range_function(self.torch) if self.device.type != "cpu" else 0
+        return _given.joins(entries, addresses, _given.Allocations(tensors, addresses, driver))
 
-    def allocation(self, name):
-        """``(base, size)`` of an allocation holding ``dests[name]``: on a GPU
-        the driver's (one segment of torch's caching allocator holds many
-        tensors); else, or where the driver cannot say, its storage's."""
-        t = self.dests[name]
-        if self._driver:
-            found = device_allocation(self.torch, t.data_ptr())
-            if found is not None:
-                return found
-            self._driver = False        # (no context on this thread, no driver library)
-        storage = t.untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
+    def placed(self):
+        """``(tensors, addresses)``: each destination and its address, in
+        reading order (``place``'s)."""
+        if self._placed is None:
+            raise RuntimeError("InPlace.placed() before place()")
+        return self._placed
 
     def allocate(self, entry, dtype):
         t = self.dests[entry.name]
@@ -355,9 +256,8 @@ def prepare(infos, hold, dests, torch, device, names, plan, strict, opts):
         throttled(shards, opts)
         target = InPlace(torch, device, dests)
         dtypes = target.dtypes(shards.entries, shards.paths)
-        check_entries(shards, dtypes, dests, rows=selected_plan is not None)
-        return planned(shards, target, dtypes, opts.for_checkpoint(shards),
-                       joins=joins(shards.entries, target.address, target.allocation))
+        joins = target.place(shards.entries, dtypes, shards.paths, rows=selected_plan is not None)
+        return planned(shards, target, dtypes, opts.for_checkpoint(shards), joins=joins)
     except BaseException:
         shards.close()
         raise

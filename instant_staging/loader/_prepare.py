@@ -419,16 +419,20 @@ class ReadPlan:
 def plan_chunks(checkpoint, target, dtypes, chunk_size, faults, views, joins=None):
     """The load's ``ReadPlan``: which tensors share a block, and the chunks.
     ``joins``: ``Plan(joins=)`` where the destinations are given (a load
-    into tensors: ``_into.joins``); None: the blocks'."""
+    into tensors: ``_into.InPlace.place``'s); None: the blocks'."""
     from ._pipeline import Plan
     entries = checkpoint.entries
-    # (the rule asked once per dtype: per tensor it showed in a MoE shard's
-    # setup; docs/design.md, "Measured: the view rule per dtype")
-    viewable = {d: target.joins(d, views) for d in set(dtypes)}
-    run_list = _blocks.runs(entries, [viewable[d] for d in dtypes])
-    plan = Plan(_entries.ranges(entries, checkpoint.fds), chunk_size,
-                faults=faults, packed=_blocks.packed(run_list),
-                joins=_blocks.joined(run_list) if joins is None else joins)
+    if target.placed() is not None:
+        # Given destinations (``_into.InPlace``): no blocks, nothing to allocate.
+        run_list, packed = [], False
+    else:
+        # (the rule asked once per dtype: per tensor it showed in a MoE shard's
+        # setup; docs/design.md, "Measured: the view rule per dtype")
+        viewable = {d: target.joins(d, views) for d in set(dtypes)}
+        run_list = _blocks.runs(entries, [viewable[d] for d in dtypes])
+        packed = _blocks.packed(run_list)
+    plan = Plan(_entries.ranges(entries, checkpoint.fds), chunk_size, faults=faults,
+                packed=packed, joins=_blocks.joined(run_list) if joins is None else joins)
     return ReadPlan(plan, run_list)
 
 

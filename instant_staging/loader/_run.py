@@ -488,8 +488,10 @@ def _allocate_blocks(target, run_list, entries, dtypes):
 
 def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
     """Starts the pipeline, then hands it every tensor's address in reading
-    order: a block's at once (``blocks``: ``_allocate_blocks``'s, made
-    before, or None to make them now), tensors of their own as they are
+    order: given destinations' all at once (``target.placed()``: a load
+    into tensors, checked and gathered before); a block's at once
+    (``blocks``: ``_allocate_blocks``'s, made before, or None to make them
+    now), tensors of their own as they are
     allocated, while the threads already read, in batches: a thread waits
     only for the tensors of its own chunk.  A MoE shard's tensors took a
     third as long to allocate one by one as their bytes take to load;
@@ -506,6 +508,11 @@ def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
     it before handing the address out: ``_target.py``'s ``_after_fill``.)"""
     with _gc.paused():
         pipe.start([], more=True)
+        placed = target.placed()
+        if placed is not None:      # given destinations (a load into tensors): every address known
+            handles.extend(placed[0])
+            pipe.provide(placed[1])
+            return
         if blocks is None:
             blocks = _allocate_blocks(target, run_list, entries, dtypes)
         _reserve_own(target, run_list, blocks, entries)

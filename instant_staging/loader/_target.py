@@ -113,6 +113,12 @@ class _TorchTarget:
                 and torch.utils.deterministic.fill_uninitialized_memory):
             torch.cuda.current_stream(self.device).synchronize()
 
+    def placed(self):
+        """``(handles, addresses)`` of every tensor, in reading order, where
+        the destinations are given before the load (``_into.InPlace``);
+        None: the load allocates them (``allocate``, ``allocate_blocks``)."""
+        return None
+
     def joins(self, dtype, views):
         """Whether a tensor of ``dtype`` may be a view into a block
         (``_blocks.pyx``, where a tensor without bytes never is one): views

@@ -18,6 +18,7 @@ from instant_staging.loader import (
     CheckpointChangedError,
     LoadError,
     MissingNameError,
+    _given,
     _into,
     _options,
     _prepare,
@@ -25,6 +26,7 @@ from instant_staging.loader import (
     empty_cache,
     load_into,
 )
+from instant_staging.loader._header import TensorEntry
 from instant_staging.testing import FaultPlan, SimulatedRuntime
 
 from support import run_child
@@ -332,9 +334,9 @@ def _sim_destinations(rt, shards, how):
     return ptrs, blocks
 
 
-def _sim_allocation(rt, ptrs):
-    def allocation(name):
-        return next(((p, n) for p, n in rt.device_allocations() if p <= ptrs[name] < p + n), None)
+def _sim_allocation(rt, addresses):
+    def allocation(k):
+        return next(((p, n) for p, n in rt.device_allocations() if p <= addresses[k] < p + n), None)
     return allocation
 
 
@@ -366,7 +368,8 @@ def _sim_write(tmp_path, tensors, how, faults=None, merge=True):
     ptrs, blocks = _sim_destinations(rt, shards, how)
     target = SimAt(rt, ptrs)
     dtypes = target.dtypes(shards.entries, shards.paths)
-    joins = _into.joins(shards.entries, ptrs.__getitem__, _sim_allocation(rt, ptrs)) if merge else None
+    addresses = [ptrs[t.name] for _, t in shards.entries]
+    joins = _given.joins(shards.entries, addresses, _sim_allocation(rt, addresses)) if merge else None
     options = _options.LoadOptions(CHUNK, 4, 2, tuned=False, staging=staging, views=False)
     prepared = _prepare.planned(shards, target, dtypes, options, faults and FaultPlan.parse(faults),
                                 joins=joins)
@@ -434,26 +437,30 @@ def test_a_copy_fault_in_a_merged_group_fails_its_chunk(tmp_path):
         assert torch.equal(got[name], raw_bytes(tensors[name])), name
 
 
+def E(name, begin, end, dtype="U8"):
+    """An entry of ``end - begin`` bytes (``(end - begin,)`` U8: one a byte)."""
+    return TensorEntry(name, dtype, (end - begin,), begin, end)
+
+
 def test_joins_need_both_file_and_allocation_back_to_back():
     flat = torch.zeros(64, dtype=torch.uint8)
     other = torch.zeros(16, dtype=torch.uint8)
-
-    class E:
-        def __init__(self, name, begin, end):
-            self.name, self.begin, self.end, self.nbytes = name, begin, end, end - begin
     dests = {"a": flat[:16], "b": flat[16:32], "c": flat[32:48], "d": other, "e": flat[48:64],
              "z": flat[48:48]}
+    target = _into.InPlace(torch, torch.device("cpu"), dests)
+
+    def joins(entries):         # (the destinations' allocations: their storages)
+        return target.place(entries, [torch.uint8] * len(entries), ["0", "1"])
     entries = [(0, E("a", 0, 16)), (0, E("b", 16, 32)), (0, E("z", 32, 32)), (0, E("c", 32, 48)),
                (1, E("e", 48, 64)), (1, E("d", 64, 80))]
-    target = _into.InPlace(torch, torch.device("cpu"), dests)
     # b follows a; c follows b in memory and file, but the empty z between
     # them ends the group; e is in another file; d in another allocation.
-    assert _into.joins(entries, target.address, target.allocation) == [
-        False, True, False, False, False, False]
+    assert joins(entries) == [False, True, False, False, False, False]
     entries = [(0, E("a", 0, 16)), (0, E("b", 16, 32)), (0, E("c", 32, 48)), (0, E("e", 48, 64))]
-    assert _into.joins(entries, target.address, target.allocation) == [False, True, True, True]
+    assert joins(entries) == [False, True, True, True]
+    assert target.placed() == ([dests[n] for n in "abce"], [dests[n].data_ptr() for n in "abce"])
     entries[2] = (0, E("c", 33, 49))    # a gap in the file
-    assert _into.joins(entries, target.address, target.allocation)[2:] == [False, False]
+    assert joins(entries)[2:] == [False, False]
 
 
 def test_a_load_into_views_of_one_flat_tensor_is_exact(model):
@@ -667,16 +674,13 @@ def test_a_merged_copy_never_runs_into_the_next_allocation():
     # Two allocations back to back in memory (the caching allocator's
     # segments may be): a tensor following in the file and in memory, but
     # in the next allocation, starts a copy of its own.
-    class E:
-        def __init__(self, name, begin, end):
-            self.name, self.begin, self.end, self.nbytes = name, begin, end, end - begin
-    at = {"a": 1000, "b": 1016, "c": 1032, "d": 1048}
-    allocations = {"a": (1000, 32), "b": (1000, 32), "c": (1032, 32), "d": (1032, 32)}
+    addresses = [1000, 1016, 1032, 1048]
+    allocations = [(1000, 32), (1000, 32), (1032, 32), (1032, 32)]
     entries = [(0, E(n, 16 * k, 16 * k + 16)) for k, n in enumerate("abcd")]
-    assert _into.joins(entries, at.get, allocations.get) == [False, True, False, True]
+    assert _given.joins(entries, addresses, allocations.__getitem__) == [False, True, False, True]
     # d only partly inside c's allocation: no join either
-    allocations = {"a": (1000, 32), "b": (1000, 32), "c": (1032, 24), "d": (1032, 24)}
-    assert _into.joins(entries, at.get, allocations.get) == [False, True, False, False]
+    allocations = [(1000, 32), (1000, 32), (1032, 24), (1032, 24)]
+    assert _given.joins(entries, addresses, allocations.__getitem__) == [False, True, False, False]
 
 
 def test_written_is_in_reading_order_whatever_the_finishing_order():
@@ -694,3 +698,66 @@ def test_the_module_level_load_into_takes_strict_false(tmp_path):
         load_into(path, dests)
     report = load_into(path, dests, strict=False)
     assert torch.equal(dests["b"], full["b"]) and report.tensors == 1
+
+
+# -- the destinations walked in C (issue 54, 4) ------------------------------------
+
+def test_tied_names_are_named_in_order_whatever_the_mapping_order():
+    # The pair an overlap names is the first of the spans sorted by (start,
+    # end, name), the mapping's order aside; spans out of address order are
+    # sorted before they are compared.
+    flat = torch.zeros(64)
+    for order in ("xyz", "zyx", "yzx"):
+        dests = {"y": flat[:16], "x": flat[:16], "z": flat[40:48]}
+        dests = {n: dests[n] for n in order}
+        with pytest.raises(ValueError, match=r"tensors\['x'\] and tensors\['y'\] share memory"):
+            _into.check_destinations(dests)
+    dests = {"c": flat[40:48], "a": flat[:16], "b": flat[15:20]}
+    with pytest.raises(ValueError, match=r"tensors\['a'\] and tensors\['b'\] share memory"):
+        _into.check_destinations(dests)
+    dests = {"c": flat[40:48], "a": flat[:16], "b": flat[16:20], "e": flat[0:0]}
+    assert _into.check_destinations(dests)[2] == dests      # back to back, and an empty one
+
+
+def test_a_packed_dtype_is_checked_against_its_torch_shape():
+    # F4: torch's tensor holds two elements a byte along the last dimension.
+    target = _into.InPlace(torch, torch.device("cpu"),
+                           {"w": torch.empty((4, 4), dtype=torch.float4_e2m1fn_x2)})
+    entries = [(0, E("w", 0, 16, "F4")._replace(shape=(4, 8)))]
+    assert target.place(entries, [torch.float4_e2m1fn_x2], ["f"]) == [False]
+    target.dests["w"] = torch.empty((4, 8), dtype=torch.float4_e2m1fn_x2)    # the file's shape
+    with pytest.raises(ValueError, match=r"tensors\['w'\] has shape \(4, 8\), the checkpoint's "
+                                         r"tensor \(4, 4\) \(f\)"):
+        target.place(entries, [torch.float4_e2m1fn_x2], ["f"])
+
+
+def test_allocations_ask_the_driver_in_c_and_the_storage_once_it_cannot_say():
+    import ctypes
+    flat = torch.zeros(64, dtype=torch.uint8)
+    tensors = [flat[:16], flat[16:32], flat[32:48]]
+    addresses = [t.data_ptr() for t in tensors]
+    asked = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_uint64),
+                      ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64)
+    def driver(base, size, ptr):
+        asked.append(ptr)
+        if len(asked) > 1:
+            return 201              # (CUDA_ERROR_INVALID_CONTEXT)
+        base[0], size[0] = ptr - 5, 7
+        return 0
+    found = _given.Allocations(tensors, addresses, ctypes.cast(driver, ctypes.c_void_p).value)
+    assert found(1) == (addresses[1] - 5, 7) and asked == [addresses[1]]
+    storage = (flat.untyped_storage().data_ptr(), flat.untyped_storage().nbytes())
+    assert found(2) == storage and asked == [addresses[1], addresses[2]]
+    assert found(0) == storage and len(asked) == 2      # (the driver no longer asked)
+    with pytest.raises(IndexError):
+        found(3)
+    # joins asks it for a group's first destination: a's allocation (the
+    # driver's 7 bytes) does not hold b, so b starts a group of its own;
+    # b's (the storage: the driver failed) holds c
+    asked.clear()
+    entries = [(0, E(n, 16 * k, 16 * k + 16)) for k, n in enumerate("abc")]
+    found = _given.Allocations(tensors, addresses, ctypes.cast(driver, ctypes.c_void_p).value)
+    assert _given.joins(entries, addresses, found) == [False, False, True]
+    assert asked == [addresses[0], addresses[1]]
