@@ -362,11 +362,11 @@ def test_a_file_written_while_it_is_loaded_is_an_error(tmp_path):
 
 
 def test_a_url_of_another_scheme_is_said_so(tmp_path, monkeypatch):
-    # hf://, ftp://: not "no such file", but the schemes read, secrets hidden
+    # oci://, ftp://: not "no such file", but the schemes read, secrets hidden (hf:// is a Hub source)
     from instant_staging.loader import safe_open
     for load in (lambda s: load_file(s, "cpu"), lambda s: load_file([s], "cpu"),
                  lambda s: safe_open(s, "pt")):
-        for url in ("hf://org/model/model.safetensors", "ftp://me:pw@host/m.safetensors"):
+        for url in ("oci://org/model/model.safetensors", "ftp://me:pw@host/m.safetensors"):
             with pytest.raises(ValueError, match="is not read here") as err:
                 load(url)
             assert "s3://" in str(err.value) and "pw" not in str(err.value)
