@@ -12,15 +12,13 @@ A source checkout holds no compiled modules and no ``_build_config.py``
 how to build, not a bare ``No module named 'instant_staging._build_config'``.
 """
 
-import logging as _logging
-
 # The package logs on the "instant_staging" logger (fallbacks, capped knobs,
-# an unpinned remote load, a cache left out) and, as the logging HOWTO has
-# libraries do, leaves showing its records to the program: without a
-# handler of its own, logging's last-resort handler would print the
-# warnings on stderr in every program, configured or not.  A program shows
-# them with logging.basicConfig() (the CLI shows them itself).
-_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+# an unpinned remote load, a cache left out, an exit that did not wait for
+# its cache entries) and adds no handler of its own, not even the logging
+# HOWTO's NullHandler: where the program configured no logging, logging's
+# last-resort handler prints WARNING and above on stderr, and on a server
+# nobody watches closely those lines are often the only word that a load
+# fell back.  A NullHandler would silence them there (docs/guides/loading.md).
 
 
 try:
