@@ -16,8 +16,8 @@ device this host has.
 The files it names (``Llama-3-8B/``, ``step-1000/``, ``model.safetensors``,
 ...) are tiny ones of those names, made once: a two-layer Llama saved by
 transformers, its tensors in the shard files the blocks name, and a
-huggingface_hub cache holding it under the Hub id a block uses (offline:
-nothing is fetched).  All the blocks run in one child process, one after
+huggingface_hub cache holding it under the Hub ids, revisions and file
+names the blocks use (offline: nothing is fetched).  All the blocks run in one child process, one after
 the other (torch and transformers imported once: seconds, not a process
 per block), each in fresh globals; each test reports its own block.
 """
@@ -42,7 +42,10 @@ PAGES = ["README.md", "docs/index.md", *sorted(os.path.relpath(p, ROOT) for p in
                                                 glob.glob(os.path.join(ROOT, "docs", "guides", "*.md")))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 SKIP = re.compile(r"<!-- example: skip \(([^)]+)\) -->\s*$")
-HUB_ID = "meta-llama/Meta-Llama-3-8B"      # the Hub id a block names
+HUB_ID = "meta-llama/Meta-Llama-3-8B"      # the Hub id the transformers guide names
+# the Hub ids, revisions and files the hub guide names: {id: (files, refs)}
+HUB_REPOS = {HUB_ID: (("model.safetensors", "model-00001-of-00004.safetensors"), ("main",)),
+             "Qwen/Qwen2.5-0.5B": (("model.safetensors",), ("main", "v1.0"))}
 
 
 def blocks():
@@ -84,10 +87,15 @@ def _files(root):
     names = sorted(tensors)
     for k, part in enumerate((names[::2], names[1::2]), 1):
         safetensors_torch.save_file({n: tensors[n] for n in part}, str(root / f"model-{k}.safetensors"))
-    repo = root / "hub" / ("models--" + HUB_ID.replace("/", "--"))
-    shutil.copytree(llama, repo / "snapshots" / ("c" * 40))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("c" * 40)
+    for k, (hub_id, (files, refs)) in enumerate(HUB_REPOS.items()):
+        repo = root / "hub" / ("models--" + hub_id.replace("/", "--"))
+        commit = "c" * 39 + str(k)
+        shutil.copytree(llama, repo / "snapshots" / commit)
+        for name in files:
+            shutil.copy(weights, repo / "snapshots" / commit / name)
+        (repo / "refs").mkdir()
+        for ref in refs:
+            (repo / "refs" / ref).write_text(commit)
     return root / "hub"
 
 
