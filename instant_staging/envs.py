@@ -214,6 +214,13 @@ VARIABLES: tuple[Variable, ...] = (
          "the cache's bound: the least recently used entries are removed to keep its files "
          f"under it (and {format_size(CACHE_KEEP_FREE)} of its disk free); a size such as `100GiB`",
          _size),
+    _row("INSTANT_STAGING_OFFLINE", "bool 1/0 (true/false, yes/no, on/off)",
+         "`HF_HUB_OFFLINE` as huggingface_hub reads it, else off",
+         "URL sources: `1` serves each object from its cache entry without asking the server "
+         "(no request at all; a directory or index by the objects it named when last loaded "
+         "online), and an object the cache lacks is a `FileNotFoundError` naming it; `0` keeps "
+         "the loader online whatever `HF_HUB_OFFLINE` says",
+         _on_off),
     _row("INSTANT_STAGING_MAX_BYTES_PER_SECOND", "size",
          "no cap",
          "`max_bytes_per_second=None` of `load_file`, `iter_load`, `Checkpoint.load`: the most "

@@ -156,6 +156,11 @@ log = logging.getLogger("instant_staging")
 
 ENV_CACHE_DIR = "INSTANT_STAGING_CACHE_DIR"
 ENV_CACHE_MAX_BYTES = "INSTANT_STAGING_CACHE_MAX_BYTES"
+ENV_OFFLINE = "INSTANT_STAGING_OFFLINE"
+# huggingface_hub's switch, read as it reads it (``constants._is_true``):
+# its users set it to keep a program off the network.
+ENV_HF_OFFLINE = "HF_HUB_OFFLINE"
+_HF_TRUE = ("1", "ON", "YES", "TRUE")
 
 ENTRY_SUFFIX = ".safetensors"
 PARTIAL_SUFFIX = ".partial"
@@ -163,8 +168,14 @@ PARTIAL_SUFFIX = ".partial"
 # entry's file as its last full check saw it.  Written as ``<name>.checked-<16
 # hex digits>`` (its writer's lock held), then renamed onto its name.
 STAMP_SUFFIX = ".checked"
+# A directory's or an index's record (``<sha256 of its URL>.<RECORD_VERSION>.source``):
+# the objects that it named when last asked, for offline mode.  Written as
+# ``<name>.source-<16 hex digits>``, then renamed onto its name.
+RECORD_SUFFIX = ".source"
+RECORD_VERSION = "0" * 16
 # The cache's own files: nothing else in the directory is ever looked at or removed.
-_OURS = re.compile(r"^[0-9a-f]{64}\.[0-9a-f]{16}\.(?:safetensors|partial|checked(?:-[0-9a-f]{16})?)$")
+_OURS = re.compile(r"^[0-9a-f]{64}\.[0-9a-f]{16}\."
+                   r"(?:safetensors|partial|checked|source|(?:checked|source)-[0-9a-f]{16})$")
 
 # An entry is the object's bytes, then its digest: the CRC-32 of each range
 # its fill wrote (``_RANGE``: offset, length, CRC), sorted, then ``_FOOTER``
@@ -277,6 +288,11 @@ class Cache:
         self._off = False
         self._warned = False    # a damaged entry was said (once)
         self.local = None       # the CachedShards made from it (closed with it until handed on)
+        # ``(url, Source.named)`` of a directory or index source: its record
+        # (``remember``), written by ``close()`` where every object is an entry
+        # or is being made one.
+        self.record = None
+        self._opened = 0        # objects opened (``opened``): an object without an ETag is none of them
 
     # -- the checkpoint's hooks ---------------------------------------------------
 
@@ -288,6 +304,7 @@ class Cache:
         its digest, a stamp written after), else prepares its fill.  A
         damaged entry is removed (one warning) and the object fetched and
         filled again: nothing damaged is returned as the object."""
+        self._opened += 1
         if self._off or not obj.etag:
             return
         base = os.path.join(self.directory, entry_base(obj.url, obj.etag, obj.version, obj.size))
@@ -429,6 +446,11 @@ class Cache:
                         self._abandon(fill)
             if handed and not _finisher.submit(self.directory, handed):
                 _finish(self.directory, handed)     # (no thread to be had: here, now)
+            record, self.record = self.record, None
+            if (record is not None and not self._off and self._opened
+                    and len(self._hits) + sum(f.handed for f in self._fills.values())
+                    == self._opened):
+                remember(self.directory, *record)
         except BaseException:
             for fill in handed:         # (an interrupt: the finisher skips what is _OFF)
                 with fill.lock:
@@ -529,7 +551,7 @@ class Cache:
         entries ``evictions`` names; whether they fit now."""
         if size > self.bound:
             return False
-        found, stamps, total = {}, {}, 0
+        found, stamps, records, total = {}, {}, [], 0
         reading = {path for path, _ in self._hits.values()}
         for name in _listing(self.directory):
             path = os.path.join(self.directory, name)
@@ -539,9 +561,13 @@ class Cache:
                 st = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if name.endswith(PARTIAL_SUFFIX) or not name.endswith((ENTRY_SUFFIX, STAMP_SUFFIX)):
-                if not _remove_if_stale(path):      # (a partial file, a stamp being written)
+            if name.endswith(PARTIAL_SUFFIX) or not name.endswith((ENTRY_SUFFIX, STAMP_SUFFIX,
+                                                                   RECORD_SUFFIX)):
+                if not _remove_if_stale(path):      # (a partial file, a stamp or record being written)
                     total += st.st_size
+            elif name.endswith(RECORD_SUFFIX):
+                records.append(Listed(path[:-len(RECORD_SUFFIX)], st.st_size, st.st_mtime_ns))
+                total += st.st_size
             elif name.endswith(STAMP_SUFFIX):
                 stamps[path[:-len(STAMP_SUFFIX)]] = st
             else:
@@ -556,12 +582,14 @@ class Cache:
                           max(st.st_mtime_ns, stamps[base].st_mtime_ns if base in stamps else 0))
                    for base, st in found.items()
                    if base + ENTRY_SUFFIX not in reading]   # (this checkpoint's: kept)
+        entries += records      # (a directory's record goes by the same order: its last use)
         fs = os.statvfs(self.directory)
         gone, fits = evictions(entries, size, used=total, bound=self.bound,
                                free=fs.f_bavail * fs.f_frsize, keep_free=CACHE_KEEP_FREE)
         for base in gone:
             _unlink(base + ENTRY_SUFFIX)
             _unlink(base + STAMP_SUFFIX)
+            _unlink(base + RECORD_SUFFIX)
         return fits
 
     def _degrade(self, error, what):
@@ -850,11 +878,18 @@ class CachedShards(Shards):
     # (its identity in a group load is its objects', as a rank that fetches them sees it)
     from_url = True
 
+    # Offline mode's variable (``offline_shards``), None online: ``verify=``
+    # then compares each entry with the digest its fill made, read in full
+    # (no server to ask).
+    offline = None
+
     def __init__(self, files, origins, sizes, checked):
         super().__init__()
         self._files, self._origins = files, origins
         self._sizes, self._checked = sizes, checked
         self.remote = None      # the RemoteShards (closed with this one)
+        self._verified = set()  # offline: the entries checked in full for verify=
+        self._verify_lock = threading.Lock()
 
     def _open_all(self, urls):
         for url, path, size, checked in zip(urls, self._files, self._sizes, self._checked):
@@ -869,10 +904,28 @@ class CachedShards(Shards):
             self.headers.append(parse_header(_pread_exact(fd, length, 8, url), url, size))
 
     def read_bytes(self, index, offset, length):
-        # verify=: the server's bytes (If-Match the ETag the open pinned)
+        # verify=: the server's bytes (If-Match the ETag the open pinned);
+        # offline, the entry's own once it matched its digest in full
         if self.remote is None:
+            if self.offline is not None:
+                self._verify_offline(index)
             return super().read_bytes(index, offset, length)
         return self.remote.read_bytes(index, offset, length)
+
+    def _verify_offline(self, index):
+        with self._verify_lock:
+            if index in self._verified:
+                return
+            fd = self.fds[index]
+            damage = _damage(fd, os.fstat(fd), self._sizes[index], None, full=True)
+            if damage is not None:
+                from ._errors import VerifyError
+                raise VerifyError(f"{self.paths[index]}: its cache entry "
+                                  f"{os.path.basename(self._files[index])} does not match the "
+                                  f"digest made when it was filled ({damage}); offline mode is on "
+                                  f"({self.offline}=1), so the server was not asked",
+                                  self.paths[index])
+            self._verified.add(index)
 
     def current_size(self, index):
         return self.headers[index].file_size
@@ -925,6 +978,200 @@ def cached(shards):
     # (its requests' thread, until verify= asks the server again)
     shards._requests.close()
     return local
+
+
+# -- offline: entries found by their URL alone ---------------------------------------
+
+def offline():
+    """The variable that turns offline mode on (its name), or None: online.
+    ``INSTANT_STAGING_OFFLINE`` where set (``0`` keeps the loader online
+    whatever huggingface_hub's switch says), else ``HF_HUB_OFFLINE`` read
+    as huggingface_hub reads it (``1``, ``ON``, ``YES``, ``TRUE``)."""
+    value = envs.get(ENV_OFFLINE)
+    if value is not None:
+        return ENV_OFFLINE if value else None
+    if os.environ.get(ENV_HF_OFFLINE, "").strip().upper() in _HF_TRUE:
+        return ENV_HF_OFFLINE
+    return None
+
+
+def _url_key(url):
+    return hashlib.sha256(url.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def remember(directory, url, named):
+    """Keeps what the directory or index ``url`` named (``Source.named``:
+    names relative to it, nothing of the URL itself) as its record in the
+    cache, for an offline open of the same source; written only where it
+    changed, to a new file renamed onto its name.  A record that cannot be
+    written is no error (the load goes on; offline, that source is a miss)."""
+    import json
+    base = os.path.join(directory, f"{_url_key(url)}.{RECORD_VERSION}")
+    data = json.dumps(named, sort_keys=True, separators=(",", ":")).encode()
+    try:
+        if _read_small(base + RECORD_SUFFIX) == data:
+            return
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        temp = f"{base}{RECORD_SUFFIX}-{os.urandom(8).hex()}"
+        out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o644)
+    except OSError:
+        return
+    try:
+        fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)     # (an eviction removes it once we're gone)
+        _write(out, data, 0)
+        os.rename(temp, base + RECORD_SUFFIX)
+        return
+    except OSError:
+        pass
+    finally:
+        os.close(out)
+    _unlink(temp)
+
+
+def _read_small(path, limit=64 << 20):
+    """The bytes of file ``path`` (no link followed), None where there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        return os.pread(fd, st.st_size, 0)
+    finally:
+        os.close(fd)
+
+
+def _offline_miss(what, directory, why):
+    where = (f"the cache in {directory} holds no entry of it" if directory else
+             "no cache is set (cache_dir=, INSTANT_STAGING_CACHE_DIR)")
+    return FileNotFoundError(f"{what}: offline mode is on ({why}=1), so the server was not asked, "
+                             f"and {where}; load it once online with the cache set, or unset {why}")
+
+
+def offline_source(source, directory, why):
+    """``(Source, object URLs)`` of a URL source, resolved without asking
+    the server: a list of objects or one object as given, a directory or an
+    index by its record (``remember``); a FileNotFoundError naming the
+    source where the cache holds none."""
+    import json
+
+    from ._remote import named_by, object_urls
+    from ._schemes import redact_url
+    from ._source import SHARD_SUFFIX, Source, parse_index
+    if not isinstance(source, str):
+        urls = object_urls(source)
+        return Source([redact_url(u) for u in urls]), urls
+    kind, url = named_by(source)
+    if kind == "object":
+        return Source([redact_url(url)]), [url]
+    shown = redact_url(url)
+    raw = None if directory is None else _read_small(
+        os.path.join(directory, f"{_url_key(url)}.{RECORD_VERSION}{RECORD_SUFFIX}"))
+    try:
+        named = None if raw is None else json.loads(raw)
+    except ValueError:
+        named = None
+    base = url if kind == "directory" else url.rsplit("/", 1)[0] + "/"
+    if isinstance(named, dict) and kind == "directory" and "index" in named:
+        kind, url = "index", base + str(named["index"])     # (the directory's index named it)
+        shown = redact_url(url)
+    if isinstance(named, dict) and kind == "index" and isinstance(named.get("weight_map"), dict):
+        weight_map = parse_index(json.dumps({"weight_map": named["weight_map"]}).encode(), shown)
+        shards = sorted(set(weight_map.values()))
+        return (Source([redact_url(base + s) for s in shards], shown,
+                       {n: redact_url(base + s) for n, s in weight_map.items()}),
+                [base + s for s in shards])
+    shards = named.get("shards") if isinstance(named, dict) and kind == "directory" else None
+    if (not isinstance(shards, list) or not shards
+            or not all(isinstance(s, str) and s.endswith(SHARD_SUFFIX) and "/" not in s
+                       and s not in (".", "..") for s in shards)):
+        raise _offline_miss(f"{shown} (a {kind}: its list of objects)", directory, why)
+    return Source([redact_url(base + s) for s in shards]), [base + s for s in shards]
+
+
+def _newest(directory, url, names):
+    """The base (path less suffix) of the newest entry of ``url`` among
+    ``names`` (the directory's listing), None where it has none.  An object
+    has one entry but for a while after a new version's is named (the old
+    one is removed next): the one made last is the newer."""
+    key = _url_key(url) + "."
+    newest, when = None, -1
+    for name in names:
+        if name.startswith(key) and name.endswith(ENTRY_SUFFIX):
+            path = os.path.join(directory, name)
+            try:
+                mtime = os.stat(path, follow_symlinks=False).st_mtime_ns
+            except FileNotFoundError:
+                continue
+            if mtime > when:
+                newest, when = path[:-len(ENTRY_SUFFIX)], mtime
+    return newest
+
+
+def _object_size(fd, st):
+    """The object's size that entry ``fd``'s digest names, None where it has none."""
+    if not stat.S_ISREG(st.st_mode) or st.st_size < _FOOTER.size:
+        return None
+    size, _, _, magic = _FOOTER.unpack(_read(fd, _FOOTER.size, st.st_size - _FOOTER.size))
+    return size if magic == _MAGIC else None
+
+
+def offline_shards(urls, directory, why):
+    """The ``CachedShards`` (not opened yet) of the entries of ``urls``,
+    found by URL alone and trusted without asking the server: each checked
+    as an open checks it (its stamp, else in full against its digest, then
+    stamped); a damaged one is removed with a warning, and is a miss.  A
+    miss is a FileNotFoundError naming the object (its URL as shown)."""
+    from ._schemes import redact_url
+    names = [] if directory is None else _listing(directory)
+    files, origins, sizes, checked, fds = [], [], [], [], []
+    try:
+        for url in urls:
+            base = None if directory is None else _newest(directory, url, names)
+            got = None if base is None else _trusted(base, fds, directory)
+            if got is None:
+                raise _offline_miss(redact_url(url), directory, why)
+            size, st = got
+            files.append(base + ENTRY_SUFFIX)
+            sizes.append(size)
+            checked.append((st.st_dev, st.st_ino))
+            # (no ETag offline: the entry's version digest stands for it)
+            origins.append((redact_url(url), None, "cache:" + base.rsplit(".", 1)[1]))
+    finally:
+        close_recorded(fds)
+    local = CachedShards(files, origins, sizes, checked)
+    local.offline = why
+    return local
+
+
+def _trusted(base, fds, directory):
+    """``(object size, fstat)`` of entry ``base`` once checked (``_damage``,
+    its header compared with none: nothing of the server's to compare);
+    None where it is gone or damaged (then removed, with a warning)."""
+    entry, fd = base + ENTRY_SUFFIX, None
+    try:
+        fd = open_recorded(fds, entry, _ENTRY_FLAGS)
+        st = os.fstat(fd)
+        size = _object_size(fd, st)
+        stamped = size is not None and _stamped(base, st)
+        damage = _damage(fd, st, -1 if size is None else size, None, full=not stamped)
+        if damage is None:
+            if not stamped:
+                _stamp(base, fd, st)
+            return size, st
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        damage = "a symbolic link, not an entry" if e.errno == errno.ELOOP else (e.strerror or str(e))
+    if fd is None or _names(fd, entry):
+        _unlink(entry)
+        _unlink(base + STAMP_SUFFIX)
+    log.warning("the cache in %s: entry %s is damaged (%s): removed", directory,
+                os.path.basename(entry), damage)
+    return None
 
 
 # -- files -------------------------------------------------------------------------

@@ -27,10 +27,10 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from ._cache import Cache, cached
+from ._cache import Cache, cached, offline, offline_shards, offline_source
 from ._cache import directory as cache_directory
 from ._options import bandwidth_cap
-from ._remote import RemoteShards
+from ._remote import RemoteShards, named_by
 from ._remote import resolve as resolve_url
 from ._schemes import Stores, is_hub_url, is_url, redact_url, schemes_text
 from ._shards import Shards
@@ -162,8 +162,16 @@ def _unopened(source, storage_options, cache_dir, max_bytes_per_second,
                 raise ValueError(f"{redact_url(source)}: safe_open reads one .safetensors object, "
                                  "not a directory or an index")
             source = [source]
+        why = offline()
+        if why is not None:
+            # (no client made, nothing asked: the entries as they are)
+            src, urls = offline_source(source, directory, why)
+            return offline_shards(urls, directory, why), src
         src, objects = resolve_url(source, stores)
-        return RemoteShards(objects, cache=None if directory is None else Cache(directory),
+        cache = None if directory is None else Cache(directory)
+        if cache is not None and src.named is not None:
+            cache.record = (named_by(source)[1], src.named)     # (for offline mode)
+        return RemoteShards(objects, cache=cache,
                             throttle=None if cap is None else Throttle(cap)), src
     refuse_url_options(storage_options, cache_dir)
     if one_file:

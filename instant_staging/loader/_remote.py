@@ -165,13 +165,18 @@ def resolve(source, stores: Stores) -> tuple[Source, list[_Object]]:
     """The objects ``source`` names, as ``_source.resolve`` for paths."""
     obstore = load_obstore()
     if isinstance(source, str):
-        url = source
-        name = url.rstrip("/").rsplit("/", 1)[-1]
-        if url.endswith("/") or not (name.endswith(SHARD_SUFFIX) or name.endswith(".json")):
-            return _directory(obstore, url.rstrip("/") + "/", stores)
-        if name.endswith(".json"):
+        kind, url = named_by(source)
+        if kind == "directory":
+            return _directory(obstore, url, stores)
+        if kind == "index":
             return _index(obstore, url, stores)
         return _objects([url], stores)
+    return _objects(object_urls(source), stores)
+
+
+def object_urls(source):
+    """The object URLs of ``source``, a list of them (checked: each an
+    object's URL, not a directory's or an index's)."""
     items = list(source)
     for u in items:
         if not is_url(u):
@@ -180,7 +185,16 @@ def resolve(source, stores: Stores) -> tuple[Source, list[_Object]]:
         if u.endswith("/") or u.endswith(".json"):
             raise ValueError(f"{_safe(u)} is a directory or an index: pass it alone, not in a "
                              "list of shards")
-    return _objects(items, stores)
+    return items
+
+
+def named_by(url):
+    """What the source ``url`` (a str) names: ``("directory", prefix)``,
+    ``("index", url)`` or ``("object", url)``."""
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    if url.endswith("/") or not (name.endswith(SHARD_SUFFIX) or name.endswith(".json")):
+        return "directory", url.rstrip("/") + "/"
+    return ("index" if name.endswith(".json") else "object"), url
 
 
 def _objects(urls, stores, index=None, weight_map=None):
@@ -214,7 +228,9 @@ def _directory(obstore, url, stores):
     shards = [n for n in names if n.endswith(SHARD_SUFFIX)]
     if not shards:
         raise FileNotFoundError(f"no {INDEX_NAME} and no *{SHARD_SUFFIX} object under {_safe(url)}")
-    return _objects([url + n for n in shards], stores)
+    src, objects = _objects([url + n for n in shards], stores)
+    src.named = {"shards": shards}
+    return src, objects
 
 
 def _index(obstore, url, stores):
@@ -231,8 +247,10 @@ def _index(obstore, url, stores):
     weight_map = parse_index(raw, _safe(url))
     base = url.rsplit("/", 1)[0] + "/"
     shards = sorted(set(weight_map.values()))
-    return _objects([base + s for s in shards], stores, url,
-                    {name: base + s for name, s in weight_map.items()})
+    src, objects = _objects([base + s for s in shards], stores, url,
+                            {name: base + s for name, s in weight_map.items()})
+    src.named = {"index": url[len(base):], "weight_map": weight_map}
+    return src, objects
 
 
 # -- requests that a cancel or a stall can end ----------------------------------------

@@ -53,6 +53,11 @@ class Source:
     name -> shard path) where an index named them.
     """
 
+    # What a URL source's directory or index named (``_remote``): its
+    # shards' names, or its index's name and weight map, relative to it;
+    # the cache keeps it for offline mode (``_cache.remember``).  None otherwise.
+    named: dict | None = None
+
     def __init__(self, paths: list[str], index: str | None = None,
                  weight_map: dict[str, str] | None = None):
         self.paths = paths

@@ -132,6 +132,7 @@ BAD = {
     "INSTANT_STAGING_CACHE_DIR": ["s3://bucket/cache"],
     "INSTANT_STAGING_CACHE_MAX_BYTES": ["0", "lots", "-1GiB"],
     "INSTANT_STAGING_MAX_BYTES_PER_SECOND": ["0", "fast", "-1MiB"],
+    "INSTANT_STAGING_OFFLINE": ["maybe", "2", "offline"],
 }
 
 GOOD = {
@@ -146,6 +147,7 @@ GOOD = {
                                   ("~/c", os.path.expanduser("~/c"))],
     "INSTANT_STAGING_CACHE_MAX_BYTES": [("100GiB", 100 << 30)],
     "INSTANT_STAGING_MAX_BYTES_PER_SECOND": [("200MiB", 200 << 20), ("1000", 1000)],
+    "INSTANT_STAGING_OFFLINE": [("1", True), ("TRUE", True), ("0", False), ("no", False)],
 }
 
 RUN_TIME = [v.name for v in envs.VARIABLES if v.parse is not None]

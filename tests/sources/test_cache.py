@@ -76,7 +76,8 @@ def _names(directory):
     assert wait_for_cache_fills(timeout=30)
     names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
     return [n for n in names if not (n.endswith(_cache.STAMP_SUFFIX)
-                                     and n[:-len(_cache.STAMP_SUFFIX)] + ".safetensors" in names)]
+                                     and n[:-len(_cache.STAMP_SUFFIX)] + ".safetensors" in names)
+            and not n.endswith(_cache.RECORD_SUFFIX)]   # (offline mode's: test_cache_offline)
 
 
 def _entries(directory):
@@ -381,7 +382,7 @@ def test_the_load_returns_before_its_entry_is_flushed(s3_server, s3_bucket, tmp_
         same(got, want)
         assert (report.cache_hit_bytes, report.fetched_bytes) == (0, _nbytes(files))
         assert held.entered.wait(10)
-        listing = sorted(os.listdir(cache))
+        listing = sorted(n for n in os.listdir(cache) if not n.endswith(_cache.RECORD_SUFFIX))
         assert not _entries_now(cache) and len(listing) == 2 and all(n.endswith(".partial")
                                                                      for n in listing)
         assert not wait_for_cache_fills(timeout=0.1)
