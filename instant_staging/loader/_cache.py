@@ -115,6 +115,16 @@ object fits, and ``CACHE_KEEP_FREE`` of the file system is left free.
 Stamps whose entry is gone, and stamps' temporary files whose writer is
 gone (unlocked), are removed on the way.  An object larger than the bound is not cached.
 
+Offline (``INSTANT_STAGING_OFFLINE=1``, or ``HF_HUB_OFFLINE=1``:
+``offline``): nothing is asked and no client made.  Each object is its
+newest entry found by its URL's hash alone (``offline_shards``), checked
+as above but for its header (there is no server's to compare); a
+directory or an index is its record (``<sha256 of its URL>.<RECORD_VERSION>.source``:
+the names of the objects it named, relative to it, nothing of the URL),
+written by a checkpoint's close where every object is an entry or being
+made one, and evicted as entries are.  A miss is a FileNotFoundError
+naming the object.
+
 A cache never fails a load.  A directory that cannot be made or written,
 a full disk (ENOSPC, EDQUOT; EFBIG past a file size limit), any error of
 a cache file: the fill stops, its partial file is removed, and the load

@@ -181,3 +181,24 @@ def test_offline_value_is_checked(online):
     assert _cache.offline() is None
     online.setenv("HF_HUB_OFFLINE", "YES")
     assert _cache.offline() == "HF_HUB_OFFLINE"
+
+
+def test_a_directory_is_recorded_only_once_each_object_is_an_entry(s3_server, s3_bucket, tmp_path,
+                                                                   fault_proxy, online):
+    files = _shards(7)
+    local = upload(put_in(s3_server, s3_bucket), "r", files, tmp_path)
+    url, cache = f"s3://{s3_bucket}/r/", tmp_path / "cache"
+    opts = options(fault_proxy.url)
+    load_file(url, storage_options=opts, cache_dir=cache, names=list(files[0][1]))
+    assert wait_for_cache_fills(timeout=30)
+    assert not [n for n in os.listdir(cache) if n.endswith(_cache.RECORD_SUFFIX)]
+    online.setenv("INSTANT_STAGING_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match=r"r/ \(a directory: its list of objects\)"):
+        load_file(url, storage_options=opts, cache_dir=cache)
+    online.delenv("INSTANT_STAGING_OFFLINE")
+    load_file(url, storage_options=opts, cache_dir=cache)
+    assert wait_for_cache_fills(timeout=30)
+    (record,) = [n for n in os.listdir(cache) if n.endswith(_cache.RECORD_SUFFIX)]
+    assert s3_bucket not in (cache / record).read_text()       # names relative to it only
+    online.setenv("INSTANT_STAGING_OFFLINE", "1")
+    same(load_file(url, storage_options=opts, cache_dir=cache), load_file(local))

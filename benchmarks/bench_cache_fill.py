@@ -1,0 +1,191 @@
+"""What the cache costs a load, on its way in and on its way out (issue 54, items 2 and 3).
+
+Side by side, alternating, best of ``--repeat``, one URL source:
+
+  no cache        load_file(url, device, cache_dir=False)
+  fill            load_file(url, device, cache_dir=<empty directory>): the
+                  load as its caller sees it, and until its entries were
+                  made (wait_for_cache_fills: "entries made")
+  fill's writes   the seconds the reader threads spent in the fill's
+                  hook (``Cache.write``: the range's CRC-32 and its pwrite
+                  into the partial file), summed over the readers, and as
+                  a share of (readers x the load's seconds): what a writer
+                  beside the load could take off the readers (item 2)
+  open (hit)      Checkpoint.open of the filled cache online: the
+                  revalidation (one ranged GET per object, its size and
+                  ETag compared with the entry's) and the entries' checks
+  open (offline)  the same with INSTANT_STAGING_OFFLINE=1: the entries
+                  found by URL alone, nothing asked (item 3)
+  from cache      load_file(url, device, cache_dir=<filled>), online and
+                  offline, beside load_file of the same files as local
+                  files; all page-cache hot
+
+The source is a synthetic checkpoint (``--gib`` GiB of bf16 in
+``--shards`` shards) served by the tests' ranged-GET HTTP server in this
+process (a Python server: it bounds the fetch rate, so the fill's share
+is a lower bound of what it is against LocalBucket or a bucket); ``--url``
+loads from any URL source instead (its local copy then ``--dir``'s files).
+
+    python benchmarks/bench_cache_fill.py --device cpu --gib 0.5
+    python benchmarks/bench_cache_fill.py --device cuda:0 --gib 8 \\
+        --url s3://bench/fill/model.safetensors.index.json --dir /nvme/bench-fill
+
+Prints a markdown table (seconds, GB/s, ratio to the no-cache load).
+"""
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))       # a checkout built in place
+sys.path.insert(1, os.path.join(os.path.dirname(HERE), "tests"))    # support.remote_servers
+sys.path.insert(2, HERE)
+
+from bench_cache_digest import read_all, write_checkpoint  # noqa: E402
+
+ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+ap.add_argument("--device", default="cpu")
+ap.add_argument("--gib", type=float, default=0.5)
+ap.add_argument("--shards", type=int, default=4)
+ap.add_argument("--repeat", type=int, default=3)
+ap.add_argument("--dir", default="/tmp/bench_cache_fill")
+ap.add_argument("--url", default=None, help="a URL source instead of the in-process server")
+
+
+@contextlib.contextmanager
+def timed_writes():
+    """Sums the seconds spent in ``Cache.write`` (every reader thread's)."""
+    from instant_staging.loader import _cache
+    spent = [0.0]
+    lock = threading.Lock()
+    original = _cache.Cache.write
+
+    def write(self, index, offset, data):
+        t0 = time.perf_counter()
+        try:
+            return original(self, index, offset, data)
+        finally:
+            took = time.perf_counter() - t0
+            with lock:
+                spent[0] += took
+    _cache.Cache.write = write
+    try:
+        yield spent
+    finally:
+        _cache.Cache.write = original
+
+
+@contextlib.contextmanager
+def offline_mode():
+    saved = os.environ.get("INSTANT_STAGING_OFFLINE")
+    os.environ["INSTANT_STAGING_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["INSTANT_STAGING_OFFLINE"]
+        else:
+            os.environ["INSTANT_STAGING_OFFLINE"] = saved
+
+
+def main(argv=None):
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from instant_staging.loader import Checkpoint, wait_for_cache_fills
+    device = args.device
+    sync = (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda: None)
+    os.environ.pop("INSTANT_STAGING_OFFLINE", None)
+    os.environ.pop("HF_HUB_OFFLINE", None)
+
+    local = os.path.join(args.dir, "files")
+    index = os.path.join(local, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        write_checkpoint(local, args.gib, args.shards)
+    files = sorted(os.path.join(local, n) for n in os.listdir(local) if n.endswith(".safetensors"))
+    nbytes = sum(os.path.getsize(p) for p in files)
+    cache = os.path.join(args.dir, "cache")
+    rows = {}
+
+    def add(key, value):
+        rows.setdefault(key, []).append(value)
+
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        if url is None:
+            from support.remote_servers import RangeHTTPServer
+            server = stack.enter_context(RangeHTTPServer(local))
+            url = server.url_for("model.safetensors.index.json")
+
+        def load(**kw):
+            t0 = time.perf_counter()
+            with Checkpoint.open(url, **kw) as ck:
+                out = ck.load(device)
+                sync()
+                threads = ck.last_report.threads
+            took = time.perf_counter() - t0
+            del out
+            return took, threads
+
+        for _ in range(args.repeat):
+            add("no cache", load(cache_dir=False)[0])
+            shutil.rmtree(cache, ignore_errors=True)
+            with timed_writes() as spent:
+                t0 = time.perf_counter()
+                took, threads = load(cache_dir=cache)
+                wait_for_cache_fills()
+                made = time.perf_counter() - t0
+            add("fill", took)
+            add("fill: entries made", made)
+            add("fill: readers' seconds in Cache.write", spent[0])
+            if threads:
+                add("fill: share of readers' time in Cache.write", spent[0] / (threads * took))
+            read_all(files + [os.path.join(cache, n) for n in os.listdir(cache)])
+            t0 = time.perf_counter()
+            with Checkpoint.open(url, cache_dir=cache) as ck:
+                add("open (hit, online: revalidated)", time.perf_counter() - t0)
+                assert type(ck._shards).__name__ == "CachedShards"
+            with offline_mode():
+                t0 = time.perf_counter()
+                with Checkpoint.open(url, cache_dir=cache) as ck:
+                    add("open (hit, offline)", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with Checkpoint.open(files) as ck:
+                add("open (local files)", time.perf_counter() - t0)
+            add("from cache, online", load(cache_dir=cache)[0])
+            with offline_mode():
+                add("from cache, offline", load(cache_dir=cache)[0])
+            add("local files", _local(files, device, sync))
+
+    base = min(rows["no cache"])
+    print(f"{nbytes / 1e9:.2f} GB in {len(files)} shards, device {device}, best of {args.repeat}\n")
+    print("| what | best | GB/s | / no cache |")
+    print("| --- | --- | --- | --- |")
+    for key, values in rows.items():
+        best = min(values)
+        if "share" in key:
+            print(f"| {key} | {best:.1%} | | |")
+        elif key.startswith("open") or "Cache.write" in key:
+            print(f"| {key} | {best * 1e3:.1f} ms | | |")
+        else:
+            print(f"| {key} | {best:.3f} s | {nbytes / best / 1e9:.2f} | {base / best:.2f}x |")
+
+
+def _local(files, device, sync):
+    from instant_staging.loader import load_file
+    t0 = time.perf_counter()
+    out = load_file(files, device)
+    sync()
+    took = time.perf_counter() - t0
+    del out
+    return took
+
+
+if __name__ == "__main__":
+    main()
