@@ -59,6 +59,7 @@ from the bytes as they are written.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -391,20 +392,32 @@ def publish(plan: Plan, path: str, *, sync=True, staging=None, chunk=SAVE_CHUNK_
     there (the module's docstring).  ``stage_cpu`` sends CPU tensors through
     the staging buffer too (the tests' way to run the staged path without a
     GPU); ``chunk`` is a multiple of DIGEST_BLOCK where digests are asked."""
+    with published(path, sync=sync) as fd:
+        os.ftruncate(fd, plan.size)
+        if not plan.digests:
+            _pwrite_all(fd, memoryview(struct.pack("<Q", len(plan.header)) + plan.header), 0)
+        found = write_entries(fd, plan, chunk=chunk, threads=threads, staging=staging,
+                              stage_cpu=stage_cpu)
+        if plan.digests:
+            header = plan.final_header(found)
+            _pwrite_all(fd, memoryview(struct.pack("<Q", len(header)) + header), 0)
+
+
+@contextlib.contextmanager
+def published(path, *, sync=True):
+    """Yields a descriptor open for writing on a new file beside ``path``
+    (``.<name>.<random>.tmp``, created with O_EXCL, never followed through a
+    link); once the block returns, the file is synced, closed, renamed over
+    ``path`` and its directory synced (``sync=False`` leaves out both
+    syncs).  A block that raises leaves ``path`` as it was and the
+    temporary file removed."""
     directory, base = os.path.split(os.path.abspath(path))
     temp = os.path.join(directory, f".{base[:200]}.{secrets.token_hex(8)}.tmp")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
     done = False
     try:
         try:
-            os.ftruncate(fd, plan.size)
-            if not plan.digests:
-                _pwrite_all(fd, memoryview(struct.pack("<Q", len(plan.header)) + plan.header), 0)
-            found = write_entries(fd, plan, chunk=chunk, threads=threads, staging=staging,
-                                  stage_cpu=stage_cpu)
-            if plan.digests:
-                header = plan.final_header(found)
-                _pwrite_all(fd, memoryview(struct.pack("<Q", len(header)) + header), 0)
+            yield fd
             if sync:
                 os.fsync(fd)
         finally:
