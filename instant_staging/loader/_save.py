@@ -646,19 +646,7 @@ def _write_staged(torch, device, group, work, stop, chunk, nthreads, staging):
             if stop.is_set():
                 return
             slot = free.get()
-            at = slot.offset
-            event = None
-            if cuda:
-                with torch.cuda.stream(stream):
-                    for e, begin, n in piece.parts:
-                        host[at:at + n].copy_(e.tensor[begin:begin + n], non_blocking=True)
-                        at += n
-                    event = torch.cuda.Event()
-                    event.record(stream)
-            else:
-                for e, begin, n in piece.parts:
-                    host[at:at + n].copy_(e.tensor[begin:begin + n])
-                    at += n
+            event = copy_piece(torch, piece, host, slot.offset, stream)
 
             def release(slot=slot):
                 free.put(slot)
@@ -676,6 +664,25 @@ def _write_staged(torch, device, group, work, stop, chunk, nthreads, staging):
         del host, memory
         if own:
             _staging_pool.give(index, buf)
+
+
+def copy_piece(torch, piece, host, at, stream):
+    """Copies ``piece``'s parts back to back into ``host`` (a byte tensor of
+    pinned memory) from byte ``at``: on ``stream`` (a device's), returning
+    an event recorded after the copies, or at once (``stream`` None: CPU
+    tensors), returning None."""
+    if stream is None:
+        for e, begin, n in piece.parts:
+            host[at:at + n].copy_(e.tensor[begin:begin + n])
+            at += n
+        return None
+    with torch.cuda.stream(stream):
+        for e, begin, n in piece.parts:
+            host[at:at + n].copy_(e.tensor[begin:begin + n], non_blocking=True)
+            at += n
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
 
 
 def _slots(buf, chunk):
