@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..defaults import DELTA_BASE_BATCH
-from ._save import VERSION_KEY, _torch_names
+from ._save import VERSION_KEY, _torch_names, check_tensor_dict
 from ._save_file import save_file
 from ._target import _import_torch
 from ._typing import PathLike, Source
@@ -202,12 +202,7 @@ def save_delta(tensors: Mapping[str, torch.Tensor], base: Mapping[str, torch.Ten
     for label, value in (("base_version", base_version), ("version", version)):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{label} must be a non-empty str, not {value!r}")
-    if not isinstance(tensors, Mapping):
-        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"Key `{name}` is invalid, expected torch.Tensor but received "
-                             f"{type(tensor)}")
+    check_tensor_dict(torch, tensors)
     out: dict = {}
     sparse: dict = {}
     for name, tensor, old in _pairs(torch, tensors, base):

@@ -187,12 +187,7 @@ def make_plan(tensors, metadata, *, version=None, digests=False, allow_shared=Fa
     file out; nothing is written.  ``allow_shared``: tensors sharing memory
     are written each with its bytes (the DCP writer's tied names)."""
     torch = _import_torch()
-    if not isinstance(tensors, Mapping):
-        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"Key `{name}` is invalid, expected torch.Tensor but received "
-                             f"{type(tensor)}")
+    check_tensor_dict(torch, tensors)
     sparse = [name for name, tensor in tensors.items() if tensor.layout != torch.strided]
     if sparse:
         raise ValueError(f"You are trying to save sparse tensors: `{sparse}`, which safetensors "
@@ -243,6 +238,17 @@ def make_plan(tensors, metadata, *, version=None, digests=False, allow_shared=Fa
         raise ValueError(f"the header would take {len(header)} bytes, more than safetensors "
                          f"reads ({MAX_HEADER_BYTES})")
     return Plan(entries, meta, digests, header)
+
+
+def check_tensor_dict(torch, tensors):
+    """Raises safetensors' ValueError where ``tensors`` is not a mapping or
+    one of its values is not a torch.Tensor (the names are checked later)."""
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"Key `{name}` is invalid, expected torch.Tensor but received "
+                             f"{type(tensor)}")
 
 
 def _checked_metadata(metadata):

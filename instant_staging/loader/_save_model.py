@@ -46,7 +46,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from ._save import VERSION_KEY, _end, _pwrite_all, make_plan, published
+from ._save import VERSION_KEY, _end, _pwrite_all, check_tensor_dict, make_plan, published
 from ._save_file import save_file
 from ._schemes import is_url, redact_url
 from ._target import _import_torch
@@ -124,10 +124,7 @@ def save_model(model_or_state_dict, save_directory: PathLike, *,
     for key, value in meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"metadata must map str to str: {key!r}: {value!r}")
-    for name, tensor in state_dict.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"Key `{name}` is invalid, expected torch.Tensor but received "
-                             f"{type(tensor)}")
+    check_tensor_dict(torch, state_dict)
     for kept, dropped in tied_names(torch, state_dict, shared_tensors_to_discard).items():
         for name in dropped:
             meta.setdefault(name, kept)
