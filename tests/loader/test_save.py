@@ -35,19 +35,9 @@ from instant_staging.loader import (
 )
 from instant_staging.testing import SimulatedRuntime
 
+from support.tensors import random_tensor as rand
+
 ALL_DTYPES = [getattr(torch, a) for a in TORCH_DTYPES.values() if hasattr(torch, a)]
-
-
-def rand(dtype, shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    numel = 1
-    for d in shape:
-        numel *= d
-    size = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=g)
-    if dtype is torch.bool:
-        raw = raw % 2
-    return raw.view(dtype).reshape(shape)
 
 
 def every_dtype(seed=0):
