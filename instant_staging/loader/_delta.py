@@ -421,6 +421,18 @@ def _rows_shape(name, shape, rows):
     return (stop - start, *shape[1:]), (start * per_row, stop * per_row)
 
 
+def load_groups(ck, groups, plan, done, options):
+    """Loads each group of ``groups`` (``{device: {name: destination}}``)
+    by ``ck.load_into``: the rows ``plan`` gives (None: whole), each
+    group's names put in ``done`` once it is written."""
+    for group in groups.values():
+        if plan is None:
+            ck.load_into(group, names=list(group), **options)
+        else:
+            ck.load_into(group, plan={n: plan.get(n) for n in group}, **options)
+        done.extend(group)
+
+
 def write_delta(ck, checked: CheckedDelta, *, written: list | None = None, **options) -> None:
     """Writes ``checked`` (``check_delta``'s) into its destinations: whole
     tensors first (reads, which may fail), by ``load_into``, then the
@@ -439,12 +451,7 @@ def write_delta(ck, checked: CheckedDelta, *, written: list | None = None, **opt
         groups: dict = {}
         for name in info.full:
             groups.setdefault(checked.dests[name].device, {})[name] = checked.dests[name]
-        for group in groups.values():
-            if plan is None:
-                ck.load_into(group, names=list(group), **options)
-            else:
-                ck.load_into(group, plan={n: plan.get(n) for n in group}, **options)
-            done.extend(group)
+        load_groups(ck, groups, plan, done, options)
         with torch.no_grad():
             for name, (positions, values) in checked.patches.items():
                 _as_int(torch, checked.dests[name])[positions] = _as_int(torch, values)
