@@ -496,6 +496,29 @@ def add_common_options(parser):
                         help="show the fallback warnings")
 
 
+QUICK_SCALE = 64     # --quick: each matrix dimension of a layout this many times smaller
+
+
+def add_layout_options(parser, *, layouts, layouts_help, dir_default=None, dir_help):
+    """The options of the benchmarks that time torch over bench_load.py's
+    layouts (load, reload, update, save, save_dcp): --layouts, --dir,
+    --repeat, --device, --quick and --json."""
+    parser.add_argument("--layouts", default=layouts, help=layouts_help)
+    parser.add_argument("--dir", default=dir_default, help=dir_help)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--device", default=None, help="default: cuda if torch sees one, else cpu")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke test: layouts {QUICK_SCALE}x smaller per dimension, "
+                             "one repeat")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+
+
+def scale_and_repeat(args):
+    """(how many times smaller each layout's dimensions, how many runs),
+    as --quick and --repeat ask."""
+    return (QUICK_SCALE, 1) if args.quick else (1, args.repeat)
+
+
 def run_timed(parser, args, title, run):
     """Checks --runs, picks the runtime, prints the banner and times
     ``run(args, setup)``; returns (setup, results, skipped, seconds)."""

@@ -772,6 +772,33 @@ def environment(torch, device):
     return env
 
 
+def start(torch, args, title, no_gpu=""):
+    """Logging as -v asks, the device, the banner and --dir made; returns
+    (device, scale, repeat).  ``no_gpu``: what the banner adds without one."""
+    C.quiet_logging(args.verbose)
+    device, why_cpu = pick_device(torch, args.device)
+    scale, repeat = C.scale_and_repeat(args)
+    print("=" * 78)
+    print(f"{title} -- device {device}" + (f" (NO GPU: {why_cpu}{no_gpu})" if why_cpu else ""))
+    print("=" * 78, flush=True)
+    os.makedirs(args.dir, exist_ok=True)
+    return device, scale, repeat
+
+
+def prepared(names, directory, scale, record):
+    """This file's checkpoints of each of ``names`` (uniform: 4 GiB), made
+    (shared with every script that asks for the same) and warmed; yields
+    (name, paths), each layout's counts put in ``record`` and printed."""
+    for name, files in layouts(names, scale, 4 << 30):
+        paths = generate(directory, files)
+        warm(paths)
+        record[name] = {"files": len(paths), "tensors": sum(len(t) for _, t in files),
+                        "bytes": sum(os.path.getsize(p) for p in paths)}
+        print(f"{name}: {record[name]['tensors']} tensors, {C.fmt_size(record[name]['bytes'])}",
+              flush=True)
+        yield name, paths
+
+
 def layouts(names, scale, uniform_size):
     out = []
     for name in names:
@@ -794,33 +821,21 @@ def layouts(names, scale, uniform_size):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", default="dense,moe", help="dense, moe, awq, finemoe, fp8, uniform")
+    C.add_layout_options(ap, layouts="dense,moe", layouts_help="dense, moe, awq, finemoe, fp8, uniform",
+                         dir_default=DEFAULT_DIR, dir_help="where checkpoints live (local disk)")
     ap.add_argument("--cold", default="dense,moe", help="layouts also measured cold ('' for none)")
     ap.add_argument("--cold-only", default=None,
                     help="comma-separated method name prefixes measured cold (default: all)")
     ap.add_argument("--skip-hot", action="store_true", help="only the cold runs")
     ap.add_argument("--uniform-size", default="4GiB")
-    ap.add_argument("--dir", default=DEFAULT_DIR, help="where checkpoints live (local disk)")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--device", default=None, help="default: cuda if torch sees one, else cpu")
     ap.add_argument("--budget", type=float, default=30.0,
                     help="seconds one method may take over its repeats for one layout")
     ap.add_argument("--only", default=None, help="comma-separated method name prefixes")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke test: layouts 64x smaller per dimension, one repeat")
-    ap.add_argument("--json", default=None)
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    C.quiet_logging(args.verbose)
     import torch
     started = time.perf_counter()
-    device, why_cpu = pick_device(torch, args.device)
-    scale = 64 if args.quick else 1
-    repeat = 1 if args.quick else args.repeat
-    print("=" * 78)
-    print(f"bench_load -- device {device}" + (f" (NO GPU: {why_cpu}; CPU copies only)" if why_cpu else ""))
-    print("=" * 78, flush=True)
-    os.makedirs(args.dir, exist_ok=True)
+    device, scale, repeat = start(torch, args, "bench_load", no_gpu="; CPU copies only")
     doc = {"environment": environment(torch, device), "layouts": {}, "results": [], "notes": []}
     cold_layouts = [c for c in args.cold.split(",") if c]
 

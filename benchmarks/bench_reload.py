@@ -291,33 +291,16 @@ def print_table(rows):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", default="dense,finemoe", help="bench_load.py's: dense, moe, finemoe, ...")
-    ap.add_argument("--dir", default=BL.DEFAULT_DIR, help="where checkpoints live (local disk)")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--device", default=None, help="default: cuda if torch sees one, else cpu")
+    C.add_layout_options(ap, layouts="dense,finemoe",
+                         layouts_help="bench_load.py's: dense, moe, finemoe, ...",
+                         dir_default=BL.DEFAULT_DIR, dir_help="where checkpoints live (local disk)")
     ap.add_argument("--no-model", action="store_true", help="skip the transformers rows")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke test: layouts 64x smaller per dimension, one repeat")
-    ap.add_argument("--json", default=None)
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    C.quiet_logging(args.verbose)
     import torch
-    device, why_cpu = BL.pick_device(torch, args.device)
-    scale = 64 if args.quick else 1
-    repeat = 1 if args.quick else args.repeat
-    print("=" * 78)
-    print(f"bench_reload -- device {device}" + (f" (NO GPU: {why_cpu})" if why_cpu else ""))
-    print("=" * 78, flush=True)
-    os.makedirs(args.dir, exist_ok=True)
+    device, scale, repeat = BL.start(torch, args, "bench_reload")
     rows, layouts = [], {}
-    for name, files in BL.layouts(args.layouts.split(","), scale, 4 << 30):
-        paths = BL.generate(args.dir, files)     # (bench_load.py's files, shared)
-        BL.warm(paths)
-        layouts[name] = {"files": len(paths), "tensors": sum(len(t) for _, t in files),
-                         "bytes": sum(os.path.getsize(p) for p in paths)}
-        print(f"{name}: {layouts[name]['tensors']} tensors, {C.fmt_size(layouts[name]['bytes'])}",
-              flush=True)
+    for name, paths in BL.prepared(args.layouts.split(","), args.dir, scale, layouts):
         rows += bench_layout(torch, device, name, paths, repeat)
         if name == "dense" and not args.no_model:
             rows += bench_model(torch, device, paths, scale, repeat)

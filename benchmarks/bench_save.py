@@ -241,24 +241,32 @@ def verdicts(rows):
     return out
 
 
+def add_options(parser):
+    """The options bench_save.py and bench_save_dcp.py share."""
+    C.add_layout_options(parser, layouts="dense,finemoe", layouts_help=f"of {', '.join(LAYOUTS)}",
+                         dir_help="where the files go (default: a temporary directory)")
+
+
+def checked_layouts(parser, args):
+    """--layouts as a list, after --layouts and --repeat are checked."""
+    layouts = C.parse_kinds(parser, args.layouts, list(LAYOUTS))
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    return layouts
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", default="dense,finemoe", help=f"of {', '.join(LAYOUTS)}")
-    parser.add_argument("--dir", help="where the files go (default: a temporary directory)")
-    parser.add_argument("--device", help="default: the current GPU, else cpu")
-    parser.add_argument("--repeat", type=int, default=3)
+    add_options(parser)
     parser.add_argument("--delta-fraction", type=float, default=0.02)
-    parser.add_argument("--quick", action="store_true",
-                        help="layouts 64x smaller in each matrix dimension, 1 run (smoke test)")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
-    layouts = C.parse_kinds(parser, args.layouts, list(LAYOUTS))
-    if args.repeat < 1 or not 0 < args.delta_fraction < 1:
-        parser.error("--repeat must be >= 1 and --delta-fraction in (0, 1)")
+    layouts = checked_layouts(parser, args)
+    if not 0 < args.delta_fraction < 1:
+        parser.error("--delta-fraction must be in (0, 1)")
     import torch
     device, note = BL.pick_device(torch, args.device)
-    scale, repeat = (64, 1) if args.quick else (1, args.repeat)
+    scale, repeat = C.scale_and_repeat(args)
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         rows = []
         for name in layouts:

@@ -137,18 +137,10 @@ def bench_layout(torch, device, name, directory, scale, repeat, limit):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", default="dense,finemoe", help=f"of {', '.join(BS.LAYOUTS)}")
-    parser.add_argument("--dir", help="where the files go (default: a temporary directory)")
-    parser.add_argument("--device", help="default: the current GPU, else cpu")
-    parser.add_argument("--repeat", type=int, default=3)
+    BS.add_options(parser)
     parser.add_argument("--shard-size", default="4GiB", help="bytes per file (4GiB, 512MiB, ...)")
-    parser.add_argument("--quick", action="store_true",
-                        help="layouts 64x smaller in each matrix dimension, 1 run (smoke test)")
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
-    layouts = C.parse_kinds(parser, args.layouts, list(BS.LAYOUTS))
-    if args.repeat < 1:
-        parser.error("--repeat must be >= 1")
+    layouts = BS.checked_layouts(parser, args)
     try:
         limit = ist.parse_size(args.shard_size)
     except (TypeError, ValueError) as e:
@@ -157,9 +149,8 @@ def main(argv=None):
         parser.error("--shard-size must be positive")
     import torch
     device, note = BL.pick_device(torch, args.device)
-    scale, repeat = (64, 1) if args.quick else (1, args.repeat)
-    if args.quick:
-        limit = max(1, limit // 64 ** 2)
+    scale, repeat = C.scale_and_repeat(args)
+    limit = max(1, limit // scale ** 2)
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         rows = []
         for name in layouts:

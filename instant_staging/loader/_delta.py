@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..defaults import DELTA_BASE_BATCH
-from ._save import VERSION_KEY, _torch_names
+from ._save import VERSION_KEY, _torch_names, check_tensor_dict
 from ._save_file import save_file
 from ._target import _import_torch
 from ._typing import PathLike, Source
@@ -202,12 +202,7 @@ def save_delta(tensors: Mapping[str, torch.Tensor], base: Mapping[str, torch.Ten
     for label, value in (("base_version", base_version), ("version", version)):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{label} must be a non-empty str, not {value!r}")
-    if not isinstance(tensors, Mapping):
-        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"Key `{name}` is invalid, expected torch.Tensor but received "
-                             f"{type(tensor)}")
+    check_tensor_dict(torch, tensors)
     out: dict = {}
     sparse: dict = {}
     for name, tensor, old in _pairs(torch, tensors, base):
@@ -426,6 +421,18 @@ def _rows_shape(name, shape, rows):
     return (stop - start, *shape[1:]), (start * per_row, stop * per_row)
 
 
+def load_groups(ck, groups, plan, done, options):
+    """Loads each group of ``groups`` (``{device: {name: destination}}``)
+    by ``ck.load_into``: the rows ``plan`` gives (None: whole), each
+    group's names put in ``done`` once it is written."""
+    for group in groups.values():
+        if plan is None:
+            ck.load_into(group, names=list(group), **options)
+        else:
+            ck.load_into(group, plan={n: plan.get(n) for n in group}, **options)
+        done.extend(group)
+
+
 def write_delta(ck, checked: CheckedDelta, *, written: list | None = None, **options) -> None:
     """Writes ``checked`` (``check_delta``'s) into its destinations: whole
     tensors first (reads, which may fail), by ``load_into``, then the
@@ -444,12 +451,7 @@ def write_delta(ck, checked: CheckedDelta, *, written: list | None = None, **opt
         groups: dict = {}
         for name in info.full:
             groups.setdefault(checked.dests[name].device, {})[name] = checked.dests[name]
-        for group in groups.values():
-            if plan is None:
-                ck.load_into(group, names=list(group), **options)
-            else:
-                ck.load_into(group, plan={n: plan.get(n) for n in group}, **options)
-            done.extend(group)
+        load_groups(ck, groups, plan, done, options)
         with torch.no_grad():
             for name, (positions, values) in checked.patches.items():
                 _as_int(torch, checked.dests[name])[positions] = _as_int(torch, values)

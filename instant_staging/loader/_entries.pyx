@@ -18,15 +18,7 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM
 
-from ._tuples cimport check_kind, record, triple
-
-# TensorEntry's fields, by place.
-cdef enum:
-    _NAME = 0
-    _DTYPE = 1
-    _SHAPE = 2
-    _BEGIN = 3
-    _END = 4
+from ._tuples cimport _BEGIN, _DTYPE, _END, _NAME, _SHAPE, check_kind, record, triple
 
 
 cdef inline tuple _entry(list entries, Py_ssize_t k):

@@ -33,14 +33,7 @@ from libc.stdint cimport uint64_t
 from libc.stdlib cimport free, malloc
 
 from ._header import PACKED_DTYPES, torch_shape
-
-# TensorEntry's fields, by place (``_entries.pyx``).
-cdef enum:
-    _NAME = 0
-    _DTYPE = 1
-    _SHAPE = 2
-    _BEGIN = 3
-    _END = 4
+from ._tuples cimport _BEGIN, _DTYPE, _END, _NAME, _SHAPE
 
 cdef extern from "Python.h":
     int PyUnicode_Compare(object a, object b) except? -1

@@ -59,6 +59,7 @@ from the bytes as they are written.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -186,12 +187,7 @@ def make_plan(tensors, metadata, *, version=None, digests=False, allow_shared=Fa
     file out; nothing is written.  ``allow_shared``: tensors sharing memory
     are written each with its bytes (the DCP writer's tied names)."""
     torch = _import_torch()
-    if not isinstance(tensors, Mapping):
-        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"Key `{name}` is invalid, expected torch.Tensor but received "
-                             f"{type(tensor)}")
+    check_tensor_dict(torch, tensors)
     sparse = [name for name, tensor in tensors.items() if tensor.layout != torch.strided]
     if sparse:
         raise ValueError(f"You are trying to save sparse tensors: `{sparse}`, which safetensors "
@@ -242,6 +238,17 @@ def make_plan(tensors, metadata, *, version=None, digests=False, allow_shared=Fa
         raise ValueError(f"the header would take {len(header)} bytes, more than safetensors "
                          f"reads ({MAX_HEADER_BYTES})")
     return Plan(entries, meta, digests, header)
+
+
+def check_tensor_dict(torch, tensors):
+    """Raises safetensors' ValueError where ``tensors`` is not a mapping or
+    one of its values is not a torch.Tensor (the names are checked later)."""
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"Key `{name}` is invalid, expected torch.Tensor but received "
+                             f"{type(tensor)}")
 
 
 def _checked_metadata(metadata):
@@ -391,20 +398,32 @@ def publish(plan: Plan, path: str, *, sync=True, staging=None, chunk=SAVE_CHUNK_
     there (the module's docstring).  ``stage_cpu`` sends CPU tensors through
     the staging buffer too (the tests' way to run the staged path without a
     GPU); ``chunk`` is a multiple of DIGEST_BLOCK where digests are asked."""
+    with published(path, sync=sync) as fd:
+        os.ftruncate(fd, plan.size)
+        if not plan.digests:
+            _pwrite_all(fd, memoryview(struct.pack("<Q", len(plan.header)) + plan.header), 0)
+        found = write_entries(fd, plan, chunk=chunk, threads=threads, staging=staging,
+                              stage_cpu=stage_cpu)
+        if plan.digests:
+            header = plan.final_header(found)
+            _pwrite_all(fd, memoryview(struct.pack("<Q", len(header)) + header), 0)
+
+
+@contextlib.contextmanager
+def published(path, *, sync=True):
+    """Yields a descriptor open for writing on a new file beside ``path``
+    (``.<name>.<random>.tmp``, created with O_EXCL, never followed through a
+    link); once the block returns, the file is synced, closed, renamed over
+    ``path`` and its directory synced (``sync=False`` leaves out both
+    syncs).  A block that raises leaves ``path`` as it was and the
+    temporary file removed."""
     directory, base = os.path.split(os.path.abspath(path))
     temp = os.path.join(directory, f".{base[:200]}.{secrets.token_hex(8)}.tmp")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
     done = False
     try:
         try:
-            os.ftruncate(fd, plan.size)
-            if not plan.digests:
-                _pwrite_all(fd, memoryview(struct.pack("<Q", len(plan.header)) + plan.header), 0)
-            found = write_entries(fd, plan, chunk=chunk, threads=threads, staging=staging,
-                                  stage_cpu=stage_cpu)
-            if plan.digests:
-                header = plan.final_header(found)
-                _pwrite_all(fd, memoryview(struct.pack("<Q", len(header)) + header), 0)
+            yield fd
             if sync:
                 os.fsync(fd)
         finally:
@@ -633,19 +652,7 @@ def _write_staged(torch, device, group, work, stop, chunk, nthreads, staging):
             if stop.is_set():
                 return
             slot = free.get()
-            at = slot.offset
-            event = None
-            if cuda:
-                with torch.cuda.stream(stream):
-                    for e, begin, n in piece.parts:
-                        host[at:at + n].copy_(e.tensor[begin:begin + n], non_blocking=True)
-                        at += n
-                    event = torch.cuda.Event()
-                    event.record(stream)
-            else:
-                for e, begin, n in piece.parts:
-                    host[at:at + n].copy_(e.tensor[begin:begin + n])
-                    at += n
+            event = copy_piece(torch, piece, host, slot.offset, stream)
 
             def release(slot=slot):
                 free.put(slot)
@@ -663,6 +670,25 @@ def _write_staged(torch, device, group, work, stop, chunk, nthreads, staging):
         del host, memory
         if own:
             _staging_pool.give(index, buf)
+
+
+def copy_piece(torch, piece, host, at, stream):
+    """Copies ``piece``'s parts back to back into ``host`` (a byte tensor of
+    pinned memory) from byte ``at``: on ``stream`` (a device's), returning
+    an event recorded after the copies, or at once (``stream`` None: CPU
+    tensors), returning None."""
+    if stream is None:
+        for e, begin, n in piece.parts:
+            host[at:at + n].copy_(e.tensor[begin:begin + n])
+            at += n
+        return None
+    with torch.cuda.stream(stream):
+        for e, begin, n in piece.parts:
+            host[at:at + n].copy_(e.tensor[begin:begin + n], non_blocking=True)
+            at += n
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
 
 
 def _slots(buf, chunk):

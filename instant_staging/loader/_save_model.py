@@ -43,11 +43,10 @@ import json
 import os
 import posixpath
 import re
-import secrets
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from ._save import VERSION_KEY, _end, _pwrite_all, _sync_dir, make_plan
+from ._save import VERSION_KEY, _end, _pwrite_all, check_tensor_dict, make_plan, published
 from ._save_file import save_file
 from ._schemes import is_url, redact_url
 from ._target import _import_torch
@@ -125,10 +124,7 @@ def save_model(model_or_state_dict, save_directory: PathLike, *,
     for key, value in meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"metadata must map str to str: {key!r}: {value!r}")
-    for name, tensor in state_dict.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"Key `{name}` is invalid, expected torch.Tensor but received "
-                             f"{type(tensor)}")
+    check_tensor_dict(torch, state_dict)
     for kept, dropped in tied_names(torch, state_dict, shared_tensors_to_discard).items():
         for name in dropped:
             meta.setdefault(name, kept)
@@ -311,27 +307,8 @@ def _publish_bytes(data, directory, name, remote, *, sync, storage_options):
             raise OSError(f"{redact_url(_join(directory, name, True))}: the upload failed: "
                           f"{describe(e)}") from None
         return
-    temp = os.path.join(directory, f".{name[:200]}.{secrets.token_hex(8)}.tmp")
-    path = os.path.join(directory, name)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
-    done = False
-    try:
-        try:
-            _pwrite_all(fd, memoryview(data), 0)
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(temp, path)
-        done = True
-    finally:
-        if not done:
-            try:
-                os.unlink(temp)
-            except OSError:
-                pass
-    if sync:
-        _sync_dir(directory)
+    with published(os.path.join(directory, name), sync=sync) as fd:
+        _pwrite_all(fd, memoryview(data), 0)
 
 
 def _stale_pattern(pattern):

@@ -14,6 +14,14 @@ from cpython.object cimport PyObject, PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 
+# TensorEntry's fields, by place (``_header.py``).
+cdef enum:
+    _NAME = 0
+    _DTYPE = 1
+    _SHAPE = 2
+    _BEGIN = 3
+    _END = 4
+
 cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void* op)
     PyObject* PyType_GenericAlloc(PyTypeObject* t, Py_ssize_t n) except NULL

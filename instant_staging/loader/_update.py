@@ -70,7 +70,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ._delta import DELTA_KEY, DeltaError, DeltaInfo, check_delta, write_delta
+from ._delta import DELTA_KEY, DeltaError, DeltaInfo, check_delta, load_groups, write_delta
 from ._digest import device_digests
 from ._save import DIGEST_ALGORITHM, DIGESTS_KEY, VERSION_KEY, _torch_names
 from ._target import _import_torch
@@ -430,12 +430,7 @@ def _apply_open(torch, ck, tensors, version, base_version, digests, name_map, pl
             write_delta(ck, checked, written=written, **options)
         else:
             assert groups is not None
-            for group in groups.values():
-                if plan is None:
-                    ck.load_into(group, names=list(group), **options)
-                else:
-                    ck.load_into(group, plan={n: plan.get(n) for n in group}, **options)
-                written.extend(group)
+            load_groups(ck, groups, plan, written, options)
     except BaseException as e:
         failure = _failed(e, written, saved, keys, version, base_version)
         if isinstance(e, KeyboardInterrupt):

@@ -43,7 +43,7 @@ import struct
 import weakref
 
 from ..defaults import SAVE_CHUNK_SIZE, SAVE_SLOTS, UPLOAD_CONCURRENCY, UPLOAD_MAX_PARTS
-from ._save import Plan, _host_view, pieces, tensor_digest
+from ._save import Plan, _host_view, copy_piece, pieces, tensor_digest
 from ._schemes import (
     SCHEMES,
     ClientPanic,
@@ -213,24 +213,14 @@ class _Stream:
                         del view
                     continue
                 taken = self._free.get()
-                at = taken
-                event = None
+                stream = None
                 if piece.device.type == "cuda":
                     stream = streams.get(piece.device)
                     if stream is None:
                         stream = streams[piece.device] = torch.cuda.Stream(device=piece.device)
                         # The tensors' last writers are kernels on the current stream.
                         stream.wait_stream(torch.cuda.current_stream(piece.device))
-                    with torch.cuda.stream(stream):
-                        for e, begin, n in piece.parts:
-                            host[at:at + n].copy_(e.tensor[begin:begin + n], non_blocking=True)
-                            at += n
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                else:
-                    for e, begin, n in piece.parts:
-                        host[at:at + n].copy_(e.tensor[begin:begin + n])
-                        at += n
+                event = copy_piece(torch, piece, host, taken, stream)
                 # This piece's copy runs while the one before it is sent.
                 before, pending = pending, (taken, piece.size, event)
                 taken = None

@@ -98,14 +98,8 @@ def test_a_failure_part_way_names_the_written_weights(tmp_path, monkeypatch):
 
 
 def test_bench_reload_quick(tmp_path):
-    import json
-
-    from support import ROOT, run_script
-    out = tmp_path / "reload.json"
-    r = run_script(os.path.join(ROOT, "benchmarks", "bench_reload.py"), "--quick", "--dir",
-                   str(tmp_path), "--json", str(out), env={"CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode == 0, r.stdout + r.stderr
-    rows = json.loads(out.read_text())["results"]
+    from support import run_bench_quick
+    rows = run_bench_quick(tmp_path, "bench_reload.py")["results"]
     assert [(x["layout"], x["method"]) for x in rows] == [
         ("dense", "load_file"), ("dense", "load_into"), ("dense", "load_into-flat"),
         ("dense-model", "load_state_dict"), ("dense-model", "reload_weights"),

@@ -154,6 +154,12 @@ def test_save_delta_refuses_a_base_that_does_not_match(tmp_path):
         save_delta({**new, "ids": torch.arange(11)}, base, tmp_path / "d", base_version="a", version="b")
     with pytest.raises(ValueError, match="version"):
         save_delta(new, base, tmp_path / "d", base_version="", version="b")
+    # safetensors' own messages, as save_file gives them
+    with pytest.raises(ValueError, match=r"Expected a dict of \[str, torch\.Tensor\]"):
+        save_delta(list(new.items()), base, tmp_path / "d", base_version="a", version="b")
+    with pytest.raises(ValueError, match=r"Key `ids` is invalid, expected torch\.Tensor"):
+        save_delta({**new, "ids": 3}, base, tmp_path / "d", base_version="a", version="b")
+    assert not (tmp_path / "d").exists()
 
 
 def test_a_sparse_name_whose_keys_collide_is_stored_whole(tmp_path):

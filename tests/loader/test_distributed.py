@@ -27,6 +27,7 @@ from instant_staging.loader import DistributedLoadError, load_file
 from instant_staging.loader import _distributed as D
 
 from support.ranks import free_port, rank_env, run_ranks
+from support.tensors import random_tensor as rand
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -124,15 +125,6 @@ def test_error_pickles():
 
 
 # -- real groups -----------------------------------------------------------------
-
-def rand(dtype, shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    numel = 1
-    for d in shape:
-        numel *= d
-    size = torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
-
 
 def make_files(d):
     """Three shards of uneven size (one big, one of many mixed tensors, one

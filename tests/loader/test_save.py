@@ -35,19 +35,9 @@ from instant_staging.loader import (
 )
 from instant_staging.testing import SimulatedRuntime
 
+from support.tensors import random_tensor as rand
+
 ALL_DTYPES = [getattr(torch, a) for a in TORCH_DTYPES.values() if hasattr(torch, a)]
-
-
-def rand(dtype, shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    numel = 1
-    for d in shape:
-        numel *= d
-    size = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=g)
-    if dtype is torch.bool:
-        raw = raw % 2
-    return raw.view(dtype).reshape(shape)
 
 
 def every_dtype(seed=0):
@@ -364,18 +354,13 @@ def test_a_short_pwritev_writes_the_rest(tmp_path, monkeypatch):
 
 
 def test_bench_save_quick(tmp_path):
-    from support import ROOT, run_script
-    out = tmp_path / "save.json"
-    r = run_script(os.path.join(ROOT, "benchmarks", "bench_save.py"), "--quick", "--layouts",
-                   "dense,finemoe", "--dir", str(tmp_path), "--json", str(out),
-                   env={"CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode == 0, r.stdout + r.stderr
-    doc = json.loads(out.read_text())
+    from support import run_bench_quick
+    doc = run_bench_quick(tmp_path, "bench_save.py", "--layouts", "dense,finemoe")
     methods = [(x["layout"], x["method"]) for x in doc["results"]]
     assert ("finemoe", "delta 2%") in methods and ("dense", "ceiling disk") in methods
     assert all(x["best"] > 0 for x in doc["results"])
     assert all(x["exact"] is True for x in doc["results"] if x["method"].startswith("instant"))
-    assert [p for p in os.listdir(tmp_path) if p != "save.json"] == []
+    assert [p for p in os.listdir(tmp_path) if p != "bench_save.json"] == []
 
 
 def test_more_small_tensors_than_one_write_takes_buffers(tmp_path, monkeypatch):

@@ -78,6 +78,22 @@ def test_shards_byte_identical_and_pattern(tmp_path):
     assert "weights-00001-of-00004.st" in names and "weights.st.index.json" in names
 
 
+def test_pattern_in_a_subdirectory_as_huggingface_hub(tmp_path):
+    """The index goes beside its shards, under its own name (it once went
+    to a temporary name under ``.sub/``, a directory nobody made)."""
+    a, b = tmp_path / "hf", tmp_path / "ours"
+    (a / "sub").mkdir(parents=True)
+    (b / "sub").mkdir(parents=True)
+    sd = {f"w.{i}": torch.full((1000,), float(i)) for i in range(3)}
+    pattern = "sub/model{suffix}.safetensors"
+    hf.save_torch_state_dict(sd, a, max_shard_size="5KB", filename_pattern=pattern)
+    save_model(sd, b, max_shard_size="5KB", filename_pattern=pattern)
+    assert sorted(os.listdir(b / "sub")) == sorted(os.listdir(a / "sub"))
+    index = "sub/model.safetensors.index.json"
+    assert (b / index).read_bytes() == (a / index).read_bytes()
+    assert os.listdir(b) == ["sub"]
+
+
 def test_discard_and_module(tmp_path):
     lin = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     lin[1].weight = lin[0].weight
@@ -118,6 +134,22 @@ def test_stale_files_removed_after_the_index(tmp_path):
     assert all(torch.equal(got[k], sd[k]) for k in sd)
     save_model(sd, tmp_path, max_shard_size="5KB", is_main_process=False)
     assert "model.safetensors" in os.listdir(tmp_path)      # another rank's: left
+
+
+def test_a_failed_index_write_leaves_the_old_index_and_no_temporary(tmp_path, monkeypatch):
+    from instant_staging.loader import _save_model
+    sd = {f"w.{i}": torch.full((1000,), float(i)) for i in range(4)}
+    save_model(sd, tmp_path, max_shard_size="5KB")
+    index = tmp_path / "model.safetensors.index.json"
+    old = index.read_bytes()
+
+    def failing(fd, view, offset):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(_save_model, "_pwrite_all", failing)
+    with pytest.raises(OSError, match="No space"):
+        save_model({k: v + 1 for k, v in sd.items()}, tmp_path, max_shard_size="5KB")
+    assert index.read_bytes() == old
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 
 def test_refused_before_anything_is_written(tmp_path):

@@ -19,7 +19,7 @@ from instant_staging.loader import _shards, load_file
 from instant_staging.loader._pipeline import SKIP_COPY, SKIP_READ, Pipeline, Plan
 from instant_staging.testing import SimulatedRuntime
 
-from support import ROOT, run_script
+from support import ROOT, run_bench_quick, run_script
 
 PAGE = mmap.PAGESIZE
 CHUNK = 2 * PAGE
@@ -201,11 +201,7 @@ def test_depth_caps_the_slots_of_a_staging_buffer():
 
 def test_bench_load_and_profile_quick(tmp_path):
     env = {"CUDA_VISIBLE_DEVICES": ""}
-    out = tmp_path / "bench.json"
-    r = run_script(os.path.join(ROOT, "benchmarks", "bench_load.py"),
-                   "--quick", "--dir", str(tmp_path), "--json", str(out), env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    doc = json.loads(out.read_text())
+    doc = run_bench_quick(tmp_path, "bench_load.py")
     ours = [x for x in doc["results"] if x["method"] == "instant_staging"]
     assert {(x["layout"], x["cache"]) for x in ours} == {
         ("dense", "hot"), ("dense", "cold"), ("moe", "hot"), ("moe", "cold")}

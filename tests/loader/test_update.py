@@ -266,15 +266,8 @@ def test_bad_arguments_are_type_errors(steps):
 
 @pytest.mark.slow
 def test_bench_update_quick(tmp_path):
-    import json
-
-    from support import ROOT, run_script
-    out = tmp_path / "update.json"
-    r = run_script(os.path.join(ROOT, "benchmarks", "bench_update.py"), "--quick", "--layouts",
-                   "dense", "--dir", str(tmp_path), "--json", str(out),
-                   env={"CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode == 0, r.stdout + r.stderr
-    doc = json.loads(out.read_text())
+    from support import run_bench_quick
+    doc = run_bench_quick(tmp_path, "bench_update.py", "--layouts", "dense")
     methods = [x["method"] for x in doc["results"]]
     assert methods == ["load_file", "update full", "update full+rb", "update full+dg",
                        "update delta 2%", "digests"]

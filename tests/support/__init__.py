@@ -259,6 +259,18 @@ def run_script(path, *args, timeout=300, env=None):
                               capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def run_bench_quick(tmp_path, script, *args):
+    """The JSON document of ``benchmarks/<script> --quick`` run on the CPU
+    (CUDA_VISIBLE_DEVICES empty) with its files and ``<name>.json`` in
+    ``tmp_path``; asserts that it exited 0."""
+    import json
+    out = tmp_path / (os.path.splitext(script)[0] + ".json")
+    r = run_script(os.path.join(ROOT, "benchmarks", script), "--quick", *args, "--dir",
+                   str(tmp_path), "--json", str(out), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(out.read_text())
+
+
 def run_child(code, *, timeout=120, env=None):
     """subprocess.CompletedProcess of ``python -c code`` (text, captured)."""
     child_env = dict(os.environ)

@@ -32,7 +32,7 @@ import pathlib
 import threading
 import urllib.parse
 
-from .remote_servers import _CHUNK, _etag_in, _Handler, _parse_range, _reason, _Threaded
+from .remote_servers import _etag_in, _Handler, _parse_range, _reason, _Threaded
 
 
 def _lfs(name):
@@ -219,24 +219,10 @@ class _HubHandler(_Handler):
             span = _parse_range(rng, size) if rng else None
             if span == "unsatisfiable":
                 return self._json(416, {"error": "range"}, [("Content-Range", f"bytes */{size}")])
-            if span is None:
-                status, (start, end), headers = 200, (0, size - 1), common
-            else:
-                status, (start, end) = 206, span
-                headers = [*common, ("Content-Range", f"bytes {start}-{end}/{size}")]
-            length = end - start + 1
-            self.write_head(status, _reason(status), [("Content-Type", "application/octet-stream"),
-                                                      ("Content-Length", length), *headers])
-            if not body or length <= 0:
-                return
-            f.seek(start)
-            left = length
-            while left:
-                data = f.read(min(_CHUNK, left))
-                if not data:
-                    break
-                self.wfile.write(data)
-                left -= len(data)
+            start, length = self.write_file_head(size, span, common)
+            if body and length > 0:
+                f.seek(start)
+                self.write_from(f, length)
 
 
 HubServer._handler = _Cdn._handler = _HubHandler

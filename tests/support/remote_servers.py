@@ -453,6 +453,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         lines += [f"{k}: {v}" for k, v in headers]
         self.wfile.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
 
+    def write_file_head(self, size, span, common):
+        """Writes the head of an answer that carries a file's bytes: all
+        ``size`` of them (200, ``span`` None) or ``span`` (206, with its
+        Content-Range); returns (the first byte, how many)."""
+        if span is None:
+            status, start, end, headers = 200, 0, size - 1, common
+        else:
+            status, (start, end) = 206, span
+            headers = [*common, ("Content-Range", f"bytes {start}-{end}/{size}")]
+        length = end - start + 1
+        self.write_head(status, _reason(status), [("Content-Type", "application/octet-stream"),
+                                                  ("Content-Length", length), *headers])
+        return start, length
+
+    def write_from(self, f, left):
+        """Writes ``left`` bytes of ``f`` from where it stands (fewer where it ends)."""
+        while left:
+            data = f.read(min(_CHUNK, left))
+            if not data:
+                break
+            self.wfile.write(data)
+            left -= len(data)
+
     def read_body(self):
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             parts = []
@@ -939,15 +962,7 @@ class _StaticHandler(_Handler):
                 span = None
             if span == "unsatisfiable":
                 return self._plain(416, "range not satisfiable\n", [("Content-Range", f"bytes */{size}")])
-            if span is None:
-                status, start, end = 200, 0, size - 1
-                headers = common
-            else:
-                status, (start, end) = 206, span
-                headers = common + [("Content-Range", f"bytes {start}-{end}/{size}")]
-            length = end - start + 1
-            headers = [("Content-Type", "application/octet-stream"), ("Content-Length", length), *headers]
-            self.write_head(status, _reason(status), headers)
+            start, length = self.write_file_head(size, span, common)
             if not body or length <= 0:
                 return
             f.seek(start)
@@ -959,12 +974,7 @@ class _StaticHandler(_Handler):
                 while not owner.release.wait(0.05):
                     if _peer_gone(self.connection):
                         return
-            while left:
-                data = f.read(min(_CHUNK, left))
-                if not data:
-                    break
-                self.wfile.write(data)
-                left -= len(data)
+            self.write_from(f, left)
 
 
 RangeHTTPServer._handler = _StaticHandler
