@@ -32,7 +32,8 @@ from cpython.tuple cimport PyTuple_GET_ITEM
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport free, malloc
 
-from ._header import PACKED_DTYPES, torch_shape
+from ._header import PACKED_DTYPES as _PACKED_DTYPES
+from ._header import torch_shape
 from ._tuples cimport _BEGIN, _DTYPE, _END, _NAME, _SHAPE
 
 cdef extern from "Python.h":
@@ -159,7 +160,7 @@ def places(list entries, list dtypes, dict dests, list paths, bint rows=False):
                             f"tensors converts nothing "
                             f"({paths[<object>PyTuple_GET_ITEM(pair, 0)]})")
         shape = <object>PyTuple_GET_ITEM(e, _SHAPE)
-        if <object>PyTuple_GET_ITEM(e, _DTYPE) in PACKED_DTYPES:
+        if <object>PyTuple_GET_ITEM(e, _DTYPE) in _PACKED_DTYPES:
             shape = torch_shape(e)
         have = t.shape
         if have != shape:
