@@ -67,8 +67,9 @@ def test_the_plugin_registers_the_engine_in_vllms_factory():
     cls = factory._registry[_transfer.BACKEND]()
     assert issubclass(cls, base.WeightTransferEngine) and issubclass(cls, _transfer.Engine)
     assert not getattr(cls, "__abstractmethods__", None)       # every abstract method defined
-    assert issubclass(cls.init_info_cls, base.WeightTransferInitInfo)
-    assert issubclass(cls.update_info_cls, base.WeightTransferUpdateInfo)
+    if minor() == (0, 34):          # (the info classes' bases, where vLLM has them)
+        assert issubclass(cls.init_info_cls, base.WeightTransferInitInfo)
+        assert issubclass(cls.update_info_cls, base.WeightTransferUpdateInfo)
     assert _transfer.register_engine() and factory._registry[_transfer.BACKEND]() is cls
 
 

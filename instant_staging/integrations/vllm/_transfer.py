@@ -56,6 +56,7 @@ every tensor written when ``return_digests``) stays on the worker for
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -454,14 +455,15 @@ def register_engine() -> bool:
     is registered (False: this vLLM has no weight-transfer engines, and
     ``collective_rpc("reload_weights", ...)`` is the way).  Idempotent."""
     try:
-        from vllm.distributed.weight_transfer import base
+        base = importlib.import_module("vllm.distributed.weight_transfer.base")
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
         return False
     registry = getattr(WeightTransferEngineFactory, "_registry", {})
     if BACKEND in registry:
         return True
-    init_cls, update_cls = InitInfo, UpdateInfo
+    init_cls: Any = InitInfo
+    update_cls: Any = UpdateInfo
     # vLLM's base dataclasses of the infos, where it has them (0.34 does)
     if getattr(base, "WeightTransferInitInfo", None) is not None:
         init_cls = type("InitInfo", (InitInfo, base.WeightTransferInitInfo),
