@@ -199,6 +199,17 @@ def test_the_factory_makes_it_from_a_real_config(llama):
     assert engine.model is model and engine.vllm_config is config
     assert engine.parallel_config is config.parallel_config
     assert engine.model_config is config.model_config
+    # vLLM's own hf_to_vllm_mapper: the names it stacks have no parameter
+    # of their own, so a Llama's update goes through its load_weights
+    name_map = engine._name_map(model)
+    assert name_map("model.layers.0.self_attn.o_proj.weight") == "model.layers.0.self_attn.o_proj.weight"
+    assert name_map("model.layers.0.self_attn.q_proj.weight") is None
+    assert name_map("model.layers.0.mlp.up_proj.weight") is None
+    infos = {n: tuple(t.shape) for n, t in llama[2]["v1"].items()}
+    _, plan, missing = _transfer.direct_destinations(dict(model.named_parameters()), infos, 0, 1,
+                                                     name_map)
+    assert sorted(missing) == sorted(n for n in infos if re.search(r"\.(q|k|v|gate|up)_proj\.", n))
+    assert "lm_head.weight" in plan and "model.layers.1.mlp.down_proj.weight" in plan
     engine.set_weight_update_target(torch.nn.Linear(1, 1), None)      # (vLLM's draft target)
     engine.reset_weight_update_target()
     assert engine.model is model and engine.model_config is config.model_config
