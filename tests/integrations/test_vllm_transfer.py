@@ -105,17 +105,26 @@ def test_full_delta_refused_full_through_the_protocol(steps, size):
         assert {n: p.data_ptr() for n, p in m.named_parameters()} == ptrs[rank]
 
 
-def test_the_protocol_is_kept():
+def test_the_protocol_is_kept(caplog):
+    # vLLM 0.34's worker keeps the session: it keeps one open whose
+    # finish_weight_update raised (and refuses to start another), so start
+    # and finish never raise over the session's state; they say it.
     e = engine(Model())
-    with pytest.raises(RuntimeError, match=r"no update .* under way"):
+    with caplog.at_level("WARNING", logger="vllm.instant_staging"):
         e.finish_weight_update()
-    e.start_weight_update()
-    with pytest.raises(RuntimeError, match="already under way"):
         e.start_weight_update()
-    with pytest.raises(RuntimeError, match="no update was received"):
+        e.start_weight_update()
         e.finish_weight_update()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3 and "no update under way" in said[0] and "not finished" in said[1]
+    assert "no update was received" in said[2] and "version v0" in said[2]
+    assert e.state.version == "v0"
     with pytest.raises(ValueError, match="invalid update_info"):
         e.parse_update_info({"path": "x"})
+    with pytest.raises(ValueError, match="a list is vLLM's"):
+        e.parse_update_info([{"source": "x", "version": "v1"}])
+    with pytest.raises(ValueError, match="invalid init_info"):
+        e.parse_init_info({"versoin": "v1"})
     with pytest.raises(ValueError, match="version"):
         e.parse_update_info({"source": "x", "version": ""})
     with pytest.raises(NotImplementedError, match="save_delta"):
@@ -180,6 +189,38 @@ def test_direct_destinations_is_pure():
     mapper, plan, missing = _transfer.direct_destinations(params, infos, 1, 2)
     assert plan == {"a": None, "b": slice(2, 4)} and missing == ["c", "d"]
     assert mapper("a") == "a" and mapper("c") is None
+
+
+def test_tensors_stacked_into_one_parameter_are_not_direct():
+    # tensor-parallel 2: a rank's gate_up holds its rows of gate and of up,
+    # as many as gate's whole: by shape alone gate would be written there
+    params = {"mlp.gate_up.weight": torch.zeros(8, 3), "norm.weight": torch.zeros(3)}
+    infos = {"mlp.gate.weight": (8, 3), "mlp.up.weight": (8, 3), "norm.weight": (3,)}
+    stack = {"mlp.gate.weight": "mlp.gate_up.weight", "mlp.up.weight": "mlp.gate_up.weight"}
+    _, plan, missing = _transfer.direct_destinations(params, infos, 0, 2,
+                                                     lambda n: stack.get(n, n))
+    assert plan == {"norm.weight": None} and missing == ["mlp.gate.weight", "mlp.up.weight"]
+
+
+def test_the_mappers_stacked_names_are_not_direct():
+    # vLLM 0.34's WeightsMapper: a stacked name comes with its shard id
+    class Mapper:
+        weights_transforms: list = []
+
+        def _map_name_with_shard(self, name):
+            if name.startswith("drop."):
+                return None
+            if ".q_proj" in name:
+                return name.replace(".q_proj", ".qkv_proj"), "q"
+            return "model." + name, None
+
+    class M(torch.nn.Module):
+        hf_to_vllm_mapper = Mapper()
+    name_map = _transfer.Engine(None, None, "cpu", M())._name_map(M())
+    assert name_map("a.weight") == "model.a.weight"
+    assert name_map("l.q_proj.weight") is None and name_map("drop.x") is None
+    Mapper.weights_transforms = [lambda weights: weights]    # the stream rewritten: load_weights
+    assert _transfer.Engine(None, None, "cpu", M())._name_map(M())("a.weight") is None
 
 
 def test_registered_where_vllm_has_the_registry(monkeypatch):

@@ -1,16 +1,25 @@
 """vLLM's weight-transfer engine ``instant_staging``: an RL update, verified
 before its first write, from disk, a bucket or a delta.  Needs no vLLM to
 import; ``register`` makes it a vLLM engine where vLLM has the registry
-(``vllm/distributed/weight_transfer/``, ``WeightTransferEngineFactory``:
-vLLM 0.16 and later; the start/finish phases from 0.22; engines made with
-the model from vLLM's PR 42922).  An older vLLM keeps
-``collective_rpc("reload_weights", ...)`` through the load format.
+(``vllm/distributed/weight_transfer/``, ``WeightTransferEngineFactory``,
+which vLLM's releases carry since 0.16).  The interface it implements is
+vLLM 0.34's, verified against that release (tests/integrations/
+test_vllm_transfer_real.py): ``WeightTransferEngine`` subclassed, made by
+``WeightTransferEngineFactory.create_engine(config, vllm_config, device,
+model)``, its info classes vLLM's ``WeightTransferInitInfo`` and
+``WeightTransferUpdateInfo``, driven by the worker's
+``init_weight_transfer_engine`` / ``start_weight_update`` /
+``update_weights`` / ``finish_weight_update``, which track the session
+themselves.  An older vLLM that has the registry gets the engine as well
+(engines made with ``(config, parallel_config[, model])`` are taken), not
+tested; one without it keeps ``collective_rpc("reload_weights", ...)``
+through the load format.
 
     llm = LLM(model=..., weight_transfer_config=WeightTransferConfig(backend="instant_staging"))
     llm.init_weight_transfer_engine({"init_info": {"version": "step-0"}})
     llm.start_weight_update()
     llm.update_weights({"update_info": {"source": "s3://b/step-1/", "version": "step-1"}})
-    llm.finish_weight_update()
+    llm.finish_weight_update(weight_version="step-1")
 
 An update names a checkpoint (a local directory or file, a URL, or a delta:
 ``loader._delta``'s format) and the version id it installs
@@ -28,8 +37,10 @@ An update names a checkpoint (a local directory or file, a URL, or a delta:
   and splits row-parallel layers along their second dimension): a full
   checkpoint goes through vLLM's ``model.load_weights`` with the load
   format's iterator (``_weights.iter_weights``: grouped by layer, in
-  batches), inside vLLM's layerwise reload where vLLM has it
-  (``vllm.model_executor.model_loader.reload``); what is
+  batches), inside vLLM's reload (``start_reload`` / ``finish_reload`` of
+  ``vllm.model_executor.model_loader.reload``, layerwise or direct as
+  ``VLLM_RELOAD_MODE`` says; its layerwise functions on a vLLM without
+  them), so each parameter keeps its storage there too; what is
   checked first is the source's version, pins and digests and its names
   against the checkpoint of the version held (where known); a delta is
   refused (its positions are in the checkpoint's layout, which such a
@@ -45,6 +56,7 @@ every tensor written when ``return_digests``) stays on the worker for
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -58,7 +70,7 @@ logger = logging.getLogger("vllm.instant_staging")
 
 
 @dataclass
-class InitInfo:
+class InitInfo:  # (register_engine makes a subclass of vLLM's WeightTransferInitInfo of it)
     """``init_weight_transfer_engine``'s ``init_info``."""
 
     version: str | None = None
@@ -70,7 +82,7 @@ class InitInfo:
 
 
 @dataclass
-class UpdateInfo:
+class UpdateInfo:  # (and of WeightTransferUpdateInfo)
     """``update_weights``' ``update_info``: one update."""
 
     source: str
@@ -113,14 +125,20 @@ def direct_destinations(params: dict, infos: dict, rank: int, size: int,
     ``infos`` (``{name: (shape tuple)}``) into ``params`` (``{name:
     parameter}``): each tensor's parameter by name (after ``name_map``),
     holding it whole or this rank's rows (``rows * size == tensor rows``);
-    ``missing``: the names with no such parameter.  Pure."""
+    ``missing``: the names with no such parameter (and those that share
+    one: tensors vLLM stacks into one parameter, where a rank's part of the
+    stack may have one tensor's shape).  Pure."""
     plan: dict = {}
     missing = []
     mapped: dict = {}
+    keys = {name: name if name_map is None else name_map(name) for name in infos}
+    taken: dict = {}
+    for key in keys.values():
+        taken[key] = taken.get(key, 0) + 1
     for name, shape in infos.items():
-        key = name if name_map is None else name_map(name)
-        param = params.get(key)
-        if param is None:
+        key = keys[name]
+        param = params.get(key) if key is not None else None
+        if param is None or taken[key] > 1:
             missing.append(name)
             continue
         have = tuple(param.shape)
@@ -139,21 +157,33 @@ class Engine:
     """The worker's side (vLLM's ``WeightTransferEngine`` protocol: init,
     start, update (one or more), finish; ``register`` makes a subclass of
     vLLM's base class of it).  Constructed by vLLM as
-    ``Engine(config, vllm_config, device, model)`` (or, by a vLLM whose
-    engines take ``(config, parallel_config)``, with the model given to
-    ``receive_weights``' ``load_weights``)."""
+    ``Engine(config, vllm_config, device, model)`` (vLLM 0.34's
+    ``create_engine``; a vLLM whose engines take ``(config,
+    parallel_config[, model])`` is taken too).
 
-    init_info_cls = InitInfo
-    update_info_cls = UpdateInfo
-    supports_draft_weight_update = False
+    The worker (vLLM 0.34's ``gpu_worker``) keeps the session itself: it
+    refuses an update outside one, ends it when ``update_weights`` raises
+    (without calling ``finish_weight_update``), and keeps it open when
+    ``finish_weight_update`` raises.  So this engine's start and finish
+    never raise over the session's state (a raise there would leave the
+    worker with a session it can neither finish nor restart); they log."""
+
+    init_info_cls: Any = InitInfo
+    update_info_cls: Any = UpdateInfo
+    supports_draft_weight_update = False    # (one model per engine: the version it holds)
+    defers_processing = False
 
     def __init__(self, config: Any, vllm_config: Any = None, device: Any = None,
                  model: Any = None) -> None:
+        if model is None and _is_module(device):
+            device, model = None, device        # (config, parallel_config, model)
         self.config = config
         self.vllm_config = vllm_config
+        self.parallel_config = getattr(vllm_config, "parallel_config", vllm_config)
         self.model_config = getattr(vllm_config, "model_config", None)
         self.device = device
         self.model = model
+        self._default_model, self._default_model_config = model, self.model_config
         self.init = InitInfo()
         self.holder: VersionedWeights | None = None
         self.last_report: Any = None
@@ -164,16 +194,32 @@ class Engine:
     # -- vLLM's protocol ------------------------------------------------------------
 
     def parse_init_info(self, init_dict: dict) -> InitInfo:
+        if not isinstance(init_dict, dict):
+            raise ValueError(f"invalid init_info for the {BACKEND} engine: a dict, not "
+                             f"{type(init_dict).__name__}")
         try:
-            return InitInfo(**init_dict)
+            return self.init_info_cls(**init_dict)
         except TypeError as e:
             raise ValueError(f"invalid init_info for the {BACKEND} engine: {e}") from e
 
     def parse_update_info(self, update_dict: dict) -> UpdateInfo:
+        if not isinstance(update_dict, dict):
+            raise ValueError(f"invalid update_info for the {BACKEND} engine: a dict, not "
+                             f"{type(update_dict).__name__} (a list is vLLM's, one per worker: "
+                             "the worker picks its own)")
         try:
-            return UpdateInfo(**update_dict)
+            return self.update_info_cls(**update_dict)
         except TypeError as e:
             raise ValueError(f"invalid update_info for the {BACKEND} engine: {e}") from e
+
+    def set_weight_update_target(self, model: Any, model_config: Any) -> None:
+        self.model, self.model_config = model, model_config
+
+    def reset_weight_update_target(self) -> None:
+        self.model, self.model_config = self._default_model, self._default_model_config
+
+    def drain_pending(self) -> None:
+        """Nothing is deferred: an update is on the device when it returns."""
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         if isinstance(init_info, dict):
@@ -182,9 +228,11 @@ class Engine:
         self.holder = None      # made on the first update, over the model's parameters
 
     def start_weight_update(self, *args: Any, **kwargs: Any) -> None:
-        # (vLLM 0.22 to 0.2x passed is_checkpoint_format=: always so here)
+        # (vLLM 0.34 passes nothing; earlier ones passed is_checkpoint_format=:
+        # this engine takes checkpoints either way)
         if self._session:
-            raise RuntimeError(f"an update of the {BACKEND} engine is already under way")
+            logger.warning("%s: start_weight_update with an update under way that was not "
+                           "finished: a new one starts (%s)", BACKEND, self.state)
         self._session, self._updated = True, False
 
     def update_weights(self, update_info: dict) -> None:
@@ -195,6 +243,7 @@ class Engine:
         except BaseException:
             self._session = False
             raise
+        _synchronize(self.device)   # (as vLLM's base class: the next step sees the new weights)
 
     def receive_weights(self, update_info: UpdateInfo, load_weights: Callable | None = None) -> None:
         if isinstance(update_info, dict):
@@ -207,11 +256,12 @@ class Engine:
 
     def finish_weight_update(self) -> None:
         if not self._session:
-            raise RuntimeError(f"no update of the {BACKEND} engine is under way")
+            logger.warning("%s: finish_weight_update with no update under way (%s)", BACKEND,
+                           self.state)
+        elif not self._updated:
+            logger.warning("%s: no update was received between start_weight_update and "
+                           "finish_weight_update: the model holds %s", BACKEND, self.state)
         self._session = False
-        if not self._updated:
-            raise RuntimeError(f"no update was received between start_weight_update and "
-                               f"finish_weight_update ({self.state})")
 
     def shutdown(self) -> None:
         self._session = False
@@ -238,14 +288,26 @@ class Engine:
         return dict(model.named_parameters())
 
     def _name_map(self, model):
+        """The checkpoint name -> parameter name of the model's
+        ``hf_to_vllm_mapper`` (vLLM's ``WeightsMapper``): None for a name it
+        stacks into another parameter (a shard id: q/k/v, gate/up) or drops;
+        every name None where the mapper rewrites the stream itself
+        (``weights_transforms``): then only ``load_weights`` knows."""
         mapper = getattr(model, "hf_to_vllm_mapper", None)
-        apply = getattr(mapper, "_map_name", None)
+        if mapper is None:
+            return None
+        if getattr(mapper, "weights_transforms", None):
+            return lambda name: None
+        with_shard = getattr(mapper, "_map_name_with_shard", None)
+        if with_shard is not None:
+            def name_map(name):
+                found = with_shard(name)
+                return None if found is None or found[1] is not None else found[0]
+            return name_map
+        apply = getattr(mapper, "map_name", None) or getattr(mapper, "_map_name", None)
         if apply is None:
             return None
-
-        def name_map(name):
-            return apply(name) or None
-        return name_map
+        return lambda name: apply(name) or None
 
     def _apply(self, model, info: UpdateInfo, load_weights):
         rank, size = _tp(self.init)
@@ -291,7 +353,8 @@ class Engine:
         load = load_weights or model.load_weights
         device = self.device if self.device is not None else "cpu"
         try:
-            with self.holder.written_elsewhere(info.version), _layerwise(model, self.model_config):
+            with self.holder.written_elsewhere(info.version), \
+                    _reloading(model, self.model_config, self.device):
                 load(iter_weights(ck.files, device))
         except BaseException:
             logger.error("%s: the update to %s failed part-way: %s", BACKEND, info.version,
@@ -302,25 +365,60 @@ class Engine:
 
 
 @contextlib.contextmanager
-def _layerwise(model, model_config):
-    """vLLM's layerwise reload around a ``load_weights`` of checkpoint-format
-    weights (each layer processed once its weights are in: quantized and
-    repacked layers), where vLLM has it and the model's config is known."""
+def _reloading(model, model_config, device):
+    """vLLM's reload around a ``load_weights`` of checkpoint-format weights
+    (each layer processed once its weights are in: quantized and repacked
+    layers; the processed values copied into the parameters' own storage),
+    where vLLM has it and the model's config is known: 0.34's
+    ``start_reload`` / ``finish_reload`` (the mode ``VLLM_RELOAD_MODE``
+    says, and the flag models read while an update runs), else the
+    layerwise functions of the vLLM before them."""
     try:
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
+        from vllm.model_executor.model_loader import reload
     except ImportError:
-        finalize_layerwise_reload = initialize_layerwise_reload = None
-    if initialize_layerwise_reload is None or model_config is None:
+        reload = None
+    start = getattr(reload, "start_reload", None)
+    if start is not None:
+        def finish():
+            reload.finish_reload(model, model_config, device if device is not None else
+                                 _first_device(model))
+    elif getattr(reload, "initialize_layerwise_reload", None) is not None:
+        start = reload.initialize_layerwise_reload
+
+        def finish():
+            reload.finalize_layerwise_reload(model, model_config)
+    if start is None or model_config is None:
         yield
         return
-    initialize_layerwise_reload(model)
+    start(model)
     try:
         yield
     finally:
-        finalize_layerwise_reload(model, model_config)
+        finish()
+
+
+def _first_device(model):
+    for p in model.parameters():
+        return p.device
+    return None
+
+
+def _is_module(value):
+    try:
+        import torch
+    except ImportError:
+        return False
+    return isinstance(value, torch.nn.Module)
+
+
+def _synchronize(device):
+    try:
+        import torch
+    except ImportError:
+        return
+    kind = getattr(device, "type", None) or str(device or "").split(":")[0]
+    if kind == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
 
 
 def _logical_names(ck):
@@ -357,15 +455,25 @@ def register_engine() -> bool:
     is registered (False: this vLLM has no weight-transfer engines, and
     ``collective_rpc("reload_weights", ...)`` is the way).  Idempotent."""
     try:
-        from vllm.distributed.weight_transfer.base import WeightTransferEngine
+        base = importlib.import_module("vllm.distributed.weight_transfer.base")
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
         return False
     registry = getattr(WeightTransferEngineFactory, "_registry", {})
     if BACKEND in registry:
         return True
-    cls = type("InstantStagingWeightTransferEngine", (Engine, WeightTransferEngine), {
-        "__doc__": Engine.__doc__, "__module__": __name__})
+    init_cls: Any = InitInfo
+    update_cls: Any = UpdateInfo
+    # vLLM's base dataclasses of the infos, where it has them (0.34 does)
+    if getattr(base, "WeightTransferInitInfo", None) is not None:
+        init_cls = type("InitInfo", (InitInfo, base.WeightTransferInitInfo),
+                        {"__doc__": InitInfo.__doc__, "__module__": __name__})
+    if getattr(base, "WeightTransferUpdateInfo", None) is not None:
+        update_cls = type("UpdateInfo", (UpdateInfo, base.WeightTransferUpdateInfo),
+                          {"__doc__": UpdateInfo.__doc__, "__module__": __name__})
+    cls = type("InstantStagingWeightTransferEngine", (Engine, base.WeightTransferEngine), {
+        "__doc__": Engine.__doc__, "__module__": __name__, "init_info_cls": init_cls,
+        "update_info_cls": update_cls})
     WeightTransferEngineFactory.register_engine(BACKEND, cls)
     _registered.append(cls)
     return True
