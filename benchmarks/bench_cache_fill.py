@@ -12,8 +12,12 @@ Side by side, alternating, best of ``--repeat``, one URL source:
                   a share of (readers x the load's seconds): what a writer
                   beside the load could take off the readers (item 2)
   open (hit)      Checkpoint.open of the filled cache online: the
-                  revalidation (one ranged GET per object, its size and
-                  ETag compared with the entry's) and the entries' checks
+                  entries found by URL alone and checked, the revalidation
+                  (one HEAD per object, its size and ETag compared with
+                  the entry's name; a directory's listing or an index
+                  again) started beside it; "+ answer": until the server
+                  answered (what a load waits for before its first tensor
+                  goes out, if it has not come by then)
   open (offline)  the same with INSTANT_STAGING_OFFLINE=1: the entries
                   found by URL alone, nothing asked (item 3)
   from cache      load_file(url, device, cache_dir=<filled>), online and
@@ -149,8 +153,10 @@ def main(argv=None):
             read_all(files + [os.path.join(cache, n) for n in os.listdir(cache)])
             t0 = time.perf_counter()
             with Checkpoint.open(url, cache_dir=cache) as ck:
-                add("open (hit, online: revalidated)", time.perf_counter() - t0)
-                assert type(ck._shards).__name__ == "CachedShards"
+                add("open (hit, online)", time.perf_counter() - t0)
+                assert type(ck._shards).__name__ == "HitShards"
+                ck._shards.revalidated()
+                add("open (hit, online) + answer", time.perf_counter() - t0)
             with offline_mode():
                 t0 = time.perf_counter()
                 with Checkpoint.open(url, cache_dir=cache) as ck:

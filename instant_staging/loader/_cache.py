@@ -951,7 +951,7 @@ class CachedShards(Shards):
     def byte_sources(self):
         return self.total_bytes, 0
 
-    def changed(self):
+    def changed(self, wait=True):
         # Entries are never written once named (a new one replaces an old
         # by a rename); their times move when a load marks them used.
         return []

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Optional
 
 from . import _gc
 from ._checkpoint import Checkpoint, held, load_shared, run_solo, write_into
+from ._errors import CheckpointChangedError
 from ._options import LoadOptions
 from ._prepare import checked_target, early_staging, parse_target, usable_target
+from ._revalidate import usual_way
 from ._run import LoadIterator, LoadReport
 from ._schemes import is_url
 from ._typing import CacheDir, Device, DType, Names, ProgressArg, Source
@@ -86,8 +88,21 @@ def iter_load(source: Source, device: Device = "cpu", *, dtype: DType = None, na
             raise
         with checkpoint:
             # (closing the handle here leaves the files to the load, which holds them)
-            return run_solo(checkpoint, parsed, opts, names, None, began, checkpoint.open_seconds,
-                            early=early)
+            it = run_solo(checkpoint, parsed, opts, names, None, began, checkpoint.open_seconds,
+                          early=early)
+
+        def again():
+            # (a cache hit whose object changed: the source opened the usual way)
+            with usual_way():
+                checkpoint = Checkpoint.open(source, storage_options=storage_options,
+                                             cache_dir=cache_dir,
+                                             max_bytes_per_second=opts.max_bytes_per_second,
+                                             revision=revision)
+            with checkpoint:
+                return run_solo(checkpoint, parsed, opts, names, None, began,
+                                checkpoint.open_seconds)
+        it.again = again
+        return it
     except BaseException:
         if early is not None:
             early.discard()     # (a no-op where the load gave it back already)
@@ -253,7 +268,19 @@ def load_into(source: Source, tensors: Mapping[str, "torch.Tensor"], *, names: N
     from ._into import checked
     began = time.perf_counter()
     dests = checked(tensors, strict, options)
-    with Checkpoint.open(source, storage_options=storage_options, cache_dir=cache_dir,
-                         max_bytes_per_second=dests.options.max_bytes_per_second,
-                         revision=revision) as checkpoint:
+    opened = functools.partial(Checkpoint.open, source, storage_options=storage_options,
+                               cache_dir=cache_dir,
+                               max_bytes_per_second=dests.options.max_bytes_per_second,
+                               revision=revision)
+    try:
+        with opened() as checkpoint:
+            return write_into(checkpoint, dests, names, plan, strict, began,
+                              checkpoint.open_seconds)
+    except CheckpointChangedError as e:
+        if not getattr(e, "before_load", False):
+            raise
+    # A cache hit whose object changed (no byte written): the source opened the usual way.
+    with usual_way():
+        checkpoint = opened()
+    with checkpoint:
         return write_into(checkpoint, dests, names, plan, strict, began, checkpoint.open_seconds)

@@ -10,7 +10,10 @@ cache first: ``hub_files``), opens every
 shard or object and validates its header (``Shards.open``), checks the
 index against the headers (``Source.check``) and, for a URL, gives the
 objects their cache (``_cache.Cache``) and reads the entries as local
-files where it holds every one (``_cache.cached``).  No door makes shards
+files where it holds every one (``_cache.cached``; where the cache holds
+an entry of every object the source names, found by URL alone, those
+are opened at once and the server asked beside the load:
+``_revalidate.open_hit``).  No door makes shards
 or a cache itself (tests/core/test_source.py).
 
 Ownership.  A Ctrl-C may land anywhere, so an open descriptor always has
@@ -32,6 +35,7 @@ from ._cache import directory as cache_directory
 from ._options import bandwidth_cap
 from ._remote import RemoteShards, named_by
 from ._remote import resolve as resolve_url
+from ._revalidate import HitShards, open_hit, usual_way
 from ._schemes import Stores, is_hub_url, is_url, redact_url, schemes_text
 from ._shards import Shards
 from ._source import Source, refuse_other_url, resolve
@@ -85,8 +89,19 @@ def open_shards(source, *, storage_options: Mapping[str, Any] | None = None, cac
         source, storage_options, cache_dir = hub_files(source, revision, storage_options, cache_dir)
         shards, src = _unopened(source, storage_options, cache_dir, max_bytes_per_second, one_file)
         try:
-            shards.open(src.paths)
-            src.check(shards)
+            try:
+                shards.open(src.paths)
+                src.check(shards)
+            except Exception:
+                if not isinstance(shards, HitShards):
+                    raise
+                # (an entry removed or replaced meanwhile: the usual way)
+                shards.close()
+                with usual_way():
+                    shards, src = _unopened(source, storage_options, cache_dir,
+                                            max_bytes_per_second, one_file)
+                shards.open(src.paths)
+                src.check(shards)
             shards = cached(shards)     # the cache's entries, where it holds every object
             return own(shards)
         except BaseException:
@@ -167,6 +182,9 @@ def _unopened(source, storage_options, cache_dir, max_bytes_per_second,
             # (no client made, nothing asked: the entries as they are)
             src, urls = offline_source(source, directory, why)
             return offline_shards(urls, directory, why), src
+        hit = open_hit(source, directory, stores)
+        if hit is not None:
+            return hit      # (its entries, read while the server is asked: _revalidate.py)
         src, objects = resolve_url(source, stores)
         cache = None if directory is None else Cache(directory)
         if cache is not None and src.named is not None:

@@ -123,15 +123,18 @@ def select(shards, names, plan):
             shards.select(names)
 
 
-def check_unchanged(shards):
+def check_unchanged(shards, wait=True):
     """Raises ``CheckpointChangedError`` where a file the load of ``shards``
     (its selection) reads was written to since it was opened
     (``Shards.changed``): its bytes are no longer at the offsets of the
     header parsed then, and the load would write them into its
     destinations (a trainer copying its next step over the file a server
     keeps open).  Asked at the start of every load, before any byte is
-    read; a change during the load is ``_run.written_while_read``'s."""
-    changed = shards.changed()
+    read; a change during the load is ``_run.written_while_read``'s.
+    ``wait=False``: a cache hit still being revalidated is not waited for
+    (a load of one process waits before its first tensor goes out:
+    ``Shards.revalidated``)."""
+    changed = shards.changed(wait)
     if changed:
         more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
         raise CheckpointChangedError(
@@ -508,7 +511,7 @@ def planned(shards, target, dtypes, options: LoadOptions, faults=None, joins=Non
     started (``early``, begun at the door, where it fits; else kept aside
     until the load ends).  On any exception the buffer being made is given
     back (``early`` stays the door's to discard)."""
-    check_unchanged(shards)
+    check_unchanged(shards, wait=False)
     if faults is None:
         faults = fault_plan(options.staging)
     reads = plan_chunks(shards, target, dtypes, options.chunk_size, faults, options.views, joins)

@@ -422,7 +422,7 @@ class RemoteShards(Shards):
     # own, set on its share (``_prepare.throttled``).
     throttle = None
 
-    def changed(self):
+    def changed(self, wait=True):
         # (each range answer's ETag or Last-Modified is compared as it comes:
         # RemoteChangedError)
         return []

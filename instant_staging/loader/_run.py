@@ -266,6 +266,10 @@ class LoadIterator:
         self.names = _entries.names(prepared.shards.entries)
         self.total_bytes = prepared.shards.total_bytes
         self._sources = prepared.shards.byte_sources()
+        # ``again()``: the same load, of its source opened again the usual
+        # way, where a cache hit's object changed before any tensor went out
+        # (``_revalidate.py``: the doors that open their own checkpoint set it).
+        self.again = None
 
     def _generate(self, state):
         """The generator of the load: ``run`` with this iterator's strategy
@@ -332,13 +336,29 @@ class LoadIterator:
             # left inside torch by the finalization: _pipeline.enter_load)
             _pipeline.enter_load()
             try:
-                return next(self._generator)
+                try:
+                    got = next(self._generator)
+                except CheckpointChangedError as e:
+                    again, self.again = self.again, None
+                    if again is None or not getattr(e, "before_load", False):
+                        raise
+                    self._take(again())     # (this load's generator ended: nothing went out)
+                    got = next(self._generator)
+                self.again = None           # (a tensor went out: never loaded again)
+                return got
             except StopIteration:
                 if self._times[3] is None and self._state.finished:
                     self._times[3] = time.perf_counter()
                 raise
             finally:
                 _pipeline.leave_load()
+
+    def _take(self, other):
+        """Runs ``other``'s load (a LoadIterator not started) in this
+        one's place; ``other`` is left this one's ended load."""
+        lock = self._lock       # (held by this next(): a close() waits on it)
+        self.__dict__, other.__dict__ = other.__dict__, self.__dict__
+        self._lock = lock
 
     def close(self):
         state = self._state
@@ -455,7 +475,7 @@ class _Solo:
 
     def provide_destinations(self, state):
         """Step 3: starts the readers and gives them every address (``_start``)."""
-        _start(state.pipe, state.handles, state.target, state.checkpoint.entries, state.dtypes,
+        _start(state.pipe, state.handles, state.target, state.checkpoint, state.dtypes,
                state.reads.runs, state.blocks)
         state.blocks = None         # handles hold the views now
 
@@ -486,7 +506,7 @@ def _allocate_blocks(target, run_list, entries, dtypes):
     return target.allocate_blocks(run_list, entries, dtypes)
 
 
-def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
+def _start(pipe, handles, target, checkpoint, dtypes, run_list, blocks):
     """Starts the pipeline, then hands it every tensor's address in reading
     order: given destinations' all at once (``target.placed()``: a load
     into tensors, checked and gathered before); a block's at once
@@ -506,11 +526,15 @@ def _start(pipe, handles, target, entries, dtypes, run_list, blocks):
     block handed out here was freed by work that has finished; where it
     does, torch's deterministic fill of new memory, the target waits for
     it before handing the address out: ``_target.py``'s ``_after_fill``.)"""
+    entries = checkpoint.entries
     with _gc.paused():
         pipe.start([], more=True)
         placed = target.placed()
         if placed is not None:      # given destinations (a load into tensors): every address known
             handles.extend(placed[0])
+            # (the readers fill their slots meanwhile; no byte reaches a
+            # destination before the server vouched for a cache hit's entries)
+            checkpoint.revalidated()
             pipe.provide(placed[1])
             return
         if blocks is None:
@@ -555,6 +579,7 @@ def _allocate(handles, target, entry, dtype):
 def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
     """Yields tensors as the pipeline finishes them; raises its first error."""
     total, reported, left = checkpoint.total_bytes, -1, len(handles)
+    vouched = False     # (a cache hit's entries: the server's answer waited for, once)
     while True:
         finished, done, exited, failed = pipe.wait(POLL_SECONDS)
         if failed:
@@ -563,6 +588,9 @@ def _drive(pipe, plan, checkpoint, target, handles, verify, progress, runtime):
         if progress is not None and done != reported:
             progress(done, total)
             reported = done
+        if finished and not vouched:
+            checkpoint.revalidated()    # (the readers go on meanwhile)
+            vouched = True
         for i in finished:
             handle, handles[i] = target.tensor(handles[i]), None   # the consumer's from now on
             if verify:

@@ -80,6 +80,7 @@ class _View:
         self.fetch, self.fetch_error = read.fetch, read.fetch_error
         self.read_bytes, self.current_size = checkpoint.read_bytes, checkpoint.current_size
         self.changed = checkpoint.changed      # (the file written to since the handle opened it)
+        self.revalidated = checkpoint.revalidated   # (a cache hit: the server's answer)
         read.entries, read.total_bytes = self.entries, self.total_bytes
         self._sources = read.byte_sources()
 
@@ -192,6 +193,7 @@ class _File:
             if len(entries) == 1:
                 got = self._read_here(entries[0], dtypes[entries[0]])
                 if got is not None:
+                    self.checkpoint.revalidated()   # (read beside the server's answer)
                     return [got]
             view = _View(self.checkpoint, entries)
             chunk_size = self.chunk_size

@@ -251,13 +251,22 @@ class Shards:
     def current_size(self, index):
         return os.fstat(self.fds[index]).st_size
 
-    def changed(self):
+    def revalidated(self):
+        """Waits until the server vouched for what is read (a URL source's
+        hit, read from the cache while its objects are asked: ``_revalidate.py``);
+        raises what it answered (``RemoteChangedError``: an object changed).
+        Asked before a load's first byte reaches a caller's tensor; nothing
+        to wait for here."""
+
+    def changed(self, wait=True):
         """The paths of the files written to since they were opened (another
         modification time or size now), whose bytes a load may have read
         from two versions.  A file replaced by a rename is not changed: the
         descriptors still read the one opened.  (A write within the clock
         tick of the open, at the same size, is not seen: the kernel's file
-        times move a tick at a time.)"""
+        times move a tick at a time.)  ``wait``: a cache hit still being
+        revalidated waits for the server's answer (``revalidated``); False
+        asks only what is known now."""
         # (the files the load's selection reads: vLLM's batches are hundreds
         # of loads of one checkpoint of many files, each of a few)
         used = sorted({i for i, _ in self.entries}) if len(self.paths) > 1 else range(len(self.paths))

@@ -219,7 +219,11 @@ def _check_digests(ck, digests):
 
 
 def _check_pins(ck):
-    changed = ck._shards.changed()
+    from ._errors import CheckpointChangedError
+    try:
+        changed = ck._shards.changed()
+    except CheckpointChangedError as e:     # (a cache hit whose object changed: _revalidate.py)
+        raise UpdateRefused(f"{e}; nothing was written") from None
     if changed:
         raise UpdateRefused(f"{changed[0]}: the file was written to since it was opened (its "
                             "modification time or size changed): nothing was written")

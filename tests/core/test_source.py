@@ -289,7 +289,8 @@ def test_the_loader_has_no_import_circle():
 
 
 # What makes shards or a cache: a call of one of these.
-_MAKERS = {"Shards", "RemoteShards", "CachedShards", "Cache", "cached", "Stores", "resolve",
+_MAKERS = {"Shards", "RemoteShards", "CachedShards", "HitShards", "open_hit", "Cache", "cached",
+           "Stores", "resolve",
            "resolve_url", "open_recorded"}
 
 

@@ -157,7 +157,7 @@ def test_iter_load_and_safe_open_take_the_cache(s3_server, s3_bucket, tmp_path, 
         same(f.get_tensors(), want)            # every byte read through the handle: filled
     assert len(_entries(cache)) == 1 and not _partials(cache)
     with safe_open(url, storage_options=opts, cache_dir=cache) as f:
-        assert type(f._file.checkpoint).__name__ == "CachedShards"
+        assert isinstance(f._file.checkpoint, _cache.CachedShards)
         same({n: f.get_tensor(n) for n in f.keys()}, want)  # noqa: SIM118 (safe_open's keys())
     # the variable, and False turning it off
     monkeypatch.setenv("INSTANT_STAGING_CACHE_DIR", str(cache))
