@@ -319,6 +319,7 @@ class _Writers:
         self.running = 0        # tasks being written
         self.threads = []       # alive (each removes itself, under the lock, as it ends)
         self.closed = False
+        self.count = default_threads(CACHE_WRITE_THREADS)
         _all_writers.add(self)
 
     def submit(self, fill, offset, data) -> bool:
@@ -331,7 +332,7 @@ class _Writers:
                 self.room.wait()
             if self.closed:
                 return True     # (a closed cache writes nothing more)
-            if (len(self.threads) < CACHE_WRITE_THREADS
+            if (len(self.threads) < self.count
                     and len(self.queue) + self.running >= len(self.threads)):
                 thread = threading.Thread(target=self._run, name="instant_staging-cache-write",
                                           daemon=True)
