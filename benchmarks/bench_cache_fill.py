@@ -7,10 +7,14 @@ Side by side, alternating, best of ``--repeat``, one URL source:
                   load as its caller sees it, and until its entries were
                   made (wait_for_cache_fills: "entries made")
   fill's writes   the seconds the reader threads spent in the fill's
-                  hook (``Cache.write``: the range's CRC-32 and its pwrite
-                  into the partial file), summed over the readers, and as
-                  a share of (readers x the load's seconds): what a writer
-                  beside the load could take off the readers (item 2)
+                  hook (``Cache.write``: the range handed to the cache's
+                  writer threads, and any wait past CACHE_WRITE_QUEUE;
+                  before item 2, the range's CRC-32 and its pwrite into
+                  the partial file), summed over the readers, and as a
+                  share of (readers x the load's seconds); the seconds
+                  the writers spent writing (``Cache._put``), and how
+                  long the load took until ``load()`` returned, before
+                  the close that waits for the writes left (item 2)
   open (hit)      Checkpoint.open of the filled cache online: the
                   entries found by URL alone and checked, the revalidation
                   (one HEAD per object, its size and ETag compared with
@@ -63,25 +67,31 @@ ap.add_argument("--url", default=None, help="a URL source instead of the in-proc
 
 @contextlib.contextmanager
 def timed_writes():
-    """Sums the seconds spent in ``Cache.write`` (every reader thread's)."""
+    """Sums the seconds spent in ``Cache.write`` (every reader thread's),
+    and in ``Cache._put`` (the writer threads', where there are some)."""
     from instant_staging.loader import _cache
-    spent = [0.0]
+    spent = [0.0, 0.0]
     lock = threading.Lock()
-    original = _cache.Cache.write
+    names = [n for n in ("write", "_put") if hasattr(_cache.Cache, n)]
+    originals = {n: getattr(_cache.Cache, n) for n in names}
 
-    def write(self, index, offset, data):
-        t0 = time.perf_counter()
-        try:
-            return original(self, index, offset, data)
-        finally:
-            took = time.perf_counter() - t0
-            with lock:
-                spent[0] += took
-    _cache.Cache.write = write
+    def timed(i, original):
+        def hook(self, *args):
+            t0 = time.perf_counter()
+            try:
+                return original(self, *args)
+            finally:
+                took = time.perf_counter() - t0
+                with lock:
+                    spent[i] += took
+        return hook
+    for i, n in enumerate(names):
+        setattr(_cache.Cache, n, timed(i, originals[n]))
     try:
         yield spent
     finally:
-        _cache.Cache.write = original
+        for n, original in originals.items():
+            setattr(_cache.Cache, n, original)
 
 
 @contextlib.contextmanager
@@ -132,24 +142,27 @@ def main(argv=None):
             with Checkpoint.open(url, **kw) as ck:
                 out = ck.load(device)
                 sync()
+                loaded = time.perf_counter() - t0
                 threads = ck.last_report.threads
             took = time.perf_counter() - t0
             del out
-            return took, threads
+            return took, threads, loaded
 
         for _ in range(args.repeat):
             add("no cache", load(cache_dir=False)[0])
             shutil.rmtree(cache, ignore_errors=True)
             with timed_writes() as spent:
                 t0 = time.perf_counter()
-                took, threads = load(cache_dir=cache)
+                took, threads, loaded = load(cache_dir=cache)
                 wait_for_cache_fills()
                 made = time.perf_counter() - t0
             add("fill", took)
+            add("fill: until load() returned (before the close)", loaded)
             add("fill: entries made", made)
             add("fill: readers' seconds in Cache.write", spent[0])
             if threads:
                 add("fill: share of readers' time in Cache.write", spent[0] / (threads * took))
+            add("fill: writers' seconds in Cache._put", spent[1])
             read_all(files + [os.path.join(cache, n) for n in os.listdir(cache)])
             t0 = time.perf_counter()
             with Checkpoint.open(url, cache_dir=cache) as ck:
@@ -177,7 +190,7 @@ def main(argv=None):
         best = min(values)
         if "share" in key:
             print(f"| {key} | {best:.1%} | | |")
-        elif key.startswith("open") or "Cache.write" in key:
+        elif key.startswith("open") or "seconds in" in key:
             print(f"| {key} | {best * 1e3:.1f} ms | | |")
         else:
             print(f"| {key} | {best:.3f} s | {nbytes / best / 1e9:.2f} | {base / best:.2f}x |")

@@ -188,6 +188,18 @@ PREFETCH_THREADS = 8
 CACHE_MAX_BYTES = 512 << 30
 CACHE_KEEP_FREE = 1 << 30
 
+# A fill's writes (each fetched range's CRC-32 and its pwrite into the
+# partial file) are made by up to CACHE_WRITE_THREADS threads of the
+# checkpoint's cache beside the load, not by its reader threads: a reader
+# hands its range on and fetches the next.  The ranges handed on and not
+# yet written (the client's buffers, kept alive until written) hold at most
+# CACHE_WRITE_QUEUE bytes of host memory; a reader waits only where the
+# disk falls that far behind.  Threads: one file per object, and a file
+# system serialises the buffered writes of one file (ext4, xfs: its inode's
+# lock), so a few writers spread over the objects the load reads at once.
+CACHE_WRITE_THREADS = 4
+CACHE_WRITE_QUEUE = 512 << 20
+
 # A fill's entries are flushed (fsync) and named by a thread of the process
 # after its load returned; the interpreter's exit waits for them at most
 # this many seconds.  Enough for what is left to flush at a local disk's

@@ -19,8 +19,8 @@ the staging slots, the page cache's knobs); where some have one, their
 ranges are read from the entries and the rest fetched (and filled).
 
 Integrity.  An entry is the object's bytes, then its digest (``_trailer``):
-the CRC-32 of each range its fill wrote, made by the reader thread that
-wrote it from the bytes it fetched.  An entry is checked in full
+the CRC-32 of each range its fill wrote, made by the cache's writer
+thread that wrote it, from the buffer that was fetched.  An entry is checked in full
 (``_damage``: opened without following a link, a regular file, its
 digest whole and covering every byte, its header the object's, every
 range read back equal to its CRC) once, and the check recorded: its stamp
@@ -63,14 +63,19 @@ use (the bound's order); a partial file (``.partial``) is an object being
 filled, locked by its filler; the old version's entry goes once the new
 one is named.
 
-Filling.  An object without an entry is filled by the reader threads that
-fetch it: each fetched range is written at its offset into the object's
+Filling.  An object without an entry is filled beside the load that
+fetches it: each range a reader fetched is handed to the cache's writer
+threads (``_Writers``: a few per checkpoint, started as ranges come, gone
+once none is queued), which write it at its offset into the object's
 partial file (``<name>.partial``) from the client's own buffer
-(``os.pwrite``: no second fetch, no copy of ours); its header came with
-the open.  When the checkpoint closes (its loads' readers joined, their
-tensors out), each object of which every byte was written (by one load, or
-by the batches of several loads of one ``Checkpoint``) is handed to the
-finisher, which makes its entry after the load returned (the flush waits
+(``os.pwrite``: no second fetch, no copy of ours), its CRC-32 made on the
+way; the reader fetches its next range meanwhile, and waits only where the
+writes handed on and not done hold CACHE_WRITE_QUEUE bytes (a disk slower
+than the fetch).  Its header came with the open.  When the checkpoint
+closes (its loads' readers joined, their tensors out), it waits for the
+writes handed on, joins the writers, then hands each object of which every
+byte was written (by one load, or by the batches of several loads of one
+``Checkpoint``) to the finisher, which makes its entry after the load returned (the flush waits
 for the disk: it is in no load's way): its digest appended, the partial
 file flushed (fsync), renamed to the entry's name while its lock is still
 held, the directory flushed, the lock let go.  An entry appears whole or not at all, and a
@@ -96,7 +101,14 @@ descriptors (the flock is the open file's: the parent keeps it).
 
 A checkpoint closed before every byte of an object was loaded (``names=``,
 a ``plan``, a rank's share of a group load) removes that object's partial
-file: the cache holds only whole objects.
+file: the cache holds only whole objects.  A Ctrl-C while the close waits
+for the writes drops those not begun and waits for those running (one
+range each) before any descriptor closes: no write lands on a descriptor
+closed or reused under it; no fill is whole then.  A fork child has none
+of its parent's writers: its copies of the fills write nothing and remove
+nothing.  A close as the interpreter ends (a finalizer), its writers
+stopped where they stood, waits for none and closes nothing: a partial
+file stays, never trusted.
 
 Concurrency.  The partial file is also its fill's lock: its filler holds
 ``flock(LOCK_EX)`` on it while it fills and until the finisher renamed it
@@ -144,7 +156,9 @@ import os
 import re
 import stat
 import struct
+import sys
 import threading
+import weakref
 import zlib
 from typing import NamedTuple
 
@@ -155,6 +169,8 @@ from ..defaults import (
     CACHE_FINISH_AT_EXIT,
     CACHE_KEEP_FREE,
     CACHE_MAX_BYTES,
+    CACHE_WRITE_QUEUE,
+    CACHE_WRITE_THREADS,
     default_threads,
 )
 from ._fds import close_recorded, open_recorded
@@ -191,7 +207,7 @@ _OURS = re.compile(r"^[0-9a-f]{64}\.[0-9a-f]{16}\."
 # its fill wrote (``_RANGE``: offset, length, CRC), sorted, then ``_FOOTER``
 # (the object's size, the count of ranges, the CRC-32 of their table, and
 # ``_MAGIC``).  The CRCs are of the bytes the reader threads fetched, made
-# by those threads as they wrote them: nothing is read again to make them.
+# by the writer threads as they wrote them: nothing is read again to make them.
 _RANGE = struct.Struct("<QQI")
 _FOOTER = struct.Struct("<QQI8s")
 _MAGIC = b"ISCRC32\x01"
@@ -275,14 +291,140 @@ class _Fill:
         return merged[0][0] == 0 and merged[0][1] >= self.size
 
 
+class _Writers:
+    """A cache's writers: up to CACHE_WRITE_THREADS threads that write the
+    ranges its readers fetched into their fills (``Cache._put``: the
+    range's CRC-32, its pwrite) beside the load, so that a reader hands its
+    range on and fetches the next instead of waiting for the disk.  The
+    ranges queued and being written hold at most CACHE_WRITE_QUEUE bytes
+    (one larger range goes alone); ``submit`` waits for room beyond that.
+    A thread ends once nothing is queued (the next ``submit`` starts
+    another): a checkpoint open and not loading keeps none.
+
+    Lifetimes.  A task holds the fetched buffer (which nothing writes: the
+    client's ``Bytes``, or ``bytes``) and its fill; a fill's descriptor is
+    closed only by ``Cache.close``, after ``close()`` here (nothing queued,
+    nothing running), or by the finisher, which gets only fills whose
+    writes were all done.  The threads are daemons: the interpreter's exit
+    does not wait for a checkpoint never closed (its partial files are never
+    trusted).  A fork child has none of them, nor their tasks
+    (``_forget_in_child``)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.lock = threading.Lock()
+        self.room = threading.Condition(self.lock)     # bytes freed, a task done
+        self.queue = collections.deque()    # (fill, offset, data, bytes)
+        self.held = 0           # bytes queued or being written
+        self.running = 0        # tasks being written
+        self.threads = []       # alive (each removes itself, under the lock, as it ends)
+        self.closed = False
+        self.count = default_threads(CACHE_WRITE_THREADS)
+        _all_writers.add(self)
+
+    def submit(self, fill, offset, data) -> bool:
+        """Queues ``data``'s write at ``offset`` of ``fill``, once it fits
+        the bound; False where no thread runs and none can start (the
+        caller writes it)."""
+        size = memoryview(data).nbytes
+        with self.lock:
+            while self.held and self.held + size > CACHE_WRITE_QUEUE and not self.closed:
+                self.room.wait()
+            if self.closed:
+                return True     # (a closed cache writes nothing more)
+            if (len(self.threads) < self.count
+                    and len(self.queue) + self.running >= len(self.threads)):
+                thread = threading.Thread(target=self._run, name="instant_staging-cache-write",
+                                          daemon=True)
+                self.threads.append(thread)
+                try:
+                    thread.start()      # (it runs once this lock is let go)
+                except RuntimeError:    # (no thread left to this process)
+                    self.threads.remove(thread)
+                    if not self.threads:
+                        return False
+            self.queue.append((fill, offset, data, size))
+            self.held += size
+        return True
+
+    def _run(self):
+        me = threading.current_thread()
+        while True:
+            with self.lock:
+                if not self.queue:
+                    self.threads.remove(me)
+                    self.room.notify_all()
+                    return
+                fill, offset, data, size = self.queue.popleft()
+                self.running += 1
+            try:
+                self.cache._put(fill, offset, data)
+            except BaseException:       # (a bug: this fill given up, the load unharmed)
+                log.exception("the cache in %s: a write failed", self.cache.directory)
+                with fill.lock:
+                    _abandon(fill)
+            finally:
+                data = None             # (the buffer goes now, not with the next task)
+                with self.lock:
+                    self.running -= 1
+                    self.held -= size
+                    self.room.notify_all()
+
+    def busy(self) -> bool:
+        """Whether a write is queued or running (read without the lock: as
+        the interpreter ends, a writer may have stopped holding it)."""
+        return bool(self.queue) or self.running > 0
+
+    def drain(self):
+        """Waits until every write queued is done."""
+        with self.lock:
+            while self.queue or self.running:
+                self.room.wait()
+
+    def close(self):
+        """Drops the writes not begun, waits for those running (a Ctrl-C
+        meanwhile is raised after them: a write running still has its
+        descriptor), joins the threads; idempotent."""
+        interrupted = None
+        with self.lock:
+            self.closed = True
+            dropped, self.queue = self.queue, collections.deque()
+            self.held -= sum(task[3] for task in dropped)
+            self.room.notify_all()
+            while self.running:
+                try:
+                    self.room.wait()
+                except KeyboardInterrupt as e:
+                    interrupted = e
+            threads = list(self.threads)
+        del dropped
+        for thread in threads:
+            thread.join()               # (each ends at once: nothing is queued)
+        if interrupted is not None:
+            raise interrupted
+
+    def forget(self):
+        """In a fork child: no thread, no task (the parent's threads write
+        its fills); this copy of the cache writes nothing more."""
+        self.lock = threading.Lock()
+        self.room = threading.Condition(self.lock)
+        self.queue, self.held, self.running, self.threads = collections.deque(), 0, 0, []
+        self.closed = True
+
+
+# Every cache's writers, for a fork child to forget (``_forget_in_child``).
+_all_writers = weakref.WeakSet()
+
+
 class Cache:
     """One open checkpoint's use of a cache directory: the hooks that
     ``RemoteShards`` calls (``opened``, ``read``, ``write``, ``close``).
 
     Its descriptors (entries read, partial files filled) are recorded as
     they open (``_fds.pyx``) and closed by ``close()``, which the
-    checkpoint's owner calls once the reader threads are joined: a reader
-    never writes a descriptor that was closed under it."""
+    checkpoint's owner calls once the reader threads are joined, and which
+    closes a fill's only once none of its writes runs (``_Writers``): no
+    write lands on a descriptor closed under it."""
 
     def __init__(self, directory, bound=None):
         self.directory = directory
@@ -303,6 +445,9 @@ class Cache:
         # or is being made one.
         self.record = None
         self._opened = 0        # objects opened (``opened``): an object without an ETag is none of them
+        # The fill's writes, beside the readers (``_Writers``): drained and
+        # joined by ``close()`` before any partial file's descriptor closes.
+        self._writers = _Writers(self)
 
     # -- the checkpoint's hooks ---------------------------------------------------
 
@@ -399,7 +544,12 @@ class Cache:
         return None
 
     def write(self, index, offset, data):
-        """``data``, fetched at ``offset`` of object ``index``, into its fill."""
+        """``data``, fetched at ``offset`` of object ``index``, into its fill:
+        handed to the cache's writers (``_Writers``), which write it beside
+        the load; the caller waits only where they are CACHE_WRITE_QUEUE
+        bytes behind.  ``data`` is the fetched buffer itself, never written
+        to afterwards (the client's immutable ``Bytes``, or ``bytes``): the
+        writer holds it until written, so nothing is copied."""
         fill = self._fills.get(index)
         if fill is None:
             return
@@ -410,6 +560,20 @@ class Cache:
                         self._start(fill)
             if fill.state != _FILLING:
                 return
+        if self._off:
+            with fill.lock:
+                self._abandon(fill)
+            return
+        if not self._writers.submit(fill, offset, data):
+            self._put(fill, offset, data)       # (no thread to be had: here, now)
+
+    def _put(self, fill, offset, data):
+        """Writes ``data`` at ``offset`` of ``fill``'s partial file, and
+        records its range and CRC-32; a writer's task (``_Writers``).  The
+        fill's descriptor is open: ``close()`` closes it only once no write
+        is running (``_Writers.close``)."""
+        if fill.state != _FILLING:
+            return                  # (given up meanwhile: its partial file removed)
         if self._off:
             with fill.lock:
                 self._abandon(fill)
@@ -437,14 +601,25 @@ class Cache:
         return cached, fetched
 
     def close(self):
-        """Hands the objects written whole to the finisher (which makes
-        their entries, ``_finish``, after this returns), removes the partial
+        """Waits for the writes handed on (``_Writers.drain``), then hands
+        the objects written whole to the finisher (which makes their
+        entries, ``_finish``, after this returns), removes the partial
         files of the others, closes every other descriptor (and the
         CachedShards made from it, until handed on); idempotent.  Called
         once the reader threads are joined and the tensors are out: the
-        flush (fsync), which waits for the disk, is in no load's way."""
+        flush (fsync), which waits for the disk, is in no load's way.
+
+        A Ctrl-C (any exception) while it waits for the writes: the cache
+        is off, the writes not begun are dropped, and those running are
+        waited for (``_Writers.close``) before any descriptor closes: no
+        write lands on a descriptor closed, or reused, under it.  The fills
+        are removed then, none of them whole."""
+        if sys.is_finalizing() and self._writers.busy():
+            self._stop_at_exit()
+            return
         handed = []
         try:
+            self._writers.drain()
             for fill in list(self._fills.values()):
                 if fill.handed:
                     continue    # (a second close; its lock may be the finisher's, for a while)
@@ -462,19 +637,39 @@ class Cache:
                     == self._opened):
                 remember(self.directory, *record)
         except BaseException:
+            self._off = True    # (the writers skip what is left)
             for fill in handed:         # (an interrupt: the finisher skips what is _OFF)
                 with fill.lock:
                     self._abandon(fill)
                     close_recorded(fill.fds)
             raise
         finally:
-            for fill in list(self._fills.values()):
-                if not fill.handed:     # (a handed one's: the finisher's, under its lock)
-                    close_recorded(fill.fds)
-            close_recorded(self._fds)
-            local, self.local = self.local, None
-            if local is not None:
-                local.close()
+            try:
+                self._writers.close()
+            finally:
+                for fill in list(self._fills.values()):
+                    if not fill.handed:     # (a handed one's: the finisher's, under its lock)
+                        with fill.lock:
+                            self._abandon(fill)     # (an interrupted drain's: none is whole)
+                        close_recorded(fill.fds)
+                close_recorded(self._fds)
+                local, self.local = self.local, None
+                if local is not None:
+                    local.close()
+
+    def _stop_at_exit(self):
+        """``close()`` as the interpreter ends (a checkpoint closed by its
+        finalizer) while writes are still handed on: the writers, daemon
+        threads, stopped where they stood, maybe holding a fill's lock or in
+        a pwrite; nothing is waited for and no descriptor is closed (the
+        process's end closes them), and no fill is whole.  Its partial
+        files stay, never trusted: their locks go with the process, and the
+        next filler removes them."""
+        self._off = True
+        self._writers.closed = True
+        for fill in self._fills.values():
+            if not fill.handed and fill.state != _DONE:
+                fill.state = _OFF
 
     # -- filling ------------------------------------------------------------------
 
@@ -870,6 +1065,17 @@ def _forget_in_child():
     for _, fills in old.jobs:
         for fill in fills:
             close_recorded(fill.fds)
+    # Its caches' writers are the parent's: their fills are given up here
+    # without a file removed (the parent fills them), and their locks,
+    # which a writer may have held as it forked, made anew.
+    for writers in list(_all_writers):
+        writers.forget()
+        cache = writers.cache
+        cache._off = True
+        for fill in cache._fills.values():
+            fill.lock = threading.Lock()
+            if fill.state != _DONE:
+                fill.state = _OFF
 
 
 _finisher = _Finisher()
