@@ -35,6 +35,7 @@ from instant_staging.loader import (
 )
 from instant_staging.testing import SimulatedRuntime
 
+from support import PACKAGE_PARENT, child_env
 from support.tensors import random_tensor as rand
 
 ALL_DTYPES = [getattr(torch, a) for a in TORCH_DTYPES.values() if hasattr(torch, a)]
@@ -315,9 +316,14 @@ def test_a_save_killed_mid_write_leaves_a_whole_file(tmp_path):
     target = tmp_path / "m.safetensors"
     save_file({"w": torch.full((1 << 18,), -1.0)}, target)
     for attempt in range(4):
+        # (the package under test, not the checkout's unbuilt sources: child_env)
         proc = subprocess.Popen([sys.executable, "-c", KILLED, str(target), str(100 * attempt)],
-                                stdout=subprocess.PIPE)
-        assert proc.stdout.readline().strip() == b"ready"
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(),
+                                cwd=PACKAGE_PARENT)
+        line = proc.stdout.readline().strip()
+        if line != b"ready":
+            proc.kill()
+            raise AssertionError(proc.communicate()[1].decode())
         time.sleep(0.05 + 0.1 * random.random())
         proc.send_signal(signal.SIGKILL)
         proc.wait()
