@@ -59,6 +59,11 @@ SLOW_MODULES = {
     "core/test_typing.py", "core/test_source.py", "core/test_cython_caller.py",
     "loader/test_load_ownership.py", "loader/test_distributed.py", "loader/test_speed.py",
     "sources/test_remote_servers.py",
+    # (servers, subprocesses and process groups, none of them depending on the
+    # backend a build has: they run once, in the cuda env)
+    "sources/test_hub.py", "sources/test_cache_integrity.py", "sources/test_cache_writers.py",
+    "sources/test_cache_offline.py", "sources/test_cache_revalidate.py", "sources/test_save_upload.py",
+    "loader/test_dcp.py",
     "cli/test_cli_errors.py", "cli/test_cli_load.py", "cli/test_cli_load_sources.py",
     "integrations/test_transformers.py", "integrations/test_transformers_generate.py",
     "integrations/test_transformers_typing.py", "integrations/test_vllm.py", "examples/test_examples.py",
