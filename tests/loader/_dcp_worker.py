@@ -134,3 +134,17 @@ def main(out, port, rank):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    # Out without the interpreter's finalization (torch's hazard,
+    # pytorch#190489).  destroy_process_group leaves the gloo group alive
+    # (FSDP's mesh info still holds it), and its worker threads drop a
+    # finished collective only after the caller saw it complete; a barrier
+    # keeps the collectives still in flight when it was called until it is
+    # dropped itself.  The last of DCP's broadcast tensors, owned by Python
+    # objects, goes then, taking the GIL: a worker thread late enough to do
+    # that while the interpreter finalizes is ended by Python inside a C++
+    # destructor (std::terminate: "terminate called without an active
+    # exception", the rank killed by SIGABRT).  Everything this rank
+    # reports is written and closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
