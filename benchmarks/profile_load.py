@@ -141,7 +141,7 @@ def section_phases(torch, name, paths, device, repeat, out):
         t["pipeline"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         handles = []
-        L._start(pipe, handles, target, ck.entries, dtypes, start.runs, blocks)
+        L._start(pipe, handles, target, ck, dtypes, start.runs, blocks)
         del blocks
         t["allocate_while_running"] = time.perf_counter() - t1
         first = None
