@@ -267,6 +267,8 @@ def main(argv=None):
     import torch
     device, note = BL.pick_device(torch, args.device)
     scale, repeat = C.scale_and_repeat(args)
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         rows = []
         for name in layouts:

@@ -151,6 +151,8 @@ def main(argv=None):
     device, note = BL.pick_device(torch, args.device)
     scale, repeat = C.scale_and_repeat(args)
     limit = max(1, limit // scale ** 2)
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         rows = []
         for name in layouts:

@@ -17,6 +17,11 @@
 #   first     bench_first_load.py --modes cuda on $FIRST_LAYOUTS (a server's first load)
 #   group     group_load.py (several gloo ranks on one GPU; NCCL where there are two GPUs)
 #   reload    bench_reload.py (load_into), where it exists
+#   update    bench_update.py (RL weight updates) on $UPDATE_LAYOUTS (default dense,finemoe)
+#   save      bench_save.py (saving, and a delta) on $SAVE_LAYOUTS (default dense,moe), under $D/save
+#   dcp       bench_save_dcp.py (DCP's writer against ours) on $DCP_LAYOUTS (default dense)
+#   digest    bench_cache_digest.py (the cache's CRC-32, $DIGEST_GIB GiB, default 4)
+#   fill      bench_cache_fill.py (a cache filled as it loads, hits while revalidating)
 #   tf        bench_transformers.py $TF_ARGS (from_pretrained against transformers' own)
 #   why1st    profile_load.py --sections first on $WHY1ST_LAYOUT (default moe): a
 #             server's first load, step by step
@@ -84,6 +89,19 @@ for step in ${STEPS:-env gpu bench}; do
                    $GROUP_ARGS --json "$OUT/group.json" 2>&1 | tee "$OUT/group.log" | tail -30 ;;
         reload) [ -f benchmarks/bench_reload.py ] && timeout ${RELOAD_T:-240} python3 benchmarks/bench_reload.py \
                     --dir "$D" $RELOAD_ARGS --json "$OUT/reload.json" 2>&1 | tee "$OUT/reload.log" | tail -30 ;;
+        update) timeout ${UPDATE_T:-200} python3 benchmarks/bench_update.py --dir "$D" \
+                    --layouts "${UPDATE_LAYOUTS:-dense,finemoe}" --json "$OUT/update.json" 2>&1 \
+                    | tee "$OUT/update.log" | tail -30 ;;
+        save) mkdir -p "$D/save" && timeout ${SAVE_T:-200} python3 benchmarks/bench_save.py --dir "$D/save" \
+                  --layouts "${SAVE_LAYOUTS:-dense,moe}" --json "$OUT/save.json" 2>&1 \
+                  | tee "$OUT/save.log" | tail -30 ;;
+        dcp) mkdir -p "$D/dcp" && timeout ${DCP_T:-150} python3 benchmarks/bench_save_dcp.py --dir "$D/dcp" \
+                 --layouts "${DCP_LAYOUTS:-dense}" --json "$OUT/dcp.json" 2>&1 \
+                 | tee "$OUT/dcp.log" | tail -20 ;;
+        digest) mkdir -p "$D/digest" && timeout ${DIGEST_T:-150} python3 benchmarks/bench_cache_digest.py \
+                    --dir "$D/digest" --device cuda:0 --gib ${DIGEST_GIB:-4} 2>&1 | tee "$OUT/digest.log" | tail -25 ;;
+        fill) mkdir -p "$D/fill" && timeout ${FILL_T:-150} python3 benchmarks/bench_cache_fill.py \
+                  --dir "$D/fill" --device cuda:0 --gib ${FILL_GIB:-2} 2>&1 | tee "$OUT/fill.log" | tail -25 ;;
         tf) timeout ${TF_T:-300} python3 benchmarks/bench_transformers.py --dir "$D" $TF_ARGS \
                 --json "$OUT/transformers.json" 2>&1 | tee "$OUT/transformers.log" | tail -30 ;;
         why1st) timeout ${WHY1ST_T:-120} python3 benchmarks/profile_load.py --dir "$D" \
