@@ -1228,21 +1228,9 @@ def remember(directory, url, named):
         if _read_small(base + RECORD_SUFFIX) == data:
             return
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        temp = f"{base}{RECORD_SUFFIX}-{os.urandom(8).hex()}"
-        out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                      0o644)
     except OSError:
         return
-    try:
-        fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)     # (an eviction removes it once we're gone)
-        _write(out, data, 0)
-        os.rename(temp, base + RECORD_SUFFIX)
-        return
-    except OSError:
-        pass
-    finally:
-        os.close(out)
-    _unlink(temp)
+    _replace_small(base + RECORD_SUFFIX, data)
 
 
 def _read_small(path, limit=64 << 20):
@@ -1496,20 +1484,33 @@ def _stamp(base, fd, st):
     the same tick of the kernel's clock would leave the same times: the
     next open checks again); a stamp that cannot be written is no error."""
     record = _stamp_of(st)
-    temp = f"{base}{STAMP_SUFFIX}-{os.urandom(8).hex()}"
     try:
         if _stamp_of(os.fstat(fd)) != record:
             return
+    except OSError:
+        return
+    _replace_small(base + STAMP_SUFFIX, record,
+                   ready=lambda out: os.fstat(out).st_mtime_ns > st.st_ctime_ns)
+
+
+def _replace_small(path, data, ready=None):
+    """Writes ``data`` to a new file of ours (``O_EXCL``, no link followed,
+    locked so that an eviction removes it only once we are gone), 0644 as
+    the entries (others who read them read it too), and renames it onto
+    ``path`` where ``ready(fd)``, if given, says so once it is written; a
+    file that cannot be written is no error, and nothing of ours is left."""
+    temp = f"{path}-{os.urandom(8).hex()}"
+    try:
         out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                       0o600)
     except OSError:
         return
     try:
-        fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)     # (an eviction removes it once we're gone)
-        _write(out, record, 0)
-        os.fchmod(out, 0o644)           # (as the entries: others who read them read their stamps)
-        if os.fstat(out).st_mtime_ns > st.st_ctime_ns:
-            os.rename(temp, base + STAMP_SUFFIX)
+        fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _write(out, data, 0)
+        os.fchmod(out, 0o644)
+        if ready is None or ready(out):
+            os.rename(temp, path)
             return
     except OSError:
         pass
