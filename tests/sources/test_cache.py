@@ -29,25 +29,18 @@ from instant_staging.loader import (
 
 from support import TESTS, child_env
 from support.remote_checkpoints import fds as _fds
-from support.remote_checkpoints import put_in, same, upload
+from support.remote_checkpoints import put_in, same, shards, upload
 from support.remote_checkpoints import settled as _settled
 from support.remote_checkpoints import threads as _threads
 from support.remote_servers import (  # noqa: F401
-    ACCESS_KEY,
-    REGION,
-    SECRET_KEY,
     fast_retry_config,
     fault_proxy_fixture,
     s3_bucket_fixture,
     s3_server_fixture,
 )
+from support.remote_servers import storage_options as options
 
 ENTRY = re.compile(r"^[0-9a-f]{64}\.[0-9a-f]{16}\.safetensors$")
-
-
-def options(endpoint):
-    return {"endpoint": endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
-            "region": REGION, "retry_config": fast_retry_config()}
 
 
 def _link(fd):
@@ -55,16 +48,6 @@ def _link(fd):
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return None
-
-
-def _two_shards(seed):
-    """A small dense checkpoint in two shards (an index beside them)."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {f"layers.{i}.{p}": torch.randn(shape, generator=g).to(torch.bfloat16)
-               for i in range(4) for p, shape in (("q", (64, 64)), ("up", (160, 64)), ("norm", (64,)))}
-    names = sorted(tensors)
-    return [("model-00001-of-00002.safetensors", {n: tensors[n] for n in names[:6]}),
-            ("model-00002-of-00002.safetensors", {n: tensors[n] for n in names[6:]})]
 
 
 def _names(directory):
@@ -112,7 +95,7 @@ def _cache_warnings(caplog):
 # -- a fill, then a hit --------------------------------------------------------------------
 
 def test_fill_then_hit_is_bit_exact_and_reads_no_data(s3_server, s3_bucket, tmp_path, fault_proxy):
-    files = _two_shards(0)
+    files = shards(0)
     local = upload(put_in(s3_server, s3_bucket), "m", files, tmp_path)
     want = load_file(local)
     url, cache = f"s3://{s3_bucket}/m/", tmp_path / "cache"
@@ -359,7 +342,7 @@ def test_the_load_returns_before_its_entry_is_flushed(s3_server, s3_bucket, tmp_
     """The flush (fsync) and the rename come after the load returned; a
     later load of the object in this process waits for the entry (no second
     fetch) rather than reading a half-made one; wait_for_cache_fills times it."""
-    files = _two_shards(3)
+    files = shards(3)
     local = upload(put_in(s3_server, s3_bucket), "fl", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/fl/", tmp_path / "cache"
     opts = options(fault_proxy.url)
@@ -417,7 +400,7 @@ def test_a_failed_flush_is_one_warning_and_no_entry(s3_server, s3_bucket, tmp_pa
     stands, no entry, no partial file, one warning for both objects; the
     next load fetches and fills them."""
     import errno
-    files = _two_shards(4)
+    files = shards(4)
     local = upload(put_in(s3_server, s3_bucket), "ff", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/ff/", tmp_path / "cache"
     opts = options(s3_server.url)
@@ -589,7 +572,7 @@ def test_a_damaged_entry_is_not_trusted(s3_server, s3_bucket, tmp_path):
 # -- a cache that cannot be written --------------------------------------------------------
 
 def test_an_unwritable_directory_is_one_warning(s3_server, s3_bucket, tmp_path, caplog):
-    files = _two_shards(0)                 # two objects: still one warning
+    files = shards(0)                 # two objects: still one warning
     local = upload(put_in(s3_server, s3_bucket), "u", files, tmp_path)
     blocker = tmp_path / "file"
     blocker.write_bytes(b"x")
@@ -802,7 +785,7 @@ def test_vllm_weights_fill_the_cache_batch_by_batch(s3_server, s3_bucket, tmp_pa
     from instant_staging.integrations.vllm._weights import iter_weights
 
     from support.remote_servers import s3_env
-    files = _two_shards(1)
+    files = shards(1)
     local = upload(put_in(s3_server, s3_bucket), "vl", files, tmp_path)
     for k, v in s3_env(s3_server.url).items():
         monkeypatch.setenv(k, v)
@@ -864,7 +847,7 @@ def test_a_group_load_where_one_rank_has_the_cache(s3_server, s3_bucket, tmp_pat
     the bucket: the ranks agree that they load the same checkpoint."""
     import hashlib
     import socket
-    files = _two_shards(2)
+    files = shards(2)
     local = upload(put_in(s3_server, s3_bucket), "g", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/g/", tmp_path / "cache"
     load_file(url, storage_options=options(s3_server.url), cache_dir=cache)       # rank 0's cache

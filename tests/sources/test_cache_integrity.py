@@ -30,14 +30,11 @@ from instant_staging.loader import (
 
 from support.remote_checkpoints import put_in, same, upload
 from support.remote_servers import (  # noqa: F401
-    ACCESS_KEY,
-    REGION,
-    SECRET_KEY,
-    fast_retry_config,
     range_http_server_fixture,
     s3_bucket_fixture,
     s3_server_fixture,
 )
+from support.remote_servers import storage_options as _options
 
 TENSORS = 8
 ELEMENTS = 16 * 1024          # 64 KiB of float32 each
@@ -662,8 +659,3 @@ def test_the_cache_directory_is_made_private(range_http_server, tmp_path):
     mine.chmod(0o755)
     _filled(url, mine)
     assert stat.S_IMODE(mine.stat().st_mode) == 0o755
-
-
-def _options(endpoint):
-    return {"endpoint": endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
-            "region": REGION, "retry_config": fast_retry_config()}

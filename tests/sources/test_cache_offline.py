@@ -23,31 +23,13 @@ from instant_staging.loader import (
     wait_for_cache_fills,
 )
 
-from support.remote_checkpoints import put_in, same, upload
+from support.remote_checkpoints import put_in, same, shards, upload
 from support.remote_servers import (  # noqa: F401
-    ACCESS_KEY,
-    REGION,
-    SECRET_KEY,
-    fast_retry_config,
     fault_proxy_fixture,
     s3_bucket_fixture,
     s3_server_fixture,
 )
-
-
-def options(endpoint):
-    return {"endpoint": endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
-            "region": REGION, "retry_config": fast_retry_config()}
-
-
-def _shards(seed, count=2):
-    g = torch.Generator().manual_seed(seed)
-    tensors = {f"layers.{i}.{p}": torch.randn(shape, generator=g).to(torch.bfloat16)
-               for i in range(4) for p, shape in (("q", (64, 64)), ("norm", (64,)))}
-    names = sorted(tensors)
-    step = -(-len(names) // count)
-    return [(f"model-{k + 1:05d}-of-{count:05d}.safetensors",
-             {n: tensors[n] for n in names[k * step:(k + 1) * step]}) for k in range(count)]
+from support.remote_servers import storage_options as options
 
 
 @pytest.fixture
@@ -76,7 +58,7 @@ def _filled(s3_server, s3_bucket, tmp_path, proxy, prefix, files, index=True):
                                  ("HF_HUB_OFFLINE", "true")])
 @pytest.mark.parametrize("index", [True, False], ids=["index", "listing"])
 def test_offline_hit_asks_nothing(s3_server, s3_bucket, tmp_path, fault_proxy, online, env, index):
-    files = _shards(1)
+    files = shards(1)
     local, url, cache = _filled(s3_server, s3_bucket, tmp_path, fault_proxy, "m", files, index)
     want = load_file(local)
     fault_proxy.reset_counts()
@@ -101,9 +83,9 @@ def test_offline_hit_asks_nothing(s3_server, s3_bucket, tmp_path, fault_proxy, o
 
 def test_offline_miss_names_the_object_and_asks_nothing(s3_server, s3_bucket, tmp_path, fault_proxy,
                                                        online):
-    files = _shards(2)
+    files = shards(2)
     local, url, cache = _filled(s3_server, s3_bucket, tmp_path, fault_proxy, "m", files)
-    upload(put_in(s3_server, s3_bucket), "other", _shards(3), tmp_path)
+    upload(put_in(s3_server, s3_bucket), "other", shards(3), tmp_path)
     fault_proxy.reset_counts()
     online.setenv("INSTANT_STAGING_OFFLINE", "1")
     _no_client(online)
@@ -136,7 +118,7 @@ def test_offline_miss_names_the_object_and_asks_nothing(s3_server, s3_bucket, tm
 
 def test_offline_a_damaged_entry_is_removed_and_a_miss(s3_server, s3_bucket, tmp_path, fault_proxy,
                                                       online, caplog):
-    files = _shards(4, count=1)
+    files = shards(4, count=1)
     _, url, cache = _filled(s3_server, s3_bucket, tmp_path, fault_proxy, "d", files)
     (entry,) = [n for n in os.listdir(cache) if n.endswith(".safetensors")]
     with open(cache / entry, "r+b") as f:
@@ -155,7 +137,7 @@ def test_offline_a_damaged_entry_is_removed_and_a_miss(s3_server, s3_bucket, tmp
 
 def test_offline_takes_the_newest_entry_of_an_object(s3_server, s3_bucket, tmp_path, fault_proxy,
                                                     online):
-    old, new = _shards(5, count=1), _shards(6, count=1)
+    old, new = shards(5, count=1), shards(6, count=1)
     _, url, cache = _filled(s3_server, s3_bucket, tmp_path, fault_proxy, "v", old)
     (first,) = [n for n in os.listdir(cache) if n.endswith(".safetensors")]
     kept = (cache / first).read_bytes()
@@ -185,7 +167,7 @@ def test_offline_value_is_checked(online):
 
 def test_a_directory_is_recorded_only_once_each_object_is_an_entry(s3_server, s3_bucket, tmp_path,
                                                                    fault_proxy, online):
-    files = _shards(7)
+    files = shards(7)
     local = upload(put_in(s3_server, s3_bucket), "r", files, tmp_path)
     url, cache = f"s3://{s3_bucket}/r/", tmp_path / "cache"
     opts = options(fault_proxy.url)

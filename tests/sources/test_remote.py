@@ -34,7 +34,6 @@ from support.remote_checkpoints import random_tensor as _random
 from support.remote_checkpoints import settled as _settled
 from support.remote_checkpoints import threads as _threads
 from support.remote_servers import (  # noqa: F401
-    ACCESS_KEY,
     REGION,
     SECRET_KEY,
     fast_retry_config,
@@ -44,11 +43,7 @@ from support.remote_servers import (  # noqa: F401
     s3_env,
     s3_server_fixture,
 )
-
-
-def options(endpoint, **extra):
-    return {"endpoint": endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
-            "region": REGION, "retry_config": fast_retry_config(), **extra}
+from support.remote_servers import storage_options as options
 
 
 def layouts():

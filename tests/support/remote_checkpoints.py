@@ -32,6 +32,18 @@ def upload(put, prefix, files, tmp_path, index=True):
     return local
 
 
+def shards(seed, count=2):
+    """A small dense checkpoint of bf16 tensors (q, up and norm of four
+    layers) in ``count`` files, as ``upload`` takes them."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {f"layers.{i}.{p}": torch.randn(shape, generator=g).to(torch.bfloat16)
+               for i in range(4) for p, shape in (("q", (64, 64)), ("up", (160, 64)), ("norm", (64,)))}
+    names = sorted(tensors)
+    step = -(-len(names) // count)
+    return [(f"model-{k + 1:05d}-of-{count:05d}.safetensors",
+             {n: tensors[n] for n in names[k * step:(k + 1) * step]}) for k in range(count)]
+
+
 def random_tensor(shape, dtype, g):
     """A tensor of ``shape`` and ``dtype`` made of random bytes from ``g``
     (any bit pattern: NaNs, subnormals, every float8 value)."""

@@ -106,6 +106,12 @@ def s3_config(endpoint):
             "region": REGION}
 
 
+def storage_options(endpoint, **extra):
+    """The loader's ``storage_options=`` for the S3 server here at
+    ``endpoint``, with fast retries (and ``extra``)."""
+    return {**s3_config(endpoint), "retry_config": fast_retry_config(), **extra}
+
+
 def s3_store(bucket, endpoint, retry_config=None, client_options=None, **config):
     """An obstore S3Store on ``bucket`` at ``endpoint`` (moto's url or a
     FaultProxy's), plain http allowed, with fast retries unless told."""
