@@ -124,15 +124,43 @@ def read_all(paths):
                 pass
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def source_arguments(doc, gib, directory):
+    """The arguments both cache benchmarks take: the device, the synthetic
+    checkpoint (``--gib``, ``--shards``), ``--repeat``, ``--dir`` and
+    ``--url``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--gib", type=float, default=gib)
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=8, help="crc32 rate's threads")
-    ap.add_argument("--dir", default="/tmp/bench_cache_digest")
+    ap.add_argument("--dir", default=directory)
     ap.add_argument("--url", default=None, help="a URL source instead of the in-process server")
+    return ap
+
+
+def local_files(args):
+    """The checkpoint's local files under ``--dir`` (written the first
+    time), their bytes, and the cache directory beside them."""
+    local = os.path.join(args.dir, "files")
+    if not os.path.exists(os.path.join(local, "model.safetensors.index.json")):
+        write_checkpoint(local, args.gib, args.shards)
+    files = sorted(os.path.join(local, n) for n in os.listdir(local) if n.endswith(".safetensors"))
+    return files, sum(os.path.getsize(p) for p in files), os.path.join(args.dir, "cache")
+
+
+def served(args, stack):
+    """``--url``, or the local files' index served by the tests' ranged-GET
+    HTTP server, in this process until ``stack`` closes."""
+    if args.url is not None:
+        return args.url
+    from support.remote_servers import RangeHTTPServer
+    server = stack.enter_context(RangeHTTPServer(os.path.join(args.dir, "files")))
+    return server.url_for("model.safetensors.index.json")
+
+
+def main(argv=None):
+    ap = source_arguments(__doc__, gib=1.0, directory="/tmp/bench_cache_digest")
+    ap.add_argument("--threads", type=int, default=8, help="crc32 rate's threads")
     args = ap.parse_args(argv)
 
     import torch
@@ -141,24 +169,14 @@ def main(argv=None):
     device = args.device
     sync = (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda: None)
 
-    local = os.path.join(args.dir, "files")
-    index = os.path.join(local, "model.safetensors.index.json")
-    if not os.path.exists(index):
-        write_checkpoint(local, args.gib, args.shards)
-    files = sorted(os.path.join(local, n) for n in os.listdir(local) if n.endswith(".safetensors"))
-    nbytes = sum(os.path.getsize(p) for p in files)
-    cache = os.path.join(args.dir, "cache")
+    files, nbytes, cache = local_files(args)
 
     single, many = crc_rates(args.threads)
     print(f"crc32: {single:.2f} GB/s one thread, {many:.2f} GB/s {args.threads} threads "
           f"(zlib {zlib.ZLIB_RUNTIME_VERSION})")
 
     with contextlib.ExitStack() as stack:
-        url = args.url
-        if url is None:
-            from support.remote_servers import RangeHTTPServer
-            server = stack.enter_context(RangeHTTPServer(local))
-            url = server.url_for("model.safetensors.index.json")
+        url = served(args, stack)
         rows = {}
 
         def timed(key, fn, *a):

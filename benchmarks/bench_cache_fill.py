@@ -41,7 +41,6 @@ loads from any URL source instead (its local copy then ``--dir``'s files).
 Prints a markdown table (seconds, GB/s, ratio to the no-cache load).
 """
 
-import argparse
 import contextlib
 import os
 import shutil
@@ -54,15 +53,9 @@ sys.path.insert(0, os.path.dirname(HERE))       # a checkout built in place
 sys.path.insert(1, os.path.join(os.path.dirname(HERE), "tests"))    # support.remote_servers
 sys.path.insert(2, HERE)
 
-from bench_cache_digest import read_all, write_checkpoint  # noqa: E402
+from bench_cache_digest import local_files, read_all, served, source_arguments  # noqa: E402
 
-ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-ap.add_argument("--device", default="cpu")
-ap.add_argument("--gib", type=float, default=0.5)
-ap.add_argument("--shards", type=int, default=4)
-ap.add_argument("--repeat", type=int, default=3)
-ap.add_argument("--dir", default="/tmp/bench_cache_fill")
-ap.add_argument("--url", default=None, help="a URL source instead of the in-process server")
+ap = source_arguments(__doc__, gib=0.5, directory="/tmp/bench_cache_fill")
 
 
 @contextlib.contextmanager
@@ -118,24 +111,14 @@ def main(argv=None):
     os.environ.pop("INSTANT_STAGING_OFFLINE", None)
     os.environ.pop("HF_HUB_OFFLINE", None)
 
-    local = os.path.join(args.dir, "files")
-    index = os.path.join(local, "model.safetensors.index.json")
-    if not os.path.exists(index):
-        write_checkpoint(local, args.gib, args.shards)
-    files = sorted(os.path.join(local, n) for n in os.listdir(local) if n.endswith(".safetensors"))
-    nbytes = sum(os.path.getsize(p) for p in files)
-    cache = os.path.join(args.dir, "cache")
+    files, nbytes, cache = local_files(args)
     rows = {}
 
     def add(key, value):
         rows.setdefault(key, []).append(value)
 
     with contextlib.ExitStack() as stack:
-        url = args.url
-        if url is None:
-            from support.remote_servers import RangeHTTPServer
-            server = stack.enter_context(RangeHTTPServer(local))
-            url = server.url_for("model.safetensors.index.json")
+        url = served(args, stack)
 
         def load(**kw):
             t0 = time.perf_counter()
