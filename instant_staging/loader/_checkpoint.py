@@ -309,7 +309,7 @@ class Checkpoint:
 
     def load_into(self, tensors: Mapping[str, "torch.Tensor"], *, names: Names = None,
                   plan: Optional[dict] = None, strict: bool = True, **options) -> LoadReport:
-        """Writes the checkpoint's tensors into ``tensors``, in place (``_into.py``).
+        """Writes the checkpoint's tensors into ``tensors``, in place.
 
         Each tensor's bytes go straight into the destination given for its
         name: its storage and ``data_ptr`` stay, nothing of its size is

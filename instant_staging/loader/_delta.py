@@ -322,7 +322,7 @@ def apply_delta(tensors: Mapping[str, torch.Tensor], delta: Source, *, version: 
     destination keeps its storage and ``data_ptr``, and its autograd
     version is bumped as torch's in-place writes bump it.  (``apply_update``
     applies a delta too, with the sources' pins, digests, a rollback and a
-    version holder: ``_update.py``.)
+    version holder: ``VersionedWeights``.)
 
     Args:
         tensors: ``{name: tensor}`` holding version ``version``: every name

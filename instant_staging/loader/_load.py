@@ -131,7 +131,7 @@ def load_file(source: Optional[Source] = None, device: Device = "cpu", *,
             *.safetensors.index.json path.  Or a URL of the same forms:
             s3://bucket/prefix/ (a "directory"), s3://bucket/key.safetensors,
             a list of object URLs, gs://..., az://..., https://... (the
-            ``remote`` extra; loader/_remote.py).  Or a Hugging Face Hub
+            ``remote`` extra: the object-storage guide).  Or a Hugging Face Hub
             source: a repo id ``org/name`` (where no local path of that name
             exists), or ``hf://org/name[@revision][/path]`` (a file, an
             index or a folder in it; hf://datasets/... too), read from
@@ -151,7 +151,7 @@ def load_file(source: Optional[Source] = None, device: Device = "cpu", *,
         process_group: a torch.distributed group whose every rank makes this
             call with the same checkpoint: each rank reads about 1/N of the
             bytes and the ranks exchange them over the group, so each byte is
-            read from the host once (loader/_distributed.py); names= may
+            read from the host once (the multi-GPU guide); names= may
             differ per rank.  A failure on one rank raises on every rank.
         chunk_size: bytes per read and per copy (None:
             $INSTANT_STAGING_CHUNK_SIZE, e.g. 8MiB, else
@@ -180,7 +180,7 @@ def load_file(source: Optional[Source] = None, device: Device = "cpu", *,
             device block and are views of it (one copy per chunk however many
             tensors it holds); a view keeps its whole block alive.  False:
             each tensor owns its memory, as on the CPU, for tensors that
-            dtype= converts, and under a process group (loader/_blocks.pyx).
+            dtype= converts, and under a process group.
             Default True.
         backend: "mmap" (the default) or "pread", accepted as safetensors'
             load_file accepts them; either way the bytes are read with pread
@@ -190,10 +190,10 @@ def load_file(source: Optional[Source] = None, device: Device = "cpu", *,
             credentials and endpoints otherwise come from the client's
             standard chain.
         cache_dir: for a URL source: a local directory that caches its
-            objects (loader/_cache.py): a load fills it in the same pass
-            that streams the objects to the device, and a later load of the
-            same objects (same ETag and size) reads them from it as local
-            files.  None: $INSTANT_STAGING_CACHE_DIR, else no cache; False:
+            objects (the object-storage guide's cache): a load fills it in
+            the same pass that streams the objects to the device, and a
+            later load of the same objects (same ETag and size) reads them
+            from it as local files.  None: $INSTANT_STAGING_CACHE_DIR, else no cache; False:
             no cache.  A cache that cannot be written is left out with one
             warning, never a failed load.  The report's cache_hit_bytes and
             fetched_bytes say which bytes came from where.  For a Hub

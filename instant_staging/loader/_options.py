@@ -248,9 +248,9 @@ def _check_args(chunk_size, io_depth, threads):
 class LoadOptions:
     """How one load runs.
 
-    Built once from the arguments, the environment (``_options.py``'s
-    variables) and the defaults, and checked there, before anything is
-    opened or allocated (``build``)."""
+    Built once from the arguments, the environment (the variables the
+    environment guide lists) and the defaults, and checked there, before
+    anything is opened or allocated (``build``)."""
 
     chunk_size: int
     """The bytes of each read: ``chunk_size=``, else

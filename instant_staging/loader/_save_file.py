@@ -38,10 +38,10 @@ def save_file(tensors: Mapping[str, torch.Tensor], filename: PathLike,
         tensors: ``{name: tensor}``, contiguous and dense, on the CPU or a
             GPU (any mix).
         filename: where the file goes (str or os.PathLike), or a bucket's
-            URL (s3://, gs://, az://, ...: one multipart upload,
-            ``_upload.py``).  It appears there whole or not at all: written
-            under a temporary name in the same directory, then renamed (an
-            upload: completed, or aborted).
+            URL (s3://, gs://, az://, ...: one multipart upload).  It
+            appears there whole or not at all: written under a temporary
+            name in the same directory, then renamed (an upload: completed,
+            or aborted).
         metadata: ``{str: str}`` kept in the header, as safetensors keeps it.
         version: a version id written as ``instant_staging.version``.
         digests: write every tensor's ``tensor_digest`` as

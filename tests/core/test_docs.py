@@ -159,3 +159,27 @@ def test_the_sdist_holds_the_site_sources():
     manifest = read("MANIFEST.in")
     assert re.search(r"^include .*\bmkdocs\.yml\b", manifest, re.M)
     assert re.search(r"^recursive-include docs .*\*\.md\b.*\*\.py\b", manifest, re.M)
+
+
+def test_public_docstrings_cite_no_private_file():
+    # (issue 55: the API reference, read from these docstrings, sent users
+    # to loader/_cache.py and _upload.py, which they cannot open from there)
+    import inspect
+
+    import pytest
+    pytest.importorskip("torch")
+    import instant_staging
+    from instant_staging import loader
+    private = re.compile(r"\b_\w+\.(?:py|pyx|pxd)\b|\b(?:loader|runtime)/_\w+")
+    cited = []
+    for module in (instant_staging, loader):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            members = [(name, obj)]
+            if inspect.isclass(obj):
+                members += [(f"{name}.{k}", v) for k, v in vars(obj).items()
+                            if not k.startswith("_") or k == "__init__"]
+            for where, member in members:
+                doc = inspect.getdoc(getattr(member, "__func__", member)) or ""
+                cited += [f"{where}: {line.strip()}" for line in doc.splitlines() if private.search(line)]
+    assert not cited, "\n".join(cited)
