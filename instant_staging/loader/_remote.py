@@ -272,6 +272,7 @@ class _Requests:
     def __init__(self):
         self._lock = threading.Lock()
         self._loop = self._thread = None
+        self._pid = None                # the process whose thread runs the loop
         # asyncio, kept from the start for close(): a close at interpreter
         # exit (a finalizer) can no longer import it.
         self._asyncio = None
@@ -320,6 +321,7 @@ class _Requests:
                                           name="instant_staging-requests")
                 thread.start()
                 self._loop, self._thread, self._asyncio = loop, thread, asyncio
+                self._pid = os.getpid()
             return self._loop
 
     def close(self):
@@ -328,6 +330,20 @@ class _Requests:
         with self._lock:
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is None:
+            return
+        if self._pid != os.getpid():
+            # A fork child's copy: the loop's thread is the parent's, not
+            # here, so nothing runs it to stop.  Nor is it closed: its epoll
+            # instance is the parent's too (a forked descriptor of it), and
+            # closing the loop would unregister the self-pipe from it, which
+            # the parent's loop then never wakes on.  The child's copies of
+            # its descriptors (self-pipe, epoll) are closed as files, which
+            # unregisters nothing the parent has (the selector loop's
+            # attributes: where they are absent, they stay to its exit).
+            for part in (getattr(loop, "_ssock", None), getattr(loop, "_csock", None),
+                         getattr(loop, "_selector", None)):
+                if part is not None:
+                    part.close()
             return
         asyncio = self._asyncio
 

@@ -514,6 +514,51 @@ print("parent", len(load_file(url, storage_options=opts)))
         out.stdout + out.stderr[-3000:])
 
 
+
+def test_a_fork_child_closes_its_copy_of_an_open_remote_checkpoint(s3_server, s3_bucket, tmp_path):
+    """A child forked while its parent holds an open URL Checkpoint (its
+    request loop started) closes its copy, with the ``with`` block or at
+    exit, without an error: the loop's thread is not in the child, so
+    nothing is joined or stopped there, and the child's copies of the
+    loop's descriptors are closed without unregistering anything from the
+    epoll instance the parent's loop shares: the parent's checkpoint goes
+    on loading."""
+    local = upload(put_in(s3_server, s3_bucket), "forkclose", layouts()["dense"], tmp_path)
+    code = f"""
+import gc, os, signal
+from instant_staging.loader import Checkpoint
+opts = {{"endpoint": {s3_server.url!r}, "access_key_id": "testing", "secret_access_key": "testing",
+         "region": "us-east-1"}}
+
+def fds():
+    return len(os.listdir("/proc/self/fd"))
+
+with Checkpoint.open("s3://{s3_bucket}/forkclose/", storage_options=opts) as ck:
+    n = len(ck.load())
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(30)
+        before = fds()
+        try:
+            ck.close()
+            gc.collect()
+        except BaseException as e:
+            print("child", type(e).__name__, e, flush=True)
+            os._exit(1)
+        print("child closed", before > fds(), flush=True)
+        os._exit(0)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print("child exit", code)
+    print("parent", len(ck.load()) == n)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env=child_env())
+    assert load_file(local)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:3] == ["child closed True", "child exit 0", "parent True"], (
+        out.stdout + out.stderr[-3000:])
+    assert "Traceback" not in out.stderr and "RuntimeError" not in out.stderr, out.stderr[-3000:]
+
 def test_without_obstore_a_url_names_the_extra(tmp_path):
     code = ("import sys; sys.modules['obstore'] = None\n"
             "from instant_staging.loader import load_file\n"
