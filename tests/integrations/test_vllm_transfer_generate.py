@@ -71,9 +71,11 @@ def checkpoints(tmp_path):
     wide = dict(v[3])
     wide["model.layers.1.mlp.down_proj.weight"] = torch.zeros(128, 512)
     save_file(wide, tmp_path / "wide.safetensors", version="step-8")
-    updates = [[dirs["step-1"], "step-1"], [str(tmp_path / "delta-2.safetensors"), "step-2"],
-               [str(tmp_path / "delta-over-0.safetensors"), "step-9"],
-               [str(tmp_path / "wide.safetensors"), "step-8"], [dirs["step-3"], "step-3"]]
+    updates = [[dirs["step-1"], "step-1", False],
+               [str(tmp_path / "delta-2.safetensors"), "step-2", False],
+               [str(tmp_path / "delta-over-0.safetensors"), "step-9", True],
+               [str(tmp_path / "wide.safetensors"), "step-8", True],
+               [dirs["step-3"], "step-3", False]]
     return {"start": dirs["step-0"], "versions": dirs, "updates": updates}
 
 
@@ -109,9 +111,10 @@ def test_updated_engine_generates_as_a_fresh_one(tmp_path, vllm, tp):  # noqa: F
     for s in stages:
         holds = s["version"] if s["version"] not in refusals else "step-2"
         if s["version"] in refusals:
-            # (vLLM's RPC passes the worker's message on, not its type)
-            assert refusals[s["version"]] in s["error"] and "nothing was written" in s["error"], \
-                s["error"]
+            assert len(s["error"]) == tp, s["error"]          # every worker refused it
+            for said in s["error"]:
+                assert said.startswith("UpdateRefused: ") and refusals[s["version"]] in said, said
+                assert said.endswith("nothing was written"), said
         else:
             assert s["error"] is None, s["error"]
         assert s["held"] == [f"version {holds}"] * tp           # every worker says what it holds
