@@ -151,21 +151,57 @@ class Stacked(torch.nn.Module):
         self.norm.data.copy_(got["model.layers.0.norm.weight"])
 
 
+def stacked_holds(m, tensors):
+    return (torch.equal(m.both[:16], tensors["model.embed.weight"])
+            and torch.equal(m.both[16:24], tensors["model.layers.0.proj.weight"])
+            and torch.equal(raw_bytes(m.norm), raw_bytes(tensors["model.layers.0.norm.weight"])))
+
+
 def test_a_model_of_other_parameters_updates_through_its_load_weights(steps):
     path, v = steps
     m = Stacked()
     e = engine(m)
+    # a delta before any checkpoint was installed here: nothing to apply it to
+    e.start_weight_update()
+    with pytest.raises(UpdateRefused, match="not installed from a checkpoint by this engine"):
+        e.update_weights({"source": str(path / "v2.safetensors"), "version": "v2"})
     update(e, source=str(path / "v1.safetensors"), version="v1")
-    assert e.state.version == "v1"
-    assert torch.equal(m.both[:16], v["v1"]["model.embed.weight"])
+    assert e.state.version == "v1" and stacked_holds(m, v["v1"])
     assert m.seen == ["model.embed.weight", "model.layers.0.norm.weight",
                       "model.layers.0.proj.weight"]        # no layer first, then layer by layer
     e.start_weight_update()
-    with pytest.raises(UpdateRefused, match="send a full checkpoint"):
-        e.update_weights({"source": str(path / "v2.safetensors"), "version": "v2"})
     with pytest.raises(UpdateRefused, match="holds version 'v3'"):
         e.update_weights({"source": str(path / "v3.safetensors"), "version": "v4"})
-    assert e.state.version == "v1"
+    with pytest.raises(UpdateRefused, match="a delta over version 'v9', and the model holds "
+                                            "version 'v1'"):
+        e.update_weights({"source": str(path / "bad.safetensors"), "version": "v2"})
+    assert e.state.version == "v1" and stacked_holds(m, v["v1"])
+    # a delta: the tensors it names read again from v1's file, patched, and
+    # every tensor handed to load_weights (the patched ones first)
+    m.seen.clear()
+    update(e, source=str(path / "v2.safetensors"), version="v2")
+    assert e.state.version == "v2" and stacked_holds(m, v["v2"])
+    assert m.seen == ["model.layers.0.proj.weight", "model.embed.weight",
+                      "model.layers.0.norm.weight"]
+    # a delta over that one: the chain v1, v2's delta, then this
+    v4 = {n: t.clone() for n, t in v["v2"].items()}
+    v4["model.embed.weight"][3, 1] = 7
+    v4["model.layers.0.norm.weight"][0] = 2
+    save_delta(v4, v["v2"], path / "v4.safetensors", base_version="v2", version="v4")
+    update(e, source=str(path / "v4.safetensors"), version="v4")
+    assert e.state.version == "v4" and stacked_holds(m, v4)
+    # the checkpoint the chain starts from replaced: refused, nothing written
+    save_file(v["v3"], path / "v1.safetensors", version="v3")
+    v5 = {n: t.clone() for n, t in v4.items()}
+    v5["model.embed.weight"][0, 0] = 5
+    save_delta(v5, v4, path / "v5.safetensors", base_version="v4", version="v5")
+    e.start_weight_update()
+    with pytest.raises(UpdateRefused, match=r"could not be read again.*holds version 'v3'"):
+        e.update_weights({"source": str(path / "v5.safetensors"), "version": "v5"})
+    assert e.state.version == "v4" and stacked_holds(m, v4)
+    # a full checkpoint starts the chain anew
+    update(e, source=str(path / "v3.safetensors"), version="v3")
+    assert e.state.version == "v3" and stacked_holds(m, v["v3"])
 
 
 def test_a_failure_inside_load_weights_says_mixed(steps):

