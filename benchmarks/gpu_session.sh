@@ -30,6 +30,11 @@
 #             (default awq,moe) on S3 with the cache rows and Model Streamer,
 #             $REMOTE_CLOUD_LAYOUTS (default awq) on gs:// and az://; within $REMOTE_T;
 #             $REMOTE_METHODS: bench_remote.py's --methods (names with spaces, one string)
+#   rtimeline profile_remote.py: LocalBucket (S3) started here, fake-gcs-server and the Azure
+#             server started by the script; every GET and reader thread of a load on a timeline,
+#             beside obstore's ceilings at the same GETs in flight, on $RTIMELINE_LAYOUTS
+#             (default moe,finemoe) and $RTIMELINE_CLOUDS (default s3,gs,az); $RTIMELINE_ARGS
+#             more (e.g. "--threads 16,32" or the what-if "--window 32")
 #
 # The wheels the steps need beyond torch, numpy, transformers and pytest
 # (a machine without network; ../.whl or ./.whl, gitignored), fetched with:
@@ -128,6 +133,13 @@ for step in ${STEPS:-env gpu bench}; do
                     ${REMOTE_METHODS:+--methods "$REMOTE_METHODS"} $REMOTE_ARGS \
                     --json "$OUT/remote.json" 2>&1 | tee "$OUT/remote.log" | grep -vE "^\s*$" | tail -40
                 RC=$?; kill $LB; wait $LB 2>/dev/null; (exit $RC) ;;
+        rtimeline) mkdir -p "$D/rtimeline"
+                timeout ${RTIMELINE_T:-300} python3 benchmarks/profile_remote.py --device cuda:0 \
+                    --localbucket "$D/rtimeline/localbucket" --dir "$D/rtimeline" \
+                    --clouds ${RTIMELINE_CLOUDS:-s3,gs,az} --layouts ${RTIMELINE_LAYOUTS:-moe,finemoe} \
+                    --scale ${RTIMELINE_SCALE:-moe:1,finemoe:1} --repeat ${RTIMELINE_REPEAT:-3} \
+                    $RTIMELINE_ARGS --json "$OUT/rtimeline.json" 2>&1 | tee "$OUT/rtimeline.log" \
+                    | grep -vE "^\s*$" | tail -60 ;;
     esac
     echo "rc=$?"
 done
