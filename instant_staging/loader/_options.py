@@ -104,11 +104,26 @@ def _capped(name, value, cap, why):
     return cap
 
 
-def left_unset(chunk_size, io_depth, threads) -> bool:
-    """Whether the caller left every knob to the loader: no argument and no
-    variable, so that the loader may choose them for the checkpoint."""
-    return (chunk_size is None and io_depth is None and threads is None
-            and not any(envs.raw(name) for name in (ENV_CHUNK_SIZE, ENV_IO_DEPTH, ENV_THREADS)))
+# The knobs a checkpoint may choose (``default_knobs()``), with the
+# variable that sets each.
+_KNOB_VARIABLES = {"chunk_size": ENV_CHUNK_SIZE, "io_depth": ENV_IO_DEPTH, "threads": ENV_THREADS}
+
+
+def knobs_left(chunk_size, io_depth, threads) -> frozenset:
+    """The knobs the caller left to the loader (no argument and no
+    variable), which the checkpoint then chooses, each on its own (a URL's
+    16 MiB ranges stay where only ``threads=`` is given)."""
+    given = {"chunk_size": chunk_size, "io_depth": io_depth, "threads": threads}
+    return frozenset(name for name, variable in _KNOB_VARIABLES.items()
+                     if given[name] is None and not envs.raw(variable))
+
+
+def chosen_knobs(checkpoint, left) -> dict:
+    """``checkpoint.default_knobs()`` for the knobs in ``left`` (nothing
+    asked where none is left)."""
+    if not left:
+        return {}
+    return {name: value for name, value in checkpoint.default_knobs().items() if name in left}
 
 
 def is_cold(resident) -> bool:
@@ -122,7 +137,7 @@ def for_cache(resident) -> dict:
     """The knobs for a checkpoint of which ``resident`` (as ``is_cold``'s)
     is in the page cache: the cold defaults (read from disk: larger reads,
     fewer threads; ``defaults.COLD_CHUNK_SIZE``) where it is cold, none
-    otherwise.  Applies only where ``left_unset``."""
+    otherwise.  Each applies where its knob is left (``knobs_left``)."""
     if not is_cold(resident):
         return {}
     threads = default_threads(COLD_THREADS)
@@ -263,9 +278,8 @@ class LoadOptions:
     """The reader threads: ``threads=``, else ``INSTANT_STAGING_THREADS``;
     None: the default for this host (``defaults.reader_threads``)."""
     tuned: bool
-    """Whether the caller left all three knobs above to the loader, which
-    then picks them for the checkpoint (cold files, a URL:
-    ``for_checkpoint``)."""
+    """Whether the caller left all three knobs above to the loader (a GPU
+    load of cold files then also reads them ahead into the page cache)."""
     staging: Optional["StagingBuffer"] = None
     """The caller's staging buffer (``staging=``); None: the load's own,
     kept for the next load (``INSTANT_STAGING_KEEP_STAGING``)."""
@@ -281,6 +295,10 @@ class LoadOptions:
     """The most bytes per second a URL source's data is fetched at
     (``max_bytes_per_second=``, else ``INSTANT_STAGING_MAX_BYTES_PER_SECOND``);
     None: no cap."""
+    left: frozenset = frozenset()
+    """The knobs the caller left to the loader (``knobs_left``: no argument,
+    no variable), which ``for_checkpoint`` takes from the checkpoint (cold
+    files, a URL), each on its own; all three where ``tuned``."""
 
     @classmethod
     def build(cls, *, chunk_size=None, io_depth=None, threads=None, staging=None, verify=False,
@@ -294,15 +312,16 @@ class LoadOptions:
         if staging is not None:
             _check_staging(staging)
         cap = bandwidth_cap(max_bytes_per_second)
-        return cls(*resolved, tuned=left_unset(chunk_size, io_depth, threads), staging=staging,
+        left = knobs_left(chunk_size, io_depth, threads)
+        return cls(*resolved, tuned=left == frozenset(_KNOB_VARIABLES), staging=staging,
                    verify=verify, progress=_progress_callback(progress), views=views,
-                   max_bytes_per_second=cap)
+                   max_bytes_per_second=cap, left=left)
 
     def for_checkpoint(self, checkpoint) -> "LoadOptions":
-        """These options with the checkpoint's own knobs where the caller set none."""
-        if not self.tuned:
-            return self
-        return dataclasses.replace(self, **checkpoint.default_knobs())
+        """These options with the checkpoint's own knobs in place of those
+        the caller left to the loader."""
+        chosen = chosen_knobs(checkpoint, frozenset(_KNOB_VARIABLES) if self.tuned else self.left)
+        return dataclasses.replace(self, **chosen) if chosen else self
 
 
 

@@ -50,7 +50,7 @@ from . import _staging_pool
 from ._errors import MissingTensorError
 from ._header import DTYPE_BITS, SafetensorsError, TensorEntry
 from ._open import open_shards
-from ._options import LoadOptions, _check_args, check_backend, knobs, left_unset
+from ._options import LoadOptions, _check_args, check_backend, chosen_knobs, knobs, knobs_left
 from ._prepare import checked_target, fault_plan, planned, prepare_solo
 from ._run import LoadIterator
 from ._shards import Shards
@@ -297,12 +297,11 @@ class safe_open:
         def own(checkpoint):
             # (made inside open_shards, which closes the file on any
             # exception until the _File holds it: a Ctrl-C too)
-            knobs_ = chunk_size, io_depth, threads
-            if left_unset(None, None, None):     # load_file's rule: a file the page cache lacks, a URL
-                cold = checkpoint.default_knobs()
-                if cold:
-                    knobs_ = cold["chunk_size"], cold["io_depth"], cold["threads"]
-            return _File(checkpoint, torch, target, *knobs_)
+            # load_file's rule: a file the page cache lacks, a URL, for the
+            # knobs no variable sets
+            knobs_ = {"chunk_size": chunk_size, "io_depth": io_depth, "threads": threads}
+            knobs_.update(chosen_knobs(checkpoint, knobs_left(None, None, None)))
+            return _File(checkpoint, torch, target, **knobs_)
         # one file or object (s3://bucket/key.safetensors, https://...)
         self._file = open_shards(filename, storage_options=storage_options, cache_dir=cache_dir,
                                  one_file=True, revision=revision, own=own)

@@ -93,3 +93,26 @@ def test_a_remote_load_runs_the_same_default_in_the_api_and_the_cli(one_cpu, ran
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "more than this host can use" not in proc.stderr, proc.stderr
     assert json.loads(proc.stdout)["threads"] == 2
+
+
+def test_a_remote_load_keeps_its_own_ranges_where_only_threads_is_given(range_http_server,
+                                                                       monkeypatch):
+    # (issue 54, item 1: a remote load given threads= alone read 2 MiB
+    # ranges, eight times the GETs of its 16 MiB ones; each knob left to
+    # the loader is now the checkpoint's own, whatever the others are)
+    pytest.importorskip("obstore")
+    for name in ("INSTANT_STAGING_CHUNK_SIZE", "INSTANT_STAGING_IO_DEPTH", "INSTANT_STAGING_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    safetensors_torch.save_file(_tensors(40), os.path.join(range_http_server.root,
+                                                          "model.safetensors"))
+    url = range_http_server.url_for("model.safetensors")
+    with Checkpoint.open(url) as ck:
+        ck.load("cpu", threads=1)
+        assert (ck.last_report.chunk_size, ck.last_report.threads) == (defaults.REMOTE_CHUNK_SIZE, 1)
+        ck.load("cpu", chunk_size=4 << 20)
+        assert ck.last_report.chunk_size == 4 << 20
+        ck.load("cpu", chunk_size=4 << 20, threads=1)
+        assert (ck.last_report.chunk_size, ck.last_report.threads) == (4 << 20, 1)
+        monkeypatch.setenv("INSTANT_STAGING_CHUNK_SIZE", "8MiB")     # a variable sets it as well
+        ck.load("cpu", threads=1)
+        assert ck.last_report.chunk_size == 8 << 20

@@ -531,7 +531,7 @@ def test_resident_cannot_tell_without_cachestat_or_rwf_nowait(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("knob", [None, "threads", "env"])
-def test_a_cold_load_uses_the_cold_knobs_unless_one_is_set(tmp_path, monkeypatch, knob):
+def test_a_cold_load_uses_the_cold_knobs_where_they_are_not_set(tmp_path, monkeypatch, knob):
     for name in ("INSTANT_STAGING_CHUNK_SIZE", "INSTANT_STAGING_IO_DEPTH", "INSTANT_STAGING_THREADS"):
         monkeypatch.delenv(name, raising=False)
     # Cold chunks this file has several of, so that the threads are not
@@ -546,9 +546,12 @@ def test_a_cold_load_uses_the_cold_knobs_unless_one_is_set(tmp_path, monkeypatch
     def check(path, tensors):
         with iter_load(path, **kwargs) as it:
             assert_same(dict(it), tensors)
+            # (each knob on its own: a variable's io_depth leaves the cold
+            # threads and chunks, threads= the cold chunks)
             expected = {None: ist.defaults.COLD_THREADS, "threads": 3,
-                        "env": min(ist.defaults.reader_threads(), 6)}[knob]     # <= its slots
+                        "env": min(ist.defaults.COLD_THREADS, 6)}[knob]     # <= its slots
             assert it.threads == expected
+            assert it.report.chunk_size == 256 << 10
     on_a_cold_file(tmp_path, check)
 
 
