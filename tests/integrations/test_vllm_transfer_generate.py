@@ -26,11 +26,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_vllm import cpu_kernels, llama_config, vllm  # noqa: F401  (vllm: the fixture)
 
 from instant_staging.loader import save_delta, save_file
 
 from support import child_env
+from support.vllm_models import cpu_kernels, llama_config, vllm_fixture  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -81,7 +81,7 @@ def checkpoints(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_updated_engine_generates_as_a_fresh_one(tmp_path, vllm, tp):  # noqa: F811
+def test_updated_engine_generates_as_a_fresh_one(tmp_path, vllm, tp):
     reason = cpu_kernels()
     if reason:
         pytest.skip(reason)
