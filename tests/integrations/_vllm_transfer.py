@@ -30,11 +30,12 @@ Prints one JSON line:
 Reading the engines' state through ``collective_rpc`` with a function
 needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the environment."""
 
-import gc
 import json
 import sys
 
-PROMPT = [1, 5, 7, 9, 11]
+# (the same prompt, generation and shutdown as the reload test's child:
+# this directory is on sys.path, the script's own)
+from _vllm_reload import close, generate
 
 
 def engine(model_dir, tp, **kw):
@@ -42,20 +43,6 @@ def engine(model_dir, tp, **kw):
     return LLM(model=model_dir, load_format="safetensors", skip_tokenizer_init=True, dtype="float32",
                max_model_len=64, max_num_seqs=2, enforce_eager=True, gpu_memory_utilization=0.05,
                tensor_parallel_size=tp, **kw)
-
-
-def generate(llm):
-    from vllm import SamplingParams
-    out = llm.generate([{"prompt_token_ids": PROMPT}],
-                       SamplingParams(max_tokens=8, temperature=0, logprobs=5))[0].outputs[0]
-    return {"tokens": list(out.token_ids),
-            "logprobs": [sorted((int(k), v.logprob) for k, v in step.items()) for step in out.logprobs]}
-
-
-def close(llm):
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
 
 
 def held(worker):
