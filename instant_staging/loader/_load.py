@@ -193,8 +193,8 @@ def load_file(source: Optional[Source] = None, device: Device = "cpu", *,
             objects (the object-storage guide's cache): a load fills it in
             the same pass that streams the objects to the device, and a
             later load of the same objects (same ETag and size) reads them
-            from it as local files.  None: $INSTANT_STAGING_CACHE_DIR, else no cache; False:
-            no cache.  A cache that cannot be written is left out with one
+            from it as local files.  None: $INSTANT_STAGING_CACHE_DIR, else
+            no cache; False: no cache.  A cache that cannot be written is left out with one
             warning, never a failed load.  The report's cache_hit_bytes and
             fetched_bytes say which bytes came from where.  For a Hub
             source: huggingface_hub's cache (None: ``HF_HUB_CACHE``).

@@ -532,8 +532,8 @@ def prepare_solo(shards, target, options: LoadOptions, names=None, plan=None,
                  early=None) -> Prepared:
     """Prepares a load of one process of ``shards`` (a held share: this
     load's, closed here if this raises): its selection, the checkpoint's
-    own knobs for those the caller left unset, its dtypes, its reads planned and
-    its staging buffer started (``early``: as ``planned``'s)."""
+    own knobs for those the caller left unset, its dtypes, its reads
+    planned and its staging buffer started (``early``: as ``planned``'s)."""
     try:
         select(shards, names, plan)
         throttled(shards, options)

