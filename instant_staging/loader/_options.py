@@ -107,6 +107,7 @@ def _capped(name, value, cap, why):
 # The knobs a checkpoint may choose (``default_knobs()``), with the
 # variable that sets each.
 _KNOB_VARIABLES = {"chunk_size": ENV_CHUNK_SIZE, "io_depth": ENV_IO_DEPTH, "threads": ENV_THREADS}
+KNOBS = frozenset(_KNOB_VARIABLES)
 
 
 def knobs_left(chunk_size, io_depth, threads) -> frozenset:
@@ -277,9 +278,6 @@ class LoadOptions:
     threads: Optional[int]
     """The reader threads: ``threads=``, else ``INSTANT_STAGING_THREADS``;
     None: the default for this host (``defaults.reader_threads``)."""
-    tuned: bool
-    """Whether the caller left all three knobs above to the loader (a GPU
-    load of cold files then also reads them ahead into the page cache)."""
     staging: Optional["StagingBuffer"] = None
     """The caller's staging buffer (``staging=``); None: the load's own,
     kept for the next load (``INSTANT_STAGING_KEEP_STAGING``)."""
@@ -298,7 +296,13 @@ class LoadOptions:
     left: frozenset = frozenset()
     """The knobs the caller left to the loader (``knobs_left``: no argument,
     no variable), which ``for_checkpoint`` takes from the checkpoint (cold
-    files, a URL), each on its own; all three where ``tuned``."""
+    files, a URL), each on its own."""
+
+    @property
+    def tuned(self) -> bool:
+        """Whether the caller left all three knobs to the loader (a GPU load
+        of cold files then also reads them ahead into the page cache)."""
+        return self.left == KNOBS
 
     @classmethod
     def build(cls, *, chunk_size=None, io_depth=None, threads=None, staging=None, verify=False,
@@ -313,14 +317,13 @@ class LoadOptions:
             _check_staging(staging)
         cap = bandwidth_cap(max_bytes_per_second)
         left = knobs_left(chunk_size, io_depth, threads)
-        return cls(*resolved, tuned=left == frozenset(_KNOB_VARIABLES), staging=staging,
-                   verify=verify, progress=_progress_callback(progress), views=views,
-                   max_bytes_per_second=cap, left=left)
+        return cls(*resolved, staging=staging, verify=verify, progress=_progress_callback(progress),
+                   views=views, max_bytes_per_second=cap, left=left)
 
     def for_checkpoint(self, checkpoint) -> "LoadOptions":
         """These options with the checkpoint's own knobs in place of those
         the caller left to the loader."""
-        chosen = chosen_knobs(checkpoint, frozenset(_KNOB_VARIABLES) if self.tuned else self.left)
+        chosen = chosen_knobs(checkpoint, self.left)
         return dataclasses.replace(self, **chosen) if chosen else self
 
 

@@ -211,7 +211,7 @@ class _File:
                 staging = own = _staging_pool.own(target.index, io_depth * chunk_size, chunk_size)
             self.reading = True
             try:
-                options = LoadOptions(chunk_size, io_depth, self.threads, tuned=False,
+                options = LoadOptions(chunk_size, io_depth, self.threads,
                                       staging=staging, views=False)
                 with LoadIterator(planned(view, target, [dtypes[e] for _, e in view.entries],
                                           options)) as it:

@@ -135,7 +135,7 @@ def begin_device_load(paths, rt, *, views=True, staging=None, faults=None,
     checkpoint.select(names)
     target = (target_type or SimTarget)(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    options = LoadOptions(chunk, 4, threads, tuned=False, staging=staging, verify=verify,
+    options = LoadOptions(chunk, 4, threads, staging=staging, verify=verify,
                           views=views)
     prepared = _prepare.planned(checkpoint, target, dtypes, options,
                                 faults and FaultPlan.parse(faults))
@@ -498,7 +498,7 @@ save_file({f"t{i}": torch.full((1000,), i, dtype=torch.int32) for i in range(50)
 ck = _shards.Shards().open([p])
 target = SimTarget(rt)
 dtypes = [target.check(t, p) for _, t in ck.entries]
-it = _run.LoadIterator(_prepare.planned(ck, target, dtypes, LoadOptions(8192, 4, 2, tuned=False)))
+it = _run.LoadIterator(_prepare.planned(ck, target, dtypes, LoadOptions(8192, 4, 2)))
 """
 
 

@@ -270,7 +270,7 @@ def test_the_device_path_writes_into_the_given_addresses(model, faults):
     ptrs = {k: b.ptr for k, b in blocks.items()}
     target = SimInPlace(rt, blocks)
     dtypes = target.dtypes(shards.entries, shards.paths)
-    options = _options.LoadOptions(CHUNK, 4, 1, tuned=False, staging=staging, views=False)
+    options = _options.LoadOptions(CHUNK, 4, 1, staging=staging, views=False)
     prepared = _prepare.planned(shards, target, dtypes, options, faults and FaultPlan.parse(faults))
     allocs = rt.live_device_allocs
     if faults is None:
@@ -370,7 +370,7 @@ def _sim_write(tmp_path, tensors, how, faults=None, merge=True):
     dtypes = target.dtypes(shards.entries, shards.paths)
     addresses = [ptrs[t.name] for _, t in shards.entries]
     joins = _given.joins(shards.entries, addresses, _sim_allocation(rt, addresses)) if merge else None
-    options = _options.LoadOptions(CHUNK, 4, 2, tuned=False, staging=staging, views=False)
+    options = _options.LoadOptions(CHUNK, 4, 2, staging=staging, views=False)
     prepared = _prepare.planned(shards, target, dtypes, options, faults and FaultPlan.parse(faults),
                                 joins=joins)
     plan = prepared.reads.plan

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from instant_staging.loader import LoadOptions, _prepare, _shards
+from instant_staging.loader._options import KNOBS
 
 from support.ranks import free_port, rank_env, run_ranks
 from support.tensors import CHUNK, SimTarget, save
@@ -39,7 +40,7 @@ def test_prepared_is_immutable(checkpoint):
     from instant_staging.testing import SimulatedRuntime
     _, shards = checkpoint
     target = SimTarget(SimulatedRuntime())
-    options = LoadOptions(CHUNK, 4, 2, tuned=False)
+    options = LoadOptions(CHUNK, 4, 2)
     prepared = _prepare.prepare_share(shards.share(lambda: None), target, options)
     with pytest.raises(dataclasses.FrozenInstanceError):
         prepared.options = options          # type: ignore[misc]
@@ -52,11 +53,11 @@ def test_a_share_leaves_the_reads_to_the_group_and_samples_only_where_tuned(chec
     _, shards = checkpoint
     target = SimTarget(SimulatedRuntime())
     untuned = _prepare.prepare_share(shards.share(lambda: None), target,
-                                     LoadOptions(CHUNK, 4, 2, tuned=False))
+                                     LoadOptions(CHUNK, 4, 2))
     assert untuned.reads is None            # the group plans every rank's reads
     assert untuned.resident is False        # a knob set: no sample of the page cache
     tuned = _prepare.prepare_share(shards.share(lambda: None), target,
-                                   LoadOptions(CHUNK, 4, 2, tuned=True), names=["t1", "t3"])
+                                   LoadOptions(CHUNK, 4, 2, left=KNOBS), names=["t1", "t3"])
     assert tuned.resident is None or 0.0 <= tuned.resident <= 1.0
     assert [t.name for _, t in tuned.shards.entries] == ["t1", "t3"]
     assert len(tuned.dtypes) == 2
@@ -69,7 +70,7 @@ def test_a_solo_load_is_planned_and_its_buffer_given_back_when_dropped(checkpoin
     _, shards = checkpoint
     target = SimTarget(rt)
     prepared = _prepare.prepare_solo(shards.share(lambda: None), target,
-                                     LoadOptions(CHUNK, 4, 2, tuned=False))
+                                     LoadOptions(CHUNK, 4, 2))
     assert prepared.reads is not None and prepared.reads.plan.total_bytes == shards.total_bytes
     assert prepared.reads.staging is not None     # a GPU load given none: its own, being made
     prepared.abandon()
@@ -85,7 +86,7 @@ def test_preparing_that_fails_closes_the_share(checkpoint):
     share = shards.share(lambda: closed.append(True))
     with pytest.raises(KeyError):
         _prepare.prepare_solo(share, SimTarget(SimulatedRuntime()),
-                              LoadOptions(CHUNK, 4, 2, tuned=False), names=["nope"])
+                              LoadOptions(CHUNK, 4, 2), names=["nope"])
     assert closed == [True]
 
 

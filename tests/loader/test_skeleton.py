@@ -74,7 +74,7 @@ def begin(path, rt, *, views=True, faults=None, progress=None):
     checkpoint.select(None)
     target = SimTarget(rt)
     dtypes = [target.check(t, checkpoint.paths[i]) for i, t in checkpoint.entries]
-    options = LoadOptions(CHUNK, 4, 2, tuned=False, progress=progress, views=views)
+    options = LoadOptions(CHUNK, 4, 2, progress=progress, views=views)
     return _run.LoadIterator(_prepare.planned(checkpoint, target, dtypes, options,
                                               faults and FaultPlan.parse(faults)))
 

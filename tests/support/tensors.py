@@ -153,7 +153,7 @@ def iterator(checkpoint, target, dtypes, *, chunk_size=CHUNK, io_depth=None, thr
     """A LoadIterator of a load of one process of ``checkpoint`` as it is
     (``_prepare.planned``: the reads planned, a staging buffer started where
     none is given), with LoadOptions made of these arguments."""
-    options = _options.LoadOptions(chunk_size, io_depth, threads, tuned=False, staging=staging,
+    options = _options.LoadOptions(chunk_size, io_depth, threads, staging=staging,
                                    verify=verify, progress=progress, views=views)
     return _run.LoadIterator(_prepare.planned(checkpoint, target, dtypes, options, faults))
 
