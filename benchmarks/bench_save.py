@@ -75,20 +75,6 @@ def make_tensors(torch, device, layout, scale, seed=0):
     return out
 
 
-def changed(torch, tensors, fraction, seed=1):
-    """A copy of ``tensors`` with ``fraction`` of each one's elements changed."""
-    g = torch.Generator(device=next(iter(tensors.values())).device).manual_seed(seed)
-    out = {}
-    for name, t in tensors.items():
-        new = t.clone()
-        flat = new.view(-1).view(torch.int16)
-        k = max(1, int(flat.numel() * fraction))
-        pos = torch.randint(0, flat.numel(), (k,), generator=g, device=t.device)
-        flat[pos] ^= 1
-        out[name] = new
-    return out
-
-
 def sync(torch, device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -174,6 +160,8 @@ def remove(path):
 
 def record(layout, method, nbytes, times, peak, **extra):
     best = min(times)
+    C.progress(f"  {layout} {method}: best {nbytes / best / 1e9:.2f} GB/s, runs "
+               + ", ".join(f"{t:.2f}" for t in times) + " s")
     return dict(layout=layout, method=method, bytes=nbytes, seconds=times,
                 best=nbytes / best / 1e9, median=nbytes / statistics.median(times) / 1e9,
                 host_peak=peak, **extra)
@@ -204,7 +192,7 @@ def bench_layout(torch, device, name, directory, scale, repeat, fraction):
     for r in rows:
         r["exact"] = exact if r["method"].startswith("instant_staging") else None
     remove(theirs)
-    new = changed(torch, tensors, fraction)
+    new = C.changed(torch, tensors, fraction)
     delta = os.path.join(directory, f"{name}.delta.safetensors")
     times, peak = timed(lambda: save_delta(new, tensors, delta, base_version="a", version="b",
                                            sync=False), repeat, before=lambda: remove(delta))

@@ -49,28 +49,11 @@ DELTA_FRACTION = 0.02
 
 def row(layout, method, nbytes, m, exact, base=None):
     best, median = min(m["seconds"]), statistics.median(m["seconds"])
+    C.progress(f"  {layout} {method}: best {best:.3f} s, median {median:.3f} s, exact {exact}")
     return {"layout": layout, "method": method, "bytes": nbytes, "seconds": m["seconds"],
             "best": best, "median": median, "gbps_best": nbytes / best / 1e9,
             "device_alloc": m["alloc"], "staging": staging_bytes(), "exact": exact,
             "vs_load_file": None if base is None else base / best}
-
-
-def stepped(torch, tensors, fraction, seed=0):
-    """A copy of ``tensors`` with ``fraction`` of each tensor's elements
-    changed (bit flips at random positions: every dtype, never equal)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    out = {}
-    for name, t in tensors.items():
-        new = t.clone()
-        n = new.numel()
-        k = int(n * fraction)
-        if k:
-            flat = new.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
-                                         8: torch.int64}[new.element_size()])
-            where = torch.randperm(n, generator=g)[:k].to(new.device)
-            flat[where] ^= 1
-        out[name] = new
-    return out
 
 
 def bench_layout(torch, device, name, paths, repeat, directory):
@@ -94,7 +77,7 @@ def bench_layout(torch, device, name, paths, repeat, directory):
         m = timed(torch, device, lambda kw=kw: update(**kw), repeat)
         rows.append(row(name, method, nbytes, m, same(torch, model, reference), base))
     # a 2% delta over the checkpoint's version
-    new = stepped(torch, reference, DELTA_FRACTION)
+    new = C.changed(torch, reference, DELTA_FRACTION)
     delta = os.path.join(directory, f"{name}.delta.safetensors")
     info = save_delta(new, reference, delta, base_version="base", version="next")
     delta_bytes = os.path.getsize(delta)

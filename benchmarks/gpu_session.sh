@@ -18,8 +18,9 @@
 #   group     group_load.py (several gloo ranks on one GPU; NCCL where there are two GPUs)
 #   reload    bench_reload.py (load_into), where it exists
 #   update    bench_update.py (RL weight updates) on $UPDATE_LAYOUTS (default dense,finemoe)
-#   save      bench_save.py (saving, and a delta) on $SAVE_LAYOUTS (default dense,moe), under $D/save
+#   save      bench_save.py (saving, and a delta) on $SAVE_LAYOUTS (default dense,finemoe), under $D/save
 #   dcp       bench_save_dcp.py (DCP's writer against ours) on $DCP_LAYOUTS (default dense)
+#             (update, save, dcp: more options in $UPDATE_ARGS, $SAVE_ARGS, $DCP_ARGS, e.g. "--repeat 2")
 #   digest    bench_cache_digest.py (the cache's CRC-32, $DIGEST_GIB GiB, default 4)
 #   fill      bench_cache_fill.py (a cache filled as it loads, hits while revalidating)
 #   tf        bench_transformers.py $TF_ARGS (from_pretrained against transformers' own)
@@ -95,13 +96,13 @@ for step in ${STEPS:-env gpu bench}; do
         reload) [ -f benchmarks/bench_reload.py ] && timeout ${RELOAD_T:-240} python3 benchmarks/bench_reload.py \
                     --dir "$D" $RELOAD_ARGS --json "$OUT/reload.json" 2>&1 | tee "$OUT/reload.log" | tail -30 ;;
         update) timeout ${UPDATE_T:-200} python3 benchmarks/bench_update.py --dir "$D" \
-                    --layouts "${UPDATE_LAYOUTS:-dense,finemoe}" --json "$OUT/update.json" 2>&1 \
+                    --layouts "${UPDATE_LAYOUTS:-dense,finemoe}" $UPDATE_ARGS --json "$OUT/update.json" 2>&1 \
                     | tee "$OUT/update.log" | tail -30 ;;
         save) mkdir -p "$D/save" && timeout ${SAVE_T:-200} python3 benchmarks/bench_save.py --dir "$D/save" \
-                  --layouts "${SAVE_LAYOUTS:-dense,moe}" --json "$OUT/save.json" 2>&1 \
+                  --layouts "${SAVE_LAYOUTS:-dense,finemoe}" $SAVE_ARGS --json "$OUT/save.json" 2>&1 \
                   | tee "$OUT/save.log" | tail -30 ;;
         dcp) mkdir -p "$D/dcp" && timeout ${DCP_T:-150} python3 benchmarks/bench_save_dcp.py --dir "$D/dcp" \
-                 --layouts "${DCP_LAYOUTS:-dense}" --json "$OUT/dcp.json" 2>&1 \
+                 --layouts "${DCP_LAYOUTS:-dense}" $DCP_ARGS --json "$OUT/dcp.json" 2>&1 \
                  | tee "$OUT/dcp.log" | tail -20 ;;
         digest) mkdir -p "$D/digest" && timeout ${DIGEST_T:-150} python3 benchmarks/bench_cache_digest.py \
                     --dir "$D/digest" --device cuda:0 --gib ${DIGEST_GIB:-4} 2>&1 | tee "$OUT/digest.log" | tail -25 ;;
