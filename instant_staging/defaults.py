@@ -260,6 +260,15 @@ DEVICE_DIGEST_WORDS = 1 << 22
 # the model stays within it (plus the delta's own tensors).
 DELTA_BASE_BATCH = 1 << 30
 
+# Applying a delta: the sparse patches of one device and element size are
+# checked, kept (a rollback's old values) and scattered together, in
+# batches of at most this many positions (a batch's temporaries take about
+# 8 bytes a position; one patch larger than this is a batch of its own).
+# One batch is a few kernels and one device sync, however many tensors it
+# holds: what a per-tensor path costs in launches and syncs on a model of
+# thousands of small tensors is the reason.
+DELTA_PATCH_BATCH = 1 << 24
+
 # save_file to a bucket (loader/_upload.py): parts of SAVE_CHUNK_SIZE (a
 # multiple of it for an object that would need more than UPLOAD_MAX_PARTS,
 # S3's and GCS's limit), this many in flight (obstore's own default).

@@ -44,11 +44,15 @@ their destination's device from memory (``check_delta``, ``write_delta``).
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import json
+import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..defaults import DELTA_BASE_BATCH
+from ..defaults import DELTA_BASE_BATCH, DELTA_PATCH_BATCH
+from ._into import bump_versions
 from ._save import VERSION_KEY, _torch_names, check_tensor_dict
 from ._save_file import save_file
 from ._target import _import_torch
@@ -349,6 +353,21 @@ def apply_delta(tensors: Mapping[str, torch.Tensor], delta: Source, *, version: 
     return checked.info
 
 
+class Patches(NamedTuple):
+    """The sparse patches of some destinations of one device and element
+    size, concatenated: checked, kept and scattered as one (``write_delta``:
+    a few kernels however many tensors, not a few per tensor)."""
+
+    names: tuple[str, ...]
+    lengths: tuple[int, ...]
+    """How many positions each name has, in ``names``' order."""
+    positions: Any
+    """Every name's positions (int64, relative to its destination's first
+    element: to the shard's under a plan), one after the other."""
+    values: Any
+    """The new values at them, as integers of the element size."""
+
+
 class CheckedDelta(NamedTuple):
     """A delta checked against its destinations, its patches read: what
     ``write_delta`` writes.  Nothing of the destinations written yet."""
@@ -358,9 +377,14 @@ class CheckedDelta(NamedTuple):
     """``{name: destination}`` of every name the delta writes."""
     plan: dict | None
     """``{name: None | slice}`` of rows (a tensor-parallel shard), or None."""
-    patches: dict
-    """``{name: (positions as int64, values)}`` on each destination's device,
-    positions checked and, under a plan, made relative to the shard."""
+    patches: tuple[Patches, ...]
+    """The sparse names' patches on their destinations' devices, positions
+    checked, in batches (``Patches``)."""
+
+    def counts(self) -> dict[str, int]:
+        """``{sparse name: how many positions it writes}``."""
+        return {n: k for b in self.patches for n, k in zip(b.names, b.lengths)}
+
 
 
 def check_delta(ck, tensors: Mapping, version: str | None, plan: Mapping | None = None,
@@ -453,9 +477,11 @@ def write_delta(ck, checked: CheckedDelta, *, written: list | None = None, **opt
             groups.setdefault(checked.dests[name].device, {})[name] = checked.dests[name]
         load_groups(ck, groups, plan, done, options)
         with torch.no_grad():
-            for name, (positions, values) in checked.patches.items():
-                _as_int(torch, checked.dests[name])[positions] = _as_int(torch, values)
-                done.append(name)
+            for batch in checked.patches:
+                view, index = scatter_target(torch, checked.dests, batch)
+                view[index] = batch.values
+                bump_versions(torch, [checked.dests[n] for n in batch.names])
+                done.extend(batch.names)
     except BaseException as e:
         try:
             before = tuple(getattr(e, "written", ()) or ())
@@ -476,32 +502,140 @@ def _destination(tensors, name):
 
 
 def _load_patches(torch, ck, tensors, info, rows=None):
-    """Every sparse tensor's (positions as int64, values) on its
-    destination's device, the positions checked (``rows``: ``{name: (first
-    element, end element) or None}``: only positions inside, made relative
+    """Every sparse tensor's patch, read to its destination's device and
+    checked, in ``Patches`` batches (``rows``: ``{name: (first element,
+    end element) or None}``: only positions inside are kept, made relative
     to the first)."""
-    by_device: dict = {}
+    groups: dict = {}
     for name in info.sparse:
-        by_device.setdefault(tensors[name].device, []).append(name)
-    out = {}
-    for device, group in by_device.items():
+        dest = tensors[name]
+        groups.setdefault((dest.device, dest.element_size()), []).append(name)
+    out = []
+    for (device, _), group in groups.items():
         keys = [k for n in group for k in (indices_key(n), values_key(n))]
         loaded = ck.load(device, names=keys)
-        for name in group:
-            positions = loaded.pop(indices_key(name)).to(torch.int64)
-            values = loaded.pop(values_key(name))
-            numel = 1
-            for d in info.sparse[name]:
-                numel *= d
-            if positions.numel():
-                bad = bool((positions[1:] <= positions[:-1]).any()) if positions.numel() > 1 \
-                    else False
-                if bad or int(positions[0]) < 0 or int(positions[-1]) >= numel:
+        batch: list = []
+        count = 0
+        for name in group + [None]:
+            k = 0 if name is None else math.prod(ck.info(indices_key(name)).shape)
+            if batch and (name is None or count + k > DELTA_PATCH_BATCH):
+                out.append(_checked_batch(torch, batch, loaded, info, rows))
+                batch, count = [], 0
+            if name is not None:
+                batch.append(name)
+                count += k
+    return tuple(out)
+
+
+def _checked_batch(torch, names, loaded, info, rows):
+    """The ``Patches`` of ``names`` (their keys popped from ``loaded``), the
+    positions checked with one device sync: strictly increasing within each
+    name, the first >= 0 and the last below the name's element count."""
+    lengths = [loaded[indices_key(n)].numel() for n in names]
+    positions = torch.cat([loaded.pop(indices_key(n)).reshape(-1) for n in names]).to(torch.int64)
+    values = torch.cat([_as_int(torch, loaded.pop(values_key(n))) for n in names])
+    device = positions.device
+    numels = [math.prod(info.sparse[n]) for n in names]
+    ends = list(itertools.accumulate(lengths))
+    starts = [e - k for e, k in zip(ends, lengths)]
+    some = [i for i, k in enumerate(lengths) if k]
+    if some:
+        firsts = torch.tensor([starts[i] for i in some], device=device)
+        lasts = torch.tensor([ends[i] - 1 for i in some], device=device)
+        limits = torch.tensor([numels[i] for i in some], device=device)
+        bad = (positions[firsts] < 0).any() | (positions[lasts] >= limits).any()
+        if positions.numel() > 1:
+            backwards = positions[1:] <= positions[:-1]
+            joins = torch.tensor([s - 1 for s in starts if s], dtype=torch.int64, device=device)
+            backwards[joins] = False        # (one name's last against the next one's first)
+            bad = bad | backwards.any()
+        if bool(bad):
+            for name, s, e, numel in zip(names, starts, ends, numels):
+                p = positions[s:e]
+                if p.numel() and (bool((p[1:] <= p[:-1]).any()) or int(p[0]) < 0
+                                  or int(p[-1]) >= numel):
                     raise DeltaError(f"sparse tensor {name!r}: its positions must be strictly "
                                      f"increasing and in [0, {numel}): nothing was written")
-            span = None if rows is None else rows.get(name)
-            if span is not None:
-                inside = (positions >= span[0]) & (positions < span[1])
-                positions, values = positions[inside] - span[0], values[inside]
-            out[name] = (positions, values)
-    return out
+    spans = [None if rows is None else rows.get(n) for n in names]
+    if any(span is not None for span in spans):
+        lo = torch.tensor([0 if s is None else s[0] for s in spans], device=device)
+        hi = torch.tensor([n if s is None else s[1] for s, n in zip(spans, numels)], device=device)
+        which = torch.repeat_interleave(torch.arange(len(names), device=device),
+                                        torch.tensor(lengths, device=device),
+                                        output_size=positions.numel())
+        inside = (positions >= lo[which]) & (positions < hi[which])
+        lengths = torch.zeros(len(names), dtype=torch.int64, device=device).index_add_(
+            0, which, inside.to(torch.int64)).tolist()
+        positions = positions[inside] - lo[which[inside]]
+        values = values[inside]
+    return Patches(tuple(names), tuple(lengths), positions, values)
+
+
+def scatter_target(torch, dests, batch):
+    """``(view, index)``: ``view[index]`` are the elements of ``batch``'s
+    destinations (``dests``) at its positions, as integers of their size.
+
+    One name: its destination's own integer view.  Several: one integer
+    view over the addresses the destinations span, from the lowest to the
+    end of the highest, each position moved by its destination's distance
+    from the lowest, so that one gather or scatter serves them all.  The
+    view covers memory between the destinations that is not theirs; only
+    ``index`` is ever touched through it, and every index lies inside a
+    destination (each position checked against its destination's element
+    count).  It lives no longer than the call that made it, while
+    ``dests`` hold every byte it reaches.
+    """
+    if len(batch.names) == 1:
+        return _as_int(torch, dests[batch.names[0]]), batch.positions
+    size = batch.values.element_size()
+    ptrs = [dests[n].data_ptr() for n in batch.names]
+    low = min(ptrs)
+    device = batch.positions.device
+    if any((p - low) % size for p in ptrs):     # (a dtype's tensors are aligned to it: not seen)
+        return _Split(torch, [_as_int(torch, dests[n]) for n in batch.names], batch.lengths), \
+            batch.positions
+    end = max(p + dests[n].numel() * size for n, p in zip(batch.names, ptrs))
+    moved = torch.tensor([(p - low) // size for p in ptrs], dtype=torch.int64, device=device)
+    index = batch.positions + torch.repeat_interleave(
+        moved, torch.tensor(batch.lengths, device=device), output_size=batch.positions.numel())
+    return _span_view(torch, device, low, (end - low) // size, batch.values.dtype), index
+
+
+class _Split:
+    """``scatter_target``'s view where one span cannot serve: the same
+    ``view[index]`` reads and writes, destination by destination."""
+
+    def __init__(self, torch, ints, lengths):
+        self.torch, self.ints, self.lengths = torch, ints, list(lengths)
+
+    def __getitem__(self, index):
+        parts = self.torch.split(index, self.lengths)
+        return self.torch.cat([ints[p] for ints, p in zip(self.ints, parts)])
+
+    def __setitem__(self, index, values):
+        parts = zip(self.torch.split(index, self.lengths), self.torch.split(values, self.lengths))
+        for ints, (p, v) in zip(self.ints, parts):
+            ints[p] = v
+
+
+_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
+
+
+class _Interface:
+    """A span of device memory as ``__cuda_array_interface__``: torch wraps
+    it without a copy and without taking ownership."""
+
+    def __init__(self, address, count, size):
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": _TYPESTR[size],
+                                         "data": (address, False), "version": 2}
+
+
+def _span_view(torch, device, address, count, dtype):
+    """``count`` elements of ``dtype`` from ``address`` on ``device``, as a
+    tensor that borrows them (``scatter_target``)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if device.type == "cpu":
+        return torch.frombuffer((ctypes.c_char * (count * size)).from_address(address),
+                                dtype=dtype)
+    with torch.cuda.device(device):
+        return torch.as_tensor(_Interface(address, count, size), device=device)

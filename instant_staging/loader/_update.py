@@ -70,7 +70,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ._delta import DELTA_KEY, DeltaError, DeltaInfo, check_delta, load_groups, write_delta
+from ._delta import DELTA_KEY, DeltaError, DeltaInfo, check_delta, load_groups, scatter_target, write_delta
 from ._digest import device_digests
 from ._save import DIGEST_ALGORITHM, DIGESTS_KEY, VERSION_KEY, _torch_names
 from ._target import _import_torch
@@ -278,7 +278,7 @@ class _Saved:
     def __init__(self, torch):
         self.torch = torch
         self.whole: dict = {}           # {name: (destination, host copy)}
-        self.sparse: dict = {}          # {name: (int view, positions, old values)}
+        self.sparse: list = []          # [(view, index, old values)] (write_delta's batches)
 
     def keep_whole(self, name, dest):
         torch = self.torch
@@ -287,16 +287,16 @@ class _Saved:
         copy.copy_(dest.detach())
         self.whole[name] = (dest, copy)
 
-    def keep_sparse(self, name, ints, positions):
-        self.sparse[name] = (ints, positions, ints[positions].clone())
+    def keep_sparse(self, view, index):
+        self.sparse.append((view, index, view[index].clone()))
 
     def restore(self):
         torch = self.torch
         with torch.no_grad():
             for dest, copy in self.whole.values():
                 dest.copy_(copy)
-            for ints, positions, old in self.sparse.values():
-                ints[positions] = old
+            for view, index, old in self.sparse:
+                view[index] = old
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
 
@@ -417,11 +417,10 @@ def _apply_open(torch, ck, tensors, version, base_version, digests, name_map, pl
     saved = _Saved(torch) if keep else None
     if saved is not None:
         if is_delta:
-            from ._delta import _as_int
             for name in checked.info.full:
                 saved.keep_whole(name, dests[name])
-            for name, (positions, _) in checked.patches.items():
-                saved.keep_sparse(name, _as_int(torch, dests[name]), positions)
+            for batch in checked.patches:
+                saved.keep_sparse(*scatter_target(torch, dests, batch))
         else:
             for name, dest in dests.items():
                 saved.keep_whole(name, dest)
@@ -444,16 +443,11 @@ def _apply_open(torch, ck, tensors, version, base_version, digests, name_map, pl
     found = None
     if return_digests:
         found = {keys[n]: d for n, d in device_digests({n: dests[n] for n in written}).items()}
-    nbytes = sum(_written_bytes(dests[n], checked.patches.get(n) if is_delta else None)
+    counts = checked.counts() if is_delta else {}
+    nbytes = sum(dests[n].element_size() * counts[n] if n in counts else dests[n].nbytes
                  for n in written)
     return UpdateReport(version, base_version, is_delta, tuple(keys[n] for n in written), nbytes,
                         time.perf_counter() - began, found)
-
-
-def _written_bytes(dest, patch):
-    if patch is None:
-        return dest.numel() * dest.element_size()
-    return patch[0].numel() * dest.element_size()
 
 
 def _delta_info(ck):
