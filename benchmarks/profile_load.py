@@ -25,7 +25,9 @@ the best of --repeat runs, GB/s over the layout's bytes:
              made, first and last tensor finished, readers joined, returned
   engine     the copy engine's own timeline (CUPTI, through torch.profiler):
              every host-to-device copy's start, end and bytes on the GPU,
-             during the real load_file (as timeline runs it), during the
+             during the real load_file (as timeline runs it), during
+             load_into of the same checkpoint into a tensor per allocation
+             (a model's parameters, through one open Checkpoint), during the
              pipeline's copies alone (SKIP_READ, the defaults), and during
              2 MiB copies of one pinned torch tensor over 16 streams (no
              loader, no readers): how long the engine idles between copies,
@@ -561,6 +563,17 @@ def section_engine(torch, name, paths, device, repeat, out):
             # that differs is the driver's work on the memory just freed)
             ("load_file, cache emptied 1 s before", fastest(one_load, lambda: (free(), time.sleep(1))))]
     free()
+    # load_into: the same bytes into one allocation a tensor (a model's
+    # parameters), through one open Checkpoint: its copies join only inside
+    # one allocation of the driver's
+    dests = loader.load_file(paths, str(device), views=False)
+    try:
+        with loader.Checkpoint.open(paths) as ck:
+            runs.append(("load_into, a tensor an allocation",
+                         fastest(lambda: (ck.load_into(dests), torch.cuda.synchronize(device)))))
+    finally:
+        dests.clear()
+        free()
     f = Files(torch, paths, device)
     try:
         chunk, depth = loader.DEFAULT_CHUNK_SIZE, loader.DEFAULT_IO_DEPTH
