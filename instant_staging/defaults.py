@@ -263,10 +263,12 @@ DELTA_BASE_BATCH = 1 << 30
 # Applying a delta: the sparse patches of one device and element size are
 # checked, kept (a rollback's old values) and scattered together, in
 # batches of at most this many positions (a batch's temporaries take about
-# 8 bytes a position; one patch larger than this is a batch of its own).
-# One batch is a few kernels and one device sync, however many tensors it
-# holds: what a per-tensor path costs in launches and syncs on a model of
-# thousands of small tensors is the reason.
+# 16 bytes a position).  One batch is a few kernels and one device sync,
+# however many tensors it holds: what a per-tensor path costs in launches
+# and syncs on a model of thousands of small tensors is the reason.  A
+# patch of at least 1/16 of it is a batch of its own, read and scattered
+# where it lies: beside its bytes its own few syncs are nothing, and
+# joining it to others would only copy it.
 DELTA_PATCH_BATCH = 1 << 24
 
 # save_file to a bucket (loader/_upload.py): parts of SAVE_CHUNK_SIZE (a

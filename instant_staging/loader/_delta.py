@@ -48,6 +48,7 @@ import ctypes
 import itertools
 import json
 import math
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -446,15 +447,21 @@ def _rows_shape(name, shape, rows):
 
 
 def load_groups(ck, groups, plan, done, options):
-    """Loads each group of ``groups`` (``{device: {name: destination}}``)
-    by ``ck.load_into``: the rows ``plan`` gives (None: whole), each
-    group's names put in ``done`` once it is written."""
+    """Loads each group of ``groups`` (``{device: {name: destination}}``, or
+    ``{device: Destinations}`` already checked) by ``ck.load_into``'s path:
+    the rows ``plan`` gives (None: whole), each group's names put in
+    ``done`` once it is written."""
+    from ._checkpoint import write_into
+    from ._into import Destinations, checked
     for group in groups.values():
+        dests = group if isinstance(group, Destinations) else checked(group, True, options)
+        names = list(dests.tensors)
         if plan is None:
-            ck.load_into(group, names=list(group), **options)
+            write_into(ck, dests, names, None, True, time.perf_counter())
         else:
-            ck.load_into(group, plan={n: plan.get(n) for n in group}, **options)
-        done.extend(group)
+            write_into(ck, dests, None, {n: plan.get(n) for n in names}, True,
+                       time.perf_counter())
+        done.extend(names)
 
 
 def write_delta(ck, checked: CheckedDelta, *, written: list | None = None, **options) -> None:
@@ -514,10 +521,14 @@ def _load_patches(torch, ck, tensors, info, rows=None):
     for (device, _), group in groups.items():
         keys = [k for n in group for k in (indices_key(n), values_key(n))]
         loaded = ck.load(device, names=keys)
+        alone = DELTA_PATCH_BATCH // 16
         batch: list = []
         count = 0
         for name in group + [None]:
             k = 0 if name is None else math.prod(ck.info(indices_key(name)).shape)
+            if name is not None and k >= alone:
+                out.append(_checked_batch(torch, [name], loaded, info, rows))
+                continue
             if batch and (name is None or count + k > DELTA_PATCH_BATCH):
                 out.append(_checked_batch(torch, batch, loaded, info, rows))
                 batch, count = [], 0
@@ -532,8 +543,13 @@ def _checked_batch(torch, names, loaded, info, rows):
     positions checked with one device sync: strictly increasing within each
     name, the first >= 0 and the last below the name's element count."""
     lengths = [loaded[indices_key(n)].numel() for n in names]
-    positions = torch.cat([loaded.pop(indices_key(n)).reshape(-1) for n in names]).to(torch.int64)
-    values = torch.cat([_as_int(torch, loaded.pop(values_key(n))) for n in names])
+    if len(names) == 1:         # (read where it lies: no copy into a batch)
+        positions = loaded.pop(indices_key(names[0])).reshape(-1).to(torch.int64)
+        values = _as_int(torch, loaded.pop(values_key(names[0])))
+    else:
+        positions = torch.cat([loaded.pop(indices_key(n)).reshape(-1) for n in names]
+                              ).to(torch.int64)
+        values = torch.cat([_as_int(torch, loaded.pop(values_key(n))) for n in names])
     device = positions.device
     numels = [math.prod(info.sparse[n]) for n in names]
     ends = list(itertools.accumulate(lengths))

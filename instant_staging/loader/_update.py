@@ -229,11 +229,13 @@ def _check_pins(ck):
                             "modification time or size changed): nothing was written")
 
 
-def _check_full(ck, dests, plan, tensors, keys):
+def _check_full(ck, dests, plan, tensors, keys, options):
     """The checks of a full update: every destination written, each of its
-    tensor's dtype and shape, contiguous, on a device, none overlapping."""
+    tensor's dtype and shape, contiguous, on a device, none overlapping;
+    returns ``{device: Destinations}`` (``load_groups`` writes them without
+    checking them again)."""
     torch = _import_torch()
-    from ._into import check_destinations
+    from ._into import checked
     targets = set(keys.values())
     missing = [k for k in tensors if k not in targets]
     if missing:
@@ -241,35 +243,41 @@ def _check_full(ck, dests, plan, tensors, keys):
                             f"update writes every one; a delta writes some): "
                             f"{', '.join(map(repr, sorted(missing)[:20]))}: nothing was written")
     names = _torch_names(torch)
+    info = ck.info
+    f4 = getattr(torch, "float4_e2m1fn_x2", None)
     for name, dest in dests.items():
-        info = ck.info(name)
+        entry = info(name)
+        shape = entry.shape
         rows = None if plan is None else plan.get(name)
-        shape = tuple(info.shape)
         if rows is not None:
             if not isinstance(rows, slice) or not shape or rows.indices(shape[0])[2] != 1:
                 raise UpdateRefused(f"tensor {name!r}: a plan's entry is None or a step-1 slice "
                                     f"of the first dimension, not {rows!r}")
             start, stop, _ = rows.indices(shape[0])
             shape = (max(stop - start, 0), *shape[1:])
-        have = tuple(dest.shape)
-        if info.dtype == "F4" and have:
-            have = have[:-1] + (have[-1] * 2,)
-        if names.get(dest.dtype) != info.dtype or have != shape:
-            raise UpdateRefused(f"tensor {name!r}: the checkpoint holds {info.dtype} {list(shape)}"
+        have = dest.shape       # (a torch.Size: a tuple)
+        dtype = dest.dtype
+        if dtype is f4 and have:
+            have = (*have[:-1], have[-1] * 2)
+        if names.get(dtype) != entry.dtype or tuple(have) != tuple(shape):
+            raise UpdateRefused(f"tensor {name!r}: the checkpoint holds {entry.dtype} "
+                                f"{list(shape)}"
                                 f"{' (the rows of its plan)' if rows is not None else ''}, the "
                                 f"destination is {dest.dtype} {list(dest.shape)}: nothing was "
                                 "written")
     groups: dict = {}
     for name, dest in dests.items():
         groups.setdefault(dest.device, {})[name] = dest
-    # (load_into checks them again, but its error would come after the
-    # first device's writes, and reads as a failure part-way)
-    for group in groups.values():
+    # (every device's checked before the first write: load_into's own check
+    # of a second device would come after the first one's writes, and read
+    # as a failure part-way)
+    out = {}
+    for device, group in groups.items():
         try:
-            check_destinations(group)
+            out[device] = checked(group, True, options)
         except (TypeError, ValueError) as e:
             raise UpdateRefused(f"{e}: nothing was written") from None
-    return groups
+    return out
 
 
 class _Saved:
@@ -278,7 +286,7 @@ class _Saved:
     def __init__(self, torch):
         self.torch = torch
         self.whole: dict = {}           # {name: (destination, host copy)}
-        self.sparse: list = []          # [(view, index, old values)] (write_delta's batches)
+        self.sparse: list = []          # [(batch, old values)] (write_delta's Patches)
 
     def keep_whole(self, name, dest):
         torch = self.torch
@@ -287,15 +295,19 @@ class _Saved:
         copy.copy_(dest.detach())
         self.whole[name] = (dest, copy)
 
-    def keep_sparse(self, view, index):
-        self.sparse.append((view, index, view[index].clone()))
+    def keep_sparse(self, dests, batch):
+        # (the index a batch of several names is scattered through is made
+        # again to restore: kept, it would double the batch's memory)
+        view, index = scatter_target(self.torch, dests, batch)
+        self.sparse.append((dests, batch, view[index].clone()))
 
     def restore(self):
         torch = self.torch
         with torch.no_grad():
             for dest, copy in self.whole.values():
                 dest.copy_(copy)
-            for view, index, old in self.sparse:
+            for dests, batch, old in self.sparse:
+                view, index = scatter_target(torch, dests, batch)
                 view[index] = old
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -411,7 +423,7 @@ def _apply_open(torch, ck, tensors, version, base_version, digests, name_map, pl
         groups = None
     else:
         dests, keys = _mapped(tensors, ck.names(), name_map, skip_missing=not strict)
-        groups = _check_full(ck, dests, plan, tensors, keys)
+        groups = _check_full(ck, dests, plan, tensors, keys, options)
     _check_digests(ck, digests)
     keep = is_delta if rollback is None else rollback
     saved = _Saved(torch) if keep else None
@@ -420,7 +432,7 @@ def _apply_open(torch, ck, tensors, version, base_version, digests, name_map, pl
             for name in checked.info.full:
                 saved.keep_whole(name, dests[name])
             for batch in checked.patches:
-                saved.keep_sparse(*scatter_target(torch, dests, batch))
+                saved.keep_sparse(dests, batch)
         else:
             for name, dest in dests.items():
                 saved.keep_whole(name, dest)
