@@ -252,7 +252,9 @@ DIGEST_BLOCK = 1 << 20
 # device; the table of powers it multiplies by (8 bytes a word, one table
 # per lane and device, kept) and each chunk's temporaries are of this
 # length, so the device memory a digest takes beyond the tensor is bounded
-# by it, whatever the tensor's size.
+# by it, whatever the tensor's size.  Smaller tensors are stacked as the
+# rows of batches of at most this many words (their temporaries bounded
+# alike): a batch's few kernels cover many tensors.
 DEVICE_DIGEST_WORDS = 1 << 22
 
 # save_delta: a base given as a checkpoint is read in batches of at most
