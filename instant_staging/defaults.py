@@ -257,9 +257,12 @@ DIGEST_BLOCK = 1 << 20
 # alike): a batch's few kernels cover many tensors.
 DEVICE_DIGEST_WORDS = 1 << 22
 
-# save_delta: a base given as a checkpoint is read in batches of at most
-# this many bytes per device, compared, and dropped: device memory beyond
-# the model stays within it (plus the delta's own tensors).
+# save_delta: the base is brought to the tensors' device (read, for a base
+# given as a checkpoint) in batches of at most this many bytes per device,
+# each batch compared at once (a flag a changed element: at most as many
+# bytes again) and dropped: device memory beyond the model stays within
+# twice it (plus the delta's own tensors), and a batch of many small
+# tensors costs two transfers from the device, not two a tensor.
 DELTA_BASE_BATCH = 1 << 30
 
 # save_file to a bucket (loader/_upload.py): parts of SAVE_CHUNK_SIZE (a
