@@ -298,3 +298,19 @@ def test_a_batch_of_many_tensors_waits_for_the_device_a_few_times_not_per_tensor
     with _Syncs() as syncs:
         save_delta(new, base, tmp_path / "d.safetensors", base_version="v1", version="v2")
     assert syncs.count <= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("base_on", ["cuda", "cpu"])
+def test_batched_comparison_on_a_gpu_writes_the_file_a_tensor_at_a_time_did(tmp_path, gpu,
+                                                                            base_on):
+    base, new = mixed_step()
+    want, sparse = one_at_a_time(new, base)
+    save_file(want, tmp_path / "want.safetensors",
+              {"instant_staging.delta": "1", "instant_staging.base_version": "v1",
+               "instant_staging.sparse": json.dumps(sparse, separators=(",", ":"))},
+              version="v2")
+    on_gpu = {n: t.cuda() for n, t in new.items()}
+    base_arg = {n: t.cuda() for n, t in base.items()} if base_on == "cuda" else base
+    save_delta(on_gpu, base_arg, tmp_path / "d.safetensors", base_version="v1", version="v2")
+    assert (tmp_path / "d.safetensors").read_bytes() == (tmp_path / "want.safetensors").read_bytes()

@@ -142,3 +142,13 @@ def test_cpu_and_cuda_agree():
         assert device_digest(t.cuda()) == device_digest(t)
     big = torch.randn(3 << 20, dtype=torch.bfloat16)
     assert device_digest(big.cuda()) == device_digest(big)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("words", [5, 1 << 22])
+def test_many_cuda_tensors_at_once_are_each_the_documented_algorithm(gpu, words):
+    tensors = mixed()
+    on_gpu = {n: t.cuda() for n, t in tensors.items()}
+    on_gpu["unaligned"] = tensors["unaligned"].cuda()[1:]           # an odd offset on the device
+    tensors["unaligned"] = tensors["unaligned"][1:]
+    assert device_digests(on_gpu, words=words) == {n: reference(t) for n, t in tensors.items()}
