@@ -259,11 +259,19 @@ DEVICE_DIGEST_WORDS = 1 << 22
 
 # save_delta: the base is brought to the tensors' device (read, for a base
 # given as a checkpoint) in batches of at most this many bytes per device,
-# each batch compared at once (a flag a changed element: at most as many
-# bytes again) and dropped: device memory beyond the model stays within
-# twice it (plus the delta's own tensors), and a batch of many small
-# tensors costs two transfers from the device, not two a tensor.
+# compared, and dropped: device memory beyond the model stays within it
+# (plus DELTA_MASK and the delta's own tensors).
 DELTA_BASE_BATCH = 1 << 30
+
+# save_delta compares runs of tensors whose elements fit one mask of this
+# many (a byte each; a bigger tensor alone) at once: their changed counts,
+# then the positions of those stored sparse, each read back in one
+# transfer, so that many small tensors on a GPU wait for it twice a run,
+# not twice a tensor.  On a CPU, which waits for nothing, the mask is
+# DELTA_MASK_CPU: small enough to stay in cache between the comparison and
+# the two passes that read it again.
+DELTA_MASK = 1 << 27
+DELTA_MASK_CPU = 1 << 22
 
 # save_file to a bucket (loader/_upload.py): parts of SAVE_CHUNK_SIZE (a
 # multiple of it for an object that would need more than UPLOAD_MAX_PARTS,

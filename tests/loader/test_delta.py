@@ -254,12 +254,13 @@ def mixed_step(seed=5):
     return base, new
 
 
-@pytest.mark.parametrize("batch", [1, 700, 1 << 30])
+@pytest.mark.parametrize("batch, mask", [(1, 1), (700, 1000), (5000, 300), (1 << 30, 1 << 22)])
 @pytest.mark.parametrize("base_as", ["dict", "file"])
 def test_batched_comparison_writes_the_file_a_tensor_at_a_time_did(tmp_path, monkeypatch,
-                                                                  batch, base_as):
+                                                                  batch, mask, base_as):
     from instant_staging.loader import _delta
     monkeypatch.setattr(_delta, "DELTA_BASE_BATCH", batch)
+    monkeypatch.setattr(_delta, "DELTA_MASK_CPU", mask)
     base, new = mixed_step()
     base_arg = base
     if base_as == "file":
