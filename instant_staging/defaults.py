@@ -254,8 +254,11 @@ DIGEST_BLOCK = 1 << 20
 # length, so the device memory a digest takes beyond the tensor is bounded
 # by it, whatever the tensor's size.  Smaller tensors are stacked as the
 # rows of batches of at most this many words (their temporaries bounded
-# alike): a batch's few kernels cover many tensors.
+# alike): a batch's few kernels cover many tensors.  On a CPU, which
+# launches no kernels, a batch is of at most DEVICE_DIGEST_BATCH_CPU words,
+# so that its temporaries (about 7 bytes a byte) stay in cache.
 DEVICE_DIGEST_WORDS = 1 << 22
+DEVICE_DIGEST_BATCH_CPU = 1 << 18
 
 # save_delta: the base is brought to the tensors' device (read, for a base
 # given as a checkpoint) in batches of at most this many bytes per device,

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from ..defaults import DEVICE_DIGEST_WORDS
+from ..defaults import DEVICE_DIGEST_BATCH_CPU, DEVICE_DIGEST_WORDS
 from ._target import _import_torch
 
 if TYPE_CHECKING:
@@ -163,8 +163,9 @@ def device_digests(tensors: Mapping[str, torch.Tensor], *,
     Args:
         tensors: ``{name: tensor}``, any devices, any dtypes (dense).
         words: the chunk length in 4-byte words (``DEVICE_DIGEST_WORDS``),
-            and the most words a batch stacks: bounds the device memory a
-            digest takes; it does not change the digest.
+            and the most words a batch stacks (on a CPU, at most
+            ``DEVICE_DIGEST_BATCH_CPU``): bounds the device memory a digest
+            takes; it does not change the digest.
 
     Returns:
         ``{name: digest}`` in ``tensors``' order.
@@ -191,10 +192,11 @@ def device_digests(tensors: Mapping[str, torch.Tensor], *,
             length = _row_length(-(-piece.numel() // 4), words)
             lengths.setdefault(length, []).append((name, begin // 4, piece))
     chunks: dict = {name: [] for name in flats}
-    for lengths in by_device.values():
+    for device, lengths in by_device.items():
+        batch_words = min(words, DEVICE_DIGEST_BATCH_CPU) if device.type == "cpu" else words
         sums, owners = [], []
         for length, group in lengths.items():
-            per = max(1, words // length)
+            per = max(1, batch_words // length)
             for i in range(0, len(group), per):
                 batch = group[i:i + per]
                 sums.append(_row_sums(torch, _rows(torch, [p for _, _, p in batch], length)))
