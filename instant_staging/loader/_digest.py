@@ -194,7 +194,8 @@ def device_digests(tensors: Mapping[str, torch.Tensor], *,
     chunks: dict = {name: [] for name in flats}
     for device, lengths in by_device.items():
         batch_words = min(words, DEVICE_DIGEST_BATCH_CPU) if device.type == "cpu" else words
-        sums, owners = [], []
+        sums: list = []
+        owners: list = []
         for length, group in lengths.items():
             per = max(1, batch_words // length)
             for i in range(0, len(group), per):
