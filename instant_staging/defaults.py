@@ -252,13 +252,29 @@ DIGEST_BLOCK = 1 << 20
 # device; the table of powers it multiplies by (8 bytes a word, one table
 # per lane and device, kept) and each chunk's temporaries are of this
 # length, so the device memory a digest takes beyond the tensor is bounded
-# by it, whatever the tensor's size.
+# by it, whatever the tensor's size.  Smaller tensors are stacked as the
+# rows of batches of at most this many words (their temporaries bounded
+# alike): a batch's few kernels cover many tensors.  On a CPU, which
+# launches no kernels, a batch is of at most DEVICE_DIGEST_BATCH_CPU words,
+# so that its temporaries (about 7 bytes a byte) stay in cache.
 DEVICE_DIGEST_WORDS = 1 << 22
+DEVICE_DIGEST_BATCH_CPU = 1 << 18
 
-# save_delta: a base given as a checkpoint is read in batches of at most
-# this many bytes per device, compared, and dropped: device memory beyond
-# the model stays within it (plus the delta's own tensors).
+# save_delta: the base is brought to the tensors' device (read, for a base
+# given as a checkpoint) in batches of at most this many bytes per device,
+# compared, and dropped: device memory beyond the model stays within it
+# (plus DELTA_MASK and the delta's own tensors).
 DELTA_BASE_BATCH = 1 << 30
+
+# save_delta compares runs of tensors whose elements fit one mask of this
+# many (a byte each; a bigger tensor alone) at once: their changed counts,
+# then the positions of those stored sparse, each read back in one
+# transfer, so that many small tensors on a GPU wait for it twice a run,
+# not twice a tensor.  On a CPU, which waits for nothing, the mask is
+# DELTA_MASK_CPU: small enough to stay in cache between the comparison and
+# the two passes that read it again.
+DELTA_MASK = 1 << 27
+DELTA_MASK_CPU = 1 << 22
 
 # Applying a delta: the sparse patches of one device and element size are
 # checked, kept (a rollback's old values) and scattered together, in

@@ -52,7 +52,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..defaults import DELTA_BASE_BATCH, DELTA_PATCH_BATCH
+from ..defaults import DELTA_BASE_BATCH, DELTA_MASK, DELTA_MASK_CPU, DELTA_PATCH_BATCH
 from ._into import bump_versions
 from ._save import VERSION_KEY, _torch_names, check_tensor_dict
 from ._save_file import save_file
@@ -187,10 +187,12 @@ def save_delta(tensors: Mapping[str, torch.Tensor], base: Mapping[str, torch.Ten
 
     Args:
         tensors: ``{name: tensor}`` now (any devices).
-        base: the base version: ``{name: tensor}`` or a checkpoint source
-            (read in batches of at most ``DELTA_BASE_BATCH`` bytes to each
-            tensor's device, compared and dropped).  It holds every name of
-            ``tensors`` with the same dtype and shape.
+        base: the base version: ``{name: tensor}`` or a checkpoint source,
+            brought to each tensor's device in batches of at most
+            ``DELTA_BASE_BATCH`` bytes (read, for a source), compared (runs
+            of tensors of up to ``DELTA_MASK`` elements at once: two
+            transfers from the device a run) and dropped.  It holds every
+            name of ``tensors`` with the same dtype and shape.
         filename: where the delta goes.
         base_version: the version id of ``base``.
         version: the version id of ``tensors``.
@@ -210,8 +212,8 @@ def save_delta(tensors: Mapping[str, torch.Tensor], base: Mapping[str, torch.Ten
     check_tensor_dict(torch, tensors)
     out: dict = {}
     sparse: dict = {}
-    for name, tensor, old in _pairs(torch, tensors, base):
-        _one(torch, name, tensor.detach(), old, tensors, out, sparse)
+    for batch in _pairs(torch, tensors, base):
+        _compare(torch, batch, tensors, out, sparse)
     meta = dict(metadata or {})
     meta.update({DELTA_KEY: DELTA_FORMAT, BASE_VERSION_KEY: base_version,
                  SPARSE_KEY: json.dumps({n: list(s) for n, s in sparse.items()},
@@ -229,7 +231,9 @@ def _is_sparse_key(key, sparse):
 
 
 def _pairs(torch, tensors, base):
-    """``(name, tensor, base tensor on the tensor's device)`` for every name."""
+    """Batches of ``(name, tensor, base tensor on the tensor's device)``,
+    every name once: each batch of one device, at most ``DELTA_BASE_BATCH``
+    bytes (or one tensor)."""
     if isinstance(base, Mapping):
         missing = [n for n in tensors if n not in base]
         if missing:
@@ -237,8 +241,16 @@ def _pairs(torch, tensors, base):
                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         for name, tensor in tensors.items():
             _same_kind(name, tensor, base[name].dtype, tuple(base[name].shape))
+        batch, size = [], 0
         for name, tensor in tensors.items():
-            yield name, tensor, base[name].detach().to(tensor.device)
+            nbytes = tensor.numel() * tensor.element_size()
+            if batch and (tensor.device != batch[0][1].device or size + nbytes > DELTA_BASE_BATCH):
+                yield batch
+                batch, size = [], 0
+            batch.append((name, tensor, base[name].detach().to(tensor.device)))
+            size += nbytes
+        if batch:
+            yield batch
         return
     from ._checkpoint import Checkpoint
     names = _torch_names(torch)
@@ -266,8 +278,8 @@ def _pairs(torch, tensors, base):
                 nbytes = 0 if name is None else ck.info(name).nbytes
                 if batch and (name is None or size + nbytes > DELTA_BASE_BATCH):
                     loaded = ck.load(device, names=batch)
-                    for n in batch:
-                        yield n, tensors[n], loaded.pop(n)
+                    yield [(n, tensors[n], loaded.pop(n)) for n in batch]
+                    del loaded
                     batch, size = [], 0
                 if name is not None:
                     batch.append(name)
@@ -288,30 +300,89 @@ def _as_int(torch, tensor):
     return tensor.reshape(-1).view(getattr(torch, _INT_OF_SIZE[tensor.element_size()]))
 
 
-def _one(torch, name, tensor, old, tensors, out, sparse):
-    numel = tensor.numel()
-    if numel == 0:
+def _compare(torch, batch, tensors, out, sparse):
+    """Puts what changed of ``batch`` (``_pairs``'s, one device) in ``out``
+    (whole, or ``.idx`` and ``.val``, in the batch's order) and ``sparse``,
+    comparing runs of its tensors whose elements fit one mask of
+    ``DELTA_MASK`` (on a CPU ``DELTA_MASK_CPU``) elements at once."""
+    kept = [(name, tensor.detach(), old) for name, tensor, old in batch if tensor.numel()]
+    if not kept:
         return
-    if tensor.dtype == getattr(torch, "float4_e2m1fn_x2", None):
-        if not torch.equal(tensor.view(torch.uint8), old.view(torch.uint8)):
+    bound = DELTA_MASK_CPU if kept[0][1].device.type == "cpu" else DELTA_MASK
+    run, size = [], 0
+    for item in kept + [None]:
+        numel = 0 if item is None else item[1].numel()
+        if run and (item is None or size + numel > bound):
+            _compare_run(torch, run, tensors, out, sparse)
+            run, size = [], 0
+        if item is not None:
+            run.append(item)
+            size += numel
+
+
+def _compare_run(torch, kept, tensors, out, sparse):
+    """``_compare`` of a run of non-empty tensors of one device, with two
+    transfers whatever its number of tensors: every tensor's count of
+    changed elements, then the changed positions of those stored sparse,
+    found at once in one mask of the run."""
+    device = kept[0][1].device
+    starts, total = [], 0
+    for _, tensor, _ in kept:
+        starts.append(total)
+        total += tensor.numel()
+    f4 = getattr(torch, "float4_e2m1fn_x2", None)
+    mask = torch.empty(total, dtype=torch.bool, device=device)
+    news = []
+    for (_, tensor, old), start in zip(kept, starts):
+        if tensor.dtype == f4:       # two values a byte: compared as bytes, stored whole
+            tensor, old = tensor.view(torch.uint8), old.view(torch.uint8)
+        new_bits, old_bits = _as_int(torch, tensor.contiguous()), _as_int(torch, old.contiguous())
+        torch.ne(new_bits, old_bits, out=mask[start:start + new_bits.numel()])
+        news.append(new_bits)
+    # the counts: one sum over each group of tensors of one size (a model's repeated shapes)
+    sums = []
+    i = 0
+    while i < len(kept):
+        numel = kept[i][1].numel()
+        j = i + 1
+        while j < len(kept) and kept[j][1].numel() == numel:
+            j += 1
+        rows = mask[starts[i]:starts[i] + (j - i) * numel].view(torch.uint8).view(j - i, numel)
+        # int32 sums where they cannot overflow (on a CPU, several times faster than int64)
+        sums.append(rows.sum(dim=1, dtype=torch.int32 if numel < _INT32_LIMIT else torch.int64))
+        i = j
+    counts = torch.cat(sums).tolist()
+    stored: list = []      # (name, tensor, None: whole | (start, count, new bits))
+    whole = []
+    for (name, tensor, _), start, count, new_bits in zip(kept, starts, counts, news):
+        if count == 0:
+            continue
+        numel = tensor.numel()
+        index_size = 4 if numel < _INT32_LIMIT else 8
+        size = tensor.element_size()
+        if tensor.dtype == f4 or count * (index_size + size) >= numel * size \
+                or indices_key(name) in tensors or values_key(name) in tensors:
+            whole.append((start, numel))
+            stored.append((name, tensor, None))
+        else:
+            stored.append((name, tensor, (start, count, new_bits)))
+    positions = None
+    if len(whole) < len(stored):
+        for start, numel in whole:       # their positions are not wanted
+            mask[start:start + numel].zero_()
+        positions = mask.nonzero().reshape(-1)       # increasing: each tensor's together
+    taken = 0
+    for name, tensor, how in stored:
+        if how is None:
             out[name] = tensor
-        return
-    new_bits, old_bits = _as_int(torch, tensor.contiguous()), _as_int(torch, old.contiguous())
-    changed = new_bits != old_bits
-    count = int(changed.sum())
-    if count == 0:
-        return
-    index_dtype = torch.int32 if numel < _INT32_LIMIT else torch.int64
-    index_size = 4 if index_dtype is torch.int32 else 8
-    size = tensor.element_size()
-    ikey, vkey = indices_key(name), values_key(name)
-    if count * (index_size + size) >= numel * size or ikey in tensors or vkey in tensors:
-        out[name] = tensor
-        return
-    positions = changed.nonzero().reshape(-1)
-    out[ikey] = positions.to(index_dtype)
-    out[vkey] = new_bits[positions].view(tensor.dtype)
-    sparse[name] = tuple(tensor.shape)
+            continue
+        start, count, new_bits = how
+        mine = positions[taken:taken + count] - start
+        taken += count
+        index_dtype = torch.int32 if tensor.numel() < _INT32_LIMIT else torch.int64
+        out[indices_key(name)] = mine.to(index_dtype)
+        out[values_key(name)] = new_bits[mine].view(tensor.dtype)
+        sparse[name] = tuple(tensor.shape)
 
 
 # -- the servers' side -------------------------------------------------------------------

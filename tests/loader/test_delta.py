@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 st = pytest.importorskip("safetensors.torch")
 import safetensors
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from instant_staging.loader import (
     DeltaError,
@@ -57,7 +58,7 @@ def test_a_delta_holds_only_what_changed_and_applies_to_the_new_bytes(tmp_path, 
     new = stepped(base)
     base_arg = base
     if base_as == "file":
-        save_file(base, tmp_path / "base.safetensors")
+        save_file({n: t.contiguous() for n, t in base.items()}, tmp_path / "base.safetensors")
         base_arg = tmp_path / "base.safetensors"
     info = save_delta(new, base_arg, tmp_path / "d.safetensors", base_version="v1", version="v2")
     assert set(info.sparse) == {"embed", "layer.0.w", "mask", "f8"}
@@ -182,3 +183,135 @@ def test_a_chain_of_deltas_has_no_drift_and_digests_cover_the_file(tmp_path):
     assert all(bytes_equal(dest[n], cur[n]) for n in cur)
     with safetensors.safe_open(path, "pt") as f:
         assert "instant_staging.digests" in f.metadata()
+
+
+def one_at_a_time(tensors, base):
+    """save_delta's choice made a tensor at a time, as it was before tensors
+    were compared in batches: ``(tensors to save_file, sparse)``."""
+    f4 = getattr(torch, "float4_e2m1fn_x2", None)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    out, sparse = {}, {}
+    for name, tensor in tensors.items():
+        old = base[name]
+        if tensor.numel() == 0:
+            continue
+        if tensor.dtype == f4:
+            if not torch.equal(tensor.view(torch.uint8), old.view(torch.uint8)):
+                out[name] = tensor
+            continue
+        new_bits = tensor.contiguous().reshape(-1).view(ints[tensor.element_size()])
+        changed = new_bits != old.contiguous().reshape(-1).view(ints[tensor.element_size()])
+        count = int(changed.sum())
+        if count == 0:
+            continue
+        size = tensor.element_size()
+        if count * (4 + size) >= tensor.numel() * size or f"{name}.idx" in tensors \
+                or f"{name}.val" in tensors:
+            out[name] = tensor
+            continue
+        positions = changed.nonzero().reshape(-1)
+        out[f"{name}.idx"] = positions.to(torch.int32)
+        out[f"{name}.val"] = new_bits[positions].view(tensor.dtype)
+        sparse[name] = list(tensor.shape)
+    return out, sparse
+
+
+def mixed_step(seed=5):
+    """Many small tensors of one size (a model's experts), big ones, odd
+    sizes, several dtypes, a view, an empty one and an F4 one, each changed
+    in a few places, in many, or not at all."""
+    g = torch.Generator().manual_seed(seed)
+    base = {f"expert.{i}.w": torch.randn(16, 16, generator=g).bfloat16() for i in range(60)}
+    base.update({
+        "big": torch.randn(300, 40, generator=g),
+        "odd": torch.randn(37, generator=g).half(),
+        "ids": torch.arange(-50, 51, dtype=torch.int64),
+        "bytes": torch.randint(0, 256, (333,), dtype=torch.uint8, generator=g),
+        "mask": torch.rand(90, generator=g) > 0.5,
+        "f8": torch.randn(70, generator=g).to(torch.float8_e4m3fn),
+        "view": torch.randn(40, 6, generator=g)[:, 2],
+        "empty": torch.zeros(0, 7),
+        "scalar": torch.tensor(3.0),
+    })
+    if hasattr(torch, "float4_e2m1fn_x2"):
+        base["f4"] = torch.randint(0, 256, (6, 4), dtype=torch.uint8,
+                                   generator=g).view(torch.float4_e2m1fn_x2)
+    new = {n: t.clone() for n, t in base.items()}
+    for i in range(0, 60, 3):                  # a third of the experts: a few elements
+        new[f"expert.{i}.w"].view(-1)[[i, 100 + i, 255]] += 1
+    new["expert.1.w"] += 1                     # every element: whole
+    new["big"].view(-1)[::97] = float("nan")
+    new["odd"].view(-1)[:30] += 1              # most: whole
+    new["ids"][[0, 100]] = 7
+    new["bytes"][::50] ^= 0xFF
+    new["mask"][4] = not bool(new["mask"][4])
+    new["f8"].view(torch.uint8)[[1, 69]] ^= 1
+    new["view"] = new["view"].clone()[None].expand(2, -1)[1]        # still not contiguous
+    new["view"][7] = -1.0
+    new["scalar"].fill_(-3.0)
+    if "f4" in new:
+        new["f4"].view(torch.uint8)[2, 1] ^= 0x10
+    return base, new
+
+
+@pytest.mark.parametrize("batch, mask", [(1, 1), (700, 1000), (5000, 300), (1 << 30, 1 << 22)])
+@pytest.mark.parametrize("base_as", ["dict", "file"])
+def test_batched_comparison_writes_the_file_a_tensor_at_a_time_did(tmp_path, monkeypatch,
+                                                                  batch, mask, base_as):
+    from instant_staging.loader import _delta
+    monkeypatch.setattr(_delta, "DELTA_BASE_BATCH", batch)
+    monkeypatch.setattr(_delta, "DELTA_MASK_CPU", mask)
+    base, new = mixed_step()
+    base_arg = base
+    if base_as == "file":
+        save_file({n: t.contiguous() for n, t in base.items()}, tmp_path / "base.safetensors")
+        base_arg = tmp_path / "base.safetensors"
+    info = save_delta(new, base_arg, tmp_path / "d.safetensors", base_version="v1",
+                      version="v2", metadata={"run": "7"})
+    out, sparse = one_at_a_time(new, base)
+    save_file(out, tmp_path / "want.safetensors",
+              {"run": "7", "instant_staging.delta": "1", "instant_staging.base_version": "v1",
+               "instant_staging.sparse": json.dumps(sparse, separators=(",", ":"))},
+              version="v2")
+    assert (tmp_path / "d.safetensors").read_bytes() == (tmp_path / "want.safetensors").read_bytes()
+    assert len(info.sparse) > 20 and "expert.1.w" in info.full and "f8" in info.sparse
+    dest = {n: t.clone() for n, t in base.items()}
+    apply_delta(dest, tmp_path / "d.safetensors", version="v1")
+    assert all(bytes_equal(dest[n], new[n]) for n in new)
+
+
+class _Syncs(TorchDispatchMode):
+    """Counts the operations that wait for the device: a scalar read, a
+    comparison to a bool, a nonzero (its size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.count += name in ("_local_scalar_dense", "equal", "nonzero", "is_nonzero")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_batch_of_many_tensors_waits_for_the_device_a_few_times_not_per_tensor(tmp_path):
+    base, new = mixed_step()
+    with _Syncs() as syncs:
+        save_delta(new, base, tmp_path / "d.safetensors", base_version="v1", version="v2")
+    assert syncs.count <= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("base_on", ["cuda", "cpu"])
+def test_batched_comparison_on_a_gpu_writes_the_file_a_tensor_at_a_time_did(tmp_path, gpu,
+                                                                            base_on):
+    base, new = mixed_step()
+    want, sparse = one_at_a_time(new, base)
+    save_file(want, tmp_path / "want.safetensors",
+              {"instant_staging.delta": "1", "instant_staging.base_version": "v1",
+               "instant_staging.sparse": json.dumps(sparse, separators=(",", ":"))},
+              version="v2")
+    on_gpu = {n: t.cuda() for n, t in new.items()}
+    base_arg = {n: t.cuda() for n, t in base.items()} if base_on == "cuda" else base
+    save_delta(on_gpu, base_arg, tmp_path / "d.safetensors", base_version="v1", version="v2")
+    assert (tmp_path / "d.safetensors").read_bytes() == (tmp_path / "want.safetensors").read_bytes()

@@ -7,6 +7,7 @@ checked here against a plain-Python reference of the documented algorithm
 import pytest
 
 torch = pytest.importorskip("torch")
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from instant_staging.loader import _digest, device_digest, device_digests
 
@@ -50,6 +51,56 @@ def test_the_digest_is_the_documented_algorithm_whatever_the_chunk(name):
         assert device_digests({"t": t}, words=words)["t"] == want
 
 
+def mixed():
+    """Many small tensors of a few repeated sizes (a model's experts and
+    layers), big ones, odd sizes, several dtypes, views, empties."""
+    g = torch.Generator().manual_seed(3)
+    out = {f"expert.{i}": torch.randn(24, generator=g).bfloat16() for i in range(40)}
+    out.update({f"norm.{i}": torch.randn(9, generator=g) for i in range(12)})
+    out.update({
+        "big": torch.randn(3000, generator=g),
+        "big bf16 odd": torch.randn(2001, generator=g).bfloat16(),
+        "u8 odd": torch.randint(0, 256, (37,), dtype=torch.uint8, generator=g),
+        "unaligned": torch.randint(0, 256, (90,), dtype=torch.uint8, generator=g)[3:],
+        "strided": torch.randn(20, 7, generator=g)[:, 2],
+        "i64": torch.arange(-40, 41, dtype=torch.int64),
+        "bool": torch.rand(21, generator=g) > 0.5,
+        "f8": torch.randn(66, generator=g).to(torch.float8_e4m3fn),
+        "c64": torch.randn(5, dtype=torch.complex64, generator=g),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(-0.0),
+    })
+    return out
+
+
+@pytest.mark.parametrize("words", [1, 5, 24, 64, 1000, 1 << 22])
+def test_many_tensors_at_once_are_each_the_documented_algorithm(words):
+    tensors = mixed()
+    assert device_digests(tensors, words=words) == {n: reference(t) for n, t in tensors.items()}
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the torch operations that are not views."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def test_many_small_tensors_cost_a_few_operations_a_batch_not_a_tensor():
+    tensors = {f"expert.{i}": torch.randn(16) for i in range(500)}
+    tensors.update({f"odd.{i}": torch.randn(16 + i % 3) for i in range(60)})
+    device_digests(tensors)                      # the power tables, built once
+    with _Ops() as ops:
+        digests = device_digests(tensors)
+    assert ops.count < 20
+    assert digests["expert.7"] == reference(tensors["expert.7"])
+
+
 def test_an_empty_tensor_has_the_digest_of_no_bytes():
     assert device_digest(torch.empty(0, 3)) == "0:0000000000000000"
 
@@ -91,3 +142,13 @@ def test_cpu_and_cuda_agree():
         assert device_digest(t.cuda()) == device_digest(t)
     big = torch.randn(3 << 20, dtype=torch.bfloat16)
     assert device_digest(big.cuda()) == device_digest(big)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("words", [5, 1 << 22])
+def test_many_cuda_tensors_at_once_are_each_the_documented_algorithm(gpu, words):
+    tensors = mixed()
+    on_gpu = {n: t.cuda() for n, t in tensors.items()}
+    on_gpu["unaligned"] = tensors["unaligned"].cuda()[1:]           # an odd offset on the device
+    tensors["unaligned"] = tensors["unaligned"][1:]
+    assert device_digests(on_gpu, words=words) == {n: reference(t) for n, t in tensors.items()}
