@@ -247,9 +247,11 @@ def test_bench_save_dcp_quick(tmp_path):
     from support import run_bench_quick
     doc = run_bench_quick(tmp_path, "bench_save_dcp.py", "--layouts", "dense")
     methods = [x["method"] for x in doc["results"]]
-    assert methods[0] == "ceiling disk" and methods[-2:] == ["dcp hf writer", "instant_staging"]
+    # (ours before DCP's one-thread writer, the slowest: a run cut short has our row)
+    assert methods[0] == "ceiling disk" and methods[-2:] == ["instant_staging", "dcp hf writer"]
     assert all(x["best"] > 0 for x in doc["results"])
-    assert doc["results"][-1]["same"] is True and doc["results"][-1]["files"] > 1
+    ours = doc["results"][-2]
+    assert ours["same"] is True and ours["files"] > 1
     assert [p for p in os.listdir(tmp_path) if p != "bench_save_dcp.json"] == []
 
 
