@@ -517,15 +517,12 @@ def _rows_shape(name, shape, rows):
     return (stop - start, *shape[1:]), (start * per_row, stop * per_row)
 
 
-def load_groups(ck, groups, plan, done, options):
-    """Loads each group of ``groups`` (``{device: {name: destination}}``, or
-    ``{device: Destinations}`` already checked) by ``ck.load_into``'s path:
-    the rows ``plan`` gives (None: whole), each group's names put in
-    ``done`` once it is written."""
+def load_groups(ck, groups, plan, done):
+    """Loads each of ``groups`` (``{device: Destinations}``, ``_into.checked``'s)
+    by ``ck.load_into``'s path: the rows ``plan`` gives (None: whole), each
+    group's names put in ``done`` once it is written."""
     from ._checkpoint import write_into
-    from ._into import Destinations, checked
-    for group in groups.values():
-        dests = group if isinstance(group, Destinations) else checked(group, True, options)
+    for dests in groups.values():
         names = list(dests.tensors)
         if plan is None:
             write_into(ck, dests, names, None, True, time.perf_counter())
@@ -550,10 +547,12 @@ def write_delta(ck, checked: CheckedDelta, *, written: list | None = None, **opt
     done: list = [] if written is None else written
     info, plan = checked.info, checked.plan
     try:
+        from ._into import checked as checked_group
         groups: dict = {}
         for name in info.full:
             groups.setdefault(checked.dests[name].device, {})[name] = checked.dests[name]
-        load_groups(ck, groups, plan, done, options)
+        load_groups(ck, {device: checked_group(group, True, options)
+                         for device, group in groups.items()}, plan, done)
         with torch.no_grad():
             for batch in checked.patches:
                 view, index = scatter_target(torch, checked.dests, batch)
@@ -685,7 +684,7 @@ def scatter_target(torch, dests, batch):
     moved = torch.tensor([(p - low) // size for p in ptrs], dtype=torch.int64, device=device)
     index = batch.positions + torch.repeat_interleave(
         moved, torch.tensor(batch.lengths, device=device), output_size=batch.positions.numel())
-    return _span_view(torch, device, low, (end - low) // size, batch.values.dtype), index
+    return _span_view(torch, device, low, (end - low) // size, batch.values.dtype, size), index
 
 
 class _Split:
@@ -717,10 +716,9 @@ class _Interface:
                                          "data": (address, False), "version": 2}
 
 
-def _span_view(torch, device, address, count, dtype):
-    """``count`` elements of ``dtype`` from ``address`` on ``device``, as a
-    tensor that borrows them (``scatter_target``)."""
-    size = torch.empty((), dtype=dtype).element_size()
+def _span_view(torch, device, address, count, dtype, size):
+    """``count`` elements of ``dtype`` (``size`` bytes each) from ``address``
+    on ``device``, as a tensor that borrows them (``scatter_target``)."""
     if device.type == "cpu":
         return torch.frombuffer((ctypes.c_char * (count * size)).from_address(address),
                                 dtype=dtype)

@@ -445,7 +445,7 @@ def _apply_open(torch, ck, tensors, version, base_version, digests, name_map, pl
             write_delta(ck, checked, written=written, **options)
         else:
             assert groups is not None
-            load_groups(ck, groups, plan, written, options)
+            load_groups(ck, groups, plan, written)
     except BaseException as e:
         failure = _failed(e, written, saved, keys, version, base_version)
         if isinstance(e, KeyboardInterrupt):
