@@ -22,7 +22,8 @@
 #   dcp       bench_save_dcp.py (DCP's writer against ours) on $DCP_LAYOUTS (default dense)
 #             (update, save, dcp: more options in $UPDATE_ARGS, $SAVE_ARGS, $DCP_ARGS, e.g. "--repeat 2")
 #   digest    bench_cache_digest.py (the cache's CRC-32, $DIGEST_GIB GiB, default 4)
-#   fill      bench_cache_fill.py (a cache filled as it loads, hits while revalidating)
+#   fill      bench_cache_fill.py (a cache filled as it loads, hits while revalidating), from
+#             the in-process Python server, or with FILL_S3=1 from LocalBucket (S3) started here
 #   tf        bench_transformers.py $TF_ARGS (from_pretrained against transformers' own)
 #   why1st    profile_load.py --sections first on $WHY1ST_LAYOUT (default moe): a
 #             server's first load, step by step
@@ -54,6 +55,17 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 T0=$(date +%s)
 stamp() { echo "=== $(( $(date +%s) - T0 )) s: $*"; }
+# LocalBucket (S3) serving folder $1 (its bucket "bench": $1/bench) on
+# 127.0.0.1:$2, in the background ($LB), once it answers.
+localbucket_up() {
+    mkdir -p "$1/bench"
+    python3 -m localbucket --host 127.0.0.1 --port $2 "$1" > "$OUT/localbucket-$2.log" 2>&1 &
+    LB=$!
+    for _ in $(seq 100); do
+        python3 -c "import socket; socket.create_connection(('127.0.0.1', $2), 1)" 2>/dev/null && return
+        sleep 0.1
+    done
+}
 for w in ../.whl .whl; do
     if ls $w/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -106,8 +118,20 @@ for step in ${STEPS:-env gpu bench}; do
                  | tee "$OUT/dcp.log" | tail -20 ;;
         digest) mkdir -p "$D/digest" && timeout ${DIGEST_T:-150} python3 benchmarks/bench_cache_digest.py \
                     --dir "$D/digest" --device cuda:0 --gib ${DIGEST_GIB:-4} 2>&1 | tee "$OUT/digest.log" | tail -25 ;;
-        fill) mkdir -p "$D/fill" && timeout ${FILL_T:-150} python3 benchmarks/bench_cache_fill.py \
-                  --dir "$D/fill" --device cuda:0 --gib ${FILL_GIB:-2} 2>&1 | tee "$OUT/fill.log" | tail -25 ;;
+        fill) if [ -n "$FILL_S3" ]; then
+                  # (the checkpoint's files, written under --dir, are the bucket's objects)
+                  RB=$D/localbucket
+                  localbucket_up "$RB" ${FILL_PORT:-9001}
+                  AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench-secret AWS_REGION=us-east-1 \
+                  AWS_ENDPOINT_URL=http://127.0.0.1:${FILL_PORT:-9001} AWS_ALLOW_HTTP=true \
+                  timeout ${FILL_T:-150} python3 benchmarks/bench_cache_fill.py --dir "$RB/bench/fill" \
+                      --url s3://bench/fill/files/model.safetensors.index.json --device cuda:0 \
+                      --gib ${FILL_GIB:-2} 2>&1 | tee "$OUT/fill.log" | tail -25
+                  RC=$?; kill $LB; wait $LB 2>/dev/null; (exit $RC)
+              else
+                  mkdir -p "$D/fill" && timeout ${FILL_T:-150} python3 benchmarks/bench_cache_fill.py \
+                      --dir "$D/fill" --device cuda:0 --gib ${FILL_GIB:-2} 2>&1 | tee "$OUT/fill.log" | tail -25
+              fi ;;
         tf) timeout ${TF_T:-300} python3 benchmarks/bench_transformers.py --dir "$D" $TF_ARGS \
                 --json "$OUT/transformers.json" 2>&1 | tee "$OUT/transformers.log" | tail -30 ;;
         why1st) timeout ${WHY1ST_T:-120} python3 benchmarks/profile_load.py --dir "$D" \
@@ -115,14 +139,7 @@ for step in ${STEPS:-env gpu bench}; do
                     | tee "$OUT/why1st.log" | tail -20 ;;
         remote) RB=$D/localbucket
                 RPORT=${REMOTE_PORT:-9000}
-                mkdir -p "$RB/bench"
-                python3 -m localbucket --host 127.0.0.1 --port $RPORT "$RB" > "$OUT/localbucket.log" 2>&1 &
-                LB=$!
-                for _ in $(seq 100); do
-                    python3 -c "import socket; socket.create_connection(('127.0.0.1', $RPORT), 1)" \
-                        2>/dev/null && break
-                    sleep 0.1
-                done
+                localbucket_up "$RB" $RPORT
                 AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench-secret AWS_REGION=us-east-1 \
                 timeout ${REMOTE_T:-240} python3 benchmarks/bench_remote.py \
                     --endpoint http://127.0.0.1:$RPORT --bucket bench --data-root "$RB" \
