@@ -10,6 +10,9 @@ whole per-chunk path runs in plain C threads:
        (the pieces of one device block's tensors as one copy)
     -> record the slot's event
 
+(A remote chunk bound for CPU tensors skips the slot: its pieces are
+copied from the client's buffer, ``_fetch_to_host``.)
+
 A *chunk* is a contiguous file range of at most ``chunk_size`` bytes; a
 *piece* is the part of one tensor inside one chunk, so small tensors share
 a chunk and large ones span several.  A ``Plan`` cuts the tensors into

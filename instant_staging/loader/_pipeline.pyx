@@ -11,6 +11,9 @@ whole per-chunk path runs in plain C threads:
        (the pieces of one device block's tensors as one copy)
     -> record the slot's event
 
+(A remote chunk bound for CPU tensors skips the slot: its pieces are
+copied from the client's buffer, ``_fetch_to_host``.)
+
 A *chunk* is a contiguous file range of at most ``chunk_size`` bytes; a
 *piece* is the part of one tensor inside one chunk, so small tensors share
 a chunk and large ones span several.  A ``Plan`` cuts the tensors into
@@ -302,6 +305,37 @@ cdef int _fetch_chunk(Shared* sh, Py_ssize_t c, char* slot) noexcept nogil:
     return rc
 
 
+cdef int _fetch_to_host(Shared* sh, Py_ssize_t c) noexcept nogil:
+    """A remote chunk whose tensors are in CPU memory: each piece copied
+    from the client's buffer straight into its tensor, as ``_copy_host``
+    copies from a slot (through a slot, every byte would be copied twice).
+    The buffer is held (its ``Py_buffer``, which keeps the client's object)
+    until the copies ended; it is the client's own, never written to."""
+    cdef Chunk* ch = &sh.chunks[c]
+    cdef Py_buffer view
+    cdef bint held = False
+    cdef int rc = -1
+    with gil:
+        try:
+            data = (<object>sh.fetch)(ch.fd, ch.offset, ch.length)
+            PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+            held = True
+            data = None
+            if <size_t>view.len != ch.length:
+                PyBuffer_Release(&view)
+                held = False
+        except BaseException:
+            pass
+    if not held:
+        _fail(sh, ERR_FETCH, 0, CALL_NONE, c, ch.offset)
+        return -1
+    if _await_dsts(sh, c) == 0:
+        rc = _copy_host(sh, c, <char*>view.buf)
+    with gil:
+        PyBuffer_Release(&view)
+    return rc
+
+
 cdef int _read_chunk(Shared* sh, Py_ssize_t c, char* slot) noexcept nogil:
     cdef Chunk* ch = &sh.chunks[c]
     cdef size_t got = 0
@@ -428,6 +462,10 @@ cdef void _run(Worker* w) noexcept nogil:
         turn += 1
         if _wait_slot(w, s) != 0:
             return
+        if sh.fetch != NULL and sh.mode == MODE_HOST and sh.skip == 0 and sh.chunks[c].fault == 0:
+            if _fetch_to_host(sh, c) != 0:
+                return
+            continue
         if not (sh.skip & SKIP_READ_BIT) and _read_chunk(sh, c, w.slots[s]) != 0:
             return
         if sh.skip & SKIP_COPY_BIT:
