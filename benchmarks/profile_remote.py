@@ -26,7 +26,11 @@ runs in this one, so its GIL is not the load's), for ``--repeat`` runs:
              thread pool of blocking GETs, bench_remote.py's raw ceiling)
              and ``async`` (one asyncio loop, a semaphore), each at the
              load's concurrency (its GETs in flight: the window of its
-             read-ahead) and at ``--wider`` times it
+             read-ahead) and at ``--wider`` times it; ``copy``:
+             ``threads`` with each range
+             then copied as any loader must, into a pinned buffer and to
+             the device: what the host's other work (a server on the same
+             cores) leaves of the ceiling once the bytes are moved
 
 Prints one table per cloud and layout, and the bound each row points to;
 ``--json`` writes every record's summary (``--records`` every GET).
@@ -274,13 +278,52 @@ def run_load(args, prefix, device, threads):
     return rec, ranges
 
 
+class _Copier:
+    """``copy(data)``: a range's bytes into a buffer of the calling thread's
+    (pinned on a GPU host), then to a device buffer on the thread's own
+    stream, waited for before the thread's next copy: the work a load adds
+    to each GET (the ``copy`` ceiling), without its planning."""
+
+    def __init__(self, device, length):
+        import torch
+        self.torch, self.device, self.length = torch, torch.device(device), length
+        self.local = threading.local()
+        self.streams = []
+        self.lock = threading.Lock()
+
+    def __call__(self, data):
+        torch, local = self.torch, self.local
+        if not hasattr(local, "host"):
+            cuda = self.device.type == "cuda"
+            local.host = torch.empty(self.length, dtype=torch.uint8, pin_memory=cuda)
+            local.dev = torch.empty(self.length, dtype=torch.uint8, device=self.device) if cuda else None
+            local.stream = torch.cuda.Stream(self.device) if cuda else None
+            with self.lock:
+                self.streams.append(local.stream)
+        n = len(data)
+        if local.stream is not None:
+            local.stream.synchronize()      # (the thread's last copy out of its buffer)
+        local.host[:n].copy_(torch.frombuffer(data, dtype=torch.uint8))
+        if local.stream is not None:
+            with torch.cuda.stream(local.stream):
+                local.dev[:n].copy_(local.host[:n], non_blocking=True)
+
+    def finish(self):
+        for stream in self.streams:
+            if stream is not None:
+                stream.synchronize()
+
+
 def run_ceiling(args, ranges, inflight, how):
     """obstore alone: ``ranges`` (key, offset, length) with ``inflight``
-    GETs at once, ``how`` "threads" or "async"; its record."""
+    GETs at once, ``how`` "threads", "async" or "copy" (threads, each range
+    then copied as a load must: into a pinned buffer of the thread's, and
+    from it to the device on a stream of the thread's); its record."""
     import obstore
     store = _store(args)
     gets = []
     lock = threading.Lock()
+    copy = _Copier(args.device, max(r[2] for r in ranges)) if how == "copy" else None
 
     def one(r):
         key, offset, length = r
@@ -289,6 +332,8 @@ def run_ceiling(args, ranges, inflight, how):
         first = time.perf_counter()
         data = got.bytes()
         last = time.perf_counter()
+        if copy is not None:
+            copy(data)
         with lock:
             gets.append({"key": key, "start": offset, "end": offset + length, "bytes": len(data),
                          "asked": begun, "begun": begun, "first": first, "last": last})
@@ -309,12 +354,14 @@ def run_ceiling(args, ranges, inflight, how):
         await asyncio.gather(*(one_async(sem, r) for r in ranges))
 
     t0 = time.perf_counter()
-    if how == "threads":
+    if how in ("threads", "copy"):
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(inflight) as pool:
             list(pool.map(one, ranges))
     else:
         asyncio.run(all_async())
+    if copy is not None:
+        copy.finish()
     t1 = time.perf_counter()
     nbytes = sum(g["bytes"] for g in gets)
     rec = {"method": f"ceiling {how}", "inflight": inflight, "seconds": t1 - t0, "bytes": nbytes,
@@ -473,7 +520,7 @@ def main(argv=None):
                     "(default: the loader's own)")
     ap.add_argument("--window", type=int, default=0, help="what if: the loads' GETs in flight "
                     "(the read-ahead's window), apart from their threads (default: the loader's)")
-    ap.add_argument("--ceilings", default="threads,async")
+    ap.add_argument("--ceilings", default="threads,async,copy")
     ap.add_argument("--wider", default="2,4", help="the ceilings also at these multiples of the "
                     "load's GETs in flight")
     ap.add_argument("--records", action="store_true", help="--json keeps every GET and fetch")
