@@ -791,6 +791,10 @@ def _each(call, items, stop):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+# A range the read-ahead chose and is starting the request of (``_ReadAhead``).
+_STARTING = object()
+
+
 class _ReadAhead:
     """A load's ranged GETs started ahead of its readers (``RemoteShards.prefetch``):
     ``window`` of ``plan``'s chunks, in the order the readers claim them,
@@ -799,28 +803,61 @@ class _ReadAhead:
     the reader copies.  A range a reader asks for before its turn came (the
     readers race a little) is left to that reader.  Host memory: the
     client's buffers of ``window`` requests and of the chunks the readers
-    copy (at most one each)."""
+    copy (at most one each).
+
+    A request is started outside the lock (handing it to the request loop
+    wakes the loop's thread, a system call, after which the GIL is waited
+    for): the range is marked ``_STARTING`` under it first, and a reader
+    that takes such a range waits for its request.  Held across the
+    start, the lock made every reader that took or answered a range wait
+    for each other's start (on the H100 host, against a server answering
+    in 16 ms, the readers spent 35-57% of their time inside the fetch
+    without waiting on the network: docs/develop/remote-timeline.md)."""
 
     def __init__(self, shards, plan, window):
         self._shards, self._plan = shards, plan
         self._next = 0              # the plan's next chunk to request
-        self._pending = {}          # (file, offset, length) -> (when started, future)
+        # (file, offset, length) -> (when started, future), or _STARTING
+        self._pending = {}
         self._skipped = set()       # ranges a reader asked for first: never requested here
-        self._lock = threading.Lock()
-        with self._lock:
-            for _ in range(window):
-                self._start_next()
+        self._dropped = False
+        self._lock = threading.Condition(threading.Lock())
+        for _ in range(window):
+            self._start_next()
 
-    def _start_next(self):
-        """Requests the next chunk to fetch (under the lock)."""
+    def _choose(self):
+        """The next chunk to fetch, marked ``_STARTING`` (under the lock); None
+        where none is left."""
         while self._next < self._plan.n_chunks:
             index, offset, length = self._plan.chunk(self._next)
             self._next += 1
             _, offset, length = self._shards._kept_part(index, offset, length)   # (the rest of it)
             key = (index, offset, length)
             if key not in self._skipped and self._shards._wanted(index, length):
-                self._pending[key] = (time.monotonic(), self._shards._submit(*key))
-                return
+                self._pending[key] = _STARTING
+                return key
+        return None
+
+    def _start_next(self):
+        """Requests the next chunk to fetch (the caller holds no lock)."""
+        with self._lock:
+            key = None if self._dropped else self._choose()
+        if key is None:
+            return
+        got = None
+        try:
+            got = (time.monotonic(), self._shards._submit(*key))
+        finally:
+            # (a start that failed leaves the range to its reader, as one skipped)
+            with self._lock:
+                if self._dropped and got is not None:
+                    got[1].cancel()
+                if self._pending.get(key) is _STARTING:
+                    if got is None or self._dropped:
+                        del self._pending[key]
+                    else:
+                        self._pending[key] = got
+                self._lock.notify_all()
 
     def take(self, index, offset, length):
         """``(when started, future)`` of the range; None where it was not
@@ -828,6 +865,8 @@ class _ReadAhead:
         future is done."""
         key = (index, offset, length)
         with self._lock:
+            while self._pending.get(key) is _STARTING:
+                self._lock.wait()
             got = self._pending.pop(key, None)
             if got is None:
                 self._skipped.add(key)
@@ -836,14 +875,17 @@ class _ReadAhead:
     def answered(self):
         """A taken request was answered: the next one in its place, while
         its taker copies what arrived."""
-        with self._lock:
-            self._start_next()
+        self._start_next()
 
     def drop(self):
-        """Requests no more; cancels those no reader took."""
+        """Requests no more; cancels those no reader took (one being started
+        is cancelled by its starter)."""
         with self._lock:
+            self._dropped = True
             self._next = self._plan.n_chunks
-            pending, self._pending = self._pending, {}
+            pending = {k: v for k, v in self._pending.items() if v is not _STARTING}
+            for k in pending:
+                del self._pending[k]
         for _, future in pending.values():
             future.cancel()
 

@@ -901,6 +901,93 @@ def test_the_read_ahead_never_fetches_a_range_a_reader_fetched_first():
     assert shards.submitted == [(0, 0, 100), (0, 100, 100), (0, 300, 100)]
 
 
+def test_the_read_ahead_starts_requests_outside_its_lock():
+    # A request being started (handed to the request loop) holds no lock:
+    # another reader takes and answers its own range meanwhile, and a
+    # reader that takes the range being started waits for its request
+    # (never a second GET of it); a drop meanwhile cancels it once started.
+    import threading
+
+    from instant_staging.loader._remote import _ReadAhead
+
+    class Plan:
+        n_chunks = 6
+
+        def chunk(self, k):
+            return (0, 100 * k, 100)
+
+    class Future:
+        def __init__(self):
+            self.cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    gate, inside = threading.Event(), threading.Event()
+
+    class Shards:
+        submitted = []
+        block = None        # the key whose start waits for the gate
+
+        def _kept_part(self, index, offset, length):
+            return None, offset, length
+
+        def _wanted(self, index, length):
+            return True
+
+        def _submit(self, *key):
+            if key == self.block:
+                inside.set()
+                assert gate.wait(10)
+            self.submitted.append(key)
+            self.futures[key] = Future()
+            return self.futures[key]
+        futures = {}
+    shards = Shards()
+    ahead = _ReadAhead(shards, Plan(), 2)
+    assert shards.submitted == [(0, 0, 100), (0, 100, 100)]
+    shards.block = (0, 200, 100)
+    assert ahead.take(0, 0, 100) is not None
+    starter = threading.Thread(target=ahead.answered)       # starts chunk 2, held at the gate
+    starter.start()
+    assert inside.wait(10)
+    other = []
+    reader = threading.Thread(target=lambda: other.append(ahead.take(0, 100, 100)))
+    reader.start()
+    reader.join(5)
+    held = reader.is_alive()
+    if held:
+        gate.set()          # (the old way: the start held the lock; let it end)
+        reader.join(10)
+    assert not held and other[0] is not None                # no lock held by the start
+    taken = []
+    taker = threading.Thread(target=lambda: taken.append(ahead.take(0, 200, 100)))
+    taker.start()
+    taker.join(0.2)
+    assert taker.is_alive() and not taken                   # it waits for the request...
+    gate.set()
+    starter.join(10)
+    taker.join(10)
+    assert taken[0] is not None and taken[0][1] is not None  # ...and gets it: no second GET
+    assert shards.submitted.count((0, 200, 100)) == 1
+
+    # A drop while a start is under way: that request is cancelled once made.
+    gate.clear()
+    inside.clear()
+    shards.block = (0, 300, 100)
+    starter = threading.Thread(target=ahead.answered)
+    starter.start()
+    assert inside.wait(10)
+    ahead.drop()
+    gate.set()
+    starter.join(10)
+    assert shards.futures[(0, 300, 100)].cancelled
+    assert not shards.futures[(0, 200, 100)].cancelled      # (taken before the drop)
+    assert ahead.take(0, 300, 100) is None      # (dropped: the reader fetches it itself)
+    ahead.answered()
+    assert shards.submitted[-1] == (0, 300, 100)    # nothing started after the drop
+
+
 @pytest.mark.parametrize("keep", ["handle", "slice"])
 def test_the_end_of_a_safe_open_block_closes_the_object_and_the_exit_prints_nothing(
         range_http_server, keep):
