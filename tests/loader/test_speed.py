@@ -293,12 +293,14 @@ def test_profile_remote_quick(tmp_path):
     out = tmp_path / "r.json"
     r = run_script(os.path.join(ROOT, "benchmarks", "profile_remote.py"), "--clouds", "s3",
                    "--layouts", "moe", "--scale", "moe:16", "--device", "cpu", "--repeat", "1",
-                   "--ceilings", "threads", "--wider", "2", "--dir", str(tmp_path), "--json", str(out),
+                   "--ceilings", "threads,copy", "--wider", "2", "--dir", str(tmp_path), "--json", str(out),
                    env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     (res,) = json.loads(out.read_text())["results"]
     (load,) = res["loads"]
     assert load["gets"] >= 1 and load["bytes"] == sum(c["bytes"] for c in res["ceilings"][:1])
     assert load["readers"] >= 1 and 0 < load["mean_in_flight"] <= load["max_in_flight"]
-    assert [c["inflight"] for c in res["ceilings"]] == [load["max_in_flight"], 2 * load["max_in_flight"]]
+    assert [(c["method"], c["inflight"]) for c in res["ceilings"]] == [
+        (f"ceiling {how}", k * load["max_in_flight"]) for how in ("threads", "copy") for k in (1, 2)]
+    assert all(c["bytes"] == load["bytes"] for c in res["ceilings"])
     assert "bound (" in r.stdout
