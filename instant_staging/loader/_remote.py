@@ -810,9 +810,8 @@ class _ReadAhead:
     for): the range is marked ``_STARTING`` under it first, and a reader
     that takes such a range waits for its request.  Held across the
     start, the lock made every reader that took or answered a range wait
-    for each other's start (on the H100 host, against a server answering
-    in 16 ms, the readers spent 35-57% of their time inside the fetch
-    without waiting on the network: docs/develop/remote-timeline.md)."""
+    for each other's start: against a server that answers fast, most of
+    the readers' time (docs/develop/remote-timeline.md)."""
 
     def __init__(self, shards, plan, window):
         self._shards, self._plan = shards, plan
