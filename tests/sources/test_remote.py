@@ -253,6 +253,28 @@ def test_https_source_is_plain_ranged_gets(range_http_server, tmp_path):
     same(load_file(range_http_server.url_for("model.safetensors")), load_file(path))
 
 
+def test_a_url_source_through_device_slots(range_http_server):
+    # A device load's readers copy each fetched range into a pinned slot,
+    # then out of it (_pipeline._fetch_chunk); a CPU load copies from the
+    # client's buffer straight into its tensors (_fetch_to_host).  The
+    # simulated runtime's device mode takes the first path without a GPU,
+    # bit-exact, every registration given back.
+    from support.tensors import SimTarget, assert_same, iterator, mixed_tensors, sim_staging
+    tensors = mixed_tensors(seed=3)
+    safetensors_torch.save_file(tensors, os.path.join(range_http_server.root, "sim.safetensors"))
+    rt, buf = sim_staging()
+    with Checkpoint.open(range_http_server.url_for("sim.safetensors")) as ck:
+        shards = ck._hold()
+        target = SimTarget(rt)
+        dtypes = [target.check(t, shards.paths[i]) for i, t in shards.entries]
+        with iterator(shards, target, dtypes, io_depth=4, threads=3, staging=buf) as it:
+            got = dict(it)
+        assert it.report.fetched_bytes == it.report.bytes > 0
+    assert_same(got, tensors)
+    buf.close()
+    assert rt.live_registrations == 0
+
+
 @pytest.mark.parametrize("status", [302, 307])
 def test_https_source_behind_a_redirect(range_http_server, status):
     # The hub's resolve URLs answer with a redirect to a signed CDN URL:
