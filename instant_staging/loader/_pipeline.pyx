@@ -278,56 +278,51 @@ cdef int _setup_device(Worker* w) noexcept nogil:
     return 0
 
 
-cdef int _fetch_chunk(Shared* sh, Py_ssize_t c, char* slot) noexcept nogil:
+cdef int _fetched(Shared* sh, Py_ssize_t c, Py_buffer* view) noexcept nogil:
     """A remote chunk: ``fetch(file, offset, length)`` returns a buffer of
-    exactly ``length`` bytes (the client's own memory, not the staging
-    buffer's), copied into the slot without the GIL.  ``ch.fd`` is the
-    file's index in the checkpoint.  The fetch keeps its own exception;
-    here it is only ERR_FETCH."""
+    exactly ``length`` bytes (the client's own memory, never written to),
+    held in ``view`` (which keeps the client's object) until the caller's
+    ``PyBuffer_Release``.  ``ch.fd`` is the file's index in the checkpoint.
+    The fetch keeps its own exception; here it is only ERR_FETCH (-1, no
+    view held)."""
     cdef Chunk* ch = &sh.chunks[c]
-    cdef Py_buffer view
-    cdef int rc = -1
-    with gil:
-        try:
-            data = (<object>sh.fetch)(ch.fd, ch.offset, ch.length)
-            PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
-            try:
-                if <size_t>view.len == ch.length:
-                    with nogil:
-                        memcpy(slot, view.buf, ch.length)
-                    rc = 0
-            finally:
-                PyBuffer_Release(&view)
-        except BaseException:
-            rc = -1
-    if rc != 0:
-        _fail(sh, ERR_FETCH, 0, CALL_NONE, c, ch.offset)
-    return rc
-
-
-cdef int _fetch_to_host(Shared* sh, Py_ssize_t c) noexcept nogil:
-    """A remote chunk whose tensors are in CPU memory: each piece copied
-    from the client's buffer straight into its tensor, as ``_copy_host``
-    copies from a slot (through a slot, every byte would be copied twice).
-    The buffer is held (its ``Py_buffer``, which keeps the client's object)
-    until the copies ended; it is the client's own, never written to."""
-    cdef Chunk* ch = &sh.chunks[c]
-    cdef Py_buffer view
     cdef bint held = False
-    cdef int rc = -1
     with gil:
         try:
             data = (<object>sh.fetch)(ch.fd, ch.offset, ch.length)
-            PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+            PyObject_GetBuffer(data, view, PyBUF_SIMPLE)
             held = True
             data = None
             if <size_t>view.len != ch.length:
-                PyBuffer_Release(&view)
+                PyBuffer_Release(view)
                 held = False
         except BaseException:
             pass
     if not held:
         _fail(sh, ERR_FETCH, 0, CALL_NONE, c, ch.offset)
+        return -1
+    return 0
+
+
+cdef int _fetch_chunk(Shared* sh, Py_ssize_t c, char* slot) noexcept nogil:
+    """A remote chunk copied into the slot without the GIL (``_fetched``)."""
+    cdef Py_buffer view
+    if _fetched(sh, c, &view) != 0:
+        return -1
+    memcpy(slot, view.buf, sh.chunks[c].length)
+    with gil:
+        PyBuffer_Release(&view)
+    return 0
+
+
+cdef int _fetch_to_host(Shared* sh, Py_ssize_t c) noexcept nogil:
+    """A remote chunk whose tensors are in CPU memory: each piece copied
+    from the client's buffer (``_fetched``) straight into its tensor, as
+    ``_copy_host`` copies from a slot (through a slot, every byte would be
+    copied twice); the buffer held until the copies ended."""
+    cdef Py_buffer view
+    cdef int rc = -1
+    if _fetched(sh, c, &view) != 0:
         return -1
     if _await_dsts(sh, c) == 0:
         rc = _copy_host(sh, c, <char*>view.buf)
