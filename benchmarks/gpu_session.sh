@@ -118,20 +118,19 @@ for step in ${STEPS:-env gpu bench}; do
                  | tee "$OUT/dcp.log" | tail -20 ;;
         digest) mkdir -p "$D/digest" && timeout ${DIGEST_T:-150} python3 benchmarks/bench_cache_digest.py \
                     --dir "$D/digest" --device cuda:0 --gib ${DIGEST_GIB:-4} 2>&1 | tee "$OUT/digest.log" | tail -25 ;;
-        fill) if [ -n "$FILL_S3" ]; then
+        fill) FILL_DIR=$D/fill FILL_URL= LB=
+              if [ -n "$FILL_S3" ]; then
                   # (the checkpoint's files, written under --dir, are the bucket's objects)
-                  RB=$D/localbucket
-                  localbucket_up "$RB" ${FILL_PORT:-9001}
-                  AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench-secret AWS_REGION=us-east-1 \
-                  AWS_ENDPOINT_URL=http://127.0.0.1:${FILL_PORT:-9001} AWS_ALLOW_HTTP=true \
-                  timeout ${FILL_T:-150} python3 benchmarks/bench_cache_fill.py --dir "$RB/bench/fill" \
-                      --url s3://bench/fill/files/model.safetensors.index.json --device cuda:0 \
-                      --gib ${FILL_GIB:-2} 2>&1 | tee "$OUT/fill.log" | tail -25
-                  RC=$?; kill $LB; wait $LB 2>/dev/null; (exit $RC)
-              else
-                  mkdir -p "$D/fill" && timeout ${FILL_T:-150} python3 benchmarks/bench_cache_fill.py \
-                      --dir "$D/fill" --device cuda:0 --gib ${FILL_GIB:-2} 2>&1 | tee "$OUT/fill.log" | tail -25
-              fi ;;
+                  localbucket_up "$D/localbucket" ${FILL_PORT:-9001}
+                  FILL_DIR=$D/localbucket/bench/fill
+                  FILL_URL="--url s3://bench/fill/files/model.safetensors.index.json"
+              fi
+              mkdir -p "$FILL_DIR"
+              AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench-secret AWS_REGION=us-east-1 \
+              AWS_ENDPOINT_URL=http://127.0.0.1:${FILL_PORT:-9001} AWS_ALLOW_HTTP=true \
+              timeout ${FILL_T:-150} python3 benchmarks/bench_cache_fill.py --dir "$FILL_DIR" $FILL_URL \
+                  --device cuda:0 --gib ${FILL_GIB:-2} 2>&1 | tee "$OUT/fill.log" | tail -25
+              RC=$?; [ -n "$LB" ] && { kill $LB; wait $LB 2>/dev/null; }; (exit $RC) ;;
         tf) timeout ${TF_T:-300} python3 benchmarks/bench_transformers.py --dir "$D" $TF_ARGS \
                 --json "$OUT/transformers.json" 2>&1 | tee "$OUT/transformers.log" | tail -30 ;;
         why1st) timeout ${WHY1ST_T:-120} python3 benchmarks/profile_load.py --dir "$D" \

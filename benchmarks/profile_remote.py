@@ -26,11 +26,10 @@ runs in this one, so its GIL is not the load's), for ``--repeat`` runs:
              thread pool of blocking GETs, bench_remote.py's raw ceiling)
              and ``async`` (one asyncio loop, a semaphore), each at the
              load's concurrency (its GETs in flight: the window of its
-             read-ahead) and at ``--wider`` times it; ``copy``:
-             ``threads`` with each range
-             then copied as any loader must, into a pinned buffer and to
-             the device: what the host's other work (a server on the same
-             cores) leaves of the ceiling once the bytes are moved
+             read-ahead) and at ``--wider`` times it; ``copy``: ``threads``
+             with each range then copied as any loader must, into a pinned
+             buffer and to the device: what the host's other work (a server
+             on the same cores) leaves of the ceiling once the bytes are moved
 
 Prints one table per cloud and layout, and the bound each row points to;
 ``--json`` writes every record's summary (``--records`` every GET).
