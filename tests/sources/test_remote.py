@@ -891,14 +891,19 @@ def test_each_answer_is_compared_with_the_pinned_size():
     assert obj.changed({"size": 99, "e_tag": None, "last_modified": 1}) == "its size is 99, not 100"
 
 
+class _Chunks:
+    """A read plan of ``n_chunks`` chunks of 100 bytes of file 0 (the
+    read-ahead's tests)."""
+
+    def __init__(self, n_chunks):
+        self.n_chunks = n_chunks
+
+    def chunk(self, k):
+        return (0, 100 * k, 100)
+
+
 def test_the_read_ahead_never_fetches_a_range_a_reader_fetched_first():
     from instant_staging.loader._remote import _ReadAhead
-
-    class Plan:
-        n_chunks = 5
-
-        def chunk(self, k):
-            return (0, 100 * k, 100)
 
     class Shards:
         submitted = []
@@ -913,7 +918,7 @@ def test_the_read_ahead_never_fetches_a_range_a_reader_fetched_first():
             self.submitted.append(key)
             return object()
     shards = Shards()
-    ahead = _ReadAhead(shards, Plan(), 1)
+    ahead = _ReadAhead(shards, _Chunks(5), 1)
     assert shards.submitted == [(0, 0, 100)]
     assert ahead.take(0, 200, 100) is None          # a reader ahead of its turn: its own GET
     assert ahead.take(0, 0, 100) is not None
@@ -931,12 +936,6 @@ def test_the_read_ahead_starts_requests_outside_its_lock():
     import threading
 
     from instant_staging.loader._remote import _ReadAhead
-
-    class Plan:
-        n_chunks = 6
-
-        def chunk(self, k):
-            return (0, 100 * k, 100)
 
     class Future:
         def __init__(self):
@@ -966,7 +965,7 @@ def test_the_read_ahead_starts_requests_outside_its_lock():
             return self.futures[key]
         futures = {}
     shards = Shards()
-    ahead = _ReadAhead(shards, Plan(), 2)
+    ahead = _ReadAhead(shards, _Chunks(6), 2)
     assert shards.submitted == [(0, 0, 100), (0, 100, 100)]
     shards.block = (0, 200, 100)
     assert ahead.take(0, 0, 100) is not None
