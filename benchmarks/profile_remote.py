@@ -149,6 +149,46 @@ def instrument(stamps):
     return undo
 
 
+def pooled_requests(stamps):
+    """What if: the read-ahead's GETs are blocking calls of the client in a
+    thread pool (the ``threads`` ceiling's way), not requests on the
+    checkpoint's asyncio loop; stamped as ``instrument`` stamps them.
+    Returns the undo.  (Not the loader's way: a blocking call cannot be
+    left when a load is cancelled.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore
+
+    from instant_staging.loader import _remote as R
+    pool = ThreadPoolExecutor(64, thread_name_prefix="what-if-get")
+    saved = R.RemoteShards._submit
+
+    def submit(self, index, offset, length):
+        obj = self._objects[index]
+        options = R._range_options(obj, offset, length)
+
+        def get():
+            begun = time.perf_counter()
+            got = obstore.get(obj.store, obj.key, options=options)
+            first = time.perf_counter()
+            data = got.bytes()
+            last = time.perf_counter()
+            asked = stamps.asked_at(obj.key, offset, offset + length)
+            with stamps.lock:
+                stamps.gets.append({"key": obj.key, "start": offset, "end": offset + length,
+                                    "bytes": len(data), "asked": asked if asked is not None else begun,
+                                    "begun": begun, "first": first, "last": last})
+            return got.meta, data
+        return pool.submit(get)
+
+    R.RemoteShards._submit = submit
+
+    def undo():
+        R.RemoteShards._submit = saved
+        pool.shutdown(wait=True)
+    return undo
+
+
 # -- summaries ---------------------------------------------------------------------------
 
 def in_flight(gets, t0, t1):
@@ -233,7 +273,12 @@ def run_load(args, prefix, device, threads):
     from instant_staging.defaults import REMOTE_CHUNK_SIZE
     from instant_staging.loader import Checkpoint
     stamps = Stamps()
-    undo = instrument(stamps)
+    undo_pool = pooled_requests(stamps) if args.requests == "pool" else (lambda: None)
+    undo_stamps = instrument(stamps)
+
+    def undo():
+        undo_stamps()
+        undo_pool()
     if args.window:         # (what-if: the read-ahead's window, apart from the threads)
         from instant_staging.loader import _remote as R
         prefetch = R.RemoteShards.prefetch
@@ -373,6 +418,8 @@ def worker(args):
     """The runs of one cloud and layout; prints a JSON line."""
     import torch
     device = torch.device(args.device)
+    if args.switch_interval:    # (what-if: how long a thread wanting the GIL waits before asking for it)
+        sys.setswitchinterval(args.switch_interval)
     if device.type == "cuda":       # started, as in a server
         torch.zeros(1, device=device)
         torch.cuda.synchronize(device)
@@ -442,7 +489,8 @@ def run_worker(args, cloud, layout):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--cloud", cloud, "--layout", layout,
            "--bucket", args.bucket, "--region", args.region, "--device", args.device,
            "--repeat", str(args.repeat), "--ceilings", args.ceilings, "--wider", args.wider,
-           "--threads", args.threads, "--window", str(args.window), "--endpoint", args.endpoint or ""]
+           "--threads", args.threads, "--window", str(args.window), "--endpoint", args.endpoint or "",
+           "--switch-interval", str(args.switch_interval), "--requests", args.requests]
     if args.records:
         cmd.append("--records")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -519,6 +567,12 @@ def main(argv=None):
                     "(default: the loader's own)")
     ap.add_argument("--window", type=int, default=0, help="what if: the loads' GETs in flight "
                     "(the read-ahead's window), apart from their threads (default: the loader's)")
+    ap.add_argument("--switch-interval", type=float, default=0, help="what if: the interpreter's "
+                    "switch interval (sys.setswitchinterval, seconds; default: its own, 0.005) in the "
+                    "loads and ceilings")
+    ap.add_argument("--requests", default="loop", choices=("loop", "pool"), help="what if: the "
+                    "read-ahead's GETs on the checkpoint's asyncio loop (the loader's way) or "
+                    "blocking calls in a thread pool")
     ap.add_argument("--ceilings", default="threads,async,copy")
     ap.add_argument("--wider", default="2,4", help="the ceilings also at these multiples of the "
                     "load's GETs in flight")
@@ -538,7 +592,9 @@ def main(argv=None):
     makers = {"dense": BL.dense_layout, "moe": BL.moe_layout, "awq": BL.awq_layout,
               "finemoe": BL.finemoe_layout, "fp8": BL.fp8_layout}
     scale = dict(kv.split(":") for kv in args.scale.split(","))
-    doc = {"device": args.device, "cpus": os.cpu_count(), "versions": BR.versions(), "results": []}
+    doc = {"device": args.device, "cpus": os.cpu_count(), "versions": BR.versions(),
+           "what_if": {"threads": args.threads, "window": args.window, "requests": args.requests,
+                       "switch_interval": args.switch_interval}, "results": []}
     with contextlib.ExitStack() as stack:
         s3 = start_s3(args, stack) if "s3" in args.clouds else None
         if args.endpoint:       # (the loader's store finds the server as a user's would)
@@ -548,7 +604,8 @@ def main(argv=None):
         BR.start_emulators(args, stack)
         doc["servers"] = {"s3": f"{s3} {args.endpoint}" if s3 else None,
                           **{c: s.url for c, s in args.servers.items()}}
-        print(f"profile_remote: device {args.device}, {os.cpu_count()} CPUs, servers {doc['servers']}")
+        print(f"profile_remote: device {args.device}, {os.cpu_count()} CPUs, servers {doc['servers']}, "
+              f"what-ifs {doc['what_if']}")
         for layout in args.layouts.split(","):
             d = os.path.join(args.dir, layout)
             os.makedirs(d, exist_ok=True)
