@@ -14,7 +14,10 @@ Side by side, alternating, best of ``--repeat``, one URL source:
                   share of (readers x the load's seconds); the seconds
                   the writers spent writing (``Cache._put``), and how
                   long the load took until ``load()`` returned, before
-                  the close that waits for the writes left (item 2)
+                  the close that waits for the writes left (item 2); the
+                  finisher's seconds in its flushes (fsync) and its
+                  read-back checks, the parts of "entries made" after
+                  the load
   open (hit)      Checkpoint.open of the filled cache online: the
                   entries found by URL alone and checked, the revalidation
                   (one HEAD per object, its size and ETag compared with
@@ -89,6 +92,31 @@ def timed_writes():
 
 
 @contextlib.contextmanager
+def timed_finish():
+    """Sums the finisher's seconds in its flushes (``_cache._flush``: the
+    fsync of each entry) and in its read-back checks (``_cache._check_made``)."""
+    from instant_staging.loader import _cache
+    spent = [0.0, 0.0]
+    originals = {n: getattr(_cache, n) for n in ("_flush", "_check_made")}
+
+    def timed(i, original):
+        def hook(*args):
+            t0 = time.perf_counter()
+            try:
+                return original(*args)
+            finally:
+                spent[i] += time.perf_counter() - t0     # (one finisher thread)
+        return hook
+    for i, (n, original) in enumerate(originals.items()):
+        setattr(_cache, n, timed(i, original))
+    try:
+        yield spent
+    finally:
+        for n, original in originals.items():
+            setattr(_cache, n, original)
+
+
+@contextlib.contextmanager
 def offline_mode():
     saved = os.environ.get("INSTANT_STAGING_OFFLINE")
     os.environ["INSTANT_STAGING_OFFLINE"] = "1"
@@ -135,7 +163,7 @@ def main(argv=None):
         for _ in range(args.repeat):
             add("no cache", load(cache_dir=False)[0])
             shutil.rmtree(cache, ignore_errors=True)
-            with timed_writes() as spent:
+            with timed_writes() as spent, timed_finish() as finish:
                 t0 = time.perf_counter()
                 took, threads, loaded = load(cache_dir=cache)
                 wait_for_cache_fills()
@@ -147,6 +175,8 @@ def main(argv=None):
             if threads:
                 add("fill: share of readers' time in Cache.write", spent[0] / (threads * took))
             add("fill: writers' seconds in Cache._put", spent[1])
+            add("fill: finisher's seconds in its flushes (fsync)", finish[0])
+            add("fill: finisher's seconds in its read-back checks", finish[1])
             read_all(files + [os.path.join(cache, n) for n in os.listdir(cache)])
             t0 = time.perf_counter()
             with Checkpoint.open(url, cache_dir=cache) as ck:
