@@ -22,6 +22,8 @@
 #   dcp       bench_save_dcp.py (DCP's writer against ours) on $DCP_LAYOUTS (default dense)
 #             (update, save, dcp: more options in $UPDATE_ARGS, $SAVE_ARGS, $DCP_ARGS, e.g. "--repeat 2")
 #   digest    bench_cache_digest.py (the cache's CRC-32, $DIGEST_GIB GiB, default 4)
+#   write     bench_cache_write.py ($WRITE_GIB GiB, default 2): how fast a fill's bytes reach
+#             one partial file and several, under $D/write
 #   fill      bench_cache_fill.py (a cache filled as it loads, hits while revalidating), from
 #             the in-process Python server, or with FILL_S3=1 from LocalBucket (S3) started here
 #   tf        bench_transformers.py $TF_ARGS (from_pretrained against transformers' own)
@@ -118,6 +120,8 @@ for step in ${STEPS:-env gpu bench}; do
                  | tee "$OUT/dcp.log" | tail -20 ;;
         digest) mkdir -p "$D/digest" && timeout ${DIGEST_T:-150} python3 benchmarks/bench_cache_digest.py \
                     --dir "$D/digest" --device cuda:0 --gib ${DIGEST_GIB:-4} 2>&1 | tee "$OUT/digest.log" | tail -25 ;;
+        write) timeout ${WRITE_T:-120} python3 benchmarks/bench_cache_write.py --dir "$D/write" \
+                   --gib ${WRITE_GIB:-2} --repeat 1 --json "$OUT/write.json" 2>&1 | tee "$OUT/write.log" | tail -14 ;;
         fill) FILL_DIR=$D/fill FILL_URL= LB=
               if [ -n "$FILL_S3" ]; then
                   # (the checkpoint's files, written under --dir, are the bucket's objects)
