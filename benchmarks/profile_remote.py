@@ -418,6 +418,8 @@ def worker(args):
     """The runs of one cloud and layout; prints a JSON line."""
     import torch
     device = torch.device(args.device)
+    if args.split_cpus:         # (what-if: the load and its ceilings on CPUs of their own)
+        os.sched_setaffinity(0, set(range(args.split_cpus)))
     if args.switch_interval:    # (what-if: how long a thread wanting the GIL waits before asking for it)
         sys.setswitchinterval(args.switch_interval)
     if device.type == "cuda":       # started, as in a server
@@ -490,7 +492,8 @@ def run_worker(args, cloud, layout):
            "--bucket", args.bucket, "--region", args.region, "--device", args.device,
            "--repeat", str(args.repeat), "--ceilings", args.ceilings, "--wider", args.wider,
            "--threads", args.threads, "--window", str(args.window), "--endpoint", args.endpoint or "",
-           "--switch-interval", str(args.switch_interval), "--requests", args.requests]
+           "--switch-interval", str(args.switch_interval), "--requests", args.requests,
+           "--split-cpus", str(args.split_cpus)]
     if args.records:
         cmd.append("--records")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -573,6 +576,8 @@ def main(argv=None):
     ap.add_argument("--requests", default="loop", choices=("loop", "pool"), help="what if: the "
                     "read-ahead's GETs on the checkpoint's asyncio loop (the loader's way) or "
                     "blocking calls in a thread pool")
+    ap.add_argument("--split-cpus", type=int, default=0, help="what if: the servers on CPUs N.. "
+                    "and the loads and ceilings on CPUs 0..N-1 (default: all share every CPU)")
     ap.add_argument("--ceilings", default="threads,async,copy")
     ap.add_argument("--wider", default="2,4", help="the ceilings also at these multiples of the "
                     "load's GETs in flight")
@@ -594,7 +599,10 @@ def main(argv=None):
     scale = dict(kv.split(":") for kv in args.scale.split(","))
     doc = {"device": args.device, "cpus": os.cpu_count(), "versions": BR.versions(),
            "what_if": {"threads": args.threads, "window": args.window, "requests": args.requests,
-                       "switch_interval": args.switch_interval}, "results": []}
+                       "switch_interval": args.switch_interval, "split_cpus": args.split_cpus},
+           "results": []}
+    if args.split_cpus:     # (the servers started from here, and the Azure server's thread, keep them)
+        os.sched_setaffinity(0, set(range(args.split_cpus, os.cpu_count())))
     with contextlib.ExitStack() as stack:
         s3 = start_s3(args, stack) if "s3" in args.clouds else None
         if args.endpoint:       # (the loader's store finds the server as a user's would)
