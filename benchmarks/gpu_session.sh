@@ -84,7 +84,7 @@ mkdir -p "$D"
 for step in ${STEPS:-env gpu bench}; do
     stamp "$step"
     case $step in
-        env) { nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
+        env) { df -T "$D" | tail -1; nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
                uname -r; nproc; lscpu | grep -E "Model name|L3 cache|Socket"; cat /sys/kernel/mm/transparent_hugepage/enabled
                python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
                python3 -m pip list 2>/dev/null | grep -iE "safetensors|instanttensor|fastsafetensors|runai|nccl"
