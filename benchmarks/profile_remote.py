@@ -189,6 +189,30 @@ def pooled_requests(stamps):
     return undo
 
 
+def looped_requests(count):
+    """What if: the read-ahead's GETs dealt round-robin to ``count`` request
+    loops (``_remote._Requests``, each a thread of its own) instead of the
+    checkpoint's one; stamped by ``instrument``.  Returns the undo."""
+    import itertools
+
+    from instant_staging.loader import _remote as R
+    loops = [R._Requests() for _ in range(count)]
+    turn = itertools.cycle(loops)
+    saved = R.RemoteShards._submit
+
+    def submit(self, index, offset, length):
+        obstore, obj = self._obstore, self._objects[index]
+        options = R._range_options(obj, offset, length)
+        return next(turn).submit(lambda: R._get_async(obstore, obj, options), R.RETRY_SECONDS)
+    R.RemoteShards._submit = submit
+
+    def undo():
+        R.RemoteShards._submit = saved
+        for loop in loops:
+            loop.close()
+    return undo
+
+
 # -- summaries ---------------------------------------------------------------------------
 
 def in_flight(gets, t0, t1):
@@ -273,7 +297,12 @@ def run_load(args, prefix, device, threads):
     from instant_staging.defaults import REMOTE_CHUNK_SIZE
     from instant_staging.loader import Checkpoint
     stamps = Stamps()
-    undo_pool = pooled_requests(stamps) if args.requests == "pool" else (lambda: None)
+    if args.requests == "pool":
+        undo_pool = pooled_requests(stamps)
+    elif args.requests.startswith("loops"):
+        undo_pool = looped_requests(int(args.requests[5:]))
+    else:
+        undo_pool = lambda: None      # noqa: E731
     undo_stamps = instrument(stamps)
 
     def undo():
@@ -573,9 +602,9 @@ def main(argv=None):
     ap.add_argument("--switch-interval", type=float, default=0, help="what if: the interpreter's "
                     "switch interval (sys.setswitchinterval, seconds; default: its own, 0.005) in the "
                     "loads and ceilings")
-    ap.add_argument("--requests", default="loop", choices=("loop", "pool"), help="what if: the "
-                    "read-ahead's GETs on the checkpoint's asyncio loop (the loader's way) or "
-                    "blocking calls in a thread pool")
+    ap.add_argument("--requests", default="loop", help="what if: the read-ahead's GETs on the "
+                    "checkpoint's asyncio loop (loop: the loader's way), dealt to N loops (loopsN), or "
+                    "blocking calls in a thread pool (pool)")
     ap.add_argument("--split-cpus", type=int, default=0, help="what if: the servers on CPUs N.. "
                     "and the loads and ceilings on CPUs 0..N-1 (default: all share every CPU)")
     ap.add_argument("--ceilings", default="threads,async,copy")
