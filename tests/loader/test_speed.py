@@ -304,3 +304,15 @@ def test_profile_remote_quick(tmp_path):
         (f"ceiling {how}", k * load["max_in_flight"]) for how in ("threads", "copy") for k in (1, 2)]
     assert all(c["bytes"] == load["bytes"] for c in res["ceilings"])
     assert "bound (" in r.stdout
+    # The what-ifs that put other requests in the read-ahead's place stamp
+    # every GET of the load as the loader's own do.
+    for requests in ("pool", "loops2"):
+        r = run_script(os.path.join(ROOT, "benchmarks", "profile_remote.py"), "--clouds", "s3",
+                       "--layouts", "moe", "--scale", "moe:16", "--device", "cpu", "--repeat", "1",
+                       "--ceilings", "threads", "--wider", "", "--requests", requests,
+                       "--dir", str(tmp_path), "--json", str(out), env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        doc = json.loads(out.read_text())
+        (what,) = doc["results"][0]["loads"]
+        assert doc["what_if"]["requests"] == requests
+        assert what["gets"] == load["gets"] and what["bytes"] == load["bytes"]
