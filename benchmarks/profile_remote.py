@@ -304,8 +304,20 @@ def run_load(args, prefix, device, threads):
     else:
         undo_pool = lambda: None      # noqa: E731
     undo_stamps = instrument(stamps)
+    kept = []
+    if args.keep_fetched:       # (what-if: no range's buffer freed by a reader)
+        from instant_staging.loader import _remote as R
+        fetch = R._Fetch.__call__
+
+        def keep(self, index, offset, length):
+            data = fetch(self, index, offset, length)
+            kept.append(data)
+            return data
+        R._Fetch.__call__ = keep
 
     def undo():
+        if args.keep_fetched:
+            R._Fetch.__call__ = fetch
         undo_stamps()
         undo_pool()
     if args.window:         # (what-if: the read-ahead's window, apart from the threads)
@@ -329,6 +341,7 @@ def run_load(args, prefix, device, threads):
             t_end = time.perf_counter()
             report = ck.last_report
         del out
+        kept.clear()
     finally:
         undo()
     # The load's GETs: those asked after the open returned (the open's are
@@ -522,7 +535,7 @@ def run_worker(args, cloud, layout):
            "--repeat", str(args.repeat), "--ceilings", args.ceilings, "--wider", args.wider,
            "--threads", args.threads, "--window", str(args.window), "--endpoint", args.endpoint or "",
            "--switch-interval", str(args.switch_interval), "--requests", args.requests,
-           "--split-cpus", str(args.split_cpus)]
+           "--split-cpus", str(args.split_cpus)] + (["--keep-fetched"] if args.keep_fetched else [])
     if args.records:
         cmd.append("--records")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -607,6 +620,8 @@ def main(argv=None):
                     "blocking calls in a thread pool (pool)")
     ap.add_argument("--split-cpus", type=int, default=0, help="what if: the servers on CPUs N.. "
                     "and the loads and ceilings on CPUs 0..N-1 (default: all share every CPU)")
+    ap.add_argument("--keep-fetched", action="store_true", help="what if: each range's buffer "
+                    "is kept until the load returned (no reader frees one)")
     ap.add_argument("--ceilings", default="threads,async,copy")
     ap.add_argument("--wider", default="2,4", help="the ceilings also at these multiples of the "
                     "load's GETs in flight")
@@ -628,7 +643,8 @@ def main(argv=None):
     scale = dict(kv.split(":") for kv in args.scale.split(","))
     doc = {"device": args.device, "cpus": os.cpu_count(), "versions": BR.versions(),
            "what_if": {"threads": args.threads, "window": args.window, "requests": args.requests,
-                       "switch_interval": args.switch_interval, "split_cpus": args.split_cpus},
+                       "switch_interval": args.switch_interval, "split_cpus": args.split_cpus,
+                       "keep_fetched": args.keep_fetched},
            "results": []}
     if args.split_cpus:     # (the servers started from here, and the Azure server's thread, keep them)
         os.sched_setaffinity(0, set(range(args.split_cpus, os.cpu_count())))
