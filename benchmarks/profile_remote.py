@@ -190,26 +190,15 @@ def pooled_requests(stamps):
 
 
 def looped_requests(count):
-    """What if: the read-ahead's GETs dealt round-robin to ``count`` request
-    loops (``_remote._Requests``, each a thread of its own) instead of the
-    checkpoint's one; stamped by ``instrument``.  Returns the undo."""
-    import itertools
-
+    """What if: the checkpoint's requests dealt to ``count`` request loops
+    (``defaults.REMOTE_REQUEST_LOOPS``, as ``_remote`` reads it when a
+    checkpoint opens).  Returns the undo."""
     from instant_staging.loader import _remote as R
-    loops = [R._Requests() for _ in range(count)]
-    turn = itertools.cycle(loops)
-    saved = R.RemoteShards._submit
-
-    def submit(self, index, offset, length):
-        obstore, obj = self._obstore, self._objects[index]
-        options = R._range_options(obj, offset, length)
-        return next(turn).submit(lambda: R._get_async(obstore, obj, options), R.RETRY_SECONDS)
-    R.RemoteShards._submit = submit
+    saved = R.REMOTE_REQUEST_LOOPS
+    R.REMOTE_REQUEST_LOOPS = count
 
     def undo():
-        R.RemoteShards._submit = saved
-        for loop in loops:
-            loop.close()
+        R.REMOTE_REQUEST_LOOPS = saved
     return undo
 
 
@@ -616,8 +605,9 @@ def main(argv=None):
                     "switch interval (sys.setswitchinterval, seconds; default: its own, 0.005) in the "
                     "loads and ceilings")
     ap.add_argument("--requests", default="loop", help="what if: the read-ahead's GETs on the "
-                    "checkpoint's asyncio loop (loop: the loader's way), dealt to N loops (loopsN), or "
-                    "blocking calls in a thread pool (pool)")
+                    "checkpoint's request loops (loop: the loader's way), the checkpoint's requests "
+                    "dealt to N loops (loopsN: REMOTE_REQUEST_LOOPS), or blocking calls in a thread "
+                    "pool (pool)")
     ap.add_argument("--split-cpus", type=int, default=0, help="what if: the servers on CPUs N.. "
                     "and the loads and ceilings on CPUs 0..N-1 (default: all share every CPU)")
     ap.add_argument("--keep-fetched", action="store_true", help="what if: each range's buffer "

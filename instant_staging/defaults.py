@@ -177,6 +177,13 @@ def staging_segment_size(slot_bytes) -> int:
 # next GETs start while the readers copy), whatever the checkpoint's size.
 REMOTE_CHUNK_SIZE = 16 << 20
 REMOTE_THREADS = 16
+# A checkpoint's requests run on asyncio loops of its own (loader/_remote.py,
+# ``_Requests``: a cancel ends every wait at once), each a thread, the
+# requests dealt to them in turn.  Each request is a few Python steps on
+# its loop (begun, its headers, its body), which wait for the GIL beside
+# the reader threads: against a server that answers within milliseconds,
+# one loop's steps bound the load (docs/develop/remote-timeline.md).
+REMOTE_REQUEST_LOOPS = 1
 
 # safe_open's prefetch(threads=None): safetensors 0.9's default.
 PREFETCH_THREADS = 8

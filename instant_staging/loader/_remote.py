@@ -59,6 +59,7 @@ import threading
 import time
 import traceback
 
+from ..defaults import REMOTE_REQUEST_LOOPS
 from ._errors import CheckpointChangedError, LoadError
 from ._header import SafetensorsError, header_length, parse_header
 from ._schemes import (
@@ -260,19 +261,22 @@ _POLL = 0.05
 
 
 class _Requests:
-    """The client's requests of one checkpoint, run on an asyncio loop of
-    their own (a thread, started with the first request, joined by
-    ``close()``), so that a thread waiting for one can stop waiting: a
-    load's cancel (``close()``, Ctrl-C) and a stalled body end the wait
-    at once, and cancelling the request drops it in the client (its
-    connection closed), so nothing of it outlives the load.  The client's
-    blocking calls could not be left: a reader thread in one waited for the
-    server, however long it stalled."""
+    """The client's requests of one checkpoint, run on asyncio loops of
+    their own (at most ``loops``, each a thread, started as requests come,
+    the requests dealt to them in turn; joined by ``close()``), so that a
+    thread waiting for one can stop waiting: a load's cancel (``close()``,
+    Ctrl-C) and a stalled body end the wait at once, and cancelling the
+    request drops it in the client (its connection closed), so nothing of
+    it outlives the load.  The client's blocking calls could not be left: a
+    reader thread in one waited for the server, however long it stalled."""
 
-    def __init__(self):
+    def __init__(self, loops=1):
         self._lock = threading.Lock()
-        self._loop = self._thread = None
-        self._pid = None                # the process whose thread runs the loop
+        self._most = loops
+        # [(loop, thread, pid)], in the order started; pid: the process
+        # whose thread runs the loop
+        self._loops = []
+        self._turn = 0
         # asyncio, kept from the start for close(): a close at interpreter
         # exit (a finalizer) can no longer import it.
         self._asyncio = None
@@ -313,25 +317,43 @@ class _Requests:
             future.cancel()         # (done: nothing; else the request is dropped)
 
     def _start(self):
+        """The loop whose turn it is: a new one while fewer than the most run.
+        A loop is recorded before its thread starts, so that a Ctrl-C
+        landing in between leaves it to ``close()``, never running
+        unrecorded."""
         with self._lock:
-            if self._loop is None:
+            if len(self._loops) < self._most:
                 import asyncio
+                self._asyncio = asyncio
                 loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, daemon=True,
-                                          name="instant_staging-requests")
-                thread.start()
-                self._loop, self._thread, self._asyncio = loop, thread, asyncio
-                self._pid = os.getpid()
-            return self._loop
+                try:
+                    thread = threading.Thread(target=_run_loop, args=(loop,), daemon=True,
+                                              name="instant_staging-requests")
+                    self._loops.append((loop, thread, os.getpid()))
+                except BaseException:
+                    loop.close()
+                    raise
+                try:
+                    thread.start()
+                except RuntimeError:        # (no thread left to this process: none to hand requests to)
+                    self._loops.remove((loop, thread, os.getpid()))
+                    loop.close()
+                    raise
+                # (a Ctrl-C in start()'s wait for the thread leaves it recorded: close()'s)
+                return loop
+            self._turn = (self._turn + 1) % len(self._loops)
+            return self._loops[self._turn][0]
 
     def close(self):
-        """Cancels what is left and joins the loop's thread (idempotent; the
+        """Cancels what is left and joins the loops' threads (idempotent; the
         next request starts another)."""
         with self._lock:
-            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
-        if loop is None:
-            return
-        if self._pid != os.getpid():
+            loops, self._loops = self._loops, []
+        for loop, thread, pid in loops:
+            self._close(loop, thread, pid)
+
+    def _close(self, loop, thread, pid):
+        if pid != os.getpid():
             # A fork child's copy: the loop's thread is the parent's, not
             # here, so nothing runs it to stop.  Nor is it closed: its epoll
             # instance is the parent's too (a forked descriptor of it), and
@@ -354,9 +376,27 @@ class _Requests:
             await asyncio.gather(*tasks, return_exceptions=True)
             loop.stop()
         asyncio.run_coroutine_threadsafe(stop(), loop)
+        if thread.ident is None:
+            # Recorded, and its start interrupted by a Ctrl-C: before the
+            # thread was made (it never runs) or in start()'s wait for it.
+            deadline = time.monotonic() + _POLL
+            while thread.ident is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if thread.ident is None:
+                loop.close()        # (a thread begun after this finds it closed: _run_loop)
+                return
         if thread is not threading.current_thread():
             thread.join()
             loop.close()
+
+
+def _run_loop(loop):
+    """A request loop's thread."""
+    try:
+        loop.run_forever()
+    except RuntimeError:
+        if not loop.is_closed():
+            raise           # (closed before it ran: its start was interrupted, _Requests._close)
 
 
 class _NoAnswer(OSError):
@@ -460,7 +500,7 @@ class RemoteShards(Shards):
         self._error = None
         self._error_lock = threading.Lock()
         self._stop = threading.Event()
-        self._requests = _Requests()
+        self._requests = _Requests(REMOTE_REQUEST_LOOPS)
         self._obstore = load_obstore()
         self._unpinned = False      # an object without an ETag was said (once)
         super().__init__()          # open(): the objects' URLs, in order
