@@ -6,6 +6,8 @@ Side by side, alternating, best of ``--repeat``, one URL source:
   fill            load_file(url, device, cache_dir=<empty directory>): the
                   load as its caller sees it, and until its entries were
                   made (wait_for_cache_fills: "entries made")
+  fill, file by   the same fill with the objects' chunks taken file by file
+  file            (before the readers took them in turn)
   fill's writes   the seconds the reader threads spent in the fill's
                   hook (``Cache.write``: the range handed to the cache's
                   writer threads, and any wait past CACHE_WRITE_QUEUE;
@@ -117,6 +119,19 @@ def timed_finish():
 
 
 @contextlib.contextmanager
+def file_by_file():
+    """A fill's load with its chunks in file order (``RemoteShards.fills_cache``
+    False: ``Plan.interleave_files`` not asked for)."""
+    from instant_staging.loader import _remote
+    saved = _remote.RemoteShards.fills_cache
+    _remote.RemoteShards.fills_cache = property(lambda self: False)
+    try:
+        yield
+    finally:
+        _remote.RemoteShards.fills_cache = saved
+
+
+@contextlib.contextmanager
 def offline_mode():
     saved = os.environ.get("INSTANT_STAGING_OFFLINE")
     os.environ["INSTANT_STAGING_OFFLINE"] = "1"
@@ -177,6 +192,15 @@ def main(argv=None):
             add("fill: writers' seconds in Cache._put", spent[1])
             add("fill: finisher's seconds in its flushes (fsync)", finish[0])
             add("fill: finisher's seconds in its read-back checks", finish[1])
+            # The same fill with the objects' chunks taken file by file (as
+            # before the readers took them in turn: Plan.interleave_files).
+            shutil.rmtree(cache, ignore_errors=True)
+            with file_by_file():
+                t0 = time.perf_counter()
+                took, _, loaded = load(cache_dir=cache)
+                wait_for_cache_fills()
+                add("fill, file by file (before)", took)
+                add("fill, file by file: entries made", time.perf_counter() - t0)
             read_all(files + [os.path.join(cache, n) for n in os.listdir(cache)])
             t0 = time.perf_counter()
             with Checkpoint.open(url, cache_dir=cache) as ck:

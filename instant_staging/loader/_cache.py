@@ -522,6 +522,10 @@ class Cache:
         self._hits = {i: (path, None) for i, (path, _) in self._hits.items()}
         close_recorded(self._fds)
 
+    def filling(self):
+        """Whether an object is still to be filled (its load writes its entry)."""
+        return not self._off and any(f.state in (_PENDING, _FILLING) for f in self._fills.values())
+
     def holds(self, index):
         """Whether object ``index`` is read from its entry."""
         return index in self._hits

@@ -571,6 +571,7 @@ cdef class Plan:
     cdef readonly Py_ssize_t n_tensors
     cdef readonly size_t max_chunk       # the longest chunk: what a slot must hold
     cdef readonly unsigned long long total_bytes
+    cdef bint taken                      # a Pipeline runs it: interleave_files refused
 
     def __init__(self, tensors, chunk_size, *, faults=None, bint packed=False, joins=None):
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
@@ -704,6 +705,36 @@ cdef class Plan:
         if chunk < 0 or chunk >= self.n_chunks:
             raise IndexError(f"chunk {chunk} of {self.n_chunks}")
         return (self.chunks[chunk].fd, self.chunks[chunk].offset, self.chunks[chunk].length)
+
+    def interleave_files(self):
+        """Reorders the chunks so that each file's are spread evenly over the
+        load (by their place in their file; each file's keep their order),
+        where they came file by file: the readers then take the files'
+        chunks in turn.  For a load that fills a cache (``_cache``): each
+        object's ranges are written into a partial file of its own, and a
+        file system writes one file's ranges one at a time (ext4 and xfs
+        take its inode's lock for each), several files' side by side
+        (docs/design.md, "Measured: a cache fill's writes").  Before the
+        load's pipeline is made; nothing else changes."""
+        cdef Py_ssize_t i, n = self.n_chunks
+        cdef Chunk* moved
+        counts, place = {}, []
+        for i in range(n):
+            k = counts.get(self.chunks[i].fd, 0)
+            counts[self.chunks[i].fd] = k + 1
+            place.append(k)
+        if self.taken:
+            raise RuntimeError("a Plan's chunks are reordered only before a Pipeline runs it")
+        if len(counts) < 2:
+            return
+        order = sorted(range(n), key=lambda c: ((place[c] + 0.5) / counts[self.chunks[c].fd], c))
+        moved = <Chunk*>malloc(n * sizeof(Chunk))
+        if moved == NULL:
+            raise MemoryError(f"no memory to reorder {n} chunks")
+        for i in range(n):
+            moved[i] = self.chunks[<Py_ssize_t>order[i]]
+        free(self.chunks)
+        self.chunks = moved
 
     def __dealloc__(self):
         free(self.chunks)
@@ -931,6 +962,7 @@ cdef class Pipeline:
         pthread_mutex_init(&self.join_lock, NULL)
         self.sync_init = True
         self.sh.chunks = plan.chunks
+        plan.taken = True           # (its chunks are read from here: never reordered after)
         self.sh.pieces = plan.pieces
         self.sh.n_chunks = plan.n_chunks
         self.sh.remaining = <size_t*>calloc(max(plan.n_tensors, 1), sizeof(size_t))

@@ -515,6 +515,8 @@ def planned(shards, target, dtypes, options: LoadOptions, faults=None, joins=Non
     if faults is None:
         faults = fault_plan(options.staging)
     reads = plan_chunks(shards, target, dtypes, options.chunk_size, faults, options.views, joins)
+    if getattr(shards, "fills_cache", False):
+        reads.plan.interleave_files()   # (its objects' partial files written side by side)
     try:
         reads.staging = begin_staging(target, reads.plan, options, early)
         if early is not None and reads.staging is not early:

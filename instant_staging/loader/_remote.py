@@ -553,6 +553,11 @@ class RemoteShards(Shards):
         if self.throttle is not None:
             self._stop.wait(self.throttle.take(length))
 
+    @property
+    def fills_cache(self):
+        """Whether this load writes objects into its cache (``_cache.Cache.filling``)."""
+        return self.cache is not None and self.cache.filling()
+
     def _wanted(self, index, length):
         """Whether a range of object ``index`` is fetched (not one read from
         the cache's entry, not an empty one)."""

@@ -608,6 +608,29 @@ def test_plan_names_each_chunk_as_its_reader_reads_it():
         plan.chunk(plan.n_chunks)
 
 
+def test_plan_interleaves_its_files_chunks():
+    # (a load that fills a cache: its objects' partial files written side
+    # by side, not one after another)
+    from instant_staging.loader._pipeline import Pipeline, Plan
+    ranges = [(3, 10 * i, 10 * i + 10) for i in range(6)] + [(4, 10 * i, 10 * i + 10) for i in range(3)]
+    plan = Plan(ranges + [(5, 0, 10)], 10)
+    before = [plan.chunk(c) for c in range(plan.n_chunks)]
+    plan.interleave_files()
+    after = [plan.chunk(c) for c in range(plan.n_chunks)]
+    assert sorted(after) == sorted(before)
+    for fd in (3, 4, 5):        # each file's chunks in their order, spread over the load
+        assert [c for c in after if c[0] == fd] == [c for c in before if c[0] == fd]
+    assert after == [(3, 0, 10), (4, 0, 10), (3, 10, 10), (3, 20, 10), (4, 10, 10), (5, 0, 10),
+                     (3, 30, 10), (3, 40, 10), (4, 20, 10), (3, 50, 10)]
+    one = Plan([(3, 0, 100)], 10)
+    one.interleave_files()
+    assert [one.chunk(c)[1] for c in range(one.n_chunks)] == list(range(0, 100, 10))
+    pipe = Pipeline(plan, threads=1, depth=1)
+    with pytest.raises(RuntimeError, match="before a Pipeline"):
+        plan.interleave_files()     # (the pipeline reads its chunks: never moved under it)
+    pipe.close()
+
+
 def test_segments_not_multiple_of_chunk(tmp_path):
     # A caller's buffer whose 3-page segments hold one 2-page chunk each:
     # only whole chunks inside one registration become slots.

@@ -6,6 +6,7 @@ descriptors while a write runs, when a close, a Ctrl-C, the interpreter's
 exit or a fork comes mid-fill.  Against the plain ranged-GET HTTP server
 (``support/remote_servers``)."""
 
+import json
 import os
 import pathlib
 import select
@@ -135,6 +136,38 @@ def test_the_readers_do_not_wait_for_the_disk(range_http_server, tmp_path, monke
     _filled_right(url, path, cache, tensors)
     # the writers were joined by the close, the finisher gone once done
     assert not [t for t in set(threading.enumerate()) - threads if t.name == WRITER]
+
+
+def test_a_fill_of_several_objects_writes_them_side_by_side(range_http_server, tmp_path,
+                                                             monkeypatch):
+    """A load that fills its cache takes the objects' ranges in turn (a
+    file system writes one file's ranges one at a time, several files'
+    side by side): the writes alternate between the partial files from the
+    start, and every entry is its object."""
+    tensors = {f"t{i}": torch.full((ELEMENTS,), float(i)) for i in range(TENSORS)}
+    root = range_http_server.root_path
+    shards = [{k: tensors[k] for k in list(tensors)[j::2]} for j in range(2)]
+    for j, part in enumerate(shards):
+        safetensors_torch.save_file(part, str(root / f"m-{j}.safetensors"))
+    (root / "m.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: f"m-{j}.safetensors" for j, part in enumerate(shards) for k in part}}))
+    written = []
+    write = _cache._write
+
+    def seen(fd, data, offset):
+        if threading.current_thread().name == WRITER:
+            written.append(os.fstat(fd).st_ino)
+        return write(fd, data, offset)
+    monkeypatch.setattr(_cache, "_write", seen)
+    url = range_http_server.url_for("m.safetensors.index.json")
+    cache = tmp_path / "cache"
+    same(load_file(url, "cpu", cache_dir=cache, chunk_size=CHUNK, threads=1), tensors)
+    assert len(set(written)) == 2 and len(written) == TENSORS
+    assert len(set(written[:4])) == 2          # (file by file: the first half all one file's)
+    assert len(_entries(cache)) == 2 and not _partials(cache)
+    with iter_load(url, "cpu", cache_dir=cache, chunk_size=CHUNK) as it:
+        same(dict(it), tensors)
+    assert it.report.fetched_bytes == 0
 
 
 def test_the_readers_wait_only_past_the_bound(range_http_server, tmp_path, monkeypatch):
