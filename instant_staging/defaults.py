@@ -181,8 +181,9 @@ REMOTE_THREADS = 16
 # ``_Requests``: a cancel ends every wait at once), each a thread, the
 # requests dealt to them in turn.  Each request is a few Python steps on
 # its loop (begun, its headers, its body), which wait for the GIL beside
-# the reader threads: against a server that answers within milliseconds,
-# one loop's steps bound the load (docs/develop/remote-timeline.md).
+# the reader threads.  One: four were no faster against S3, GCS or Azure
+# on the GPU host (docs/develop/remote-timeline.md, "what the requests'
+# mechanism and the copies are worth").
 REMOTE_REQUEST_LOOPS = 1
 
 # safe_open's prefetch(threads=None): safetensors 0.9's default.
