@@ -202,8 +202,16 @@ def test_no_tensor_is_handed_out_once_interpreter_exit_began():
         save_file({f"t{i:05d}": torch.full((64,), i, dtype=torch.int32) for i in range(20000)}, p)
         started = threading.Event()
         def load():
-            for name, t in iter_load(p, "cpu", chunk_size=4096, threads=2):
-                if after[0]:
+            it = iter(iter_load(p, "cpu", chunk_size=4096, threads=2))
+            while True:
+                # (a next() begun once late() ran, so after the loader's
+                # hook: one that returned before the hook may be seen after)
+                begun_after = after[0]
+                try:
+                    name, t = next(it)
+                except StopIteration:
+                    break
+                if begun_after:
                     os.write(1, b"handed out after exit\\n")
                 started.set()
                 time.sleep(0.0002)     # finished tensors pile up: next() hands out batches
