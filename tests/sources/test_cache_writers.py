@@ -170,6 +170,35 @@ def test_a_fill_of_several_objects_writes_them_side_by_side(range_http_server, t
     assert it.report.fetched_bytes == 0
 
 
+def test_a_fill_side_by_side_through_device_slots(range_http_server, tmp_path):
+    """The same through a device load's slots (the simulated runtime's
+    device mode: each range into a pinned slot, then to its destination,
+    which a reader waits for where its chunk's tensors come later in the
+    order the consumer hands out addresses): bit-exact, the entries made,
+    every registration given back."""
+    from support.tensors import SimTarget, assert_same, iterator, sim_staging
+    tensors = {f"t{i}": torch.full((ELEMENTS,), float(i)) for i in range(TENSORS)}
+    root = range_http_server.root_path
+    for j in range(2):
+        safetensors_torch.save_file({k: tensors[k] for k in list(tensors)[j::2]},
+                                    str(root / f"d-{j}.safetensors"))
+    urls = [range_http_server.url_for(f"d-{j}.safetensors") for j in range(2)]
+    cache = tmp_path / "cache"
+    rt, buf = sim_staging()
+    with Checkpoint.open(urls, cache_dir=cache) as ck:
+        shards = ck._hold()
+        assert shards.fills_cache
+        target = SimTarget(rt)
+        dtypes = [target.check(t, shards.paths[i]) for i, t in shards.entries]
+        with iterator(shards, target, dtypes, chunk_size=CHUNK, io_depth=4, threads=3,
+                      staging=buf) as it:
+            got = dict(it)
+    assert_same(got, tensors)
+    buf.close()
+    assert rt.live_registrations == 0
+    assert len(_entries(cache)) == 2 and not _partials(cache)
+
+
 def test_the_readers_wait_only_past_the_bound(range_http_server, tmp_path, monkeypatch):
     """CACHE_WRITE_QUEUE bounds the ranges handed on and not yet written
     (the buffers they keep alive): past it, a reader waits for the disk."""
