@@ -65,41 +65,13 @@ ap = source_arguments(__doc__, gib=0.5, directory="/tmp/bench_cache_fill")
 
 
 @contextlib.contextmanager
-def timed_writes():
-    """Sums the seconds spent in ``Cache.write`` (every reader thread's),
-    and in ``Cache._put`` (the writer threads', where there are some)."""
-    from instant_staging.loader import _cache
-    spent = [0.0, 0.0]
+def timed_calls(owner, names):
+    """Sums the seconds spent in each of ``names`` of ``owner`` (a class's
+    methods or a module's functions), by every thread: ``spent[i]`` for
+    ``names[i]`` (0.0 where ``owner`` has no such name)."""
+    spent = [0.0] * len(names)
     lock = threading.Lock()
-    names = [n for n in ("write", "_put") if hasattr(_cache.Cache, n)]
-    originals = {n: getattr(_cache.Cache, n) for n in names}
-
-    def timed(i, original):
-        def hook(self, *args):
-            t0 = time.perf_counter()
-            try:
-                return original(self, *args)
-            finally:
-                took = time.perf_counter() - t0
-                with lock:
-                    spent[i] += took
-        return hook
-    for i, n in enumerate(names):
-        setattr(_cache.Cache, n, timed(i, originals[n]))
-    try:
-        yield spent
-    finally:
-        for n, original in originals.items():
-            setattr(_cache.Cache, n, original)
-
-
-@contextlib.contextmanager
-def timed_finish():
-    """Sums the finisher's seconds in its flushes (``_cache._flush``: the
-    fsync of each entry) and in its read-back checks (``_cache._check_made``)."""
-    from instant_staging.loader import _cache
-    spent = [0.0, 0.0]
-    originals = {n: getattr(_cache, n) for n in ("_flush", "_check_made")}
+    originals = {n: getattr(owner, n) for n in names if hasattr(owner, n)}
 
     def timed(i, original):
         def hook(*args):
@@ -107,15 +79,18 @@ def timed_finish():
             try:
                 return original(*args)
             finally:
-                spent[i] += time.perf_counter() - t0     # (one finisher thread)
+                took = time.perf_counter() - t0
+                with lock:
+                    spent[i] += took
         return hook
-    for i, (n, original) in enumerate(originals.items()):
-        setattr(_cache, n, timed(i, original))
+    for i, n in enumerate(names):
+        if n in originals:
+            setattr(owner, n, timed(i, originals[n]))
     try:
         yield spent
     finally:
         for n, original in originals.items():
-            setattr(_cache, n, original)
+            setattr(owner, n, original)
 
 
 @contextlib.contextmanager
@@ -149,7 +124,7 @@ def main(argv=None):
 
     import torch
 
-    from instant_staging.loader import Checkpoint, wait_for_cache_fills
+    from instant_staging.loader import Checkpoint, _cache, wait_for_cache_fills
     device = args.device
     sync = (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda: None)
     os.environ.pop("INSTANT_STAGING_OFFLINE", None)
@@ -178,7 +153,9 @@ def main(argv=None):
         for _ in range(args.repeat):
             add("no cache", load(cache_dir=False)[0])
             shutil.rmtree(cache, ignore_errors=True)
-            with timed_writes() as spent, timed_finish() as finish:
+            # (the readers' hook and the writers' task; the finisher's flush and check)
+            with timed_calls(_cache.Cache, ("write", "_put")) as spent, \
+                    timed_calls(_cache, ("_flush", "_check_made")) as finish:
                 t0 = time.perf_counter()
                 took, threads, loaded = load(cache_dir=cache)
                 wait_for_cache_fills()

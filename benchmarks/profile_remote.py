@@ -202,6 +202,35 @@ def looped_requests(count):
     return undo
 
 
+def keeping_fetched(kept):
+    """What if: each range's buffer is appended to ``kept`` as a reader takes
+    it (no reader frees one).  Returns the undo."""
+    from instant_staging.loader import _remote as R
+    fetch = R._Fetch.__call__
+
+    def keep(self, index, offset, length):
+        data = fetch(self, index, offset, length)
+        kept.append(data)
+        return data
+    R._Fetch.__call__ = keep
+
+    def undo():
+        R._Fetch.__call__ = fetch
+    return undo
+
+
+def windowed(window):
+    """What if: the read-ahead's window is ``window``, apart from the reader
+    threads.  Returns the undo."""
+    from instant_staging.loader import _remote as R
+    prefetch = R.RemoteShards.prefetch
+    R.RemoteShards.prefetch = lambda self, plan, _: prefetch(self, plan, window)
+
+    def undo():
+        R.RemoteShards.prefetch = prefetch
+    return undo
+
+
 # -- summaries ---------------------------------------------------------------------------
 
 def in_flight(gets, t0, t1):
@@ -286,39 +315,17 @@ def run_load(args, prefix, device, threads):
     from instant_staging.defaults import REMOTE_CHUNK_SIZE
     from instant_staging.loader import Checkpoint
     stamps = Stamps()
-    if args.requests == "pool":
-        undo_pool = pooled_requests(stamps)
-    elif args.requests.startswith("loops"):
-        undo_pool = looped_requests(int(args.requests[5:]))
-    else:
-        undo_pool = lambda: None      # noqa: E731
-    undo_stamps = instrument(stamps)
     kept = []
-    if args.keep_fetched:       # (what-if: no range's buffer freed by a reader)
-        from instant_staging.loader import _remote as R
-        fetch = R._Fetch.__call__
-
-        def keep(self, index, offset, length):
-            data = fetch(self, index, offset, length)
-            kept.append(data)
-            return data
-        R._Fetch.__call__ = keep
-
-    def undo():
+    with contextlib.ExitStack() as patches:     # (undone last first)
+        if args.requests == "pool":
+            patches.callback(pooled_requests(stamps))
+        elif args.requests.startswith("loops"):
+            patches.callback(looped_requests(int(args.requests[5:])))
+        patches.callback(instrument(stamps))
         if args.keep_fetched:
-            R._Fetch.__call__ = fetch
-        undo_stamps()
-        undo_pool()
-    if args.window:         # (what-if: the read-ahead's window, apart from the threads)
-        from instant_staging.loader import _remote as R
-        prefetch = R.RemoteShards.prefetch
-        R.RemoteShards.prefetch = lambda self, plan, window: prefetch(self, plan, args.window)
-        undo_window = undo
-
-        def undo():
-            R.RemoteShards.prefetch = prefetch
-            undo_window()
-    try:
+            patches.callback(keeping_fetched(kept))
+        if args.window:
+            patches.callback(windowed(args.window))
         # (a knob set leaves every knob to the caller: the remote range size kept)
         options = {"threads": threads, "chunk_size": REMOTE_CHUNK_SIZE} if threads else {}
         t0 = time.perf_counter()
@@ -331,8 +338,6 @@ def run_load(args, prefix, device, threads):
             report = ck.last_report
         del out
         kept.clear()
-    finally:
-        undo()
     # The load's GETs: those asked after the open returned (the open's are
     # the headers' ranges; a read-ahead starts in the load's prepare).
     gets = [g for g in stamps.gets if g["asked"] >= t_open]
