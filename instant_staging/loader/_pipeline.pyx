@@ -718,13 +718,13 @@ cdef class Plan:
         load's pipeline is made; nothing else changes."""
         cdef Py_ssize_t i, n = self.n_chunks
         cdef Chunk* moved
+        if self.taken:
+            raise RuntimeError("a Plan's chunks are reordered only before a Pipeline runs it")
         counts, place = {}, []
         for i in range(n):
             k = counts.get(self.chunks[i].fd, 0)
             counts[self.chunks[i].fd] = k + 1
             place.append(k)
-        if self.taken:
-            raise RuntimeError("a Plan's chunks are reordered only before a Pipeline runs it")
         if len(counts) < 2:
             return
         order = sorted(range(n), key=lambda c: ((place[c] + 0.5) / counts[self.chunks[c].fd], c))

@@ -375,7 +375,6 @@ class _Requests:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             loop.stop()
-        asyncio.run_coroutine_threadsafe(stop(), loop)
         if thread.ident is None:
             # Recorded, and its start interrupted by a Ctrl-C: before the
             # thread was made (it never runs) or in start()'s wait for it.
@@ -385,6 +384,7 @@ class _Requests:
             if thread.ident is None:
                 loop.close()        # (a thread begun after this finds it closed: _run_loop)
                 return
+        asyncio.run_coroutine_threadsafe(stop(), loop)
         if thread is not threading.current_thread():
             thread.join()
             loop.close()
