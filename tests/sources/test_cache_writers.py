@@ -138,19 +138,27 @@ def test_the_readers_do_not_wait_for_the_disk(range_http_server, tmp_path, monke
     assert not [t for t in set(threading.enumerate()) - threads if t.name == WRITER]
 
 
+def _two_objects(server, prefix):
+    """TENSORS tensors saved as two objects, ``<prefix>-0`` and ``-1``, every
+    other tensor in each: ``(tensors, {object name: its tensors' names})``."""
+    tensors = {f"t{i}": torch.full((ELEMENTS,), float(i)) for i in range(TENSORS)}
+    names = {}
+    for j in range(2):
+        name = f"{prefix}-{j}.safetensors"
+        names[name] = list(tensors)[j::2]
+        safetensors_torch.save_file({k: tensors[k] for k in names[name]}, str(server.root_path / name))
+    return tensors, names
+
+
 def test_a_fill_of_several_objects_writes_them_side_by_side(range_http_server, tmp_path,
                                                              monkeypatch):
     """A load that fills its cache takes the objects' ranges in turn (a
     file system writes one file's ranges one at a time, several files'
     side by side): the writes alternate between the partial files from the
     start, and every entry is its object."""
-    tensors = {f"t{i}": torch.full((ELEMENTS,), float(i)) for i in range(TENSORS)}
-    root = range_http_server.root_path
-    shards = [{k: tensors[k] for k in list(tensors)[j::2]} for j in range(2)]
-    for j, part in enumerate(shards):
-        safetensors_torch.save_file(part, str(root / f"m-{j}.safetensors"))
-    (root / "m.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {k: f"m-{j}.safetensors" for j, part in enumerate(shards) for k in part}}))
+    tensors, names = _two_objects(range_http_server, "m")
+    (range_http_server.root_path / "m.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: name for name, part in names.items() for k in part}}))
     written = []
     write = _cache._write
 
@@ -177,12 +185,8 @@ def test_a_fill_side_by_side_through_device_slots(range_http_server, tmp_path):
     order the consumer hands out addresses): bit-exact, the entries made,
     every registration given back."""
     from support.tensors import SimTarget, assert_same, iterator, sim_staging
-    tensors = {f"t{i}": torch.full((ELEMENTS,), float(i)) for i in range(TENSORS)}
-    root = range_http_server.root_path
-    for j in range(2):
-        safetensors_torch.save_file({k: tensors[k] for k in list(tensors)[j::2]},
-                                    str(root / f"d-{j}.safetensors"))
-    urls = [range_http_server.url_for(f"d-{j}.safetensors") for j in range(2)]
+    tensors, names = _two_objects(range_http_server, "d")
+    urls = [range_http_server.url_for(name) for name in names]
     cache = tmp_path / "cache"
     rt, buf = sim_staging()
     with Checkpoint.open(urls, cache_dir=cache) as ck:
