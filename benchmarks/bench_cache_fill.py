@@ -32,6 +32,12 @@ Side by side, alternating, best of ``--repeat``, one URL source:
   from cache      load_file(url, device, cache_dir=<filled>), online and
                   offline, beside load_file of the same files as local
                   files; all page-cache hot
+  a client made   the object-store client a hit online makes for its
+                  revalidation (Stores.split: obstore's store, which
+                  reads the system's CA certificates, holding the GIL);
+                  and with its certificates from the CA bundle alone
+                  (SSL_CERT_FILE, SSL_CERT_DIR an empty directory), with
+                  "from cache, online" again that way
 
 The source is a synthetic checkpoint (``--gib`` GiB of bf16 in
 ``--shards`` shards) served by the tests' ranged-GET HTTP server in this
@@ -107,16 +113,50 @@ def file_by_file():
 
 
 @contextlib.contextmanager
-def offline_mode():
-    saved = os.environ.get("INSTANT_STAGING_OFFLINE")
-    os.environ["INSTANT_STAGING_OFFLINE"] = "1"
+def environment(**values):
+    """``values`` in os.environ inside the block (what was there before, after)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ["INSTANT_STAGING_OFFLINE"]
-        else:
-            os.environ["INSTANT_STAGING_OFFLINE"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def offline_mode():
+    return environment(INSTANT_STAGING_OFFLINE="1")
+
+
+@contextlib.contextmanager
+def one_bundle():
+    """The object-store client's certificates from the system's one CA
+    bundle (SSL_CERT_FILE), not also from every file of its certificate
+    directory (SSL_CERT_DIR: here an empty one), which each client made
+    reads, holding the GIL; None where this host has no bundle."""
+    import ssl
+    import tempfile
+    bundle = ssl.get_default_verify_paths().cafile
+    if not bundle or not os.path.isfile(bundle):
+        yield None
+        return
+    with tempfile.TemporaryDirectory() as empty, \
+            environment(SSL_CERT_FILE=bundle, SSL_CERT_DIR=empty):
+        yield bundle
+
+
+def client_made(url, repeat=5):
+    """The best seconds of making the object-store client of ``url``."""
+    from instant_staging.loader._schemes import Stores
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        Stores(None).split(url)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def main(argv=None):
@@ -196,6 +236,13 @@ def main(argv=None):
             with offline_mode():
                 add("from cache, offline", load(cache_dir=cache)[0])
             add("local files", _local(files, device, sync))
+            # What a hit online pays for its client (the revalidation's):
+            # made from the certificates of the CA bundle alone.
+            add("a client made", client_made(url))
+            with one_bundle() as bundle:
+                if bundle is not None:
+                    add("a client made, certificates from one file", client_made(url))
+                    add("from cache, online, certificates from one file", load(cache_dir=cache)[0])
 
     base = min(rows["no cache"])
     print(f"{nbytes / 1e9:.2f} GB in {len(files)} shards, device {device}, best of {args.repeat}\n")
@@ -205,7 +252,7 @@ def main(argv=None):
         best = min(values)
         if "share" in key:
             print(f"| {key} | {best:.1%} | | |")
-        elif key.startswith("open") or "seconds in" in key:
+        elif key.startswith(("open", "a client")) or "seconds in" in key:
             print(f"| {key} | {best * 1e3:.1f} ms | | |")
         else:
             print(f"| {key} | {best:.3f} s | {nbytes / best / 1e9:.2f} | {base / best:.2f}x |")
