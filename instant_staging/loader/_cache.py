@@ -72,13 +72,18 @@ partial file (``<name>.partial``) from the client's own buffer
 way; the reader fetches its next range meanwhile, and waits only where the
 writes handed on and not done hold CACHE_WRITE_QUEUE bytes (a disk slower
 than the fetch).  Its header came with the open.  When the checkpoint
-closes (its loads' readers joined, their tensors out), it waits for the
-writes handed on, joins the writers, then hands each object of which every
-byte was written (by one load, or by the batches of several loads of one
-``Checkpoint``) to the finisher, which makes its entry after the load returned (the flush waits
-for the disk: it is in no load's way): its digest appended, the partial
-file flushed (fsync), renamed to the entry's name while its lock is still
-held, the directory flushed, the lock let go.  An entry appears whole or not at all, and a
+closes (its loads' readers joined, their tensors out), it hands each
+object of which every byte was written (by one load, or by the batches of
+several loads of one ``Checkpoint``) to the finisher, which makes its
+entry after the load returned (the flush waits for the disk: it is in no
+load's way): its digest appended, the partial file flushed (fsync),
+renamed to the entry's name while its lock is still held, the directory
+flushed, the lock let go.  Where writes handed on are not done yet, the
+close does not wait for them either: it hands the writers and the fills
+to the finisher, which waits for the writes first (``Cache._settle``),
+then makes the entries of the objects written whole and removes the
+others' partial files; until then the ranges queued (the client's
+buffers, CACHE_WRITE_QUEUE bytes at most) outlive the load.  An entry appears whole or not at all, and a
 crash, a SIGKILL or a Ctrl-C before the rename leaves at most a partial
 file, which no load trusts (its next filler removes it and makes its own,
 and any filler's eviction removes one whose filler is gone).  A partial
@@ -101,10 +106,14 @@ descriptors (the flock is the open file's: the parent keeps it).
 
 A checkpoint closed before every byte of an object was loaded (``names=``,
 a ``plan``, a rank's share of a group load) removes that object's partial
-file: the cache holds only whole objects.  A Ctrl-C while the close waits
-for the writes drops those not begun and waits for those running (one
-range each) before any descriptor closes: no write lands on a descriptor
-closed or reused under it; no fill is whole then.  A fork child has none
+file (or the finisher does, once the writes handed on are done): the cache
+holds only whole objects.  A Ctrl-C in the close drops the writes not
+begun and waits for those running (one range each) before any descriptor
+closes: no write lands on a descriptor closed or reused under it; no fill
+is whole then.  A Ctrl-C in the exit's wait for the finisher (below: the
+writes handed on, then the flushes) names no entry from then on; the
+writers, daemon threads, stop with the process, and the partial files
+stay, never trusted.  A fork child has none
 of its parent's writers: its copies of the fills write nothing and remove
 nothing.  A close as the interpreter ends (a finalizer), its writers
 stopped where they stood, waits for none and closes nothing: a partial
@@ -303,12 +312,12 @@ class _Writers:
 
     Lifetimes.  A task holds the fetched buffer (which nothing writes: the
     client's ``Bytes``, or ``bytes``) and its fill; a fill's descriptor is
-    closed only by ``Cache.close``, after ``close()`` here (nothing queued,
-    nothing running), or by the finisher, which gets only fills whose
-    writes were all done.  The threads are daemons: the interpreter's exit
-    does not wait for a checkpoint never closed (its partial files are never
-    trusted).  A fork child has none of them, nor their tasks
-    (``_forget_in_child``)."""
+    closed only after ``close()`` here (nothing queued, nothing running):
+    by ``Cache.close``, or, where that close handed on writes not yet done,
+    by the finisher (``Cache._settle``: ``drain()`` and ``close()`` first).
+    The threads are daemons: the interpreter's exit does not wait for a
+    checkpoint never closed (its partial files are never trusted).  A fork
+    child has none of them, nor their tasks (``_forget_in_child``)."""
 
     def __init__(self, cache):
         self.cache = cache
@@ -423,8 +432,9 @@ class Cache:
     Its descriptors (entries read, partial files filled) are recorded as
     they open (``_fds.pyx``) and closed by ``close()``, which the
     checkpoint's owner calls once the reader threads are joined, and which
-    closes a fill's only once none of its writes runs (``_Writers``): no
-    write lands on a descriptor closed under it."""
+    closes a fill's (or has the finisher close it) only once none of its
+    writes runs (``_Writers``): no write lands on a descriptor closed
+    under it."""
 
     def __init__(self, directory, bound=None):
         self.directory = directory
@@ -446,7 +456,8 @@ class Cache:
         self.record = None
         self._opened = 0        # objects opened (``opened``): an object without an ETag is none of them
         # The fill's writes, beside the readers (``_Writers``): drained and
-        # joined by ``close()`` before any partial file's descriptor closes.
+        # joined, by ``close()`` or by the finisher it hands them to, before
+        # any partial file's descriptor closes.
         self._writers = _Writers(self)
 
     # -- the checkpoint's hooks ---------------------------------------------------
@@ -605,51 +616,69 @@ class Cache:
         return cached, fetched
 
     def close(self):
-        """Waits for the writes handed on (``_Writers.drain``), then hands
-        the objects written whole to the finisher (which makes their
-        entries, ``_finish``, after this returns), removes the partial
-        files of the others, closes every other descriptor (and the
-        CachedShards made from it, until handed on); idempotent.  Called
-        once the reader threads are joined and the tensors are out: the
-        flush (fsync), which waits for the disk, is in no load's way.
+        """Hands the fills on and closes the rest; idempotent.  Called once
+        the reader threads are joined and the tensors are out.
 
-        A Ctrl-C (any exception) while it waits for the writes: the cache
-        is off, the writes not begun are dropped, and those running are
-        waited for (``_Writers.close``) before any descriptor closes: no
-        write lands on a descriptor closed, or reused, under it.  The fills
-        are removed then, none of them whole."""
+        Where writes handed on are still queued or running (a disk behind
+        the fetch), the close does not wait for them: the writers and every
+        fill go to the finisher (``_settle``: the writes waited for, the
+        fills written whole made entries, ``_finish``, the others' partial
+        files removed), and the load returns while the disk catches up.
+        Otherwise the fills written whole go to the finisher (which makes
+        their entries after this returns: the flush, which waits for the
+        disk, is in no load's way) and the others' partial files are
+        removed here.  Either way the entries read are closed (and the
+        CachedShards made from it, until handed on), and the directory's
+        or index's record written where every object is an entry or is
+        being made one.
+
+        A Ctrl-C (any exception) meanwhile: the cache is off, the writes
+        not begun are dropped, those running are waited for
+        (``_Writers.close``) before any descriptor closes (no write lands
+        on a descriptor closed, or reused, under it), and the fills are
+        removed, none of them whole."""
         if sys.is_finalizing() and self._writers.busy():
             self._stop_at_exit()
             return
-        handed = []
+        handed, writing = [], False
         try:
-            self._writers.drain()
+            writing = self._writers.busy() and not self._off
+            if not writing:
+                self._writers.drain()   # (a cache gone off: its last writes skip their bytes)
             for fill in list(self._fills.values()):
                 if fill.handed:
                     continue    # (a second close; its lock may be the finisher's, for a while)
                 with fill.lock:
-                    if fill.state == _FILLING and fill.whole and not self._off:
+                    if writing:
+                        fill.handed = True      # (its descriptors the finisher's: _settle)
+                        handed.append(fill)
+                    elif fill.state == _FILLING and fill.whole and not self._off:
                         fill.state, fill.handed = _FINISHING, True
                         handed.append(fill)
                     else:
                         self._abandon(fill)
-            if handed and not _finisher.submit(self.directory, handed):
-                _finish(self.directory, handed)     # (no thread to be had: here, now)
             record, self.record = self.record, None
-            if (record is not None and not self._off and self._opened
-                    and len(self._hits) + sum(f.handed for f in self._fills.values())
-                    == self._opened):
-                remember(self.directory, *record)
+            if writing:
+                if not _finisher.submit(self.directory, handed, (self, record)):
+                    _finish(self.directory, self._settle(handed, record))   # (no thread: here, now)
+            else:
+                if handed and not _finisher.submit(self.directory, handed):
+                    _finish(self.directory, handed)     # (no thread to be had: here, now)
+                self._remember(record, sum(f.handed for f in self._fills.values()))
         except BaseException:
             self._off = True    # (the writers skip what is left)
-            for fill in handed:         # (an interrupt: the finisher skips what is _OFF)
-                with fill.lock:
-                    self._abandon(fill)
-                    close_recorded(fill.fds)
+            try:
+                self._writers.close()   # (those running end on their descriptors first)
+            finally:
+                for fill in handed:     # (the finisher skips what is _OFF)
+                    with fill.lock:
+                        self._abandon(fill)
+                        close_recorded(fill.fds)
             raise
         finally:
             try:
-                self._writers.close()
+                if not writing:
+                    self._writers.close()
             finally:
                 for fill in list(self._fills.values()):
                     if not fill.handed:     # (a handed one's: the finisher's, under its lock)
@@ -660,6 +689,36 @@ class Cache:
                 local, self.local = self.local, None
                 if local is not None:
                     local.close()
+
+    def _settle(self, fills, record):
+        """The finisher's part of a ``close()`` that handed on writes still
+        queued or running: waits for them and joins the writers, then makes
+        ``fills`` written whole _FINISHING (returned, for ``_finish``) and
+        removes the others' partial files, their descriptors closed; the
+        record as ``close()`` writes it."""
+        try:
+            self._writers.drain()
+        finally:
+            self._writers.close()
+        finishing = []
+        for fill in fills:
+            with fill.lock:
+                if fill.state == _FILLING and fill.whole and not self._off:
+                    fill.state = _FINISHING
+                    finishing.append(fill)
+                else:
+                    self._abandon(fill)     # (an interrupted close's already: _OFF)
+                    close_recorded(fill.fds)
+        self._remember(record, len(finishing))
+        return finishing
+
+    def _remember(self, record, made):
+        """Writes ``record`` (``(url, Source.named)`` of a directory or an
+        index) where every object opened is an entry read or one of the
+        ``made`` being made."""
+        if (record is not None and not self._off and self._opened
+                and len(self._hits) + made == self._opened):
+            remember(self.directory, *record)
 
     def _stop_at_exit(self):
         """``close()`` as the interpreter ends (a checkpoint closed by its
@@ -884,14 +943,19 @@ class _Finisher:
 
     def __init__(self):
         self.cond = threading.Condition(threading.Lock())
-        self.jobs = collections.deque()     # (directory, [_Fill]): the first one in work
+        # (directory, [_Fill], None or (Cache, record) whose writes it waits
+        # for first): the first one in work
+        self.jobs = collections.deque()
         self.pending = collections.Counter()    # fill.base -> fills queued or in work
         self.thread = None
         self.stopped = False    # Ctrl-C at exit: no entry is named from here on
         self.exiting = False    # the exit waits: entries are named, their first open checks them
 
-    def submit(self, directory, fills) -> bool:
-        """Queues ``fills`` (each _FINISHING); False where no thread starts."""
+    def submit(self, directory, fills, writing=None) -> bool:
+        """Queues ``fills`` (each _FINISHING; or, with ``writing``, a
+        ``(Cache, record)`` whose close handed on writes not yet done, each
+        fill of that cache: ``Cache._settle`` first); False where no
+        thread starts."""
         with self.cond:
             if self.thread is None:
                 thread = threading.Thread(target=self._run, name="instant_staging-cache",
@@ -901,7 +965,7 @@ class _Finisher:
                 except RuntimeError:        # (no thread left to this process)
                     return False
                 self.thread = thread
-            self.jobs.append((directory, fills))
+            self.jobs.append((directory, fills, writing))
             self.pending.update(f.base for f in fills)
             self.cond.notify_all()
         return True
@@ -922,11 +986,14 @@ class _Finisher:
                 if not self.jobs:
                     self.thread = None
                     return
-                directory, fills = self.jobs[0]
+                directory, fills, writing = self.jobs[0]
             try:
-                _finish(directory, fills, self)
+                _finish(directory, fills if writing is None else writing[0]._settle(fills, writing[1]),
+                        self)
             except BaseException:       # (a bug: each fill still ends, no job is left pending)
                 log.exception("the cache in %s: finishing its entries failed", directory)
+                if writing is not None:
+                    writing[0]._writers.close()     # (no write runs on a descriptor closed here)
                 for fill in fills:
                     with fill.lock:
                         _abandon(fill)
@@ -1066,7 +1133,7 @@ def _forget_in_child():
     # parent's thread, which does not exist here.
     global _finisher
     old, _finisher = _finisher, _Finisher()
-    for _, fills in old.jobs:
+    for _, fills, _ in old.jobs:
         for fill in fills:
             close_recorded(fill.fds)
     # Its caches' writers are the parent's: their fills are given up here
