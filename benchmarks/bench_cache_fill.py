@@ -8,6 +8,8 @@ Side by side, alternating, best of ``--repeat``, one URL source:
                   made (wait_for_cache_fills: "entries made")
   fill, file by   the same fill with the objects' chunks taken file by file
   file            (before the readers took them in turn)
+  fill, the close the same fill with the checkpoint's close waiting for the
+  waits           writes (before it handed them to the finisher)
   fill's writes   the seconds the reader threads spent in the fill's
                   hook (``Cache.write``: the range handed to the cache's
                   writer threads, and any wait past CACHE_WRITE_QUEUE;
@@ -16,7 +18,7 @@ Side by side, alternating, best of ``--repeat``, one URL source:
                   share of (readers x the load's seconds); the seconds
                   the writers spent writing (``Cache._put``), and how
                   long the load took until ``load()`` returned, before
-                  the close that waits for the writes left (item 2); the
+                  its checkpoint's close (item 2); the
                   finisher's seconds in its flushes (fsync) and its
                   read-back checks, the parts of "entries made" after
                   the load
@@ -110,6 +112,23 @@ def file_by_file():
         yield
     finally:
         _remote.RemoteShards.fills_cache = saved
+
+
+@contextlib.contextmanager
+def close_drains():
+    """A fill whose checkpoint's close waits for its writes (as before the
+    close handed them to the finisher: ``Cache._settle``)."""
+    from instant_staging.loader import _cache
+    close = _cache.Cache.close
+
+    def draining(self):
+        self._writers.drain()
+        return close(self)
+    _cache.Cache.close = draining
+    try:
+        yield
+    finally:
+        _cache.Cache.close = close
 
 
 @contextlib.contextmanager
@@ -218,6 +237,13 @@ def main(argv=None):
                 wait_for_cache_fills()
                 add("fill, file by file (before)", took)
                 add("fill, file by file: entries made", time.perf_counter() - t0)
+            shutil.rmtree(cache, ignore_errors=True)
+            with close_drains():
+                t0 = time.perf_counter()
+                took, _, _ = load(cache_dir=cache)
+                wait_for_cache_fills()
+                add("fill, the close waits for the writes (before)", took)
+                add("fill, the close waits: entries made", time.perf_counter() - t0)
             read_all(files + [os.path.join(cache, n) for n in os.listdir(cache)])
             t0 = time.perf_counter()
             with Checkpoint.open(url, cache_dir=cache) as ck:
