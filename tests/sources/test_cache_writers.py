@@ -407,6 +407,7 @@ def test_a_fork_child_leaves_the_parents_writes_alone(range_http_server, tmp_pat
         ck.close()
     finally:
         held.release()
+    assert wait_for_cache_fills(timeout=30)     # (the writes left: the finisher's)
     assert held.done == TENSORS and not held.wrong
     _filled_right(url, path, cache, tensors)
 
