@@ -11,7 +11,12 @@ open compares them: a server whose ETag survives a rewrite of the same
 size is caught by the header), and, for a directory or an index, its
 listing or its index again, all on the checkpoint's request loop
 (``_remote._Requests``: a close ends them at once), where the objects'
-clients are made too (making one takes longer than a hit's open).
+clients are made too.  It is asked once a load's readers have every
+address (``Shards.revalidating``, the end of a load's step 3), by
+``safe_open`` at its open (its handle is asked later), and by anything
+that waits for the answer first: making a client holds the GIL for
+milliseconds (obstore reads the system's CA certificates), which at the
+open would hold up the load's own steps until its readers can copy.
 
 The answer gates every byte that would reach a caller
 (``Shards.revalidated``): a load of one process waits for it before its
@@ -167,6 +172,9 @@ class HitShards(CachedShards):
 
     answer = None
 
+    def revalidating(self):
+        self.answer.start()
+
     def revalidated(self):
         self.answer.wait()
 
@@ -185,12 +193,19 @@ class HitShards(CachedShards):
         self.answer.wait()
         return self.remote.origin(index)
 
+    def close(self):
+        try:
+            super().close()
+        finally:
+            self.answer.close()
+
 
 class Answer:
-    """The server's answer for a hit (``open_hit``): started at once on the
-    request loop of ``remote`` (a ``RemoteShards`` of the objects, not
-    opened: its objects pinned to the answer, for ``verify=``'s reads);
-    ``wait`` raises what it says, each time it is asked."""
+    """The server's answer for a hit (``open_hit``): asked by ``start``
+    (``Shards.revalidating``), or by the first ``wait``, on the request
+    loop of ``remote`` (a ``RemoteShards`` of the objects, not opened: its
+    objects pinned to the answer, for ``verify=``'s reads); ``wait`` raises
+    what it says, each time it is asked."""
 
     def __init__(self, remote, directory, bases, heads, asked, stores):
         self._remote, self._directory, self._bases, self._heads = remote, directory, bases, heads
@@ -200,13 +215,36 @@ class Answer:
         self._known = False
         objects, split, obstore = remote._objects, stores.split, remote._obstore
         lengths = [len(h) for h in heads]
-        self._future = remote._requests.submit(
+        self._asking = threading.Lock()
+        self._future = None     # the request, once asked (``start``)
+        self._submit = lambda: remote._requests.submit(
             lambda: _ask(obstore, objects, lengths, None if asked is None else asked[:2], split),
             RETRY_SECONDS)
 
+    def start(self):
+        """Asks the server, once; the request's future (a cancelled one
+        where the checkpoint closed before it was asked)."""
+        with self._asking:
+            if self._future is None:
+                # (the request holds the clients from here on, not this:
+                # a closed checkpoint keeps no socket)
+                submit, self._submit = self._submit, None
+                if submit is None:
+                    from concurrent.futures import Future
+                    self._future = Future()
+                    self._future.cancel()
+                else:
+                    self._future = submit()
+            return self._future
+
+    def close(self):
+        """Never asked now: the clients it would have asked with are let go."""
+        with self._asking:
+            self._submit = None
+
     def raise_if_known(self):
         """``wait`` where the answer came already; nothing otherwise."""
-        if self._known or self._future.done():
+        if self._known or (self._future is not None and self._future.done()):
             self.wait()
 
     def wait(self):
@@ -221,7 +259,7 @@ class Answer:
         """Takes the answer (waits for it: a load's wait, bounded by the
         request's RETRY_SECONDS) and keeps the error it makes, if any."""
         from concurrent.futures import CancelledError, wait
-        future = self._future
+        future = self.start()
         while not future.done():
             wait([future], timeout=_POLL)
         try:

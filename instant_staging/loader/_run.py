@@ -478,6 +478,9 @@ class _Solo:
         _start(state.pipe, state.handles, state.target, state.checkpoint, state.dtypes,
                state.reads.runs, state.blocks)
         state.blocks = None         # handles hold the views now
+        # (a cache hit: the server asked only now, where making its client,
+        # which holds the GIL, no longer holds up the steps before the copies)
+        state.checkpoint.revalidating()
 
     def ready(self, state, error):
         """Step 4: no one to agree with: the error of steps 1-3 as it is."""

@@ -80,6 +80,7 @@ class _View:
         self.fetch, self.fetch_error = read.fetch, read.fetch_error
         self.read_bytes, self.current_size = checkpoint.read_bytes, checkpoint.current_size
         self.changed = checkpoint.changed      # (the file written to since the handle opened it)
+        self.revalidating = checkpoint.revalidating     # (a cache hit: asked at the handle's open)
         self.revalidated = checkpoint.revalidated   # (a cache hit: the server's answer)
         read.entries, read.total_bytes = self.entries, self.total_bytes
         self._sources = read.byte_sources()
@@ -104,6 +105,7 @@ class _File:
 
     def __init__(self, checkpoint, torch, target, chunk_size, io_depth, threads):
         self.checkpoint: Shards = checkpoint
+        checkpoint.revalidating()       # (a cache hit: asked now, answered while the caller goes on)
         self.released = False           # every holder let go: the file is closed
         self.path = checkpoint.paths[0]
         self.torch, self.target = torch, target

@@ -251,6 +251,11 @@ class Shards:
     def current_size(self, index):
         return os.fstat(self.fds[index]).st_size
 
+    def revalidating(self):
+        """Starts asking the server whether what is read is still the
+        source's (a URL source's hit: ``_revalidate.py``); nothing to ask
+        here."""
+
     def revalidated(self):
         """Waits until the server vouched for what is read (a URL source's
         hit, read from the cache while its objects are asked: ``_revalidate.py``);

@@ -100,6 +100,9 @@ def _on_ask(server, act, once=True):
 
 
 def test_the_open_does_not_wait_for_the_server(served):
+    """The open of a hit asks nothing; its load asks once its readers have
+    their addresses (making the client holds the GIL), and hands out no
+    tensor before the answer."""
     server, url, cache = served
     release, asked = threading.Event(), threading.Event()
 
@@ -107,17 +110,28 @@ def test_the_open_does_not_wait_for_the_server(served):
         asked.set()
         release.wait(10)
     _on_ask(server, act)
+    box = {}
     try:
         t0 = time.monotonic()
         ck = Checkpoint.open(url, cache_dir=cache)
-        # open returned while the server holds the HEAD unanswered
-        assert asked.wait(10) and not release.is_set()
         assert isinstance(ck._shards, _revalidate.HitShards)
         assert ck.names() == list(_model(1))
+        assert not asked.wait(0.3) and not server.requests      # asked by the load
+
+        def load():
+            box["got"] = ck.load()
+        loading = threading.Thread(target=load, daemon=True)
+        loading.start()
+        # the load asked, and holds its tensors while the server holds the answer
+        assert asked.wait(10) and not release.is_set()
+        loading.join(0.3)
+        assert loading.is_alive() and "got" not in box
     finally:
         release.set()
+    loading.join(10)
+    assert not loading.is_alive()
     with ck:
-        _same(ck.load(), _model(1))
+        _same(box["got"], _model(1))
         report = ck.last_report
     assert time.monotonic() - t0 < 10
     assert (report.cache_hit_bytes, report.fetched_bytes) == (report.bytes, 0)
@@ -226,16 +240,48 @@ def test_no_answer_in_time_is_the_opens_error(served, monkeypatch):
     assert _settled(threads, fds)
 
 
-def test_a_checkpoint_closed_before_the_answer_leaks_nothing(served):
+@pytest.mark.parametrize("asked", [True, False], ids=["asked", "never-asked"])
+def test_a_checkpoint_closed_before_the_answer_leaks_nothing(served, asked):
     server, url, cache = served
-    release = threading.Event()
-    _on_ask(server, lambda: release.wait(10))
+    release, arrived = threading.Event(), threading.Event()
+    _on_ask(server, lambda: (arrived.set(), release.wait(10)))
     threads, fds = _threads(), _fds()
     try:
         with Checkpoint.open(url, cache_dir=cache) as ck:
             assert isinstance(ck._shards, _revalidate.HitShards)
+            if asked:
+                ck._shards.revalidating()
+                assert arrived.wait(10)
         # its request loop ended with the close, the HEAD still unanswered
         assert not [t for t in threading.enumerate() if t.name == "instant_staging-requests"]
+        assert arrived.is_set() == asked
     finally:
         release.set()
-    assert _settled(threads, fds)
+    assert _settled(threads, fds)       # (no client kept: a closed checkpoint keeps no socket)
+    with pytest.raises(LoadError, match="closed while its cache entries were revalidated"):
+        ck._shards.revalidated()
+
+
+def test_safe_open_asks_at_its_open(served):
+    """A safe_open handle of a hit asks the server as it opens (its
+    tensors are asked for later), and returns none before the answer."""
+    server, url, cache = served
+    release, asked = threading.Event(), threading.Event()
+    _on_ask(server, lambda: (asked.set(), release.wait(10)))
+    box = {}
+    try:
+        with safe_open(url, framework="pt", cache_dir=cache) as f:
+            assert asked.wait(10)
+
+            def get():
+                box["t0"] = f.get_tensor("t0")
+            getting = threading.Thread(target=get, daemon=True)
+            getting.start()
+            getting.join(0.3)
+            assert getting.is_alive() and not box
+            release.set()
+            getting.join(10)
+            assert not getting.is_alive()
+    finally:
+        release.set()
+    _same(box, {"t0": _model(1)["t0"]})
