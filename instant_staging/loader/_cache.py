@@ -79,18 +79,19 @@ entry after the load returned (the flush waits for the disk: it is in no
 load's way): its digest appended, the partial file flushed (fsync),
 renamed to the entry's name while its lock is still held, the directory
 flushed, the lock let go.  Where writes handed on are not done yet, the
-close does not wait for them either: it hands the writers and the fills
-to the finisher, which waits for the writes first (``Cache._settle``),
-then makes the entries of the objects written whole and removes the
-others' partial files; until then the ranges queued (the client's
-buffers, CACHE_WRITE_QUEUE bytes at most) outlive the load.  An entry appears whole or not at all, and a
-crash, a SIGKILL or a Ctrl-C before the rename leaves at most a partial
-file, which no load trusts (its next filler removes it and makes its own,
-and any filler's eviction removes one whose filler is gone).  A partial
-file is always a new one (``O_CREAT | O_EXCL | O_NOFOLLOW``): a link or
-file that others planted at its name is never written through, and a
-cache directory made here is private (0700).  A failed flush (a full disk)
-is no entry and one warning, logged by the finisher: the load stands.
+close does not wait for them either: it hands the writers and the fills to
+the finisher, which waits for the writes first (``Cache._settle``), then
+makes the entries of the objects written whole and removes the others'
+partial files; until then the ranges queued (the client's buffers,
+CACHE_WRITE_QUEUE bytes at most) outlive the load.  An entry appears whole
+or not at all, and a crash, a SIGKILL or a Ctrl-C before the rename leaves
+at most a partial file, which no load trusts (its next filler removes it
+and makes its own, and any filler's eviction removes one whose filler is
+gone).  A partial file is always a new one (``O_CREAT | O_EXCL |
+O_NOFOLLOW``): a link or file that others planted at its name is never
+written through, and a cache directory made here is private (0700).  A
+failed flush (a full disk) is no entry and one warning, logged by the
+finisher: the load stands.
 
 The finisher is one daemon thread per process, started when a checkpoint
 hands it entries and gone once none is queued.  ``wait_for_cache_fills``
@@ -110,14 +111,13 @@ file (or the finisher does, once the writes handed on are done): the cache
 holds only whole objects.  A Ctrl-C in the close drops the writes not
 begun and waits for those running (one range each) before any descriptor
 closes: no write lands on a descriptor closed or reused under it; no fill
-is whole then.  A Ctrl-C in the exit's wait for the finisher (below: the
+is whole then.  A Ctrl-C in the exit's wait for the finisher (above: the
 writes handed on, then the flushes) names no entry from then on; the
 writers, daemon threads, stop with the process, and the partial files
-stay, never trusted.  A fork child has none
-of its parent's writers: its copies of the fills write nothing and remove
-nothing.  A close as the interpreter ends (a finalizer), its writers
-stopped where they stood, waits for none and closes nothing: a partial
-file stays, never trusted.
+stay, never trusted.  A fork child has none of its parent's writers: its
+copies of the fills write nothing and remove nothing.  A close as the
+interpreter ends (a finalizer), its writers stopped where they stood,
+waits for none and closes nothing: a partial file stays, never trusted.
 
 Concurrency.  The partial file is also its fill's lock: its filler holds
 ``flock(LOCK_EX)`` on it while it fills and until the finisher renamed it
