@@ -15,6 +15,8 @@
 #   profile   profile_load.py $PROFILE_SECTIONS (default timeline; engine: the copy engine's
 #             CUPTI timeline) on $PROFILE_LAYOUTS (default finemoe,dense)
 #   first     bench_first_load.py --modes cuda on $FIRST_LAYOUTS (a server's first load)
+#   prefault  the same, three times: INSTANT_STAGING_PREFAULT_THREADS unset, 4 and 0
+#             (issue 54, item 5: the prefault threads beside a first load), each within $FIRST_T
 #   group     group_load.py (several gloo ranks on one GPU; NCCL where there are two GPUs)
 #   reload    bench_reload.py (load_into), where it exists
 #   update    bench_update.py (RL weight updates) on $UPDATE_LAYOUTS (default dense,finemoe)
@@ -105,6 +107,14 @@ for step in ${STEPS:-env gpu bench}; do
         first) timeout ${FIRST_T:-300} python3 benchmarks/bench_first_load.py --dir "$D" --modes cuda \
                    --layouts "${FIRST_LAYOUTS:-dense,moe,awq,finemoe,fp8}" --methods instant_staging --cold '' \
                    --runs ${FIRST_RUNS:-2} --json "$OUT/first.json" 2>&1 | tee "$OUT/first.log" | tail -30 ;;
+        prefault) for pf in default 4 0; do
+                      ( [ $pf = default ] && unset INSTANT_STAGING_PREFAULT_THREADS \
+                            || export INSTANT_STAGING_PREFAULT_THREADS=$pf
+                        timeout ${FIRST_T:-300} python3 benchmarks/bench_first_load.py --dir "$D" --modes cuda \
+                            --layouts "${FIRST_LAYOUTS:-dense,moe,awq,finemoe,fp8}" --methods instant_staging \
+                            --cold '' --runs ${FIRST_RUNS:-2} --json "$OUT/first-prefault-$pf.json" 2>&1 \
+                            | tee "$OUT/first-prefault-$pf.log" | tail -12 )
+                  done ;;
         group) timeout ${GROUP_T:-240} python3 benchmarks/group_load.py \
                    $GROUP_ARGS --json "$OUT/group.json" 2>&1 | tee "$OUT/group.log" | tail -30 ;;
         reload) [ -f benchmarks/bench_reload.py ] && timeout ${RELOAD_T:-240} python3 benchmarks/bench_reload.py \
