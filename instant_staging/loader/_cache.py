@@ -659,7 +659,8 @@ class Cache:
                         self._abandon(fill)
             record, self.record = self.record, None
             if writing:
-                if not _finisher.submit(self.directory, handed, (self, record)):
+                # (none handed: a second close, its writes the finisher's already)
+                if handed and not _finisher.submit(self.directory, handed, (self, record)):
                     _finish(self.directory, self._settle(handed, record))   # (no thread: here, now)
             else:
                 if handed and not _finisher.submit(self.directory, handed):

@@ -121,12 +121,15 @@ def test_the_readers_do_not_wait_for_the_disk(range_http_server, tmp_path, monke
         ck = Checkpoint.open(url, cache_dir=cache)
         same(ck.load("cpu", chunk_size=CHUNK), tensors)    # with no write done
         assert held.done == 0 and not _entries(cache) and len(_partials(cache)) == 1
+        filled = ck._shards.cache
         closing = threading.Thread(target=ck.close, daemon=True)
         closing.start()
         closing.join(10)
         assert not closing.is_alive()       # the close waits for no write
         assert held.done == 0 and not wait_for_cache_fills(timeout=0.3)    # the finisher does
         assert len(os.listdir(cache)) == 1 and _cache._finisher.pending
+        filled.close()                      # (idempotent: nothing more handed on)
+        assert len(_cache._finisher.jobs) == 1
         held.release()
     finally:
         held.release()
