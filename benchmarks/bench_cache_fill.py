@@ -228,22 +228,21 @@ def main(argv=None):
             add("fill: writers' seconds in Cache._put", spent[1])
             add("fill: finisher's seconds in its flushes (fsync)", finish[0])
             add("fill: finisher's seconds in its read-back checks", finish[1])
-            # The same fill with the objects' chunks taken file by file (as
-            # before the readers took them in turn: Plan.interleave_files).
-            shutil.rmtree(cache, ignore_errors=True)
-            with file_by_file():
-                t0 = time.perf_counter()
-                took, _, loaded = load(cache_dir=cache)
-                wait_for_cache_fills()
-                add("fill, file by file (before)", took)
-                add("fill, file by file: entries made", time.perf_counter() - t0)
-            shutil.rmtree(cache, ignore_errors=True)
-            with close_drains():
-                t0 = time.perf_counter()
-                took, _, _ = load(cache_dir=cache)
-                wait_for_cache_fills()
-                add("fill, the close waits for the writes (before)", took)
-                add("fill, the close waits: entries made", time.perf_counter() - t0)
+            # The same fill as before each change: the objects' chunks taken
+            # file by file (Plan.interleave_files), the close waiting for
+            # the writes (Cache._settle).
+            for before, row, made_row in (
+                    (file_by_file, "fill, file by file (before)",
+                     "fill, file by file: entries made"),
+                    (close_drains, "fill, the close waits for the writes (before)",
+                     "fill, the close waits: entries made")):
+                shutil.rmtree(cache, ignore_errors=True)
+                with before():
+                    t0 = time.perf_counter()
+                    took = load(cache_dir=cache)[0]
+                    wait_for_cache_fills()
+                    add(row, took)
+                    add(made_row, time.perf_counter() - t0)
             read_all(files + [os.path.join(cache, n) for n in os.listdir(cache)])
             t0 = time.perf_counter()
             with Checkpoint.open(url, cache_dir=cache) as ck:

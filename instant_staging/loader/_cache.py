@@ -649,14 +649,10 @@ class Cache:
                 if fill.handed:
                     continue    # (a second close; its lock may be the finisher's, for a while)
                 with fill.lock:
-                    if writing:
-                        fill.handed = True      # (its descriptors the finisher's: _settle)
+                    if writing or self._finishing(fill):
+                        # (writing: its descriptors the finisher's, _settle decides)
+                        fill.handed = True
                         handed.append(fill)
-                    elif fill.state == _FILLING and fill.whole and not self._off:
-                        fill.state, fill.handed = _FINISHING, True
-                        handed.append(fill)
-                    else:
-                        self._abandon(fill)
             record, self.record = self.record, None
             if writing:
                 # (none handed: a second close, its writes the finisher's already)
@@ -704,14 +700,22 @@ class Cache:
         finishing = []
         for fill in fills:
             with fill.lock:
-                if fill.state == _FILLING and fill.whole and not self._off:
-                    fill.state = _FINISHING
+                if self._finishing(fill):
                     finishing.append(fill)
                 else:
-                    self._abandon(fill)     # (an interrupted close's already: _OFF)
                     close_recorded(fill.fds)
         self._remember(record, len(finishing))
         return finishing
+
+    def _finishing(self, fill) -> bool:
+        """(Under ``fill.lock``, its writes done.)  A fill written whole is
+        made _FINISHING, for the finisher to make its entry; any other is
+        removed (an interrupted close's already: _OFF).  Whether it was."""
+        if fill.state == _FILLING and fill.whole and not self._off:
+            fill.state = _FINISHING
+            return True
+        self._abandon(fill)
+        return False
 
     def _remember(self, record, made):
         """Writes ``record`` (``(url, Source.named)`` of a directory or an
@@ -989,8 +993,11 @@ class _Finisher:
                     return
                 directory, fills, writing = self.jobs[0]
             try:
-                _finish(directory, fills if writing is None else writing[0]._settle(fills, writing[1]),
-                        self)
+                if writing is None:
+                    _finish(directory, fills, self)
+                else:
+                    cache, record = writing
+                    _finish(directory, cache._settle(fills, record), self)
             except BaseException:       # (a bug: each fill still ends, no job is left pending)
                 log.exception("the cache in %s: finishing its entries failed", directory)
                 if writing is not None:
